@@ -1,0 +1,300 @@
+"""From placements to operations and forms (SPEC §2 transitions, §3 forms).
+
+``transition`` is the per-axis table: one (src, dst) pair of placements becomes one
+``Op``. ``classify_contract`` composes the ops of every declared input and output of a
+boundary, checks the static gates against the indexed ``forward``, and picks the form:
+identity, tp_collective, generic or region.
+
+The backward of each op is its conjugate collective (Megatron's pairs), chosen from the
+placement the gradient has when it arrives: a replicated value consumed by a body that
+is sharded on the axis gets a partial gradient back, so it must be all-reduced; a value
+handed to a replicated caller gets a replicated gradient, so a gather's backward is a
+local split, not a reduce-scatter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hpgen.placement import Placement
+from hpgen.plan import Plan, body_is_sharded, contract_signature
+
+if TYPE_CHECKING:
+    from hpgen.index import ForwardInfo
+
+# Each collective's default backward, as the runtime's AxisCollectives defines it.
+DEFAULT_BACKWARD = {
+    "all_reduce": "identity",
+    "all_gather": "reduce_scatter",
+    "reduce_scatter": "all_gather",
+    "split": "all_gather",
+    "all_to_all": "all_to_all",
+    "copy": "all_reduce",
+}
+# Ops that move data between ranks in forward (``split`` and ``copy`` keep local data).
+COMMUNICATING = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
+
+FORMS = ("identity", "tp_collective", "generic", "region")
+
+
+@dataclass(frozen=True)
+class Op:
+    """What one declared value needs on one axis: a collective, a local op, or generic."""
+
+    axis: str
+    name: str
+    src: Placement
+    dst: Placement
+    kind: str  # identity | copy | all_reduce | all_gather | reduce_scatter | split | all_to_all | generic
+    args: tuple[tuple[str, object], ...] = ()
+    backward: str | None = None  # set only when it differs from DEFAULT_BACKWARD[kind]
+    reason: str = ""  # why a generic op cannot be lowered statically
+
+    @property
+    def is_identity(self) -> bool:
+        return self.kind == "identity"
+
+    @property
+    def communicates(self) -> bool:
+        return self.kind in COMMUNICATING
+
+    def described(self) -> str:
+        """``all_gather(dim=1)`` / ``copy (backward all_reduce)`` as comments show it."""
+        if self.kind == "generic":
+            return f"generic ({self.reason})"
+        if self.kind == "all_reduce":
+            text = f"all_reduce({dict(self.args).get('op', 'sum')})"
+        else:
+            inner = ", ".join(f"{key}={value}" for key, value in self.args)
+            text = f"{self.kind}({inner})" if inner or self.kind != "copy" else "copy"
+        backward = self.backward or DEFAULT_BACKWARD.get(self.kind)
+        if self.kind == "copy" or self.backward:
+            text += f" (backward {backward})"
+        return text
+
+    def comment(self) -> str:
+        return f"{self.name}: {self.axis} {self.src} -> {self.dst} ==> {self.described()}"
+
+    def call_arguments(self) -> str:
+        """The keyword arguments after the tensor in the generated call."""
+        pieces = []
+        for key, value in self.args:
+            if key == "op" and value == "sum":
+                continue
+            pieces.append(f"{key}={value!r}")
+        if self.backward is not None:
+            pieces.append(f"backward={self.backward!r}")
+        return "".join(f", {piece}" for piece in pieces)
+
+
+def transition(axis: str, name: str, src: Placement, dst: Placement, *, side: str, sharded_body: bool) -> Op:
+    """The op that moves a value from ``src`` to ``dst`` on one axis.
+
+    ``side`` is ``in`` (caller → body) or ``out`` (body → caller); with ``sharded_body``
+    it fixes the gradient's placement on arrival and so the conjugate in backward.
+    """
+    op = _forward_op(axis, name, src, dst, side=side, sharded_body=sharded_body)
+    if op.kind in ("identity", "generic"):
+        return op
+    # The gradient arrives at dst as the dual of dst: partial when a replicated value
+    # feeds a sharded body, otherwise with the value's own placement.
+    partial_grad = side == "in" and sharded_body and dst.is_replicate
+    backward = _backward_for(op.kind, partial_grad)
+    if backward != DEFAULT_BACKWARD[op.kind]:
+        op = Op(op.axis, op.name, op.src, op.dst, op.kind, op.args, backward=backward)
+    return op
+
+
+def _forward_op(axis: str, name: str, src: Placement, dst: Placement, *, side: str, sharded_body: bool) -> Op:
+    def make(kind: str, *args: tuple[str, object], reason: str = "") -> Op:
+        return Op(axis, name, src, dst, kind, tuple(args), reason=reason)
+
+    if src == dst:
+        if src.is_replicate and side == "in" and sharded_body:
+            return make("copy")
+        return make("identity")
+    if "SS" in (src.kind, dst.kind):
+        return make("generic", reason="strided shards (SS) have no static lowering")
+    if src.is_shard and dst.is_replicate:
+        return make("all_gather", ("dim", src.dim))
+    if src.is_partial and dst.is_replicate:
+        return make("all_reduce", ("op", src.op))
+    if src.is_partial and dst.is_shard:
+        if src.op != "sum":
+            return make("generic", reason=f"reduce-scatter of P({src.op}) has no collective")
+        return make("reduce_scatter", ("dim", dst.dim))
+    if src.is_replicate and dst.is_shard:
+        return make("split", ("dim", dst.dim))
+    if src.is_shard and dst.is_shard:
+        return make("all_to_all", ("src_dim", src.dim), ("dst_dim", dst.dim))
+    if dst.is_partial:
+        return make("generic", reason=f"{src} -> {dst} makes a partial value, which needs DTensor")
+    return make("generic", reason=f"{src} -> {dst} has no static lowering")
+
+
+def _backward_for(kind: str, partial_grad: bool) -> str:
+    """The collective that takes the gradient from the dst side back to the src side."""
+    if kind == "copy":
+        return "all_reduce"
+    if kind == "all_reduce":  # grad of P(op) wants R
+        return "all_reduce" if partial_grad else "identity"
+    if kind == "all_gather":  # grad of S(d) wants S(d)
+        return "reduce_scatter" if partial_grad else "split"
+    return DEFAULT_BACKWARD[kind]  # split, reduce_scatter, all_to_all: grad is sharded at dst
+
+
+# --------------------------------------------------------------------------- contracts
+
+
+@dataclass(frozen=True)
+class ValueOps:
+    """The ops of one declared input or output, in the order they run."""
+
+    name: str
+    ops: tuple[Op, ...]
+    # Outputs only: how the value is found in the return: ("whole",), ("index", i) or ("attr", name).
+    address: tuple[object, ...] = ("whole",)
+
+    @property
+    def active(self) -> tuple[Op, ...]:
+        return tuple(op for op in self.ops if not op.is_identity)
+
+
+@dataclass(frozen=True)
+class Contract:
+    """A classified boundary contract: ops per value, form, and the reasons behind it."""
+
+    signature: str
+    keys: tuple[str, ...]
+    inputs: tuple[ValueOps, ...]
+    outputs: tuple[ValueOps, ...]
+    form: str
+    reasons: tuple[str, ...]  # why generic (gates or ops), empty otherwise
+    region_target: str | None  # dotted path of the local compute function, or "_forward_impl"
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Mesh axes that some emitted op runs on, in first-use order."""
+        seen: list[str] = []
+        for value in (*self.inputs, *self.outputs):
+            for op in value.active:
+                if op.axis not in seen:
+                    seen.append(op.axis)
+        return tuple(seen)
+
+    def collectives_per_call(self) -> dict[str, int]:
+        """Forward communication per call of ``forward``, by op kind."""
+        counts: dict[str, int] = {}
+        for value in (*self.inputs, *self.outputs):
+            for op in value.active:
+                if op.communicates or op.kind == "generic":
+                    counts[op.kind] = counts.get(op.kind, 0) + 1
+        return counts
+
+
+def value_ops(plan: Plan, key: str) -> tuple[tuple[ValueOps, ...], tuple[ValueOps, ...]]:
+    """Ops for every declared input (mesh order) and output (reverse mesh order)."""
+    entry = plan.entries[key]
+    mesh = plan.mesh_dim_names
+    sharded = {axis: body_is_sharded(entry, axis) for axis in mesh}
+    inputs = []
+    for name in entry.input_names:
+        src, dst = entry.input_layouts(name, mesh)
+        ops = tuple(
+            transition(axis, name, src.on(axis), dst.on(axis), side="in", sharded_body=sharded[axis]) for axis in mesh
+        )
+        inputs.append(ValueOps(name, ops))
+    outputs = []
+    for name in entry.output_names:
+        src, dst = entry.output_layouts(name, mesh)
+        ops = tuple(
+            transition(axis, name, src.on(axis), dst.on(axis), side="out", sharded_body=sharded[axis])
+            for axis in reversed(mesh)
+        )
+        outputs.append(ValueOps(name, ops))
+    return tuple(inputs), tuple(outputs)
+
+
+def is_identity_contract(plan: Plan, key: str) -> bool:
+    """True when no value moves on any axis and no injection applies (form identity)."""
+    entry = plan.entries[key]
+    if plan.injection_for(key) is not None or entry.region_dispatch:
+        return False
+    inputs, outputs = value_ops(plan, key)
+    return all(op.kind in ("identity", "copy") for value in (*inputs, *outputs) for op in value.ops)
+
+
+def classify_contract(plan: Plan, keys: tuple[str, ...], forward: ForwardInfo | None) -> Contract:
+    """Classify the contract shared by the entry ``keys`` against the class's ``forward``."""
+    key = keys[0]
+    entry = plan.entries[key]
+    inputs, outputs = value_ops(plan, key)
+    injection = plan.injection_for(key)
+    region_target = (
+        injection.local_compute_fn.path if injection is not None else "_forward_impl" if entry.region_dispatch else None
+    )
+    signature = contract_signature(plan, key)
+    if is_identity_contract(plan, key):
+        return Contract(signature, keys, inputs, outputs, "identity", (), None)
+    reasons = [op.comment() for value in (*inputs, *outputs) for op in value.ops if op.kind == "generic"]
+    addressed = []
+    gate_failures: list[str] = []
+    if forward is not None:
+        gate_failures = _gate_failures(forward, inputs, outputs)
+        addressed = [ValueOps(v.name, v.ops, _output_address(forward, entry.output_names, v.name)) for v in outputs]
+    outputs = tuple(addressed) if addressed else outputs
+    reasons += gate_failures
+    if region_target is not None:
+        form = "region"
+    else:
+        form = "generic" if reasons else "tp_collective"
+    if form == "region" and any(op.kind == "generic" for value in (*inputs, *outputs) for op in value.ops):
+        form = "generic"
+    return Contract(signature, keys, inputs, outputs, form, tuple(reasons), region_target)
+
+
+def _gate_failures(forward: ForwardInfo, inputs: tuple[ValueOps, ...], outputs: tuple[ValueOps, ...]) -> list[str]:
+    """The static gates of the tp_collective form (SPEC §3); each failure is a reason."""
+    failures = []
+    if forward.has_var_positional:
+        failures.append("forward takes *args, so its inputs cannot be passed on by name")
+    for value in inputs:
+        if value.active and forward.parameter(value.name) is None:
+            failures.append(f"input {value.name!r} is not a parameter of forward (it arrives in **kwargs)")
+    if any(value.active for value in outputs):
+        for shape in forward.returns:
+            if shape.kind == "none":
+                failures.append(f"the return on line {shape.line} returns no value")
+        if forward.falls_off_end:
+            failures.append("forward can end without a return")
+        kinds = {shape.kind for shape in forward.returns if shape.kind != "none"}
+        if len(kinds) > 1:
+            lines = ", ".join(f"{shape.kind} on line {shape.line}" for shape in forward.returns)
+            failures.append(f"forward returns values of different shapes ({lines})")
+        names = [value.name for value in outputs]
+        for value in outputs:
+            if not value.active:
+                continue
+            position = names.index(value.name)
+            for shape in forward.returns:
+                if shape.kind == "tuple" and shape.length is not None and position >= shape.length:
+                    failures.append(
+                        f"output {value.name!r} is item {position} but the return on line {shape.line} has {shape.length}"
+                    )
+                if shape.kind == "record" and value.name not in shape.keywords:
+                    failures.append(f"output {value.name!r} is not a field of the record returned on line {shape.line}")
+    return failures
+
+
+def _output_address(forward: ForwardInfo, output_names: tuple[str, ...], name: str) -> tuple[object, ...]:
+    """Where output ``name`` sits in the return value, from the returns' static shapes."""
+    position = output_names.index(name)
+    kinds = {shape.kind for shape in forward.returns if shape.kind != "none"}
+    if kinds == {"tuple"}:
+        return ("index", position)
+    if kinds == {"record"} and all(name in shape.keywords for shape in forward.returns if shape.kind == "record"):
+        return ("attr", name)
+    if len(output_names) == 1:
+        return ("whole",)
+    return ("index", position)

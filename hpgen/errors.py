@@ -1,0 +1,28 @@
+"""The one error type of bad input, carrying the file and the place it points at."""
+
+from __future__ import annotations
+
+
+class HpgenError(Exception):
+    """Bad input: a plan, a source or a usage error that the user must fix.
+
+    ``where`` is the place inside ``file``: a JSON path for plans
+    (``param_plan["model.layers.*.mlp"].out_src``) or ``line:column`` for sources.
+    The command line prints ``file:where: message`` and exits 2.
+    """
+
+    def __init__(self, message: str, *, file: str | None = None, where: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.file = file
+        self.where = where
+
+    def located(self, file: str) -> HpgenError:
+        """Return this error with ``file`` filled in when it has none yet."""
+        if self.file is None:
+            self.file = file
+        return self
+
+    def __str__(self) -> str:
+        prefix = ":".join(part for part in (self.file, self.where) if part)
+        return f"{prefix}: {self.message}" if prefix else self.message

@@ -1,0 +1,81 @@
+"""Placements: how one tensor is laid out along one mesh axis (SPEC §2).
+
+The grammar is ``R``, ``S(d)`` (negative ``d`` counts from the end, as in PyTorch),
+``P(op)`` with op in sum/avg/max/min, and ``SS(d,k)`` (dim ``d`` holds ``k`` packed
+blocks, each sharded on its own). Placements are values: hashable, ordered, and printed
+back in their canonical spelling, which is what generated comments show.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+PARTIAL_OPS = ("sum", "avg", "max", "min")
+
+_INT = r"\s*(-?\d+)\s*"
+_PATTERNS = {
+    "R": re.compile(r"R"),
+    "S": re.compile(rf"S\({_INT}\)"),
+    "P": re.compile(r"P\(\s*([a-z]+)\s*\)"),
+    "SS": re.compile(rf"SS\({_INT},{_INT}\)"),
+}
+
+
+@dataclass(frozen=True, order=True)
+class Placement:
+    """One axis of a layout: replicated, sharded, partial or strided-sharded."""
+
+    kind: str  # "R" | "S" | "P" | "SS"
+    dim: int | None = None
+    op: str | None = None
+    blocks: int | None = None
+
+    @staticmethod
+    def parse(text: object) -> Placement:
+        """Parse one placement string; raise ``ValueError`` saying why it is not one."""
+        if not isinstance(text, str):
+            raise ValueError(f"{text!r} is not a placement (expected a string such as 'R' or 'S(0)')")
+        stripped = text.strip()
+        for kind, pattern in _PATTERNS.items():
+            match = pattern.fullmatch(stripped)
+            if match is None:
+                continue
+            if kind == "R":
+                return REPLICATE
+            if kind == "S":
+                return Placement("S", dim=int(match.group(1)))
+            if kind == "P":
+                op = match.group(1)
+                if op not in PARTIAL_OPS:
+                    raise ValueError(f"{text!r} is not a placement: partial op must be one of {', '.join(PARTIAL_OPS)}")
+                return Placement("P", op=op)
+            dim, blocks = int(match.group(1)), int(match.group(2))
+            if blocks < 1:
+                raise ValueError(f"{text!r} is not a placement: the block count must be at least 1")
+            return Placement("SS", dim=dim, blocks=blocks)
+        raise ValueError(f"{text!r} is not a placement (expected R, S(d), P(op) or SS(d,k))")
+
+    @property
+    def is_replicate(self) -> bool:
+        return self.kind == "R"
+
+    @property
+    def is_shard(self) -> bool:
+        return self.kind == "S"
+
+    @property
+    def is_partial(self) -> bool:
+        return self.kind == "P"
+
+    def __str__(self) -> str:
+        if self.kind == "R":
+            return "R"
+        if self.kind == "S":
+            return f"S({self.dim})"
+        if self.kind == "P":
+            return f"P({self.op})"
+        return f"SS({self.dim},{self.blocks})"
+
+
+REPLICATE = Placement("R")

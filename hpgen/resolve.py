@@ -1,0 +1,158 @@
+"""Which class each boundary FQN is, read statically from ``__init__`` assignments.
+
+``boundary_classes`` in the plan wins. Otherwise the walk starts at ``model_class`` (or
+the single ``*ForCausalLM`` / top-level PreTrainedModel subclass) and follows
+``self.<attr> = Class(...)`` and ``nn.ModuleList([Class(...) ...])`` one FQN segment at
+a time, looking through base classes defined in the same file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hpgen.errors import HpgenError
+from hpgen.index import ClassInfo, ModuleIndex
+from hpgen.plan import Plan
+
+# Classes not defined in the source that the runtime wraps (SPEC §4).
+WRAPPED_EXTERNAL = ("Embedding", "Linear")
+
+
+@dataclass(frozen=True)
+class ResolvedClass:
+    """The class of a boundary: defined in the source, or external (``nn.Linear``)."""
+
+    name: str
+    external: bool
+
+
+def resolve_boundaries(plan: Plan, index: ModuleIndex, *, source_name: str) -> dict[str, ResolvedClass]:
+    """Map each lowered boundary key of the plan to its class, or raise ``HpgenError``."""
+    resolver = _Resolver(plan, index, source_name)
+    return {
+        key: resolver.resolve(key)
+        for key, entry in plan.entries.items()
+        if entry.is_boundary and not entry.skip_source_lowering
+    }
+
+
+class _Resolver:
+    def __init__(self, plan: Plan, index: ModuleIndex, source_name: str) -> None:
+        self.plan = plan
+        self.index = index
+        self.source_name = source_name
+        self._root: ClassInfo | None = None
+
+    def fail(self, key: str, message: str) -> HpgenError:
+        return HpgenError(message, file=self.plan.name, where=f'param_plan["{key}"]')
+
+    def resolve(self, key: str) -> ResolvedClass:
+        named = self.plan.boundary_class_for(key)
+        if named is not None:
+            return self.named_class(key, named)
+        current: ClassInfo | str = self.root(key)
+        in_list = False
+        walked = [current.name]
+        for segment in key.split("."):
+            if in_list:
+                if segment != "*" and not segment.isdigit():
+                    raise self.fail(key, f"{'.'.join(walked)} is an nn.ModuleList: expected an index or '*', got {segment!r}")
+                in_list = False
+                walked.append(segment)
+                continue
+            if isinstance(current, str):
+                raise self.unresolved(key, f"{current} is not defined in {self.source_name}, so its submodules are unknown")
+            if segment == "*" or segment.isdigit():
+                raise self.unresolved(key, f"{current.name} is not an nn.ModuleList, so {segment!r} matches nothing known")
+            child = self.child(key, current, segment)
+            walked.append(segment)
+            in_list = child.is_list
+            found = self.index.class_named(child.class_name)
+            current = found if found is not None else child.class_name
+        if in_list:
+            raise self.unresolved(key, f"{key} is an nn.ModuleList, not one module; add '.*'")
+        if isinstance(current, str):
+            return self.external(key, current)
+        return ResolvedClass(current.name, external=False)
+
+    def named_class(self, key: str, name: str) -> ResolvedClass:
+        if "." not in name:
+            if self.index.class_named(name) is None:
+                raise HpgenError(
+                    f"class {name!r} is not defined in {self.source_name}",
+                    file=self.plan.name,
+                    where=f'boundary_classes["{key}"]',
+                )
+            return ResolvedClass(name, external=False)
+        return self.external(key, name)
+
+    def external(self, key: str, name: str) -> ResolvedClass:
+        if name.rsplit(".", 1)[-1] not in WRAPPED_EXTERNAL:
+            raise self.fail(
+                key,
+                f"its class {name} is not defined in {self.source_name}; the runtime wraps only "
+                f"nn.Embedding and nn.Linear from outside the file",
+            )
+        return ResolvedClass(name, external=True)
+
+    def unresolved(self, key: str, why: str) -> HpgenError:
+        return self.fail(key, f"cannot resolve the class of this FQN: {why}; add it to boundary_classes")
+
+    def root(self, key: str) -> ClassInfo:
+        if self._root is not None:
+            return self._root
+        if self.plan.model_class is not None:
+            found = self.index.class_named(self.plan.model_class)
+            if found is None:
+                raise HpgenError(
+                    f"class {self.plan.model_class!r} is not defined in {self.source_name}",
+                    file=self.plan.name,
+                    where="model_class",
+                )
+            self._root = found
+            return found
+        causal = [info for name, info in self.index.classes.items() if name.endswith("ForCausalLM")]
+        if len(causal) != 1:
+            causal = self.top_level_models()
+        if len(causal) != 1:
+            names = ", ".join(info.name for info in causal) or "none"
+            raise self.unresolved(key, f"no single root model class (candidates: {names}); set model_class")
+        self._root = causal[0]
+        return self._root
+
+    def top_level_models(self) -> list[ClassInfo]:
+        """PreTrainedModel subclasses that no other class of the file builds."""
+        used = {child.class_name for info in self.index.classes.values() for kids in info.children.values() for child in kids}
+        return [
+            info
+            for info in self.index.classes.values()
+            if info.name not in used and not info.name.endswith("PreTrainedModel") and self.is_pretrained(info)
+        ]
+
+    def is_pretrained(self, info: ClassInfo, depth: int = 0) -> bool:
+        for base in info.bases:
+            if base.rsplit(".", 1)[-1] == "PreTrainedModel":
+                return True
+            parent = self.index.class_named(base)
+            if parent is not None and depth < 50 and self.is_pretrained(parent, depth + 1):
+                return True
+        return False
+
+    def child(self, key: str, info: ClassInfo, attr: str):
+        """The submodule class ``attr`` of ``info`` (or of a base class in this file)."""
+        seen: set[str] = set()
+        pending = [info]
+        while pending:
+            current = pending.pop(0)
+            if current.name in seen:
+                continue
+            seen.add(current.name)
+            children = current.children.get(attr)
+            if children:
+                names = sorted({(child.class_name, child.is_list) for child in children})
+                if len(names) > 1:
+                    where = ", ".join(f"{child.class_name} (line {child.line})" for child in children)
+                    raise self.unresolved(key, f"{current.name}.{attr} is assigned more than one class: {where}")
+                return children[0]
+            pending.extend(self.index.classes[base] for base in current.bases if base in self.index.classes)
+        raise self.unresolved(key, f"{info.name}.__init__ assigns no submodule {attr!r}")

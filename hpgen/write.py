@@ -1,0 +1,103 @@
+"""Writing results: atomic files, unified diffs, and the report that owns exit codes.
+
+As in black, one report object counts what happened to each file, and only its
+``return_code`` decides the exit status: 0 success or up to date, 1 a ``--check`` found
+a difference, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+EXIT_OK = 0
+EXIT_STALE = 1
+EXIT_BAD_INPUT = 2
+
+
+@dataclass
+class Report:
+    """What one run did to its targets."""
+
+    check: bool = False
+    written: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+    stale: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+
+    @property
+    def return_code(self) -> int:
+        if self.failed:
+            return EXIT_BAD_INPUT
+        if self.check and self.stale:
+            return EXIT_STALE
+        return EXIT_OK
+
+    def summary(self) -> str:
+        parts = []
+        if self.check:
+            parts.append(f"{len(self.stale)} stale" if self.stale else "all up to date")
+        if self.written:
+            parts.append(f"{len(self.written)} written")
+        if self.unchanged:
+            parts.append(f"{len(self.unchanged)} unchanged")
+        if self.failed:
+            parts.append(f"{len(self.failed)} failed")
+        return ", ".join(parts)
+
+
+def read_existing(path: str | os.PathLike[str]) -> bytes | None:
+    """The current bytes of ``path``, or ``None`` when there is no such file."""
+    try:
+        return Path(path).read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def atomic_write(path: str | os.PathLike[str], data: bytes) -> bool:
+    """Write ``data`` through a temporary file in the target folder and a rename.
+
+    Returns False (and leaves the file and its mtime alone) when the bytes are already
+    there. A failure at any point leaves the previous file intact.
+    """
+    target = Path(path)
+    if read_existing(target) == data:
+        return False
+    folder = target.parent if str(target.parent) else Path(".")
+    fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".hpgen-tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as stream:
+            stream.write(data)
+            stream.flush()
+            os.fsync(stream.fileno())
+        if target.exists():
+            os.chmod(temporary, target.stat().st_mode & 0o7777)
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(temporary, 0o666 & ~umask)
+        os.replace(temporary, target)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except FileNotFoundError:
+            pass
+        raise
+    return True
+
+
+def unified_diff(before: str, after: str, before_name: str, after_name: str) -> str:
+    """A unified diff of two texts, line endings kept, empty when they are equal."""
+    lines = difflib.unified_diff(
+        before.splitlines(keepends=True),
+        after.splitlines(keepends=True),
+        fromfile=before_name,
+        tofile=after_name,
+    )
+    text = ""
+    for line in lines:
+        text += line if line.endswith(("\n", "\r")) else line + "\n\\ No newline at end of file\n"
+    return text
