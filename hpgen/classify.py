@@ -171,6 +171,7 @@ class Contract:
     outputs: tuple[ValueOps, ...]
     form: str
     reasons: tuple[str, ...]  # why generic (gates or ops), empty otherwise
+    gate_failures: tuple[str, ...]  # the static gates that failed (a subset of reasons)
     region_target: str | None  # dotted path of the local compute function, or "_forward_impl"
 
     @property
@@ -236,7 +237,7 @@ def classify_contract(plan: Plan, keys: tuple[str, ...], forward: ForwardInfo | 
     )
     signature = contract_signature(plan, key)
     if is_identity_contract(plan, key):
-        return Contract(signature, keys, inputs, outputs, "identity", (), None)
+        return Contract(signature, keys, inputs, outputs, "identity", (), (), None)
     reasons = [op.comment() for value in (*inputs, *outputs) for op in value.ops if op.kind == "generic"]
     addressed = []
     gate_failures: list[str] = []
@@ -251,7 +252,7 @@ def classify_contract(plan: Plan, keys: tuple[str, ...], forward: ForwardInfo | 
         form = "generic" if reasons else "tp_collective"
     if form == "region" and any(op.kind == "generic" for value in (*inputs, *outputs) for op in value.ops):
         form = "generic"
-    return Contract(signature, keys, inputs, outputs, form, tuple(reasons), region_target)
+    return Contract(signature, keys, inputs, outputs, form, tuple(reasons), tuple(gate_failures), region_target)
 
 
 def _gate_failures(forward: ForwardInfo, inputs: tuple[ValueOps, ...], outputs: tuple[ValueOps, ...]) -> list[str]:

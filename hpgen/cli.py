@@ -19,7 +19,13 @@ from hpgen.errors import HpgenError
 from hpgen.explain import explain, explain_text
 from hpgen.lower import MODES, GeneratedCodeError, analyze, lower
 from hpgen.plan import is_dotted_path, load_plan
-from hpgen.write import EXIT_BAD_INPUT, EXIT_STALE, Report, atomic_write, read_existing, unified_diff
+from hpgen.write import (
+    EXIT_BAD_INPUT,
+    Report,
+    atomic_write,
+    read_existing,
+    unified_diff,
+)
 
 EXIT_INTERNAL = 123
 
@@ -66,7 +72,7 @@ def import_package(source: str, output: str | None, package: str | None, text: s
     from hpgen.index import index_module, parse_source
 
     stripped = text.removeprefix("\ufeff")
-    relative = index_module(parse_source(stripped, name=source), stripped, name=source).relative_imports
+    relative = index_module(parse_source(stripped, name=source)).relative_imports
     if relative:
         raise HpgenError(
             "a relative import needs the source's package when the output is written elsewhere: pass --package",

@@ -20,9 +20,6 @@ import libcst as cst
 
 from hpgen.classify import Contract, ValueOps
 
-RUNTIME_ALIAS = "_hp_runtime"
-RUNTIME_IMPORT = f"import hpgen.runtime.defaults as {RUNTIME_ALIAS}"
-
 
 @functools.lru_cache(maxsize=1)
 def environment() -> jinja2.Environment:
@@ -157,7 +154,7 @@ def render_forward(contract: Contract, original: cst.FunctionDef, style: Style, 
         kwargs_name=kwargs_name or "",
         result=_fresh_name("outputs", taken),
         region_target=contract.region_target,
-        reasons=contract.reasons,
+        gate_failures=contract.gate_failures,
     )
     if generic:
         text = render("generic.py.j2", **values)
@@ -241,7 +238,8 @@ def rewrite_class(
     replacement: list[cst.BaseStatement] = [impl]
     if any(contract.region_target for contract in contracts):
         # Region instances run the body through __hp_compute__; by default it is the body itself.
-        replacement += style.parse_statements("__hp_compute__ = _forward_impl\n")
+        (alias,) = style.parse_statements("__hp_compute__ = _forward_impl\n")
+        replacement.append(alias.with_changes(leading_lines=[cst.EmptyLine(indent=False)]))
     replacement.append(render_forward(base, original, style, mode=mode))
     statements[position : position + 1] = replacement
     docstring_end = 1 if node.get_docstring(clean=False) is not None else 0

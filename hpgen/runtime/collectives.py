@@ -1,0 +1,385 @@
+"""Autograd-aware collectives of one mesh axis, as generated ``forward``s call them.
+
+A generated forward writes each placement transition of one mesh axis as one call on
+that axis's object, ``self._hp_<axis>``::
+
+    hidden_states = self._hp_sp.all_gather(hidden_states, dim=1)     # S(1) -> R
+    outputs = (self._hp_tp.all_reduce(outputs[0]), *outputs[1:])     # P(sum) -> R
+
+Every collective changes only how a tensor is laid out over the axis, never its logical
+value, so its gradient is the same transition run backwards: the gradient of the output
+arrives in the output's placement and leaves in the input's. Which collective does that
+depends on the gradient's placement, so each method takes ``backward=``, the op applied
+to the gradient (Megatron's conjugate pairs are the defaults):
+
+==========================  ==================  ================  ======================
+method                      forward             default backward  other valid backward
+==========================  ==================  ================  ======================
+``all_reduce(x, op)``       P(op) -> R          identity          all_reduce
+``all_gather(x, dim)``      S(dim) -> R         reduce_scatter    split
+``reduce_scatter(x, dim)``  P(sum) -> S(dim)    all_gather        --
+``split(x, dim)``           R -> S(dim)         all_gather        --
+``all_to_all(x, i, j)``     S(i) -> S(j)        all_to_all        --
+``copy(x)``                 R -> R (no-op)      all_reduce        identity
+==========================  ==================  ================  ======================
+
+A backward op fits when it is the forward's transition reversed: ``all_gather`` makes a
+sharded tensor whole, so its gradient must go from whole to sharded (``reduce_scatter``
+when each rank holds a partial gradient, ``split`` when each holds the full one). The
+backward op works on the forward's own dim and per-rank sizes, so uneven shards round-trip
+exactly. Reductions also apply their own derivative after the backward collective:
+``avg`` scales the gradient by ``1/size``; ``max``/``min`` pass it only where this rank's
+value is the result (on a tie every tied rank gets the full gradient).
+
+Shards follow ``torch.tensor_split``: of ``n`` elements over ``k`` ranks, the first
+``n % k`` ranks hold one more, and a rank may hold none. ``reduce_scatter``, ``split`` and
+``all_to_all`` split a dim whose full size every rank knows; ``all_gather`` and
+``all_to_all`` receive shards of sizes only their senders know, so they first exchange the
+sizes with one small all-gather (their backward reuses those sizes and exchanges nothing).
+
+Results are fresh contiguous tensors; inputs are never modified. An axis of size one (or
+with no process group) returns its input itself from every op, with no autograd node, and
+every op returns ``None`` for ``None`` (optional inputs such as attention masks). Tensors
+may live on any device the group's backend accepts (CPU with gloo, CUDA with NCCL).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+__all__ = ["IDENTITY_AXIS", "REDUCE_OPS", "AxisCollectives"]
+
+REDUCE_OPS = ("sum", "avg", "max", "min")
+
+# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _Shard(NamedTuple):
+    """A layout sharded on ``dim`` (non-negative): rank ``i`` holds ``sizes[i]`` of it."""
+
+    dim: int
+    sizes: tuple[int, ...]
+
+
+class _Move(NamedTuple):
+    """One transition on one axis: collective ``op`` from layout ``src`` to ``dst``.
+
+    ``None`` stands for a whole (replicated or partial) layout. ``reduce`` is the
+    reduction of ``all_reduce``; gradients always add.
+    """
+
+    op: str
+    src: _Shard | None
+    dst: _Shard | None
+    reduce: str = "sum"
+
+    def reversed(self, op: str) -> _Move:
+        """The transition the gradient makes: ``op`` from this move's ``dst`` to its ``src``."""
+        return _Move(op, self.dst, self.src)
+
+
+# Whether each op's input and output are sharded. A backward op is valid for a forward op
+# when its kind is the forward's reversed, so this table states every conjugate pair.
+_KIND: dict[str, tuple[bool, bool]] = {
+    "identity": (False, False),
+    "all_reduce": (False, False),
+    "all_gather": (True, False),
+    "reduce_scatter": (False, True),
+    "split": (False, True),
+    "all_to_all": (True, True),
+}
+_VALID_BACKWARD: dict[str, tuple[str, ...]] = {
+    op: tuple(b for b, kind in _KIND.items() if kind == (dst, src)) for op, (src, dst) in _KIND.items()
+}
+
+
+def _check(op: str, backward: str, reduce: str = "sum") -> None:
+    """Reject a reduction or backward op that ``op`` cannot run, naming the valid ones."""
+    if reduce not in REDUCE_OPS:
+        raise ValueError(f"unknown reduction {reduce!r} for all_reduce; valid: {', '.join(REDUCE_OPS)}")
+    if backward not in _VALID_BACKWARD[op]:
+        public = "copy" if op == "identity" else op
+        raise ValueError(
+            f"backward={backward!r} is not a conjugate of {public}; valid: {', '.join(_VALID_BACKWARD[op])}"
+        )
+
+
+def _norm_dim(dim: int, ndim: int) -> int:
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"dim {dim} is out of range for a tensor of {ndim} dims")
+    return dim % ndim
+
+
+def _split_sizes(n: int, k: int) -> tuple[int, ...]:
+    """Sizes of ``torch.tensor_split(t, k)`` on a dim of ``n``: the first ``n % k`` get one more."""
+    return tuple(n // k + (i < n % k) for i in range(k))
+
+
+def _pad_to(x: Tensor, dim: int, size: int) -> Tensor:
+    """``x`` grown with zeros to ``size`` along ``dim`` (zeros, not garbage: NaN checks stay quiet)."""
+    missing = size - x.size(dim)
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+def _owned(y: Tensor, x: Tensor) -> Tensor:
+    """``y`` as a fresh contiguous tensor. Autograd forbids in-place ops on an output of a
+    Function that aliases its input or is a view, and callers may update results in place."""
+    if y is x or y._is_view() or not y.is_contiguous():
+        return y.clone(memory_format=torch.contiguous_format)
+    return y
+
+
+# Native single-tensor collectives a backend rejected, keyed (backend, device type, name).
+# The first call probes (a rejection is raised before any communication, on every rank
+# alike); later calls go straight to the fallback.
+_UNSUPPORTED: set[tuple[str, str, str]] = set()
+
+
+class AxisCollectives:
+    """The collectives of one mesh axis, as generated forwards call them (``self._hp_<axis>``).
+
+    ``group`` is the axis's process group; ``None`` (unlike in ``torch.distributed``, where
+    it means the default group) or a group of one rank makes every op return its input.
+    Every rank of the group must call the same ops in the same order, as with any collective.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, name: str) -> None:
+        self.name = name
+        self.group = group
+        self.size = 1 if group is None else dist.get_world_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+        if self.size < 1 or self.rank < 0:
+            raise ValueError(f"axis {name!r}: this process is not a member of the group given for it")
+        self.backend = "" if group is None else str(dist.get_backend(group))
+
+    def __repr__(self) -> str:
+        return f"AxisCollectives({self.name!r}, rank={self.rank}, size={self.size})"
+
+    def __deepcopy__(self, memo: dict) -> AxisCollectives:
+        return self  # a handle on a process group: copies of a model share it
+
+    # ---- the ops (placements per SPEC section 2) -------------------------------------
+
+    def all_reduce(self, x: Tensor | None, op: str = "sum", *, backward: str = "identity") -> Tensor | None:
+        """``P(op) -> R``: reduce the ranks' partial values. ``op``: sum, avg, max or min."""
+        _check("all_reduce", backward, op)
+        if x is None or self.size == 1:
+            return x
+        return self._run(x, _Move("all_reduce", None, None, op), backward)
+
+    def all_gather(self, x: Tensor | None, dim: int, *, backward: str = "reduce_scatter") -> Tensor | None:
+        """``S(dim) -> R``: concatenate the ranks' shards along ``dim``, whatever their sizes."""
+        _check("all_gather", backward)
+        if x is None or self.size == 1:
+            return x
+        d = _norm_dim(dim, x.dim())
+        return self._run(x, _Move("all_gather", _Shard(d, self._gather_sizes(x.size(d), x.device)), None), backward)
+
+    def reduce_scatter(self, x: Tensor | None, dim: int, *, backward: str = "all_gather") -> Tensor | None:
+        """``P(sum) -> S(dim)``: sum the ranks' partial values, keep this rank's chunk of ``dim``."""
+        _check("reduce_scatter", backward)
+        if x is None or self.size == 1:
+            return x
+        d = _norm_dim(dim, x.dim())
+        return self._run(x, _Move("reduce_scatter", None, _Shard(d, _split_sizes(x.size(d), self.size))), backward)
+
+    def split(self, x: Tensor | None, dim: int, *, backward: str = "all_gather") -> Tensor | None:
+        """``R -> S(dim)``: keep this rank's chunk of ``dim``; no communication."""
+        _check("split", backward)
+        if x is None or self.size == 1:
+            return x
+        d = _norm_dim(dim, x.dim())
+        return self._run(x, _Move("split", None, _Shard(d, _split_sizes(x.size(d), self.size))), backward)
+
+    def all_to_all(self, x: Tensor | None, src_dim: int, dst_dim: int, *, backward: str = "all_to_all") -> Tensor | None:
+        """``S(src_dim) -> S(dst_dim)``: trade chunks of ``dst_dim`` for the others' shards of ``src_dim``."""
+        _check("all_to_all", backward)
+        if x is None or self.size == 1:
+            return x
+        src, dst = _norm_dim(src_dim, x.dim()), _norm_dim(dst_dim, x.dim())
+        if src == dst:
+            raise ValueError(f"all_to_all needs two different dims, got src_dim={src_dim}, dst_dim={dst_dim}")
+        move = _Move(
+            "all_to_all",
+            _Shard(src, self._gather_sizes(x.size(src), x.device)),
+            _Shard(dst, _split_sizes(x.size(dst), self.size)),
+        )
+        return self._run(x, move, backward)
+
+    def copy(self, x: Tensor | None, *, backward: str = "all_reduce") -> Tensor | None:
+        """``R -> R`` into a region sharded on this axis: identity forward; by default the
+        gradient, partial inside the region, is all-reduced (Megatron's ``f``)."""
+        _check("identity", backward)
+        if x is None or self.size == 1 or backward == "identity":
+            return x
+        return self._run(x, _Move("identity", None, None), backward)
+
+    # ---- machinery --------------------------------------------------------------------
+
+    def _run(self, x: Tensor, move: _Move, backward: str) -> Tensor:
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _Collective.apply(x, self, move, move.reversed(backward))
+        return _owned(_OPS[move.op](self, x, move), x)  # no gradient: skip the autograd node
+
+    def _gather_sizes(self, n: int, device: torch.device) -> tuple[int, ...]:
+        """Every rank's ``n``, by one all-gather of one int64 per rank."""
+        mine = torch.tensor([n], dtype=torch.int64, device=device)
+        sizes = torch.empty(self.size, dtype=torch.int64, device=device)
+        self._gather_into(sizes, mine)
+        return tuple(sizes.tolist())
+
+    def _native(self, name: str, device: torch.device, call: Callable[[], object]) -> bool:
+        """Run the native collective ``call``; False if the backend does not support it."""
+        key = (self.backend, device.type, name)
+        if key in _UNSUPPORTED:
+            return False
+        try:
+            call()
+        except RuntimeError as error:  # c10d says "Backend <name> does not support <op>"
+            if "does not support" not in str(error):
+                raise
+            _UNSUPPORTED.add(key)
+            return False
+        return True
+
+    def _gather_into(self, out: Tensor, inp: Tensor) -> None:
+        """Rank ``i``'s contiguous ``inp`` into the ``i``-th block of contiguous ``out``."""
+        stacked = out.view(self.size * inp.shape[0], *inp.shape[1:])  # the shape gloo checks
+        if not self._native("all_gather_single", inp.device, lambda: _all_gather_single(stacked, inp, group=self.group)):
+            dist.all_gather(list(stacked.chunk(self.size)), inp, group=self.group)
+
+    def _reduce_scatter_into(self, out: Tensor, blocks: Tensor) -> None:
+        """``out`` = the sum over ranks of their block ``rank`` of ``blocks`` (``[size, *out.shape]``)."""
+        stacked = blocks.view(self.size * out.shape[0], *out.shape[1:])  # the shape gloo checks
+        if not self._native("reduce_scatter_single", out.device, lambda: _reduce_scatter_single(out, stacked, group=self.group)):
+            total = blocks.clone(memory_format=torch.contiguous_format)  # fallback: all-reduce, keep ours
+            dist.all_reduce(total, group=self.group)
+            out.copy_(total[self.rank])
+
+    def _all_to_all_flat(self, out: Tensor, inp: Tensor, out_splits: list[int], in_splits: list[int]) -> None:
+        """1-D all-to-all: chunk ``i`` of ``inp`` goes to rank ``i``; rank ``i``'s lands in chunk ``i`` of ``out``."""
+        native = lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)  # noqa: E731
+        if not self._native("all_to_all_single", inp.device, native):
+            dist.all_to_all(list(out.split(out_splits)), list(inp.split(in_splits)), group=self.group)
+
+
+# ---- one function per collective: (axis, tensor, move) -> tensor, never in place -------
+
+
+def _identity(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
+    return x
+
+
+def _all_reduce(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
+    out = x.clone(memory_format=torch.contiguous_format)
+    op = dist.ReduceOp.SUM if move.reduce in ("sum", "avg") else getattr(dist.ReduceOp, move.reduce.upper())
+    dist.all_reduce(out, op=op, group=ax.group)
+    if move.reduce == "avg":  # sum then divide: gloo has no AVG
+        out.div_(ax.size)
+    return out
+
+
+def _all_gather(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
+    d, sizes = move.src
+    most = max(sizes)
+    even = min(sizes) == most
+    local = _pad_to(x, d, most).contiguous()  # uneven: every rank sends the largest shard size
+    if even and math.prod(x.shape[:d]) == 1:  # the rank blocks, in order, are the result
+        shape = list(x.shape)
+        shape[d] *= ax.size
+        out = x.new_empty(shape)
+        ax._gather_into(out, local)
+        return out
+    blocks = x.new_empty((ax.size, *local.shape))
+    ax._gather_into(blocks, local)
+    if even:  # [k, ..., m, ...] -> [..., k * m, ...]
+        return blocks.movedim(0, d).flatten(d, d + 1)
+    return torch.cat([block.narrow(d, 0, n) for block, n in zip(blocks, sizes)], dim=d)
+
+
+def _reduce_scatter(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
+    d, sizes = move.dst
+    most = max(sizes)
+    even = min(sizes) == most
+    if even:  # rank i's chunk is block i of [k, ..., m, ...]
+        blocks = x.unflatten(d, (ax.size, most)).movedim(d, 0).contiguous()
+    else:  # uneven: each chunk zero-padded to the largest
+        shape = list(x.shape)
+        shape[d] = most
+        blocks = x.new_zeros((ax.size, *shape))
+        for block, chunk in zip(blocks, x.split(sizes, dim=d)):
+            block.narrow(d, 0, chunk.size(d)).copy_(chunk)
+    out = blocks.new_empty(blocks.shape[1:])
+    ax._reduce_scatter_into(out, blocks)
+    return out if even else out.narrow(d, 0, sizes[ax.rank])
+
+
+def _split(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
+    d, sizes = move.dst
+    return x.narrow(d, sum(sizes[: ax.rank]), sizes[0])
+
+
+def _all_to_all(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
+    (src, src_sizes), (dst, dst_sizes) = move.src, move.dst
+    sends = [chunk.reshape(-1) for chunk in x.split(dst_sizes, dim=dst)]  # chunk i goes to rank i
+    shapes = []  # what rank i sends us: its shard of src, our chunk of dst
+    for n in src_sizes:
+        shape = list(x.shape)
+        shape[src], shape[dst] = n, dst_sizes[ax.rank]
+        shapes.append(shape)
+    out_splits = [math.prod(shape) for shape in shapes]
+    received = x.new_empty(sum(out_splits))
+    ax._all_to_all_flat(received, torch.cat(sends), out_splits, [t.numel() for t in sends])
+    return torch.cat([flat.view(shape) for flat, shape in zip(received.split(out_splits), shapes)], dim=src)
+
+
+_OPS: dict[str, Callable[[AxisCollectives, Tensor, _Move], Tensor]] = {
+    "identity": _identity,
+    "all_reduce": _all_reduce,
+    "all_gather": _all_gather,
+    "reduce_scatter": _reduce_scatter,
+    "split": _split,
+    "all_to_all": _all_to_all,
+}
+assert _OPS.keys() == _KIND.keys()
+
+
+class _Collective(torch.autograd.Function):
+    """Runs the forward move; in backward, runs the reversed move on the gradient, then the
+    reduction's own derivative (1/size for avg, the argmax/argmin mask for max/min)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, ax: AxisCollectives, move: _Move, back: _Move) -> Tensor:  # type: ignore[override]
+        y = _owned(_OPS[move.op](ax, x, move), x)
+        ctx.ax, ctx.back = ax, back
+        ctx.scale = 1.0 / ax.size if move.reduce == "avg" else None
+        ctx.masked = move.reduce in ("max", "min")
+        if ctx.masked:
+            ctx.save_for_backward(x == y)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+        grad = _OPS[ctx.back.op](ctx.ax, grad, ctx.back)
+        if ctx.scale is not None:
+            grad = grad * ctx.scale
+        if ctx.masked:
+            grad = grad * ctx.saved_tensors[0]
+        return grad, None, None, None
+
+
+IDENTITY_AXIS = AxisCollectives(None, "identity")
+"""The class-level default ``_hp_<axis>`` of generated files: every op returns its input."""

@@ -1,0 +1,159 @@
+"""The transition table, composition over axes, backward conjugates, gates and forms."""
+
+import textwrap
+
+import pytest
+
+from hpgen.classify import classify_contract, transition, value_ops
+from hpgen.index import index_module, parse_source
+from hpgen.placement import Placement
+from hpgen.plan import plan_from_dict
+
+P = Placement.parse
+
+
+def op(src, dst, *, side="out", sharded=True):
+    return transition("tp", "x", P(src), P(dst), side=side, sharded_body=sharded)
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "kind", "args"),
+    [
+        ("R", "R", "identity", ()),
+        ("S(1)", "S(1)", "identity", ()),
+        ("P(sum)", "P(sum)", "identity", ()),
+        ("S(1)", "R", "all_gather", (("dim", 1),)),
+        ("S(-1)", "R", "all_gather", (("dim", -1),)),
+        ("P(sum)", "R", "all_reduce", (("op", "sum"),)),
+        ("P(avg)", "R", "all_reduce", (("op", "avg"),)),
+        ("P(max)", "R", "all_reduce", (("op", "max"),)),
+        ("P(sum)", "S(0)", "reduce_scatter", (("dim", 0),)),
+        ("R", "S(1)", "split", (("dim", 1),)),
+        ("S(1)", "S(2)", "all_to_all", (("src_dim", 1), ("dst_dim", 2))),
+    ],
+)
+def test_transition_table(src, dst, kind, args):
+    found = op(src, dst)
+    assert (found.kind, found.args) == (kind, args)
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "why"),
+    [
+        ("SS(0,2)", "R", "strided shards"),
+        ("R", "SS(0,2)", "strided shards"),
+        ("R", "P(sum)", "partial value"),
+        ("S(0)", "P(sum)", "partial value"),
+        ("P(max)", "S(0)", "reduce-scatter of P(max)"),
+        ("P(sum)", "P(max)", "partial value"),
+    ],
+)
+def test_transitions_without_static_lowering_are_generic(src, dst, why):
+    found = op(src, dst)
+    assert found.kind == "generic" and why in found.reason
+
+
+def test_backward_conjugates_follow_the_gradient_placement():
+    # Into a sharded body, a replicated input's gradient comes back partial.
+    assert op("R", "R", side="in").kind == "copy"
+    assert op("R", "R", side="in", sharded=False).kind == "identity"
+    assert op("S(1)", "R", side="in").backward is None  # default: reduce_scatter
+    assert op("S(1)", "R", side="in", sharded=False).backward == "split"
+    # Out to a replicated caller, the gradient is replicated: a gather's backward is a split.
+    assert op("S(-1)", "R", side="out").backward == "split"
+    assert op("P(sum)", "R", side="out").backward is None  # default: identity
+    assert op("P(sum)", "R", side="in").backward == "all_reduce"
+    assert op("P(sum)", "S(1)").backward is None  # default: all_gather
+    assert op("R", "S(1)", side="in").backward is None  # default: all_gather
+
+
+def test_comments_name_the_transition():
+    assert op("S(1)", "R", side="in").comment() == "x: tp S(1) -> R ==> all_gather(dim=1)"
+    assert op("S(-1)", "R").comment() == "x: tp S(-1) -> R ==> all_gather(dim=-1) (backward split)"
+    assert op("P(sum)", "R").comment() == "x: tp P(sum) -> R ==> all_reduce(sum)"
+    assert op("R", "R", side="in").comment() == "x: tp R -> R ==> copy (backward all_reduce)"
+    assert op("S(-1)", "R").call_arguments() == ", dim=-1, backward='split'"
+
+
+def two_axis_plan():
+    return plan_from_dict(
+        {
+            "mesh_dim_names": ["tp", "sp"],
+            "param_plan": {
+                "blk": {
+                    "in_src": {"h": {"tp": "R", "sp": "S(1)"}},
+                    "in_dst": {"h": {"tp": "R", "sp": "R"}},
+                    "out_src": {"o": {"tp": "P(sum)", "sp": "R"}},
+                    "out_dst": {"o": {"tp": "R", "sp": "S(1)"}},
+                }
+            },
+        }
+    )
+
+
+def test_axes_compose_in_mesh_order_in_and_reverse_order_out():
+    inputs, outputs = value_ops(two_axis_plan(), "blk")
+    assert [(o.axis, o.kind) for o in inputs[0].ops] == [("tp", "copy"), ("sp", "all_gather")]
+    assert [(o.axis, o.kind) for o in outputs[0].ops] == [("sp", "split"), ("tp", "all_reduce")]
+
+
+def forward_of(source: str):
+    source = textwrap.dedent(source)
+    return index_module(parse_source(source)).classes["A"].forward
+
+
+def contract(forward_source: str, **entry):
+    plan = plan_from_dict({"mesh_dim_names": ["tp"], "param_plan": {"a": entry}})
+    return classify_contract(plan, ("a",), forward_of(forward_source))
+
+
+OUT = {"out_src": {"o": {"tp": "P(sum)"}}, "out_dst": {"o": {"tp": "R"}}}
+
+
+def test_tp_collective_when_every_gate_passes():
+    found = contract("class A:\n    def forward(self, x):\n        return x\n", **OUT)
+    assert found.form == "tp_collective" and not found.reasons
+    assert found.outputs[0].address == ("whole",)
+    assert found.collectives_per_call() == {"all_reduce": 1}
+
+
+@pytest.mark.parametrize(
+    ("source", "entry", "reason"),
+    [
+        ("def forward(self, *args):\n        return args[0]", OUT, "forward takes *args"),
+        ("def forward(self, x):\n        if x:\n            return\n        return x", OUT, "returns no value"),
+        ("def forward(self, x):\n        print(x)", OUT, "forward can end without a return"),
+        ("def forward(self, x):\n        if x:\n            return x, x\n        return x", OUT, "different shapes"),
+        (
+            "def forward(self, **kw):\n        return 1",
+            {"in_src": {"h": {"tp": "S(1)"}}, "in_dst": {"h": {"tp": "R"}}},
+            "input 'h' is not a parameter of forward",
+        ),
+        (
+            "def forward(self, x):\n        return x, x",
+            {"out_names": ["a", "b", "c"], "out_src": {"c": {"tp": "P(sum)"}}},
+            "output 'c' is item 2 but the return on line 3 has 2",
+        ),
+        ("def forward(self, x):\n        return Out(y=x)", OUT, "output 'o' is not a field of the record"),
+    ],
+)
+def test_failed_gates_make_the_form_generic(source, entry, reason):
+    found = contract(f"class A:\n    {source}\n", **entry)
+    assert found.form == "generic"
+    assert any(reason in failure for failure in found.gate_failures), found.gate_failures
+
+
+def test_output_addresses():
+    tuple_source = "class A:\n    def forward(self, x):\n        return x, None\n"
+    assert contract(tuple_source, **OUT).outputs[0].address == ("index", 0)
+    record = "class A:\n    def forward(self, x):\n        return Out(o=x, cache=None)\n"
+    assert contract(record, **OUT).outputs[0].address == ("attr", "o")
+    named = {"out_names": ["a", "b"], "out_src": {"b": {"tp": "P(sum)"}}}
+    assert contract("class A:\n    def forward(self, x):\n        return y\n", **named).outputs[1].address == ("index", 1)
+
+
+def test_identity_and_region_forms():
+    same = {"in_src": {"x": {"tp": "S(1)"}}, "in_dst": {"x": {"tp": "S(1)"}}}
+    assert contract("class A:\n    def forward(self, x):\n        return x\n", **same).form == "identity"
+    found = contract("class A:\n    def forward(self, x):\n        return x\n", region_dispatch=True, **OUT)
+    assert found.form == "region" and found.region_target == "_forward_impl"

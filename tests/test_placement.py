@@ -1,0 +1,48 @@
+"""The placement grammar of SPEC §2."""
+
+import pytest
+
+from hpgen.placement import REPLICATE, Placement
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("R", REPLICATE),
+        ("S(0)", Placement("S", dim=0)),
+        ("S(-1)", Placement("S", dim=-1)),
+        (" S( 2 ) ", Placement("S", dim=2)),
+        ("P(sum)", Placement("P", op="sum")),
+        ("P(avg)", Placement("P", op="avg")),
+        ("P(max)", Placement("P", op="max")),
+        ("P(min)", Placement("P", op="min")),
+        ("SS(0,2)", Placement("SS", dim=0, blocks=2)),
+        ("SS(-1, 3)", Placement("SS", dim=-1, blocks=3)),
+    ],
+)
+def test_parses(text, expected):
+    assert Placement.parse(text) == expected
+
+
+@pytest.mark.parametrize("text", ["R", "S(0)", "S(-1)", "P(sum)", "P(max)", "SS(0,2)"])
+def test_canonical_spelling_round_trips(text):
+    assert str(Placement.parse(text)) == text
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("S(x)", "is not a placement"),
+        ("S()", "is not a placement"),
+        ("r", "is not a placement"),
+        ("P(prod)", "partial op must be one of sum, avg, max, min"),
+        ("SS(0,0)", "block count must be at least 1"),
+        ("S(0", "is not a placement"),
+        ("", "is not a placement"),
+        (3, "expected a string"),
+        (None, "expected a string"),
+    ],
+)
+def test_rejects(text, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        Placement.parse(text)

@@ -1,0 +1,177 @@
+"""Plan loading and validation (SPEC §2): data in, typed entries out, errors with JSON paths."""
+
+import json
+
+import pytest
+
+from hpgen.errors import HpgenError
+from hpgen.placement import Placement
+from hpgen.plan import contract_signature, fqn_matches, load_plan, parse_plan, patterns_overlap, plan_from_dict
+
+from .conftest import FIXTURES
+
+
+def minimal(**entry):
+    return {"mesh_dim_names": ["tp"], "param_plan": {"model.layers.*.mlp": entry}}
+
+
+def error_of(document) -> str:
+    with pytest.raises(HpgenError) as caught:
+        plan_from_dict(document, name="p.json")
+    return str(caught.value)
+
+
+def test_fixture_plans_load():
+    plan = load_plan(FIXTURES / "plan_tp_sp.json")
+    assert plan.mesh_dim_names == ("tp",)
+    entry = plan.entries["model.layers.*.self_attn"]
+    assert entry.out_names == ("attn_output", "attn_weights")
+    assert entry.in_src["hidden_states"].on("tp") == Placement("S", dim=1)
+    assert entry.params["o_proj.weight"].on("tp") == Placement("S", dim=1)
+    assert plan.entries["model.layers.0"].grad_reduce_params == ("input_layernorm.weight", "post_attention_layernorm.weight")
+    assert len(plan.sha256) == 64
+
+
+def test_missing_axis_means_replicated():
+    plan = plan_from_dict(
+        {"mesh_dim_names": ["tp", "sp"], "param_plan": {"a": {"in_src": {"x": {"sp": "S(1)"}}}}}
+    )
+    layout = plan.entries["a"].in_src["x"]
+    assert str(layout.on("tp")) == "R" and str(layout.on("sp")) == "S(1)"
+    # A name declared on one side only is replicated on the other.
+    src, dst = plan.entries["a"].input_layouts("x", plan.mesh_dim_names)
+    assert str(dst.on("sp")) == "R"
+
+
+def test_is_boundary_defaults_to_having_inputs_or_outputs():
+    plan = plan_from_dict(
+        {"mesh_dim_names": ["tp"], "param_plan": {"a": {"params": {"w": {"tp": "S(0)"}}}, "b": {"out_src": {"o": {"tp": "P(sum)"}}}}}
+    )
+    assert not plan.entries["a"].is_boundary
+    assert plan.entries["b"].is_boundary
+
+
+def test_unknown_top_level_keys_are_ignored_for_compatibility():
+    plan = plan_from_dict({**minimal(), "codegen_version": 3, "notes": {"x": 1}})
+    assert list(plan.entries) == ["model.layers.*.mlp"]
+
+
+def test_wildcards_match_one_segment():
+    assert fqn_matches("model.layers.*.mlp", "model.layers.3.mlp")
+    assert not fqn_matches("model.layers.*.mlp", "model.layers.3.mlp.up_proj")
+    assert not fqn_matches("model.*.mlp", "model.layers.3.mlp")
+    assert patterns_overlap("model.layers.*.mlp", "model.layers.0.mlp")
+    assert not patterns_overlap("model.layers.0", "model.layers.*.mlp")
+
+
+def test_entry_for_and_boundary_classes():
+    plan = plan_from_dict(
+        {
+            "mesh_dim_names": ["tp"],
+            "boundary_classes": {"model.layers.*.mlp": "LlamaMLP"},
+            "param_plan": {"model.layers.*.mlp": {"out_src": {"o": {"tp": "P(sum)"}}}},
+        }
+    )
+    assert plan.entry_for("model.layers.7.mlp").key == "model.layers.*.mlp"
+    assert plan.entry_for("model.layers.7.self_attn") is None
+    assert plan.boundary_class_for("model.layers.*.mlp") == "LlamaMLP"
+
+
+def test_injection_targets_and_kwargs():
+    plan = plan_from_dict(
+        {
+            **minimal(out_src={"o": {"tp": "P(sum)"}}),
+            "injections": [{"match": "model.layers.*.mlp", "local_compute_fn": {"_target_": "pkg.mod.fn", "k": [1, 2]}}],
+        }
+    )
+    injection = plan.injection_for("model.layers.*.mlp")
+    assert injection.local_compute_fn.path == "pkg.mod.fn"
+    assert injection.local_compute_fn.kwargs_dict() == {"k": [1, 2]}
+
+
+def test_key_order_does_not_change_the_plan_or_the_signature():
+    entry = {
+        "in_src": {"x": {"tp": "S(1)"}, "y": {"tp": "R"}},
+        "out_src": {"o": {"tp": "P(sum)"}},
+        "params": {"b.weight": {"tp": "S(0)"}, "a.weight": {"tp": "S(1)"}},
+    }
+    reordered = {key: dict(reversed(list(value.items()))) for key, value in reversed(list(entry.items()))}
+    first = plan_from_dict(minimal(**entry))
+    second = plan_from_dict(minimal(**reordered))
+    assert first.entries == second.entries
+    key = "model.layers.*.mlp"
+    assert contract_signature(first, key) == contract_signature(second, key)
+
+
+@pytest.mark.parametrize(
+    ("document", "expected"),
+    [
+        ([], "expected a JSON object, got a list"),
+        ({"param_plan": {}}, "missing required key 'mesh_dim_names'"),
+        ({"mesh_dim_names": ["tp"]}, "missing required key 'param_plan'"),
+        ({"mesh_dim_names": [], "param_plan": {}}, "mesh_dim_names: needs at least one axis"),
+        ({"mesh_dim_names": ["t p"], "param_plan": {}}, "mesh_dim_names[0]: 't p' is not an axis name"),
+        ({"mesh_dim_names": ["tp", "tp"], "param_plan": {}}, "mesh_dim_names[1]: 'tp' is listed twice"),
+        ({"mesh_dim_names": ["class"], "param_plan": {}}, "'class' is not an axis name"),
+        ({**minimal(), "format": "hpgen.plan/9"}, "format: unsupported plan format 'hpgen.plan/9'"),
+        (
+            minimal(out_src={"output": {"tp": "S(x)"}}),
+            """param_plan["model.layers.*.mlp"].out_src.output.tp: 'S(x)' is not a placement""",
+        ),
+        (
+            minimal(in_src={"x": {"cp": "R"}}),
+            """param_plan["model.layers.*.mlp"].in_src.x.cp: unknown axis 'cp' (mesh_dim_names: tp)""",
+        ),
+        (minimal(in_srcs={}), """param_plan["model.layers.*.mlp"].in_srcs: unknown key 'in_srcs'"""),
+        (minimal(in_src={"x y": {"tp": "R"}}), """in_src["x y"]: 'x y' is not a parameter or output name"""),
+        (minimal(in_src={"x": "R"}), """in_src.x: expected a JSON object, got the string 'R'"""),
+        (
+            minimal(out_src={"a": {"tp": "P(sum)"}}, out_dst={"b": {"tp": "R"}}),
+            "several outputs (a, b) need 'out_names'",
+        ),
+        (minimal(out_names=["a"], out_src={"b": {"tp": "P(sum)"}}), "out_src.b: 'b' is not in out_names (a)"),
+        (minimal(params={"q proj.weight": {"tp": "S(0)"}}), "'q proj.weight' is not a parameter path"),
+        (minimal(is_boundary="yes"), "is_boundary: expected true or false, got the string 'yes'"),
+        (minimal(tp_divide_attrs=["num heads"]), "tp_divide_attrs[0]: 'num heads' is not an identifier"),
+        ({"mesh_dim_names": ["tp"], "param_plan": {"model.layers..mlp": {}}}, "is not a module FQN"),
+        (
+            {"mesh_dim_names": ["tp"], "param_plan": {"model.layers.*.mlp": {}, "model.layers.0.mlp": {}}},
+            "matches the same modules as 'model.layers.*.mlp'",
+        ),
+        ({**minimal(), "model_class": "import os"}, "model_class: 'import os' is not a class name"),
+        ({**minimal(), "boundary_classes": {"model.x": "os.system('x')"}}, "is not a class name or dotted path"),
+        (
+            {**minimal(), "injections": [{"match": "model.other", "local_compute_fn": "a.b"}]},
+            "injections[0].match: 'model.other' matches no param_plan key",
+        ),
+        (
+            {**minimal(), "injections": [{"match": "model.layers.*.mlp", "local_compute_fn": "__import__('os')"}]},
+            "injections[0].local_compute_fn: \"__import__('os')\" is not a dotted path",
+        ),
+        (
+            {**minimal(), "injections": [{"match": "model.layers.*.mlp", "local_compute_fn": {"k": 1}}]},
+            "needs '_target_'",
+        ),
+    ],
+)
+def test_bad_plans_name_the_place(document, expected):
+    message = error_of(document)
+    assert message.startswith("p.json")
+    assert expected in message
+
+
+def test_invalid_json_names_line_and_column():
+    with pytest.raises(HpgenError) as caught:
+        parse_plan(b'{"mesh_dim_names": ["tp"],\n  "param_plan": {,}}', name="bad.json")
+    assert str(caught.value).startswith("bad.json:2:")
+    assert "invalid JSON" in str(caught.value)
+
+
+def test_duplicate_json_keys_are_an_error():
+    with pytest.raises(HpgenError, match="duplicate key 'param_plan'"):
+        parse_plan(json.dumps({"mesh_dim_names": ["tp"]})[:-1] + ', "param_plan": {}, "param_plan": {}}')
+
+
+def test_unreadable_plan(tmp_path):
+    with pytest.raises(HpgenError, match="cannot read plan"):
+        load_plan(tmp_path / "missing.json")
