@@ -82,10 +82,15 @@ class Op:
         for key, value in self.args:
             if key == "op" and value == "sum":
                 continue
-            pieces.append(f"{key}={value!r}")
+            pieces.append(f"{key}={_literal(value)}")
         if self.backward is not None:
-            pieces.append(f"backward={self.backward!r}")
+            pieces.append(f"backward={_literal(self.backward)}")
         return "".join(f", {piece}" for piece in pieces)
+
+
+def _literal(value: object) -> str:
+    """Strings in double quotes, as the rest of the generated code writes them."""
+    return f'"{value}"' if isinstance(value, str) else repr(value)
 
 
 def transition(axis: str, name: str, src: Placement, dst: Placement, *, side: str, sharded_body: bool) -> Op:

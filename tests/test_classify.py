@@ -72,7 +72,7 @@ def test_comments_name_the_transition():
     assert op("S(-1)", "R").comment() == "x: tp S(-1) -> R ==> all_gather(dim=-1) (backward split)"
     assert op("P(sum)", "R").comment() == "x: tp P(sum) -> R ==> all_reduce(sum)"
     assert op("R", "R", side="in").comment() == "x: tp R -> R ==> copy (backward all_reduce)"
-    assert op("S(-1)", "R").call_arguments() == ", dim=-1, backward='split'"
+    assert op("S(-1)", "R").call_arguments() == ', dim=-1, backward="split"'
 
 
 def two_axis_plan():

@@ -328,7 +328,7 @@ def _reduce_scatter(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
 
 def _split(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
     d, sizes = move.dst
-    return x.narrow(d, sum(sizes[: ax.rank]), sizes[0])
+    return x.narrow(d, sum(sizes[: ax.rank]), sizes[ax.rank])
 
 
 def _all_to_all(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
