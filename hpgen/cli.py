@@ -97,7 +97,7 @@ def run_guarded(action: Callable[[], int]) -> None:
 
 def write_stdout(text: str) -> None:
     """Write text as bytes, so CRLF and a BOM reach stdout unchanged."""
-    stream = click.get_binary_stream("stdout")
+    stream = sys.stdout.buffer
     stream.write(text.encode("utf-8"))
     stream.flush()
 

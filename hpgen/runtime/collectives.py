@@ -268,12 +268,6 @@ class AxisCollectives:
             dist.all_reduce(total, group=self.group)
             out.copy_(total[self.rank])
 
-    def _all_to_all_flat(self, out: Tensor, inp: Tensor, out_splits: list[int], in_splits: list[int]) -> None:
-        """1-D all-to-all: chunk ``i`` of ``inp`` goes to rank ``i``; rank ``i``'s lands in chunk ``i`` of ``out``."""
-        native = lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)  # noqa: E731
-        if not self._native("all_to_all_single", inp.device, native):
-            dist.all_to_all(list(out.split(out_splits)), list(inp.split(in_splits)), group=self.group)
-
 
 # ---- one function per collective: (axis, tensor, move) -> tensor, never in place -------
 
@@ -341,7 +335,12 @@ def _all_to_all(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
         shapes.append(shape)
     out_splits = [math.prod(shape) for shape in shapes]
     received = x.new_empty(sum(out_splits))
-    ax._all_to_all_flat(received, torch.cat(sends), out_splits, [t.numel() for t in sends])
+    native = lambda: dist.all_to_all_single(  # noqa: E731
+        received, torch.cat(sends), out_splits, [t.numel() for t in sends], group=ax.group
+    )
+    if not ax._native("all_to_all_single", x.device, native):  # fallback: gather all, keep ours
+        whole = _all_gather(ax, x, _Move("all_gather", move.src, None))
+        return _split(ax, whole, _Move("split", None, move.dst))
     return torch.cat([flat.view(shape) for flat, shape in zip(received.split(out_splits), shapes)], dim=src)
 
 
