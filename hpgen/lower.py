@@ -18,7 +18,7 @@ from hpgen.classify import Contract, classify_contract, is_identity_contract
 from hpgen.emit import AbsoluteImports, Style, header_lines, rewrite_class
 from hpgen.errors import HpgenError
 from hpgen.index import RUNTIME_IMPORT_TEXT as RUNTIME_IMPORT
-from hpgen.index import ClassInfo, ModuleIndex, index_module, parse_source
+from hpgen.index import ClassInfo, ModuleIndex, ParsedSource, index_module, parse_source
 from hpgen.plan import Plan, contract_signature
 from hpgen.resolve import ResolvedClass, resolve_boundaries
 
@@ -53,7 +53,7 @@ class ClassLowering:
 class Analysis:
     """Everything known about one (source, plan) pair before any code is emitted."""
 
-    module: cst.Module
+    parsed: ParsedSource
     index: ModuleIndex
     plan: Plan
     classes: dict[str, ClassLowering]  # in source order
@@ -64,7 +64,6 @@ class Analysis:
 def analyze(source_text: str, plan: Plan, *, source_name: str = "<source>") -> Analysis:
     """Parse, index, resolve and classify; raise ``HpgenError`` on bad input."""
     parsed = parse_source(source_text.removeprefix(BOM), name=source_name)
-    module = parsed.module
     index = index_module(parsed)
     if index.is_generated:
         raise HpgenError(
@@ -85,7 +84,7 @@ def analyze(source_text: str, plan: Plan, *, source_name: str = "<source>") -> A
         if name in keys_by_class:
             classes[name] = _lower_class(plan, index, info, sorted(keys_by_class[name]), source_name)
     skipped = tuple(key for key, entry in plan.entries.items() if entry.skip_source_lowering)
-    return Analysis(module, index, plan, classes, external, skipped)
+    return Analysis(parsed, index, plan, classes, external, skipped)
 
 
 def _lower_class(plan: Plan, index: ModuleIndex, info: ClassInfo, keys: list[str], source_name: str) -> ClassLowering:
@@ -164,7 +163,7 @@ def lower(
     if mode not in MODES:
         raise HpgenError(f"unknown mode {mode!r} (expected one of {', '.join(MODES)})")
     analysis = analyze(source_text, plan, source_name=source_name)
-    module = analysis.module
+    module = analysis.parsed.module
     style = Style.of(module)
     body: list[cst.BaseStatement] = []
     needs_runtime = any(lowering.rewritten for lowering in analysis.classes.values())
@@ -181,18 +180,53 @@ def lower(
     if needs_runtime and analysis.index.last_import_index is None:
         body = _after_docstring_and_futures(module, body)
     header = _header(module, source_text, plan, source_name, mode)
-    lowered = module.with_changes(body=body, header=header)
-    if package is not None:
-        try:
-            lowered = lowered.visit(AbsoluteImports(package))
-        except ValueError as exc:
-            raise HpgenError(str(exc), file=source_name) from None
-    code = lowered.code
+    if package is not None and analysis.index.relative_imports:
+        body = _absolute_imports(analysis, body, package, source_name)
+    code = module.with_changes(body=body, header=header).code
     try:
         compile(code, source_name, "exec", dont_inherit=True)
     except SyntaxError as exc:
         raise GeneratedCodeError(f"generated code does not compile: {exc.msg} at line {exc.lineno}") from None
     return BOM + code if source_text.startswith(BOM) else code
+
+
+def _absolute_imports(
+    analysis: Analysis, body: list[cst.BaseStatement], package: str, source_name: str
+) -> list[cst.BaseStatement]:
+    """Rewrite relative imports in ``package``, visiting only the statements that hold one.
+
+    A full-tree transform costs more than the parse; the ast's line ranges say which
+    top-level statements contain a relative import. Statements hpgen emitted hold none.
+    """
+    lines = [found.line for found in analysis.index.relative_imports]
+    spans = iter(_statement_spans(analysis.parsed))
+    original = {id(statement): next(spans) for statement in analysis.parsed.module.body}
+    transformer = AbsoluteImports(package)
+    result = []
+    for statement in body:
+        first, last = original.get(id(statement), (0, -1))
+        if any(first <= line <= last for line in lines):
+            try:
+                statement = statement.visit(transformer)
+            except ValueError as exc:
+                raise HpgenError(str(exc), file=source_name) from None
+        result.append(statement)
+    return result
+
+
+def _statement_spans(parsed: ParsedSource) -> list[tuple[int, int]]:
+    """The (first, last) line of each top-level libcst statement, from the ast.
+
+    ``a = 1; b = 2`` is one libcst statement line but two ast statements.
+    """
+    spans = []
+    nodes = iter(parsed.tree.body)
+    for statement in parsed.module.body:
+        count = len(statement.body) if isinstance(statement, cst.SimpleStatementLine) else 1
+        covered = [next(nodes) for _ in range(count)]
+        first = min(getattr(node, "decorator_list", [node])[0].lineno if getattr(node, "decorator_list", None) else node.lineno for node in covered)
+        spans.append((first, max(node.end_lineno or node.lineno for node in covered)))
+    return spans
 
 
 def _after_docstring_and_futures(module: cst.Module, body: list[cst.BaseStatement]) -> list[cst.BaseStatement]:

@@ -46,7 +46,8 @@ may live on any device the group's backend accepts (CPU with gloo, CUDA with NCC
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -57,9 +58,10 @@ __all__ = ["IDENTITY_AXIS", "REDUCE_OPS", "AxisCollectives"]
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
-# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Looked up softly: generated files import this module on builds without torch.distributed
+# too, and torch 2.13 renamed the single-tensor collectives that older releases also have.
+_all_gather_single = getattr(dist, "all_gather_single", getattr(dist, "all_gather_into_tensor", None))
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", getattr(dist, "reduce_scatter_tensor", None))
 
 
 class _Shard(NamedTuple):
@@ -185,7 +187,9 @@ class AxisCollectives:
         if x is None or self.size == 1:
             return x
         d = _norm_dim(dim, x.dim())
-        return self._run(x, _Move("all_gather", _Shard(d, self._gather_sizes(x.size(d), x.device)), None), backward)
+        return self._run(
+            x, _Move("all_gather", _Shard(d, self._gather_sizes(x.size(d), x.device)), None), backward
+        )
 
     def reduce_scatter(self, x: Tensor | None, dim: int, *, backward: str = "all_gather") -> Tensor | None:
         """``P(sum) -> S(dim)``: sum the ranks' partial values, keep this rank's chunk of ``dim``."""
@@ -193,7 +197,9 @@ class AxisCollectives:
         if x is None or self.size == 1:
             return x
         d = _norm_dim(dim, x.dim())
-        return self._run(x, _Move("reduce_scatter", None, _Shard(d, _split_sizes(x.size(d), self.size))), backward)
+        return self._run(
+            x, _Move("reduce_scatter", None, _Shard(d, _split_sizes(x.size(d), self.size))), backward
+        )
 
     def split(self, x: Tensor | None, dim: int, *, backward: str = "all_gather") -> Tensor | None:
         """``R -> S(dim)``: keep this rank's chunk of ``dim``; no communication."""
@@ -203,7 +209,9 @@ class AxisCollectives:
         d = _norm_dim(dim, x.dim())
         return self._run(x, _Move("split", None, _Shard(d, _split_sizes(x.size(d), self.size))), backward)
 
-    def all_to_all(self, x: Tensor | None, src_dim: int, dst_dim: int, *, backward: str = "all_to_all") -> Tensor | None:
+    def all_to_all(
+        self, x: Tensor | None, src_dim: int, dst_dim: int, *, backward: str = "all_to_all"
+    ) -> Tensor | None:
         """``S(src_dim) -> S(dst_dim)``: trade chunks of ``dst_dim`` for the others' shards of ``src_dim``."""
         _check("all_to_all", backward)
         if x is None or self.size == 1:
@@ -234,19 +242,19 @@ class AxisCollectives:
         return _owned(_OPS[move.op](self, x, move), x)  # no gradient: skip the autograd node
 
     def _gather_sizes(self, n: int, device: torch.device) -> tuple[int, ...]:
-        """Every rank's ``n``, by one all-gather of one int64 per rank."""
+        """Every rank's ``n``, by one all-gather of one int64 per rank (a host sync on CUDA)."""
         mine = torch.tensor([n], dtype=torch.int64, device=device)
         sizes = torch.empty(self.size, dtype=torch.int64, device=device)
         self._gather_into(sizes, mine)
         return tuple(sizes.tolist())
 
-    def _native(self, name: str, device: torch.device, call: Callable[[], object]) -> bool:
-        """Run the native collective ``call``; False if the backend does not support it."""
-        key = (self.backend, device.type, name)
+    def _native(self, collective: Callable[..., object], out: Tensor, *args: object) -> bool:
+        """Run ``collective(out, *args)`` on this group; False if the backend does not support it."""
+        key = (self.backend, out.device.type, collective.__name__)
         if key in _UNSUPPORTED:
             return False
         try:
-            call()
+            collective(out, *args, group=self.group)
         except RuntimeError as error:  # c10d says "Backend <name> does not support <op>"
             if "does not support" not in str(error):
                 raise
@@ -257,13 +265,13 @@ class AxisCollectives:
     def _gather_into(self, out: Tensor, inp: Tensor) -> None:
         """Rank ``i``'s contiguous ``inp`` into the ``i``-th block of contiguous ``out``."""
         stacked = out.view(self.size * inp.shape[0], *inp.shape[1:])  # the shape gloo checks
-        if not self._native("all_gather_single", inp.device, lambda: _all_gather_single(stacked, inp, group=self.group)):
+        if not self._native(_all_gather_single, stacked, inp):
             dist.all_gather(list(stacked.chunk(self.size)), inp, group=self.group)
 
     def _reduce_scatter_into(self, out: Tensor, blocks: Tensor) -> None:
         """``out`` = the sum over ranks of their block ``rank`` of ``blocks`` (``[size, *out.shape]``)."""
         stacked = blocks.view(self.size * out.shape[0], *out.shape[1:])  # the shape gloo checks
-        if not self._native("reduce_scatter_single", out.device, lambda: _reduce_scatter_single(out, stacked, group=self.group)):
+        if not self._native(_reduce_scatter_single, out, stacked):
             total = blocks.clone(memory_format=torch.contiguous_format)  # fallback: all-reduce, keep ours
             dist.all_reduce(total, group=self.group)
             out.copy_(total[self.rank])
@@ -278,9 +286,9 @@ def _identity(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
 
 def _all_reduce(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
     out = x.clone(memory_format=torch.contiguous_format)
-    op = dist.ReduceOp.SUM if move.reduce in ("sum", "avg") else getattr(dist.ReduceOp, move.reduce.upper())
-    dist.all_reduce(out, op=op, group=ax.group)
-    if move.reduce == "avg":  # sum then divide: gloo has no AVG
+    op = "SUM" if move.reduce == "avg" else move.reduce.upper()  # avg: sum then divide, as gloo lacks AVG
+    dist.all_reduce(out, op=getattr(dist.ReduceOp, op), group=ax.group)
+    if move.reduce == "avg":
         out.div_(ax.size)
     return out
 
@@ -300,7 +308,7 @@ def _all_gather(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
     ax._gather_into(blocks, local)
     if even:  # [k, ..., m, ...] -> [..., k * m, ...]
         return blocks.movedim(0, d).flatten(d, d + 1)
-    return torch.cat([block.narrow(d, 0, n) for block, n in zip(blocks, sizes)], dim=d)
+    return torch.cat([block.narrow(d, 0, n) for block, n in zip(blocks, sizes, strict=True)], dim=d)
 
 
 def _reduce_scatter(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
@@ -313,7 +321,7 @@ def _reduce_scatter(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
         shape = list(x.shape)
         shape[d] = most
         blocks = x.new_zeros((ax.size, *shape))
-        for block, chunk in zip(blocks, x.split(sizes, dim=d)):
+        for block, chunk in zip(blocks, x.split(sizes, dim=d), strict=True):
             block.narrow(d, 0, chunk.size(d)).copy_(chunk)
     out = blocks.new_empty(blocks.shape[1:])
     ax._reduce_scatter_into(out, blocks)
@@ -335,13 +343,14 @@ def _all_to_all(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
         shapes.append(shape)
     out_splits = [math.prod(shape) for shape in shapes]
     received = x.new_empty(sum(out_splits))
-    native = lambda: dist.all_to_all_single(  # noqa: E731
-        received, torch.cat(sends), out_splits, [t.numel() for t in sends], group=ax.group
-    )
-    if not ax._native("all_to_all_single", x.device, native):  # fallback: gather all, keep ours
+    in_splits = [t.numel() for t in sends]
+    if not ax._native(dist.all_to_all_single, received, torch.cat(sends), out_splits, in_splits):
+        # fallback: gather everything, keep our chunk
         whole = _all_gather(ax, x, _Move("all_gather", move.src, None))
         return _split(ax, whole, _Move("split", None, move.dst))
-    return torch.cat([flat.view(shape) for flat, shape in zip(received.split(out_splits), shapes)], dim=src)
+    return torch.cat(
+        [flat.view(shape) for flat, shape in zip(received.split(out_splits), shapes, strict=True)], dim=src
+    )
 
 
 _OPS: dict[str, Callable[[AxisCollectives, Tensor, _Move], Tensor]] = {
