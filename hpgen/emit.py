@@ -19,6 +19,7 @@ import jinja2
 import libcst as cst
 
 from hpgen.classify import Contract, ValueOps
+from hpgen.header import Header
 
 
 @functools.lru_cache(maxsize=1)
@@ -269,10 +270,9 @@ def rewrite_class(
 # --------------------------------------------------------------------------- module
 
 
-def header_lines(**values: str) -> list[cst.EmptyLine]:
-    """The generated-file header as comment lines."""
-    text = render("header.py.j2", **values)
-    return [cst.EmptyLine(comment=cst.Comment(line)) for line in text.splitlines()] + [cst.EmptyLine(indent=False)]
+def header_text(header: Header, newline: str) -> str:
+    """The generated file's header lines, in the source's newline."""
+    return render("header.py.j2", **header.values()).replace("\n", newline)
 
 
 class AbsoluteImports(cst.CSTTransformer):

@@ -7,7 +7,6 @@ proves it compiles before handing it back. Nothing here touches the file system.
 
 from __future__ import annotations
 
-import hashlib
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -15,8 +14,9 @@ import libcst as cst
 
 from hpgen import __version__
 from hpgen.classify import Contract, classify_contract, is_identity_contract
-from hpgen.emit import AbsoluteImports, Style, header_lines, rewrite_class
+from hpgen.emit import AbsoluteImports, Style, header_text, rewrite_class
 from hpgen.errors import HpgenError
+from hpgen.header import Header, display_name, sha256_text
 from hpgen.index import RUNTIME_IMPORT_TEXT as RUNTIME_IMPORT
 from hpgen.index import ClassInfo, ModuleIndex, ParsedSource, index_module, parse_source
 from hpgen.plan import Plan, contract_signature
@@ -179,15 +179,26 @@ def lower(
             body += style.parse_statements(RUNTIME_IMPORT + "\n")
     if needs_runtime and analysis.index.last_import_index is None:
         body = _after_docstring_and_futures(module, body)
-    header = _header(module, source_text, plan, source_name, mode)
     if package is not None and analysis.index.relative_imports:
         body = _absolute_imports(analysis, body, package, source_name)
-    code = module.with_changes(body=body, header=header).code
+    leading, rest = _split_leading_lines(module)
+    code = module.with_changes(body=body, header=rest).code
     try:
         compile(code, source_name, "exec", dont_inherit=True)
     except SyntaxError as exc:
         raise GeneratedCodeError(f"generated code does not compile: {exc.msg} at line {exc.lineno}") from None
-    return BOM + code if source_text.startswith(BOM) else code
+    header = Header(
+        version=__version__,
+        source_name=display_name(source_name),
+        source_sha256=sha256_text(source_text),
+        plan_name=display_name(plan.name),
+        plan_sha256=plan.sha256,
+        mode=mode,
+        package=package,
+        body_sha256=sha256_text(code),
+    )
+    bom = BOM if source_text.startswith(BOM) else ""
+    return bom + leading + header_text(header, style.newline) + code
 
 
 def _absolute_imports(
@@ -247,27 +258,13 @@ def _is_future_import(statement: cst.BaseStatement) -> bool:
     )
 
 
-def _header(module: cst.Module, source_text: str, plan: Plan, source_name: str, mode: str) -> list[cst.EmptyLine]:
-    """The hpgen header after any shebang / coding line, then the original header."""
+def _split_leading_lines(module: cst.Module) -> tuple[str, list[cst.EmptyLine]]:
+    """(a shebang / coding line that must stay first, as text; the rest of the header)."""
     original = list(module.header)
     keep = 0
-    while keep < len(original) and keep < 2 and original[keep].comment is not None and (
+    while keep < min(2, len(original)) and original[keep].comment is not None and (
         original[keep].comment.value.startswith("#!") or "coding" in original[keep].comment.value
     ):
         keep += 1
-    lines = header_lines(
-        version=__version__,
-        source_name=_printable(source_name.replace("\\", "/").rsplit("/", 1)[-1]),
-        source_sha256=hashlib.sha256(source_text.encode("utf-8", "surrogatepass")).hexdigest(),
-        plan_name=_printable(plan.name.replace("\\", "/").rsplit("/", 1)[-1]),
-        plan_sha256=plan.sha256,
-        mode=mode,
-    )
-    return [*original[:keep], *lines, *original[keep:]]
-
-
-def _printable(name: str) -> str:
-    """A file name safe inside a comment: as is when printable, else quoted and escaped."""
-    import json
-
-    return name if name.isprintable() else json.dumps(name)
+    leading = "".join(line.comment.value + module.default_newline for line in original[:keep])
+    return leading, original[keep:]

@@ -1,0 +1,225 @@
+"""The generic form's ``_hp_boundary``: each declared value moved from its src to its dst layout.
+
+A class lands in the generic form when some transition has no collective (``R -> P``,
+``S -> P``, a reduce-scatter of ``P(avg)``, ...) or when its ``forward`` fails a static
+gate (an input that arrives in ``**kwargs``). Its generated ``forward`` hands every
+declared value to ``self._hp_boundary``; this module builds that object.
+
+Each value gets the cheapest mover that is right for it: when all of its transitions are
+ordinary collectives it runs them through the axes' :class:`AxisCollectives`, exactly as
+the tp_collective form would; only a value with a transition that has no collective
+goes through DTensor: ``from_local`` (in the src placements, with the global shape
+gathered from the ranks, so uneven shards work) → ``redistribute`` → ``to_local``.
+
+DTensor cannot know what the body does with a value, so the gradient placements are
+given explicitly, with the same rule as the static ops (``hpgen.classify``): a
+replicated input of a body that is sharded on an axis gets a *partial* gradient there
+(all-reduced on the way back); every other gradient has the placement of its value,
+with partial values taking replicated gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement as DPlacement
+
+from hpgen.classify import ValueOps, value_ops
+from hpgen.placement import Placement
+from hpgen.plan import Layout, Plan, body_is_sharded
+from hpgen.runtime.collectives import AxisCollectives
+from hpgen.runtime.errors import ParallelizeError
+from hpgen.runtime.ops import (
+    Address,
+    Step,
+    get_output,
+    replace_output,
+    run_steps,
+    steps_for,
+)
+from hpgen.runtime.sharding import normalize_dim, split_sizes
+
+__all__ = ["DTensorMove", "GenericBoundary", "StaticMove", "boundary_movers", "generic_boundary", "mover_for"]
+
+
+class StaticMove:
+    """A value whose transitions are all collectives: the bound ``AxisCollectives`` calls."""
+
+    def __init__(self, steps: tuple[Step, ...]) -> None:
+        self.steps = steps
+
+    def __call__(self, x: Any) -> Any:
+        return run_steps(x, self.steps)
+
+
+class DTensorMove:
+    """A value moved through DTensor ``redistribute`` (transitions with no collective)."""
+
+    def __init__(
+        self,
+        name: str,
+        mesh: DeviceMesh,
+        src: tuple[Placement, ...],
+        dst: tuple[Placement, ...],
+        grad_src: tuple[DPlacement, ...],
+        grad_dst: tuple[DPlacement, ...],
+    ) -> None:
+        self.name = name
+        self.mesh = mesh
+        self.src = src  # hpgen placements, one per mesh dim (in the mesh's order)
+        self.src_dt = tuple(_dtensor_placement(p) for p in src)
+        self.dst_dt = tuple(_dtensor_placement(p) for p in dst)
+        self.grad_src = grad_src
+        self.grad_dst = grad_dst
+
+    def __call__(self, x: Any) -> Any:
+        if not isinstance(x, Tensor):
+            return x  # None, or a non-tensor value that has no layout
+        shape = self._global_shape(x)
+        stride = torch.empty(shape, device="meta").stride()
+        value = DTensor.from_local(
+            x, self.mesh, self.src_dt, run_check=False, shape=shape, stride=stride, grad_placements=self.grad_src
+        )
+        return value.redistribute(self.mesh, self.dst_dt).to_local(grad_placements=self.grad_dst)
+
+    def _global_shape(self, x: Tensor) -> torch.Size:
+        """The logical shape: each sharded dim's local sizes gathered over its axis.
+
+        Axes are undone in reverse mesh order, so a dim sharded on two axes adds up first
+        over the inner one. DTensor splits like ``torch.chunk``; a split that differs from
+        ``torch.tensor_split`` (SPEC §2) is refused rather than silently misread.
+        """
+        shape = list(x.shape)
+        for index in reversed(range(len(self.src))):
+            placement = self.src[index]
+            if placement.kind != "S":
+                continue
+            dim = normalize_dim(placement.dim, x.dim())
+            group = self.mesh.get_group(index)
+            size = dist.get_world_size(group)
+            mine = torch.tensor([shape[dim]], dtype=torch.int64, device=x.device)
+            every = [torch.empty_like(mine) for _ in range(size)]
+            dist.all_gather(every, mine, group=group)
+            sizes = tuple(int(t.item()) for t in every)
+            total = sum(sizes)
+            if sizes != split_sizes(total, size) or sizes != _chunk_sizes(total, size):
+                raise RuntimeError(
+                    f"{self.name}: shards of sizes {sizes} on mesh dim {self.mesh.mesh_dim_names[index]!r} "
+                    f"are not both torch.tensor_split's and DTensor's (torch.chunk's) split of {total}; "
+                    "the generic (DTensor) path cannot move them"
+                )
+            shape[dim] = total
+        return torch.Size(shape)
+
+
+def _chunk_sizes(n: int, k: int) -> tuple[int, ...]:
+    """Sizes of ``torch.chunk`` of ``n`` into ``k`` (what DTensor's ``Shard`` uses), zero-padded."""
+    full = -(-n // k) if n else 0
+    return tuple(max(0, min(full, n - i * full)) for i in range(k))
+
+
+def _dtensor_placement(placement: Placement) -> DPlacement:
+    if placement.kind == "R":
+        return Replicate()
+    if placement.kind == "S":
+        return Shard(placement.dim)
+    if placement.kind == "P":
+        return Partial(placement.op)
+    raise ValueError(f"{placement} has no DTensor placement here")
+
+
+def _grad_placement(placement: Placement, *, partial: bool) -> DPlacement:
+    """The placement of a value's gradient: partial when asked, replicated for a partial value."""
+    if partial:
+        return Partial("sum")
+    if placement.kind == "P":
+        return Replicate()
+    return _dtensor_placement(placement)
+
+
+def mover_for(
+    value: ValueOps,
+    layouts: tuple[Layout, Layout],
+    *,
+    side: str,
+    sharded: Mapping[str, bool],
+    mesh: DeviceMesh,
+    axes: Mapping[str, AxisCollectives],
+    where: str,
+) -> StaticMove | DTensorMove:
+    """The mover of one declared value (``side`` ``in`` or ``out``), static when it can be."""
+    if all(op.kind != "generic" for op in value.ops):
+        return StaticMove(steps_for(value, axes))
+    src, dst = layouts
+    names = tuple(mesh.mesh_dim_names or ())
+    src_p = tuple(src.on(axis) for axis in names)
+    dst_p = tuple(dst.on(axis) for axis in names)
+    for placement in (*src_p, *dst_p):
+        if placement.kind == "SS":
+            raise ParallelizeError(
+                f"{where}: {value.name!r} moves {placement} activations; the generic (DTensor) boundary "
+                "supports R, S(d) and P(op) only"
+            )
+    grad_src = tuple(_grad_placement(p, partial=False) for p in src_p)
+    grad_dst = tuple(
+        _grad_placement(p, partial=side == "in" and p.is_replicate and sharded.get(axis, False))
+        for axis, p in zip(names, dst_p)
+    )
+    return DTensorMove(f"{where}: {value.name}", mesh, src_p, dst_p, grad_src, grad_dst)
+
+
+class GenericBoundary:
+    """What the generic form's ``forward`` calls: ``input(name, value)``, ``output(name, outputs, address)``."""
+
+    def __init__(self, inputs: Mapping[str, Any], outputs: Mapping[str, Any]) -> None:
+        self._inputs = dict(inputs)
+        self._outputs = dict(outputs)
+
+    def input(self, name: str, value: Any) -> Any:
+        mover = self._inputs.get(name)
+        return value if mover is None else mover(value)
+
+    def output(self, name: str, outputs: Any, address: Address) -> Any:
+        mover = self._outputs.get(name)
+        if mover is None:
+            return outputs
+        return replace_output(outputs, address, mover(get_output(outputs, address)))
+
+    def __deepcopy__(self, memo: dict) -> GenericBoundary:
+        return self  # holds process-group handles, shared by copies of a model
+
+
+def boundary_movers(
+    plan: Plan, key: str, mesh: DeviceMesh, axes: Mapping[str, AxisCollectives], where: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Movers for every declared input and output of the entry ``key``."""
+    entry = plan.entries[key]
+    sharded = {axis: body_is_sharded(entry, axis) for axis in plan.mesh_dim_names}
+    inputs, outputs = value_ops(plan, key)
+    mesh_names = plan.mesh_dim_names
+    movers_in = {
+        value.name: mover_for(
+            value, entry.input_layouts(value.name, mesh_names), side="in", sharded=sharded, mesh=mesh, axes=axes, where=where
+        )
+        for value in inputs
+    }
+    movers_out = {
+        value.name: mover_for(
+            value, entry.output_layouts(value.name, mesh_names), side="out", sharded=sharded, mesh=mesh, axes=axes, where=where
+        )
+        for value in outputs
+    }
+    return movers_in, movers_out
+
+
+def generic_boundary(
+    plan: Plan, key: str, mesh: DeviceMesh, axes: Mapping[str, AxisCollectives], where: str
+) -> GenericBoundary:
+    """The ``_hp_boundary`` object for the boundary instance at ``where`` (its FQN)."""
+    return GenericBoundary(*boundary_movers(plan, key, mesh, axes, where))

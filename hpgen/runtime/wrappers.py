@@ -1,0 +1,120 @@
+"""Boundaries whose class is not in the lowered file: ``nn.Embedding`` and ``nn.Linear``.
+
+hpgen cannot rewrite torch's own classes, so ``parallelize`` changes the instance's
+``__class__`` to a small subclass defined here. Parameters, buffers and therefore
+``state_dict`` keys stay exactly as they were; only ``forward`` changes:
+
+- :class:`ParallelEmbedding`: with the weight sharded on the vocabulary (``S(0)``), the
+  ids outside this rank's rows are masked to row 0, looked up, and their rows zeroed,
+  so the ranks' outputs add up to the full lookup (``P(sum)``); the plan's output ops
+  then all-reduce it (``-> R``) or reduce-scatter it (``-> S(1)``, sequence parallel).
+  With the weight sharded on the embedding dim (``S(1)``) the lookup is already the
+  local columns (``S(-1)``).
+- :class:`ParallelLinear`: column-parallel (weight ``S(0)``: output features sharded,
+  ``S(-1)``, gathered when the plan says ``-> R``) or row-parallel (weight ``S(1)``:
+  input features sharded, output ``P(sum)``).
+
+Both run the plan's input and output ops with the same movers as the generic form
+(``hpgen.runtime.boundary``), bound at install. :class:`DeferredBiasLinear` is the inner
+``nn.Linear`` whose bias the plan defers: it computes without it, and the boundary adds
+it once after the output reduction.
+
+Subclasses of these torch classes get a subclass of their own, made on first use, so a
+subclass's ``forward`` (a scaled embedding, say) still runs inside the wrapper.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["DeferredBiasLinear", "ParallelEmbedding", "ParallelLinear", "subclass_with"]
+
+Mover = Callable[[Any], Any]
+
+
+class _ParallelEmbeddingMixin:
+    """Vocab-parallel (or dim-parallel) lookup, then the plan's output ops."""
+
+    _hp_in: Mover | None = None
+    _hp_out: Mover | None = None
+    _hp_vocab: tuple[int, int] | None = None  # global ids [start, stop) held here; None: all
+
+    def forward(self, input: Tensor) -> Tensor:
+        if self._hp_in is not None:
+            input = self._hp_in(input)
+        if self._hp_vocab is None:
+            output = super().forward(input)  # type: ignore[misc]
+        else:
+            start, stop = self._hp_vocab
+            outside = (input < start) | (input >= stop)
+            output = super().forward((input - start).masked_fill(outside, 0))  # type: ignore[misc]
+            output = output.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self._hp_out is not None:
+            output = self._hp_out(output)
+        return output
+
+
+class _ParallelLinearMixin:
+    """Column- or row-parallel ``nn.Linear``: input ops, the local matmul, output ops."""
+
+    _hp_in: Mover | None = None
+    _hp_out: Mover | None = None
+    _hp_defer_bias = False  # the plan adds this module's bias after the output reduction
+
+    def forward(self, input: Tensor) -> Tensor:
+        if self._hp_in is not None:
+            input = self._hp_in(input)
+        if self._hp_defer_bias:
+            output = F.linear(input, self.weight)  # type: ignore[attr-defined]
+        else:
+            output = super().forward(input)  # type: ignore[misc]
+        if self._hp_out is not None:
+            output = self._hp_out(output)
+        return output
+
+
+class _DeferredBiasMixin:
+    """An ``nn.Linear`` inside a boundary whose bias the boundary adds after its reduction."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.linear(input, self.weight)  # type: ignore[attr-defined]
+
+
+class ParallelEmbedding(_ParallelEmbeddingMixin, nn.Embedding):
+    """``nn.Embedding`` as a vocab-parallel boundary (see the module docstring)."""
+
+
+class ParallelLinear(_ParallelLinearMixin, nn.Linear):
+    """``nn.Linear`` as a column- or row-parallel boundary (see the module docstring)."""
+
+
+class DeferredBiasLinear(_DeferredBiasMixin, nn.Linear):
+    """``nn.Linear`` that leaves its bias to the enclosing boundary (``deferred_bias_params``)."""
+
+
+_PREDEFINED: dict[tuple[type, type], type] = {
+    (_ParallelEmbeddingMixin, nn.Embedding): ParallelEmbedding,
+    (_ParallelLinearMixin, nn.Linear): ParallelLinear,
+    (_DeferredBiasMixin, nn.Linear): DeferredBiasLinear,
+}
+_MADE: dict[tuple[type, type], type] = {}
+MIXINS = {"embedding": _ParallelEmbeddingMixin, "linear": _ParallelLinearMixin, "deferred_bias": _DeferredBiasMixin}
+
+
+def subclass_with(cls: type[nn.Module], role: str) -> type[nn.Module]:
+    """The class an instance of ``cls`` becomes for ``role`` (embedding, linear, deferred_bias).
+
+    torch's own classes map to the classes above (importable, so a model still pickles);
+    their subclasses get a cached ``<Role><Class>`` subclass whose mixin comes first.
+    """
+    mixin = MIXINS[role]
+    key = (mixin, cls)
+    if key in _PREDEFINED:
+        return _PREDEFINED[key]
+    if key not in _MADE:
+        prefix = {"embedding": "Parallel", "linear": "Parallel", "deferred_bias": "DeferredBias"}[role]
+        _MADE[key] = type(f"{prefix}{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
+    return _MADE[key]
