@@ -104,5 +104,5 @@ def test_multiline_last_import():
 def test_no_imports_at_all():
     source = '"""Doc."""\n' + SOURCE.replace("import torch\nfrom torch import nn\n", "")
     output = lower(source, PLAN)
-    assert output.split("\n", 6)[5:6] == ['"""Doc."""']
+    assert output.split("\n", 7)[6:7] == ['"""Doc."""']
     assert '"""Doc."""\nimport hpgen.runtime.defaults as _hp_runtime\n' in output

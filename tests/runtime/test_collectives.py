@@ -1,0 +1,264 @@
+"""hpgen.runtime.collectives on real gloo process groups, checked against one-process references.
+
+Every collective keeps the logical tensor and changes only its layout, so one reference
+serves them all: build the logical tensor ``X`` from per-rank pieces (the shards of
+``S(d)``, the parts of ``P(op)``, the one tensor of ``R``), take the loss
+``(X * G).sum()`` for a random ``G`` and backpropagate. On the ranks, each rank feeds its
+piece to the collective, checks the result against ``X`` laid out in the output placement,
+and backpropagates its share of ``G`` as the gradient placement says (``R``: all of it,
+``P``: a random part, ``S(d)``: its shard); its input gradient must equal the reference
+gradient of its piece. The ranks run many cases per process spawn to keep the file fast.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hpgen.runtime import collectives
+from hpgen.runtime.collectives import IDENTITY_AXIS, AxisCollectives
+from tests.dist import RankFailed, run_distributed
+
+REDUCE = {
+    "sum": lambda t: t.sum(0),
+    "avg": lambda t: t.mean(0),
+    "max": lambda t: t.amax(0),
+    "min": lambda t: t.amin(0),
+}
+
+
+def _pieces(placement: str, shape: tuple[int, ...], k: int, gen: torch.Generator, sizes=None):
+    """Reference leaves (one per rank; ``R`` shares one) and the logical tensor they make."""
+    kind, _, arg = placement.partition("(")
+    arg = arg.rstrip(")")
+    if kind == "R":
+        leaf = torch.randn(shape, generator=gen, dtype=torch.float64, requires_grad=True)
+        return [leaf] * k, leaf
+    if kind == "P":
+        parts = [torch.randn(shape, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(k)]
+        return parts, REDUCE[arg](torch.stack(parts))
+    dim = int(arg)
+    full = torch.randn(shape, generator=gen, dtype=torch.float64)
+    shards = full.split(sizes, dim) if sizes else full.tensor_split(k, dim)
+    shards = [s.clone().requires_grad_() for s in shards]
+    return shards, torch.cat(shards, dim)
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, tol: float = 1e-12) -> None:
+    # not torch.testing.assert_close: its first call imports sympy, a second per rank
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, (
+        f"{what}: got {actual.dtype}{list(actual.shape)}, expected {expected.dtype}{list(expected.shape)}"
+    )
+    assert torch.allclose(actual, expected, rtol=tol, atol=tol), (
+        f"{what}: got\n{actual}\nexpected\n{expected}"
+    )
+
+
+def _local(placement: str, full: torch.Tensor, rank: int, k: int, parts=None) -> torch.Tensor:
+    """Rank ``rank``'s view of ``full`` in ``placement`` (``P``: the given ``parts``)."""
+    if placement == "R":
+        return full
+    if placement.startswith("P"):
+        return parts[rank]
+    return full.tensor_split(k, int(placement[2:-1]))[rank]
+
+
+def _cases(ndim: int):
+    """(method, args, kwargs, input, output, gradient-of-output placement) for each check."""
+    dims = [0, 1, -1][:ndim]
+    for op in REDUCE:
+        yield "all_reduce", (op,), {}, f"P({op})", "R", "R"
+        yield "all_reduce", (op,), {"backward": "all_reduce"}, f"P({op})", "R", "P"
+    yield "copy", (), {}, "R", "R", "P"
+    yield "copy", (), {"backward": "identity"}, "R", "R", "R"
+    for d in dims:
+        yield "all_gather", (d,), {}, f"S({d})", "R", "P"
+        yield "all_gather", (d,), {"backward": "split"}, f"S({d})", "R", "R"
+        yield "reduce_scatter", (d,), {}, "P(sum)", f"S({d})", f"S({d})"
+        yield "split", (d,), {}, "R", f"S({d})", f"S({d})"
+        for e in dims:
+            if d % ndim != e % ndim:
+                yield "all_to_all", (d, e), {}, f"S({d})", f"S({e})", f"S({e})"
+
+
+def _check(ax: AxisCollectives, case: tuple, shape: tuple[int, ...], seed: int, in_sizes=None) -> None:
+    """One case on one shape: values, gradient, fresh output, untouched input, no-grad path.
+
+    ``in_sizes``: shard sizes of an ``S`` input other than ``tensor_split``'s.
+    """
+    method, args, kwargs, src, dst, grad = case
+    k, r = ax.size, ax.rank
+    gen = torch.Generator().manual_seed(seed)
+    leaves, logical = _pieces(src, shape, k, gen, in_sizes)
+    g_parts = [torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(k)]
+    g_full = torch.stack(g_parts).sum(0)
+    (logical * g_full).sum().backward()
+
+    x = leaves[r].detach().clone().requires_grad_()
+    before = x.detach().clone()
+    y = getattr(ax, method)(x, *args, **kwargs)
+    what = f"{method}{args} {kwargs} shape={shape} rank={r}/{k}"
+    _assert_close(y, _local(dst, logical.detach(), r, k), what)
+    plain_no_op = method == "copy" and kwargs.get("backward") == "identity"  # returns x itself
+    if not plain_no_op:
+        assert y.is_contiguous() and (y.numel() == 0 or y.data_ptr() != x.data_ptr()), what
+        y.add_(0)  # results are fresh tensors: in-place use is allowed under autograd
+    (y * _local(grad, g_full, r, k, g_parts)).sum().backward()
+    _assert_close(x.grad, leaves[r].grad, f"{what} grad")
+    assert torch.equal(x.detach(), before), f"{what} changed its input"
+
+    with torch.no_grad():  # the path without an autograd node gives the same values
+        _assert_close(getattr(ax, method)(x, *args, **kwargs), y.detach(), f"{what} without grad", tol=0)
+
+
+# even on every dim (for 2 ranks); 7 and 5 uneven; 1 leaves a rank with nothing on that dim
+SHAPES = [(4, 6, 2), (7, 5, 3), (1, 3, 1), (5, 7)]
+
+
+def _battery(rank: int, world_size: int, groups: list[tuple[list[int], list[tuple]]], fallbacks=False) -> int:
+    """Every case on each of the shapes, for each (group ranks, shapes) this rank is in.
+
+    ``fallbacks``: act as if gloo lacked its single-tensor collectives, as some backends do.
+    """
+    if fallbacks:
+        for name in ("all_gather_single", "reduce_scatter_single", "all_to_all_single"):
+            collectives._UNSUPPORTED.add(("gloo", "cpu", name))
+    handles = [dist.new_group(ranks) for ranks, _ in groups]  # every rank creates every group
+    checks = 0
+    for (ranks, shapes), group in zip(groups, handles, strict=True):
+        if rank not in ranks:
+            continue
+        ax = AxisCollectives(group, "tp")
+        assert ax.rank == ranks.index(rank) and ax.size == len(ranks)
+        for seed, shape in enumerate(shapes):
+            for case in _cases(len(shape)):
+                _check(ax, case, shape, seed)
+                checks += 1
+        # all_gather of shards that are not tensor_split-shaped; backward reuses their sizes
+        sizes = [2] + [5] * (ax.size - 1)
+        shape = (3, sum(sizes), 2)
+        _check(ax, ("all_gather", (1,), {}, "S(1)", "R", "P"), shape, 98, in_sizes=sizes)
+        _check(ax, ("all_gather", (1,), {"backward": "split"}, "S(1)", "R", "R"), shape, 99, in_sizes=sizes)
+        checks += 2
+        # integer tensors (no gradient) and optional inputs
+        ids = torch.arange(7).tensor_split(ax.size)[ax.rank]
+        assert torch.equal(ax.all_gather(ids, dim=0), torch.arange(7))
+        assert all(op(ax, None) is None for op in _EVERY_OP)
+        checks += 1
+    # a group of one rank: every op hands back its input, with no autograd node
+    for ranks in [[r] for r in range(world_size)]:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            _check_no_ops(AxisCollectives(group, "solo"))
+            checks += 1
+    return checks
+
+
+_EVERY_OP = [
+    lambda ax, v: ax.all_reduce(v),
+    lambda ax, v: ax.all_reduce(v, "max", backward="all_reduce"),
+    lambda ax, v: ax.all_gather(v, 1),
+    lambda ax, v: ax.all_gather(v, -1, backward="split"),
+    lambda ax, v: ax.reduce_scatter(v, 0),
+    lambda ax, v: ax.split(v, 1),
+    lambda ax, v: ax.all_to_all(v, 0, 1),
+    lambda ax, v: ax.copy(v),
+    lambda ax, v: ax.copy(v, backward="identity"),
+]
+
+
+def _check_no_ops(ax: AxisCollectives) -> None:
+    """A one-rank axis returns its input itself from every op (no copy, no autograd node)."""
+    assert ax.size == 1 and ax.rank == 0
+    x = torch.randn(3, 4, requires_grad=True)
+    for op in _EVERY_OP:
+        assert op(ax, x) is x and op(ax, None) is None
+
+
+def test_two_ranks():
+    checks = run_distributed(_battery, [([0, 1], SHAPES)], world_size=2, timeout=180)
+    assert checks[0] == checks[1] >= 100
+
+
+def test_three_ranks_a_subgroup_and_the_fallbacks():
+    # ranks 1 and 2 also form a group, in which they are ranks 0 and 1
+    groups = [([0, 1, 2], SHAPES), ([1, 2], SHAPES[1:2])]
+    checks = run_distributed(_battery, groups, True, world_size=3, timeout=180)
+    assert checks[1] == checks[2] > checks[0] >= 100
+
+
+def test_identity_axis_needs_no_process_group():
+    _check_no_ops(IDENTITY_AXIS)
+    assert AxisCollectives(None, "tp").size == 1
+    assert copy.deepcopy(IDENTITY_AXIS) is IDENTITY_AXIS
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda ax, x: ax.all_reduce(x, "prod"), "valid: sum, avg, max, min"),
+        (lambda ax, x: ax.all_reduce(x, backward="split"), "valid: identity, all_reduce"),
+        (lambda ax, x: ax.all_gather(x, 0, backward="identity"), "valid: reduce_scatter, split"),
+        (lambda ax, x: ax.reduce_scatter(x, 0, backward="bogus"), "valid: all_gather"),
+        (lambda ax, x: ax.split(x, 0, backward="reduce_scatter"), "valid: all_gather"),
+        (lambda ax, x: ax.all_to_all(x, 0, 1, backward="all_gather"), "valid: all_to_all"),
+        (lambda ax, x: ax.copy(x, backward="all_gather"), "valid: identity, all_reduce"),
+    ],
+)
+def test_invalid_ops_are_rejected_even_on_one_rank(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(IDENTITY_AXIS, torch.ones(2, 2))
+
+
+def test_an_unsupported_native_collective_is_probed_once():
+    calls = []
+
+    def fake_collective(out, *args, group):
+        calls.append(out)
+        raise RuntimeError("Backend fake does not support fake_collective")
+
+    def broken(out, *args, group):
+        raise RuntimeError("Connection reset by peer")
+
+    ax, t = AxisCollectives(None, "tp"), torch.zeros(1)
+    try:
+        assert not ax._native(fake_collective, t) and not ax._native(fake_collective, t)
+        assert len(calls) == 1  # the rejection is remembered
+        with pytest.raises(RuntimeError, match="Connection reset"):  # other errors propagate
+            ax._native(broken, t)
+    finally:
+        collectives._UNSUPPORTED.discard(("", "cpu", "fake_collective"))
+
+
+# ---- the harness itself ----------------------------------------------------------------
+
+
+def _fail_on_rank_one(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("boom on rank one")
+    dist.barrier()  # rank 0 waits for a peer that never comes
+
+
+def _hang(rank: int, world_size: int) -> None:
+    import time
+
+    time.sleep(600)
+
+
+def test_a_failing_rank_is_reported_without_hanging():
+    with pytest.raises(RankFailed, match=r"(?s)rank 1 of 2 failed:.*ValueError: boom on rank one") as info:
+        run_distributed(_fail_on_rank_one, timeout=60)
+    assert "_fail_on_rank_one" in str(info.value)  # the rank's traceback
+
+
+def test_a_hung_rank_times_out():
+    with pytest.raises(RankFailed, match="did not finish within 3s"):
+        run_distributed(_hang, timeout=3)
+
+
+def test_fn_must_be_picklable():
+    with pytest.raises(TypeError, match="module-level"):
+        run_distributed(lambda rank, world_size: None)
