@@ -2,88 +2,34 @@
 
 Messages go to stderr, generated code and diffs to stdout, so ``--diff > patch`` works.
 Bad input exits 2 with one line naming the file and the place; an hpgen bug (generated
-code that does not compile) exits 123, as black does, and writes nothing.
+code that does not compile) exits 123, as black does, and writes nothing. The one
+``Report`` of a run decides the exit code.
+
+The lowering machinery is imported inside the commands that lower, so that ``hpgen
+check`` on fresh targets does not pay for libcst.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import click
 
 from hpgen import __version__
 from hpgen.errors import HpgenError
-from hpgen.explain import explain, explain_text
-from hpgen.lower import MODES, GeneratedCodeError, analyze, lower
-from hpgen.plan import is_dotted_path, load_plan
-from hpgen.write import (
-    EXIT_BAD_INPUT,
-    Report,
-    atomic_write,
-    read_existing,
-    unified_diff,
-)
-
-EXIT_INTERNAL = 123
-
-
-def read_source(path: str) -> str:
-    """The source text (UTF-8, a BOM kept as U+FEFF, line endings untouched)."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise HpgenError(f"cannot read source: {exc.strerror or exc}", file=path) from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
-        raise HpgenError("source is not UTF-8 text", file=path, where=f"{line}:1") from None
-
-
-def infer_package(source: Path) -> str | None:
-    """The package of ``source`` from its ``__init__.py`` chain, or None outside one."""
-    parts: list[str] = []
-    folder = source.resolve().parent
-    while (folder / "__init__.py").is_file() and folder.name.isidentifier():
-        parts.insert(0, folder.name)
-        folder = folder.parent
-    return ".".join(parts) or None
-
-
-def import_package(source: str, output: str | None, package: str | None, text: str) -> str | None:
-    """The package to make relative imports absolute in, or None to keep them relative.
-
-    They stay relative only when the output sits beside the source (same package) and
-    no ``--package`` forces a rewrite. Output to stdout counts as outside.
-    """
-    if package is not None:
-        return package
-    source_path = Path(source)
-    if output is not None and Path(output).resolve().parent == source_path.resolve().parent:
-        return None
-    if "from ." not in text:  # cheap pre-check; the index below decides
-        return None
-    inferred = infer_package(source_path)
-    if inferred is not None:
-        return inferred
-    from hpgen.index import index_module, parse_source
-
-    stripped = text.removeprefix("\ufeff")
-    relative = index_module(parse_source(stripped, name=source)).relative_imports
-    if relative:
-        raise HpgenError(
-            "a relative import needs the source's package when the output is written elsewhere: pass --package",
-            file=source,
-            where=f"{relative[0].line}:1",
-        )
-    return None
+from hpgen.generate import check_target, generate, read_source
+from hpgen.plan import is_dotted_path
+from hpgen.targets import MODES, Target, find_pyproject, load_targets
+from hpgen.write import EXIT_BAD_INPUT, EXIT_INTERNAL, Report, atomic_write, unified_diff
 
 
 def run_guarded(action: Callable[[], int]) -> None:
     """Run a command body, turning bad input into exit 2 and bugs into exit 123."""
+    from hpgen.lower import GeneratedCodeError
+
     try:
         code = action()
     except HpgenError as exc:
@@ -97,9 +43,85 @@ def run_guarded(action: Callable[[], int]) -> None:
 
 def write_stdout(text: str) -> None:
     """Write text as bytes, so CRLF and a BOM reach stdout unchanged."""
-    stream = sys.stdout.buffer
-    stream.write(text.encode("utf-8"))
-    stream.flush()
+    sys.stdout.flush()
+    sys.stdout.buffer.write(text.encode("utf-8"))
+    sys.stdout.buffer.flush()
+
+
+def echo_diff(diff: str, color: bool | None) -> None:
+    """A unified diff on stdout, coloured on a terminal (or as ``--color`` says)."""
+    for line in diff.splitlines(keepends=True):
+        body = line.rstrip("\r\n")
+        if line.startswith(("+++", "---")):
+            body = click.style(body, bold=True)
+        elif line[:1] in _DIFF_COLOURS:
+            body = click.style(body, fg=_DIFF_COLOURS[line[:1]])
+        click.echo(body + line[len(line.rstrip("\r\n")) :], nl=False, color=color)
+
+
+_DIFF_COLOURS = {"+": "green", "-": "red", "@": "cyan"}
+
+
+def configured_targets(outputs: Iterable[str] = ()) -> list[Target]:
+    """The ``[tool.hpgen]`` targets, or those among them whose output is in ``outputs``."""
+    pyproject = find_pyproject(Path.cwd())
+    if pyproject is None:
+        raise HpgenError("no pyproject.toml with a [tool.hpgen] table in this folder or above it; pass SOURCE and PLAN")
+    targets = load_targets(pyproject)
+    wanted = [Path(output).resolve() for output in outputs]
+    if not wanted:
+        return targets
+    by_output = {target.output.resolve(): target for target in targets if target.output is not None}
+    for output, path in zip(outputs, wanted):
+        if path not in by_output:
+            raise HpgenError(f"{output} is not the output of any target in {pyproject}")
+    return [by_output[path] for path in wanted]
+
+
+def run_targets(
+    targets: list[Target], *, check: bool, diff: bool, full: bool, color: bool | None, summary: bool = True
+) -> int:
+    """Regenerate (or, with ``check``/``diff``, compare) each target; one report for all.
+
+    Each file written, stale or failed gets one line on stderr; ``summary`` adds a
+    closing line of counts (for target lists) and otherwise a line for an untouched file.
+    """
+    from hpgen.lower import GeneratedCodeError
+
+    report = Report(check=check or diff)
+    for target in targets:
+        name = target.output_name
+        try:
+            if check or diff:
+                found = check_target(target, full=full)
+                if found.fresh:
+                    report.unchanged.append(name)
+                    if not summary:
+                        click.echo(f"{name} is up to date", err=True)
+                    continue
+                report.stale.append(name)
+                click.echo(f"would regenerate {name}" + ("" if found.existing is not None else " (missing)"), err=True)
+                if diff:
+                    echo_diff(unified_diff(found.existing or "", found.generated or "", name, f"{name} (hpgen)"), color)
+            elif atomic_write(target.output, generate(target).encode("utf-8")):
+                report.written.append(name)
+                click.echo(f"wrote {name}", err=True)
+            else:
+                report.unchanged.append(name)
+                if not summary:
+                    click.echo(f"{name} unchanged", err=True)
+        except HpgenError as exc:
+            report.failed.append(name)
+            click.echo(f"error: {exc}", err=True)
+        except OSError as exc:  # the output folder is missing, read-only, full...
+            report.failed.append(name)
+            click.echo(f"error: {name}: cannot write: {exc.strerror or exc}", err=True)
+        except GeneratedCodeError as exc:
+            report.internal_errors.append(name)
+            click.echo(f"internal error (please report): {exc}; {name} was not written", err=True)
+    if summary:
+        click.echo(report.summary(), err=True)
+    return report.return_code
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -109,51 +131,77 @@ def cli() -> None:
 
 
 @cli.command("lower")
-@click.argument("source")
-@click.argument("plan")
+@click.argument("source", required=False)
+@click.argument("plan", required=False)
 @click.option("-o", "--output", help="Write here instead of stdout ('-' is stdout).")
-@click.option("--check", is_flag=True, help="Write nothing; exit 1 when OUTPUT would change.")
+@click.option("--check", is_flag=True, help="Write nothing; exit 1 when the output would change.")
 @click.option("--diff", is_flag=True, help="Write nothing; print a unified diff of what would change.")
 @click.option("--mode", type=click.Choice(MODES), default="default", show_default=True)
 @click.option("--package", help="Package of SOURCE, for making its relative imports absolute.")
-def lower_command(source: str, plan: str, output: str | None, check: bool, diff: bool, mode: str, package: str | None) -> None:
-    """Rewrite the boundary classes of SOURCE as PLAN says."""
-    run_guarded(lambda: _lower(source, plan, None if output == "-" else output, check, diff, mode, package))
+@click.option("--color/--no-color", default=None, help="Colour diffs (default: when stdout is a terminal).")
+def lower_command(
+    source: str | None,
+    plan: str | None,
+    output: str | None,
+    check: bool,
+    diff: bool,
+    mode: str,
+    package: str | None,
+    color: bool | None,
+) -> None:
+    """Rewrite the boundary classes of SOURCE as PLAN says.
+
+    Without SOURCE and PLAN, regenerate every target of [tool.hpgen] in pyproject.toml,
+    writing only the files whose bytes change.
+    """
+
+    def run() -> int:
+        if source is None:
+            if output is not None or package is not None or mode != "default":
+                raise HpgenError("-o, --mode and --package need SOURCE and PLAN; targets set them in pyproject.toml")
+            return run_targets(configured_targets(), check=check, diff=diff, full=False, color=color)
+        if plan is None:
+            raise click.UsageError("Missing argument 'PLAN'.")
+        return _lower_one(source, plan, None if output in (None, "-") else output, check, diff, mode, package, color)
+
+    run_guarded(run)
 
 
-def _lower(source: str, plan_path: str, output: str | None, check: bool, diff: bool, mode: str, package: str | None) -> int:
+def _lower_one(
+    source: str, plan: str, output: str | None, check: bool, diff: bool, mode: str, package: str | None, color: bool | None
+) -> int:
     if package is not None and not is_dotted_path(package):
         raise HpgenError(f"--package {package!r} is not a dotted package name")
     if check and output is None:
         raise HpgenError("--check compares against a file: give it with -o OUTPUT")
     if output is not None and Path(output).resolve() == Path(source).resolve():
         raise HpgenError("the output would overwrite the source; choose another -o", file=output)
-    text = read_source(source)
-    plan = load_plan(plan_path)
-    generated = lower(
-        text, plan, mode=mode, source_name=source, package=import_package(source, output, package, text)
-    )
-    report = Report(check=check)
-    if check or diff:
-        before_name, before_bytes = (output, read_existing(output)) if output is not None else (source, text.encode())
-        before = (before_bytes or b"").decode("utf-8", "replace")
-        changed = before != generated
-        if diff and changed:
-            click.echo(unified_diff(before, generated, before_name, f"{before_name} (hpgen)"), nl=False)
-        if check:
-            (report.stale if changed else report.unchanged).append(output)
-            click.echo(f"would regenerate {output}" if changed else f"{output} is up to date", err=True)
-        return report.return_code
-    if output is None:
-        write_stdout(generated)
-        return report.return_code
-    if atomic_write(output, generated.encode("utf-8")):
-        report.written.append(output)
-        click.echo(f"wrote {output}", err=True)
+    if output is not None and Path(output).is_dir():
+        raise HpgenError("the output is a folder; give a file name", file=output)
+    target = Target(Path(source), Path(plan), None if output is None else Path(output), mode, package)
+    if output is not None:
+        return run_targets([target], check=check, diff=diff, full=True, color=color, summary=False)
+    generated = generate(target)
+    if diff:  # no output file: show what hpgen changes in the source
+        text, _ = read_source(target.source)
+        echo_diff(unified_diff(text, generated, source, f"{source} (hpgen)"), color)
     else:
-        report.unchanged.append(output)
-        click.echo(f"{output} unchanged", err=True)
-    return report.return_code
+        write_stdout(generated)
+    return 0
+
+
+@cli.command("check")
+@click.argument("outputs", nargs=-1)
+@click.option("--full", is_flag=True, help="Lower every target again instead of trusting verified header hashes.")
+@click.option("--color/--no-color", default=None, help="Colour diffs (default: when stdout is a terminal).")
+def check_command(outputs: tuple[str, ...], full: bool, color: bool | None) -> None:
+    """Exit 1 with a unified diff when a [tool.hpgen] target is stale (for CI).
+
+    Stale means the output is missing, hand-edited, or would differ after regeneration
+    (its source, plan or the hpgen version changed). OUTPUTS limit the check to those
+    targets.
+    """
+    run_guarded(lambda: run_targets(configured_targets(outputs), check=True, diff=True, full=full, color=color))
 
 
 @cli.command("explain")
@@ -164,7 +212,12 @@ def explain_command(source: str, plan: str, as_json: bool) -> None:
     """Per class: FQNs, form, each op and why, and collectives per forward call."""
 
     def run() -> int:
-        report = explain(analyze(read_source(source), load_plan(plan), source_name=source))
+        from hpgen.explain import explain, explain_text
+        from hpgen.lower import analyze
+        from hpgen.plan import load_plan
+
+        text, _ = read_source(Path(source))
+        report = explain(analyze(text, load_plan(plan), source_name=source))
         click.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else explain_text(report), nl=as_json)
         return 0
 

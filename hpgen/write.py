@@ -16,6 +16,7 @@ from pathlib import Path
 EXIT_OK = 0
 EXIT_STALE = 1
 EXIT_BAD_INPUT = 2
+EXIT_INTERNAL = 123  # an hpgen bug, as black reports one
 
 
 @dataclass
@@ -27,9 +28,12 @@ class Report:
     unchanged: list[str] = field(default_factory=list)
     stale: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
+    internal_errors: list[str] = field(default_factory=list)
 
     @property
     def return_code(self) -> int:
+        if self.internal_errors:
+            return EXIT_INTERNAL
         if self.failed:
             return EXIT_BAD_INPUT
         if self.check and self.stale:
@@ -37,16 +41,14 @@ class Report:
         return EXIT_OK
 
     def summary(self) -> str:
-        parts = []
-        if self.check:
-            parts.append(f"{len(self.stale)} stale" if self.stale else "all up to date")
-        if self.written:
-            parts.append(f"{len(self.written)} written")
-        if self.unchanged:
-            parts.append(f"{len(self.unchanged)} unchanged")
-        if self.failed:
-            parts.append(f"{len(self.failed)} failed")
-        return ", ".join(parts)
+        """One line: ``2 written, 3 unchanged`` or ``1 stale, 4 up to date, 1 failed``."""
+        counts = (
+            [(self.stale, "stale"), (self.unchanged, "up to date")]
+            if self.check
+            else [(self.written, "written"), (self.unchanged, "unchanged")]
+        )
+        counts += [(self.failed, "failed"), (self.internal_errors, "internal errors")]
+        return ", ".join(f"{len(names)} {what}" for names, what in counts if names) or "nothing to do"
 
 
 def read_existing(path: str | os.PathLike[str]) -> bytes | None:
