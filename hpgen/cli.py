@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 
 from hpgen import __version__
-from hpgen.errors import HpgenError
+from hpgen.errors import GeneratedCodeError, HpgenError
 from hpgen.generate import check_target, generate, read_source
 from hpgen.plan import is_dotted_path
 from hpgen.targets import MODES, Target, find_pyproject, load_targets
@@ -28,8 +28,6 @@ from hpgen.write import EXIT_BAD_INPUT, EXIT_INTERNAL, Report, atomic_write, uni
 
 def run_guarded(action: Callable[[], int]) -> None:
     """Run a command body, turning bad input into exit 2 and bugs into exit 123."""
-    from hpgen.lower import GeneratedCodeError
-
     try:
         code = action()
     except HpgenError as exc:
@@ -86,8 +84,6 @@ def run_targets(
     Each file written, stale or failed gets one line on stderr; ``summary`` adds a
     closing line of counts (for target lists) and otherwise a line for an untouched file.
     """
-    from hpgen.lower import GeneratedCodeError
-
     report = Report(check=check or diff)
     for target in targets:
         name = target.output_name

@@ -26,3 +26,7 @@ class HpgenError(Exception):
     def __str__(self) -> str:
         prefix = ":".join(part for part in (self.file, self.where) if part)
         return f"{prefix}: {self.message}" if prefix else self.message
+
+
+class GeneratedCodeError(Exception):
+    """The generated code does not compile: a bug in hpgen, never the user's input."""

@@ -15,7 +15,7 @@ import libcst as cst
 from hpgen import __version__
 from hpgen.classify import Contract, classify_contract, is_identity_contract
 from hpgen.emit import AbsoluteImports, Style, header_text, rewrite_class
-from hpgen.errors import HpgenError
+from hpgen.errors import GeneratedCodeError, HpgenError
 from hpgen.header import Header, display_name, sha256_text
 from hpgen.index import RUNTIME_IMPORT_TEXT as RUNTIME_IMPORT
 from hpgen.index import ClassInfo, ModuleIndex, ParsedSource, index_module, parse_source
@@ -24,10 +24,6 @@ from hpgen.resolve import ResolvedClass, resolve_boundaries
 
 MODES = ("default", "toggle")
 BOM = "\ufeff"
-
-
-class GeneratedCodeError(Exception):
-    """The generated code does not compile: a bug in hpgen, never the user's input."""
 
 
 @dataclass

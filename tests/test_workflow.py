@@ -188,3 +188,18 @@ def test_one_bad_target_does_not_stop_the_others(project):
 def test_relative_paths_in_the_pyproject_are_relative_to_it(project, monkeypatch):
     monkeypatch.chdir(project)
     assert run_hpgen("lower").stderr.splitlines()[0] == "wrote gen/modeling_tiny_tp.py"
+
+
+def test_check_on_fresh_targets_does_not_import_the_lowering_machinery(project):
+    """The fast path answers from verified hashes; libcst is imported only to lower."""
+    import subprocess
+    import sys
+
+    run_hpgen("lower")
+    script = (
+        "import sys; from click.testing import CliRunner; from hpgen.cli import cli; "
+        "result = CliRunner().invoke(cli, ['check']); assert result.exit_code == 0, result.output; "
+        "print('libcst' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
