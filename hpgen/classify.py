@@ -223,12 +223,16 @@ def value_ops(plan: Plan, key: str) -> tuple[tuple[ValueOps, ...], tuple[ValueOp
 
 
 def is_identity_contract(plan: Plan, key: str) -> bool:
-    """True when no value moves on any axis and no injection applies (form identity)."""
+    """True when no value moves on any axis and no injection applies (form identity).
+
+    A ``copy`` is not identity: it moves nothing forward, but its backward all-reduces
+    the partial gradient of a replicated input, so the class must be rewritten for it.
+    """
     entry = plan.entries[key]
     if plan.injection_for(key) is not None or entry.region_dispatch:
         return False
     inputs, outputs = value_ops(plan, key)
-    return all(op.kind in ("identity", "copy") for value in (*inputs, *outputs) for op in value.ops)
+    return all(op.is_identity for value in (*inputs, *outputs) for op in value.ops)
 
 
 def classify_contract(plan: Plan, keys: tuple[str, ...], forward: ForwardInfo | None) -> Contract:

@@ -13,7 +13,7 @@ __all__ = ["parallelize"]
 
 def __getattr__(name: str) -> Any:
     if name == "parallelize":
-        from hpgen.runtime.parallelize import parallelize
+        from hpgen.runtime.install import parallelize
 
         return parallelize
     raise AttributeError(f"module 'hpgen.runtime' has no attribute {name!r}")

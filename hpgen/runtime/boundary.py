@@ -7,9 +7,11 @@ declared value to ``self._hp_boundary``; this module builds that object.
 
 Each value gets the cheapest mover that is right for it: when all of its transitions are
 ordinary collectives it runs them through the axes' :class:`AxisCollectives`, exactly as
-the tp_collective form would; only a value with a transition that has no collective
-goes through DTensor: ``from_local`` (in the src placements, with the global shape
-gathered from the ranks, so uneven shards work) → ``redistribute`` → ``to_local``.
+the tp_collective form would (``P(avg|max|min) -> S(d)`` too, as ``all_reduce`` then
+``split``); only a value with a transition that has no collective goes through DTensor:
+``from_local`` (in the src placements, with the global shape gathered from the ranks, so
+uneven shards work) → ``redistribute`` → ``to_local``, and a local partition for
+``-> P``, which DTensor's public API refuses.
 
 DTensor cannot know what the body does with a value, so the gradient placements are
 given explicitly, with the same rule as the static ops (``hpgen.classify``): a
@@ -21,14 +23,12 @@ with partial values taking replicated gradients.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement as DPlacement
 
 from hpgen.classify import ValueOps, value_ops
 from hpgen.placement import Placement
@@ -45,6 +45,9 @@ from hpgen.runtime.ops import (
 )
 from hpgen.runtime.sharding import normalize_dim, split_sizes
 
+if TYPE_CHECKING:  # DTensor takes seconds to import: only values that need it load it
+    from torch.distributed.tensor.placement_types import Placement as DPlacement
+
 __all__ = ["DTensorMove", "GenericBoundary", "StaticMove", "boundary_movers", "generic_boundary", "mover_for"]
 
 
@@ -59,7 +62,15 @@ class StaticMove:
 
 
 class DTensorMove:
-    """A value moved through DTensor ``redistribute`` (transitions with no collective)."""
+    """A value moved through DTensor ``redistribute`` (transitions with no collective).
+
+    DTensor's public ``redistribute`` refuses to make a value partial, so a transition
+    to ``P(op)`` redistributes to ``R`` on that axis and then partitions locally: for
+    ``sum`` the rank at coordinate 0 of the partial axes keeps the value and the others
+    hold zeros (exact, unlike dividing); ``avg``, ``max`` and ``min`` keep it everywhere.
+    The gradient of a partial value is replicated, so the partition's backward is the
+    identity.
+    """
 
     def __init__(
         self,
@@ -74,19 +85,31 @@ class DTensorMove:
         self.mesh = mesh
         self.src = src  # hpgen placements, one per mesh dim (in the mesh's order)
         self.src_dt = tuple(_dtensor_placement(p) for p in src)
-        self.dst_dt = tuple(_dtensor_placement(p) for p in dst)
+        # Axes made partial here: redistribute to R there, then partition locally.
+        made_partial = [i for i, (a, b) in enumerate(zip(src, dst)) if b.is_partial and a != b]
+        from torch.distributed.tensor import Replicate
+
+        self.mid_dt = tuple(Replicate() if i in made_partial else _dtensor_placement(p) for i, p in enumerate(dst))
         self.grad_src = grad_src
-        self.grad_dst = grad_dst
+        self.grad_mid = tuple(Replicate() if i in made_partial else g for i, g in enumerate(grad_dst))
+        coordinate = mesh.get_coordinate() or []
+        self.zero_here = any(dst[i].op == "sum" and coordinate[i] != 0 for i in made_partial)
+        self.partitions = bool(made_partial)
 
     def __call__(self, x: Any) -> Any:
         if not isinstance(x, Tensor):
             return x  # None, or a non-tensor value that has no layout
+        from torch.distributed.tensor import DTensor
+
         shape = self._global_shape(x)
         stride = torch.empty(shape, device="meta").stride()
         value = DTensor.from_local(
             x, self.mesh, self.src_dt, run_check=False, shape=shape, stride=stride, grad_placements=self.grad_src
         )
-        return value.redistribute(self.mesh, self.dst_dt).to_local(grad_placements=self.grad_dst)
+        local = value.redistribute(self.mesh, self.mid_dt).to_local(grad_placements=self.grad_mid)
+        if self.partitions:
+            local = _Partition.apply(local, self.zero_here)
+        return local
 
     def _global_shape(self, x: Tensor) -> torch.Size:
         """The logical shape: each sharded dim's local sizes gathered over its axis.
@@ -118,6 +141,18 @@ class DTensorMove:
         return torch.Size(shape)
 
 
+class _Partition(torch.autograd.Function):
+    """``R -> P``: this rank's part of a replicated value (the value, or zeros); gradient unchanged."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, zero: bool) -> Tensor:  # type: ignore[override]
+        return torch.zeros_like(x) if zero else x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
 def _chunk_sizes(n: int, k: int) -> tuple[int, ...]:
     """Sizes of ``torch.chunk`` of ``n`` into ``k`` (what DTensor's ``Shard`` uses), zero-padded."""
     full = -(-n // k) if n else 0
@@ -125,6 +160,8 @@ def _chunk_sizes(n: int, k: int) -> tuple[int, ...]:
 
 
 def _dtensor_placement(placement: Placement) -> DPlacement:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
     if placement.kind == "R":
         return Replicate()
     if placement.kind == "S":
@@ -136,6 +173,8 @@ def _dtensor_placement(placement: Placement) -> DPlacement:
 
 def _grad_placement(placement: Placement, *, partial: bool) -> DPlacement:
     """The placement of a value's gradient: partial when asked, replicated for a partial value."""
+    from torch.distributed.tensor import Partial, Replicate
+
     if partial:
         return Partial("sum")
     if placement.kind == "P":
@@ -153,9 +192,24 @@ def mover_for(
     axes: Mapping[str, AxisCollectives],
     where: str,
 ) -> StaticMove | DTensorMove:
-    """The mover of one declared value (``side`` ``in`` or ``out``), static when it can be."""
-    if all(op.kind != "generic" for op in value.ops):
-        return StaticMove(steps_for(value, axes))
+    """The mover of one declared value (``side`` ``in`` or ``out``), static when it can be.
+
+    ``P(avg|max|min) -> S(d)`` has no reduce-scatter, but ``all_reduce(op)`` then
+    ``split(d)`` is exact, with the right gradient (``1/size`` for avg, the arg-max mask
+    for max/min) where DTensor would hand every rank the unscaled gradient; so those
+    stay static too. The rest of the generic transitions go through DTensor.
+    """
+    steps: list[Step] = []
+    for op in value.ops:
+        if op.kind != "generic":
+            steps += steps_for(ValueOps(value.name, (op,)), axes)
+        elif op.src.is_partial and op.src.op != "sum" and op.dst.is_shard:
+            ax = axes[op.axis]
+            steps += [(ax.all_reduce, {"op": op.src.op}), (ax.split, {"dim": op.dst.dim})]
+        else:
+            break
+    else:
+        return StaticMove(tuple(steps))
     src, dst = layouts
     names = tuple(mesh.mesh_dim_names or ())
     src_p = tuple(src.on(axis) for axis in names)
@@ -165,6 +219,12 @@ def mover_for(
             raise ParallelizeError(
                 f"{where}: {value.name!r} moves {placement} activations; the generic (DTensor) boundary "
                 "supports R, S(d) and P(op) only"
+            )
+    for axis, a, b in zip(names, src_p, dst_p):
+        if a.is_partial and a.op != "sum" and a != b:
+            raise ParallelizeError(
+                f"{where}: {value.name!r} goes {a} -> {b} on axis {axis!r}: DTensor gives every rank the "
+                f"unscaled gradient of a {a} value, which is wrong; only P(sum) sources are supported here"
             )
     grad_src = tuple(_grad_placement(p, partial=False) for p in src_p)
     grad_dst = tuple(
@@ -205,13 +265,25 @@ def boundary_movers(
     mesh_names = plan.mesh_dim_names
     movers_in = {
         value.name: mover_for(
-            value, entry.input_layouts(value.name, mesh_names), side="in", sharded=sharded, mesh=mesh, axes=axes, where=where
+            value,
+            entry.input_layouts(value.name, mesh_names),
+            side="in",
+            sharded=sharded,
+            mesh=mesh,
+            axes=axes,
+            where=where,
         )
         for value in inputs
     }
     movers_out = {
         value.name: mover_for(
-            value, entry.output_layouts(value.name, mesh_names), side="out", sharded=sharded, mesh=mesh, axes=axes, where=where
+            value,
+            entry.output_layouts(value.name, mesh_names),
+            side="out",
+            sharded=sharded,
+            mesh=mesh,
+            axes=axes,
+            where=where,
         )
         for value in outputs
     }

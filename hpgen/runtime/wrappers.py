@@ -25,7 +25,8 @@ subclass's ``forward`` (a scaled embedding, say) still runs inside the wrapper.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.nn.functional as F
 from torch import Tensor, nn

@@ -1,0 +1,280 @@
+"""Planned parameters: found, checked, then cut to this rank's chunk in place.
+
+:func:`survey_params` reads the plan against the model and raises
+:class:`ParallelizeError` for anything that cannot work, before any tensor changes:
+
+- a planned (or deferred, or grad-reduced) parameter that the module does not have;
+- a placement the parameter cannot take (a dim it does not have, ``P`` on a parameter,
+  ``SS(d,k)`` whose ``k`` does not divide the dim);
+- attention heads cut in the middle: in a module with a ``head_dim``, every sharded
+  projection dim that holds whole heads must hold a number of heads (query or key/value)
+  that the axis divides; attention code infers local heads with ``view(..., -1,
+  head_dim)`` and would crash mid-forward or, worse, mix heads;
+- experts that do not divide (a module's ``num_experts`` on a sharded dim);
+- an ``nn.Linear`` whose bias does not follow its weight (a column-parallel weight with
+  a replicated bias, a row-parallel bias not in ``deferred_bias_params``);
+- tied parameters (one Parameter under several names, e.g. tied word embeddings) given
+  different layouts: they are never silently untied.
+
+:func:`shard_params` then replaces each planned Parameter by a new ``nn.Parameter``
+holding a contiguous copy of the local chunk (so the full tensor can be freed), under
+every name it had, which keeps tied parameters tied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hpgen.placement import REPLICATE, Placement
+from hpgen.plan import Entry, Layout, Plan
+from hpgen.runtime.collectives import AxisCollectives
+from hpgen.runtime.errors import ParallelizeError
+from hpgen.runtime.sharding import AxisShare, local_chunk, local_shape, normalize_dim, placement_problem
+
+__all__ = ["Matched", "ParamShard", "shard_params", "survey_params"]
+
+
+@dataclass(frozen=True)
+class Matched:
+    """A module of the model and the plan entry whose key matches its FQN."""
+
+    fqn: str
+    module: nn.Module
+    key: str
+    entry: Entry
+
+
+@dataclass
+class ParamShard:
+    """One planned Parameter and every place it is registered."""
+
+    param: nn.Parameter
+    names: list[str]  # every FQN it is registered under (several when tied)
+    owners: list[tuple[nn.Module, str]]  # (module, attribute) for each name
+    layout: Layout
+    shares: tuple[AxisShare, ...]
+
+    @property
+    def sharded(self) -> bool:
+        return any(placement.kind != "R" for placement, _, _ in self.shares)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _registrations(model: nn.Module) -> dict[int, tuple[nn.Parameter, list[str], list[tuple[nn.Module, str]]]]:
+    """Every Parameter of ``model`` with all the FQNs and (module, attribute) pairs holding it."""
+    found: dict[int, tuple[nn.Parameter, list[str], list[tuple[nn.Module, str]]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for attr, param in module._parameters.items():
+            if param is None:
+                continue
+            entry = found.setdefault(id(param), (param, [], []))
+            fqn = _join(module_name, attr)
+            if fqn not in entry[1]:
+                entry[1].append(fqn)
+                entry[2].append((module, attr))
+    return found
+
+
+def _parameter_names(module: nn.Module) -> str:
+    names = [name for name, _ in module.named_parameters()]
+    return ", ".join(names) if names else "none"
+
+
+def check_param_names(matched: Iterable[Matched]) -> None:
+    """Every parameter the plan names (params, deferred, grad-reduced) exists on its module."""
+    for item in matched:
+        entry = item.entry
+        named = [("params", name) for name in entry.params]
+        named += [("deferred_bias_params", name) for name in entry.deferred_bias_params]
+        named += [("grad_reduce_params", name) for name in entry.grad_reduce_params]
+        for part, name in named:
+            try:
+                item.module.get_parameter(name)
+            except AttributeError:
+                raise ParallelizeError(
+                    f"{item.fqn or '<root>'} ({type(item.module).__name__}): param_plan[{item.key!r}].{part} names "
+                    f"{name!r}, which is not a parameter of this module (its parameters: "
+                    f"{_parameter_names(item.module)})"
+                ) from None
+
+
+def survey_params(
+    model: nn.Module, plan: Plan, matched: Iterable[Matched], axes: Mapping[str, AxisCollectives]
+) -> list[ParamShard]:
+    """Check every planned parameter and return what :func:`shard_params` will do."""
+    matched = list(matched)
+    check_param_names(matched)
+    registrations = _registrations(model)
+    by_name = {name: key for key, (_, names, _) in registrations.items() for name in names}
+    mesh = plan.mesh_dim_names
+
+    planned: dict[str, tuple[Layout, Matched]] = {}
+    for item in matched:
+        for name, layout in item.entry.params.items():
+            full = _join(item.fqn, name)
+            if full in planned and planned[full][0] != layout:
+                raise ParallelizeError(
+                    f"{full} is planned twice with different layouts: by param_plan[{planned[full][1].key!r}] "
+                    f"({_layout_text(planned[full][0], mesh)}) and by param_plan[{item.key!r}] "
+                    f"({_layout_text(layout, mesh)})"
+                )
+            planned[full] = (layout, item)
+
+    shards: dict[int, ParamShard] = {}
+    for full, (layout, item) in sorted(planned.items()):
+        key = by_name[full]
+        param, names, owners = registrations[key]
+        if key in shards:
+            continue
+        _check_tied(full, layout, names, planned, mesh)
+        shares = tuple((layout.on(axis), axes[axis].rank, axes[axis].size) for axis in mesh)
+        name = full[len(item.fqn) + 1 :] if item.fqn else full
+        _check_placements(item, name, tuple(param.shape), shares, mesh)
+        shards[key] = ParamShard(param, list(names), list(owners), layout, shares)
+
+    for item in matched:
+        _check_linear_biases(item, planned, mesh)
+    return list(shards.values())
+
+
+def _layout_text(layout: Layout | None, mesh: tuple[str, ...]) -> str:
+    if layout is None:
+        return "unplanned (R)"
+    return ", ".join(f"{axis} {layout.on(axis)}" for axis in mesh)
+
+
+def _check_tied(
+    full: str, layout: Layout, names: list[str], planned: Mapping[str, tuple[Layout, Matched]], mesh: tuple[str, ...]
+) -> None:
+    """Tied names must all have ``layout`` (an unplanned name counts as replicated)."""
+    if len(names) < 2:
+        return
+    mine = tuple(layout.on(axis) for axis in mesh)
+    for other in names:
+        other_layout = planned.get(other, (None, None))[0]
+        theirs = tuple((other_layout.on(axis) if other_layout else REPLICATE) for axis in mesh)
+        if theirs != mine:
+            raise ParallelizeError(
+                f"{full} and {other} are one Parameter (tied, e.g. tie_word_embeddings) but the plan lays them out "
+                f"differently: {_layout_text(layout, mesh)} vs {_layout_text(other_layout, mesh)}. Give both the same "
+                "layout, or untie them before parallelize (hpgen never unties weights silently)"
+            )
+
+
+def _heads_label(module: nn.Module, heads: int) -> str:
+    """``key/value heads`` or ``attention heads`` when the module's config says which, else ``heads``."""
+    config = getattr(module, "config", None)
+    kv = getattr(config, "num_key_value_heads", None) if config is not None else None
+    q = getattr(config, "num_attention_heads", None) if config is not None else None
+    if heads == kv and heads != q:
+        return "key/value heads"
+    if heads == q:
+        return "attention heads"
+    return "heads"
+
+
+def _check_placements(
+    item: Matched, name: str, shape: tuple[int, ...], shares: tuple[AxisShare, ...], mesh: tuple[str, ...]
+) -> None:
+    """Each axis's placement fits the parameter, splits no head and no expert group."""
+    where = f"{item.fqn or '<root>'} ({type(item.module).__name__})"
+    owner_path, _, _ = name.rpartition(".")
+    owner = item.module.get_submodule(owner_path) if owner_path else item.module
+    head_dim = getattr(item.module, "head_dim", None)
+    num_experts = getattr(item.module, "num_experts", None)
+    current = shape
+    for axis, (placement, _, size) in zip(mesh, shares):
+        problem = placement_problem(current, placement, size)
+        if problem is not None:
+            raise ParallelizeError(f"{where}: {name} {placement} on axis {axis!r}: {problem}")
+        if placement.kind == "S" and size > 1:
+            dim = normalize_dim(placement.dim, len(current))
+            n = current[dim]
+            if isinstance(head_dim, int) and head_dim > 0 and isinstance(owner, nn.Linear) and n % head_dim == 0:
+                heads = n // head_dim
+                if heads % size:
+                    label = _heads_label(item.module, heads)
+                    raise ParallelizeError(
+                        f"{where}: {name} dim {dim} holds {heads} {label} of head_dim {head_dim} ({n} rows), "
+                        f"which do not divide over axis {axis!r} of size {size}: a rank would hold part of a head. "
+                        f"Use a {axis} size that divides {heads}"
+                    )
+            if isinstance(num_experts, int) and len(current) == 3 and n == num_experts and n % size:
+                raise ParallelizeError(
+                    f"{where}: {name} dim {dim} holds {n} experts, which do not divide over axis {axis!r} "
+                    f"of size {size}"
+                )
+        # The next axis splits what this one left; rank 0's chunk stands for all, so every
+        # rank reaches the same verdict (a refusal on one rank only would hang the others).
+        current = local_shape(current, [(placement, 0, size)])
+
+
+def _check_linear_biases(item: Matched, planned: Mapping[str, tuple[Layout, Matched]], mesh: tuple[str, ...]) -> None:
+    """An ``nn.Linear``'s bias must follow its planned weight on every axis."""
+    for name in item.entry.params:
+        owner_path, _, leaf = name.rpartition(".")
+        if leaf != "weight":
+            continue
+        owner = item.module.get_submodule(owner_path) if owner_path else item.module
+        if not isinstance(owner, nn.Linear) or owner.bias is None:
+            continue
+        weight_fqn = _join(item.fqn, name)
+        bias_fqn = weight_fqn[: -len("weight")] + "bias"
+        bias_layout = planned.get(bias_fqn, (None, None))[0]
+        deferred = {_join(m.fqn, b) for _, m in planned.values() for b in m.entry.deferred_bias_params}
+        weight_layout = planned[weight_fqn][0]
+        for axis in mesh:
+            w = weight_layout.on(axis)
+            b = bias_layout.on(axis) if bias_layout else REPLICATE
+            w_dim = normalize_dim(w.dim, 2) if w.dim is not None else None
+            if w.kind in ("S", "SS") and w_dim == 0:
+                wanted: Placement = Placement(w.kind, dim=0, blocks=w.blocks)
+                if b.kind != w.kind or normalize_dim(b.dim, 1) != 0 or b.blocks != w.blocks:
+                    raise ParallelizeError(
+                        f"{item.fqn}: {weight_fqn} is {w} on axis {axis!r} (output features sharded) but its bias "
+                        f"{bias_fqn} is {b}: plan the bias as {wanted} too"
+                    )
+            elif w.kind in ("S", "SS") and w_dim == 1:
+                if b.kind != "R" or bias_fqn not in deferred:
+                    raise ParallelizeError(
+                        f"{item.fqn}: {weight_fqn} is {w} on axis {axis!r} (row-parallel: the output is a partial "
+                        f"sum) so its bias {bias_fqn} must be R and listed in deferred_bias_params, or it is added "
+                        "once per rank"
+                    )
+            elif b.kind != "R":
+                raise ParallelizeError(f"{item.fqn}: {bias_fqn} is {b} on axis {axis!r} but its weight is {w}")
+
+
+def shard_params(shards: Iterable[ParamShard]) -> dict[int, nn.Parameter]:
+    """Replace every sharded Parameter by its local chunk under all its names.
+
+    Returns ``id(old) -> new`` so later steps (hooks) find the new Parameters.
+    """
+    replaced: dict[int, nn.Parameter] = {}
+    with torch.no_grad():
+        for shard in shards:
+            if not shard.sharded:
+                continue
+            old = shard.param
+            local = local_chunk(old.detach(), shard.shares).clone(memory_format=torch.contiguous_format)
+            new = nn.Parameter(local, requires_grad=old.requires_grad)
+            for module, attr in shard.owners:
+                setattr(module, attr, new)
+                _update_sizes(module)
+            replaced[id(old)] = new
+    return replaced
+
+
+def _update_sizes(module: nn.Module) -> None:
+    """Keep ``in_features``/``num_embeddings``... truthful for the local weight (``repr``, user code)."""
+    if isinstance(module, nn.Linear):
+        module.out_features, module.in_features = module.weight.shape
+    elif isinstance(module, nn.Embedding):
+        module.num_embeddings, module.embedding_dim = module.weight.shape

@@ -1,0 +1,49 @@
+"""The shard arithmetic behind ``parallelize``: which chunk of a parameter a rank keeps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpgen.placement import Placement
+from hpgen.runtime.sharding import local_chunk, local_range, local_shape, placement_problem, split_sizes
+
+S0, S1, R = Placement.parse("S(0)"), Placement.parse("S(-1)"), Placement.parse("R")
+
+
+def test_split_sizes_follow_tensor_split() -> None:
+    for n in range(0, 12):
+        for k in range(1, 5):
+            assert split_sizes(n, k) == tuple(len(c) for c in torch.arange(n).tensor_split(k))
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_uneven_shard_and_negative_dim(rank: int) -> None:
+    full = torch.arange(7 * 5).view(7, 5)
+    assert torch.equal(local_chunk(full, [(S0, rank, 3)]), full.tensor_split(3, 0)[rank])
+    assert torch.equal(local_chunk(full, [(S1, rank, 3)]), full.tensor_split(3, 1)[rank])
+    assert local_shape(full.shape, [(S1, rank, 3)]) == tuple(full.tensor_split(3, 1)[rank].shape)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_strided_shard_takes_a_chunk_of_every_block(rank: int) -> None:
+    gate, up = torch.randn(5, 3), torch.randn(5, 3)  # a fused gate_up_proj: [gate; up]
+    chunk = local_chunk(torch.cat([gate, up]), [(Placement.parse("SS(0,2)"), rank, 2)])
+    assert torch.equal(chunk, torch.cat([gate.tensor_split(2)[rank], up.tensor_split(2)[rank]]))
+    assert local_shape((10, 3), [(Placement.parse("SS(0,2)"), rank, 2)]) == tuple(chunk.shape)
+
+
+def test_two_axes_split_in_mesh_order() -> None:
+    full = torch.arange(10)
+    # rank 1 of 2 on the first axis holds [5, 10); rank 0 of 2 on the second holds its first 3
+    shares = [(S0, 1, 2), (S0, 0, 2)]
+    assert torch.equal(local_chunk(full, shares), torch.tensor([5, 6, 7]))
+    assert local_range(10, shares, 0, 1) == (5, 8)
+    assert local_range(10, [(R, 0, 2)], 0, 1) == (0, 10)
+
+
+def test_placements_a_parameter_cannot_take() -> None:
+    assert "partial" in placement_problem((4, 4), Placement.parse("P(sum)"), 2)
+    assert "dim 2" in placement_problem((4, 4), Placement.parse("S(2)"), 2)
+    assert "3 packed blocks" in placement_problem((4, 4), Placement.parse("SS(0,3)"), 2)
+    assert placement_problem((4, 4), Placement.parse("S(-2)"), 2) is None
