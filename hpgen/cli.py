@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 
 from hpgen import __version__
-from hpgen.errors import GeneratedCodeError, HpgenError
+from hpgen.errors import GeneratedCodeError, HpgenError, printable_path
 from hpgen.generate import check_target, generate, read_source
 from hpgen.plan import is_dotted_path
 from hpgen.targets import MODES, Target, find_pyproject, load_targets
@@ -86,7 +86,7 @@ def run_targets(
     """
     report = Report(check=check or diff)
     for target in targets:
-        name = target.output_name
+        name = printable_path(target.output_name)
         try:
             if check or diff:
                 found = check_target(target, full=full)
@@ -170,8 +170,9 @@ def _lower_one(
         raise HpgenError(f"--package {package!r} is not a dotted package name")
     if check and output is None:
         raise HpgenError("--check compares against a file: give it with -o OUTPUT")
-    if output is not None and Path(output).resolve() == Path(source).resolve():
-        raise HpgenError("the output would overwrite the source; choose another -o", file=output)
+    for what, path in (("source", source), ("plan", plan)):
+        if output is not None and Path(output).resolve() == Path(path).resolve():
+            raise HpgenError(f"the output would overwrite the {what}; choose another -o", file=output)
     if output is not None and Path(output).is_dir():
         raise HpgenError("the output is a folder; give a file name", file=output)
     target = Target(Path(source), Path(plan), None if output is None else Path(output), mode, package)

@@ -70,10 +70,29 @@ class Style:
     def of(module: cst.Module) -> Style:
         return Style(module.default_indent, module.default_newline, module.config_for_parsing)
 
-    def parse_statements(self, text: str) -> list[cst.BaseStatement]:
-        """Parse rendered code (written with ``\\n``) in the source's own style."""
+    def parse_statements(self, text: str, indent: str | None = None) -> list[cst.BaseStatement]:
+        """Parse rendered code (written with ``\\n``) in the source's own style.
+
+        ``indent`` is the unit the text's blocks were rendered with. libcst stores a block
+        indented like the first block of the text as "the module's default", which is only
+        right when ``indent`` is the module's: otherwise every block keeps it explicitly.
+        """
         converted = text.replace("\n", self.newline)
-        return list(cst.parse_module(converted, config=self.config).body)
+        statements = list(cst.parse_module(converted, config=self.config).body)
+        if indent is None or indent == self.indent:
+            return statements
+        explicit = _ExplicitIndent(indent)
+        return [statement.visit(explicit) for statement in statements]
+
+
+class _ExplicitIndent(cst.CSTTransformer):
+    """Gives every block that uses the default indent an explicit ``indent``."""
+
+    def __init__(self, indent: str) -> None:
+        self.indent = indent
+
+    def leave_IndentedBlock(self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock) -> cst.IndentedBlock:
+        return updated_node.with_changes(indent=self.indent) if updated_node.indent is None else updated_node
 
 
 # --------------------------------------------------------------------------- forwards
@@ -127,8 +146,13 @@ def _template_value(value: ValueOps, parameters: set[str], *, generic: bool) -> 
     return _Value(value.name, shown, value.address, value.name not in parameters, transition or "identity")
 
 
-def render_forward(contract: Contract, original: cst.FunctionDef, style: Style, *, mode: str) -> cst.FunctionDef:
-    """The new ``forward`` of one contract, calling ``_forward_impl`` inside collectives."""
+def render_forward(
+    contract: Contract, original: cst.FunctionDef, style: Style, *, mode: str, class_indent: str | None = None
+) -> cst.FunctionDef:
+    """The new ``forward`` of one contract, calling ``_forward_impl`` inside collectives.
+
+    Its body is indented like the original's, or like its class for a one-line forward.
+    """
     self_name, call_args, kwargs_name = _call_arguments(original.params)
     parameters = {
         param.name.value
@@ -140,9 +164,9 @@ def render_forward(contract: Contract, original: cst.FunctionDef, style: Style, 
     inputs = [value for value in inputs if value.ops]
     outputs = [value for value in outputs if value.ops]
     body_block = original.body
-    indent = style.indent
-    if isinstance(body_block, cst.IndentedBlock) and body_block.indent is not None:
-        indent = body_block.indent
+    indent = class_indent or style.indent
+    if isinstance(body_block, cst.IndentedBlock):
+        indent = body_block.indent or style.indent
     taken = parameters | {p.name.value for p in (original.params.star_arg, original.params.star_kwarg) if isinstance(p, cst.Param)}
     values = dict(
         i=indent,
@@ -168,7 +192,7 @@ def render_forward(contract: Contract, original: cst.FunctionDef, style: Style, 
         )
     else:
         text = render("tp_collective.py.j2", **values)
-    (function,) = style.parse_statements(text)
+    (function,) = style.parse_statements(text, indent)
     assert isinstance(function, cst.FunctionDef)
     body = list(function.body.body)
     docstring = _docstring_statement(original)
@@ -241,7 +265,8 @@ def rewrite_class(
         # Region instances run the body through __hp_compute__; by default it is the body itself.
         (alias,) = style.parse_statements("__hp_compute__ = _forward_impl\n")
         replacement.append(alias.with_changes(leading_lines=[cst.EmptyLine(indent=False)]))
-    replacement.append(render_forward(base, original, style, mode=mode))
+    class_indent = node.body.indent or style.indent
+    replacement.append(render_forward(base, original, style, mode=mode, class_indent=class_indent))
     statements[position : position + 1] = replacement
     docstring_end = 1 if node.get_docstring(clean=False) is not None else 0
     defaults = class_defaults(base, style, mode=mode)
@@ -254,11 +279,11 @@ def rewrite_class(
     result: list[cst.BaseStatement] = [node.with_changes(body=node.body.with_changes(body=statements))]
     for contract, name in zip(contracts[1:], subclass_names):
         head = render(
-            "subclass.py.j2", name=name, base=node.name.value, i=style.indent, **_defaults_values(contract, mode)
+            "subclass.py.j2", name=name, base=node.name.value, i=class_indent, **_defaults_values(contract, mode)
         )
-        (subclass,) = style.parse_statements(head)
+        (subclass,) = style.parse_statements(head, class_indent)
         assert isinstance(subclass, cst.ClassDef) and isinstance(subclass.body, cst.IndentedBlock)
-        forward = render_forward(contract, original, style, mode=mode)
+        forward = render_forward(contract, original, style, mode=mode, class_indent=class_indent)
         subclass = subclass.with_changes(
             body=subclass.body.with_changes(body=[*subclass.body.body, forward]),
             leading_lines=[cst.EmptyLine(indent=False), cst.EmptyLine(indent=False)],

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
+
+def printable_path(path: str) -> str:
+    """``path`` as is when printable, else JSON-quoted: it can never break a message line."""
+    return path if path.isprintable() else json.dumps(path)
+
 
 class HpgenError(Exception):
     """Bad input: a plan, a source or a usage error that the user must fix.
@@ -24,7 +31,8 @@ class HpgenError(Exception):
         return self
 
     def __str__(self) -> str:
-        prefix = ":".join(part for part in (self.file, self.where) if part)
+        file = printable_path(self.file) if self.file else None
+        prefix = ":".join(part for part in (file, self.where) if part)
         return f"{prefix}: {self.message}" if prefix else self.message
 
 

@@ -9,6 +9,7 @@ gives the same lines for the statements we point at.
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -97,6 +98,8 @@ class ClassInfo:
     forward_is_function: bool = True  # False for ``forward = something``
     children: dict[str, tuple[Child, ...]] = field(default_factory=dict)
     nested_classes: tuple[str, ...] = ()
+    definition_lines: tuple[int, ...] = ()  # every top-level ``class <name>`` of the module; the last wins
+    members: dict[str, int] = field(default_factory=dict)  # names the class body binds -> first line
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,12 @@ def parse_source(source: str, *, name: str = "<source>") -> ParsedSource:
     try:
         tree = ast.parse(source, filename=name)
     except SyntaxError as exc:
-        raise HpgenError(f"source does not parse: {exc.msg}", file=name, where=f"{exc.lineno}:{exc.offset}") from None
+        line, column = exc.lineno, exc.offset
+        if line is None and "\0" in source:  # CPython gives no position for a NUL byte
+            lines = re.split(r"\r\n|\r|\n", source[: source.index("\0")])
+            line, column = len(lines), len(lines[-1]) + 1
+        where = f"{line}:{column or 1}" if line is not None else None
+        raise HpgenError(f"source does not parse: {exc.msg}", file=name, where=where) from None
     except (ValueError, RecursionError, MemoryError) as exc:  # NUL bytes, absurd nesting
         raise HpgenError(f"source does not parse: {exc}", file=name) from None
     try:
@@ -190,10 +198,12 @@ class _LineTable:
 
     def __init__(self, tree: ast.Module) -> None:
         self.classes: dict[str, ast.ClassDef] = {}
+        self.definitions: dict[str, list[int]] = {}
         self.relative_imports: list[RelativeImport] = []
         for node in tree.body:
             if isinstance(node, ast.ClassDef):
                 self.classes[node.name] = node
+                self.definitions.setdefault(node.name, []).append(node.lineno)
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.level:
                 self.relative_imports.append(RelativeImport(node.lineno, node.level, node.module))
@@ -213,6 +223,22 @@ class _LineTable:
             if (isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)) and statement.name == "forward")
             or (isinstance(statement, (ast.Assign, ast.AnnAssign)) and "forward" in _assigned_names(statement))
         ]
+
+    def members(self, class_name: str) -> dict[str, int]:
+        """The names the class body binds at its top level (defs, classes, assignments)."""
+        node = self.classes.get(class_name)
+        found: dict[str, int] = {}
+        for statement in node.body if node else ():
+            if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = {statement.name}
+            elif isinstance(statement, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = statement.targets if isinstance(statement, ast.Assign) else [statement.target]
+                names = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            else:
+                continue
+            for name in names:
+                found.setdefault(name, statement.lineno)
+        return found
 
     def init_node(self, class_name: str) -> ast.FunctionDef | None:
         node = self.classes.get(class_name)
@@ -256,6 +282,8 @@ def _index_class(node: cst.ClassDef, lines: _LineTable) -> ClassInfo:
     )
     forward_ast = lines.forward_nodes(info.name)
     info.forward_lines = tuple(statement.lineno for statement in forward_ast)
+    info.definition_lines = tuple(lines.definitions.get(info.name, ()))
+    info.members = lines.members(info.name)
     init_ast = lines.init_node(info.name)
     if init_ast is not None:
         info.children = _index_children(init_ast)

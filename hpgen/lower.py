@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from keyword import iskeyword
 
 import libcst as cst
 
@@ -89,6 +90,7 @@ def _lower_class(plan: Plan, index: ModuleIndex, info: ClassInfo, keys: list[str
     if not moving:
         return ClassLowering(info, [], [], identity)
     forward = _checked_forward(plan, info, moving, source_name)
+    _check_generated_names(index, info, source_name)
     groups: dict[str, list[str]] = defaultdict(list)
     for key in moving:
         groups[contract_signature(plan, key)].append(key)
@@ -112,6 +114,9 @@ def _checked_forward(plan: Plan, info: ClassInfo, keys: list[str], source_name: 
     def fail(message: str, line: int) -> HpgenError:
         return HpgenError(message, file=source_name, where=f"{line}:1" if line else None)
 
+    if len(info.definition_lines) > 1:
+        lines = ", ".join(str(line) for line in info.definition_lines)
+        raise fail(f"class {info.name} is defined more than once (lines {lines}); keep one", info.definition_lines[-1])
     if len(info.forward_lines) > 1:
         lines = ", ".join(str(line) for line in info.forward_lines)
         raise fail(f"class {info.name} defines forward more than once (lines {lines}); keep one", info.forward_lines[-1])
@@ -126,6 +131,10 @@ def _checked_forward(plan: Plan, info: ClassInfo, keys: list[str], source_name: 
         )
     if forward.is_async:
         raise fail(f"{info.name}.forward is async; nn.Module.forward cannot be", forward.line)
+    for decorator in forward.decorators:
+        if decorator.rsplit(".", 1)[-1] in ("staticmethod", "classmethod", "property"):
+            # Its decorators move to the new forward, so _forward_impl would become a plain method.
+            raise fail(f"{info.name}.forward is a {decorator}; a boundary's forward must be a plain method", forward.line)
     positional = [p for p in forward.parameters if p.kind in ("positional_only", "positional")]
     if not positional:
         raise fail(f"{info.name}.forward takes no self parameter", forward.line)
@@ -133,7 +142,15 @@ def _checked_forward(plan: Plan, info: ClassInfo, keys: list[str], source_name: 
         entry = plan.entries[key]
         for part in ("in_src", "in_dst"):
             for name in getattr(entry, part):
-                if forward.parameter(name) is None and not forward.has_var_keyword:
+                parameter = forward.parameter(name)
+                if parameter is not None and (parameter is positional[0] or parameter.kind.startswith("var_")):
+                    what = "the module itself" if parameter is positional[0] else f"the {parameter.kind} parameter"
+                    raise HpgenError(
+                        f"{name!r} is {what} of {info.name}.forward ({source_name}:{forward.line}), not a tensor input",
+                        file=plan.name,
+                        where=f'param_plan["{key}"].{part}.{name}',
+                    )
+                if parameter is None and not forward.has_var_keyword:
                     raise HpgenError(
                         f"{name!r} is not a parameter of {info.name}.forward ({source_name}:{forward.line}), "
                         "which takes no **kwargs",
@@ -141,6 +158,49 @@ def _checked_forward(plan: Plan, info: ClassInfo, keys: list[str], source_name: 
                         where=f'param_plan["{key}"].{part}.{name}',
                     )
     return forward
+
+
+# Members that every rewritten class gets (``_hp_`` covers the class defaults and the axes).
+GENERATED_MEMBERS = ("_forward_impl", "__hp_compute__")
+
+
+def _check_generated_names(index: ModuleIndex, info: ClassInfo, source_name: str) -> None:
+    """Refuse a boundary class that, or whose base in this file, binds a name hpgen generates.
+
+    The generated ``_forward_impl`` (and the ``_hp_`` defaults) would silently replace it:
+    a ``forward`` that called the class's own ``_forward_impl`` would call itself.
+    """
+    seen: set[str] = set()
+    pending = [info]
+    while pending:
+        current = pending.pop(0)
+        if current.name in seen:
+            continue
+        seen.add(current.name)
+        for name, line in sorted(current.members.items(), key=lambda item: item[1]):
+            if name in GENERATED_MEMBERS or name.startswith("_hp_"):
+                owner = f"class {info.name}" if current is info else f"{current.name}, a base of {info.name},"
+                raise HpgenError(
+                    f"{owner} already defines {name}, a name hpgen generates in boundary classes; rename it",
+                    file=source_name,
+                    where=f"{line}:1",
+                )
+        pending.extend(index.classes[base] for base in current.bases if base in index.classes)
+
+
+def _check_toggle_names(analysis: Analysis, source_name: str) -> None:
+    """In toggle mode each axis adds ``<axis>_enable`` to the class: it must be a new name."""
+    for lowering in analysis.classes.values():
+        for contract in lowering.contracts:
+            for axis in contract.axes:
+                line = lowering.info.members.get(f"{axis}_enable")
+                if line is not None:
+                    raise HpgenError(
+                        f"class {lowering.info.name} already defines {axis}_enable, which --mode toggle generates; "
+                        "rename it or use --mode default",
+                        file=source_name,
+                        where=f"{line}:1",
+                    )
 
 
 def lower(
@@ -158,7 +218,11 @@ def lower(
     """
     if mode not in MODES:
         raise HpgenError(f"unknown mode {mode!r} (expected one of {', '.join(MODES)})")
+    if package is not None and not all(part.isidentifier() and not iskeyword(part) for part in package.split(".")):
+        raise HpgenError(f"package {package!r} is not a dotted package name")  # it reaches the header and imports
     analysis = analyze(source_text, plan, source_name=source_name)
+    if mode == "toggle":
+        _check_toggle_names(analysis, source_name)
     module = analysis.parsed.module
     style = Style.of(module)
     body: list[cst.BaseStatement] = []
@@ -179,6 +243,8 @@ def lower(
         body = _absolute_imports(analysis, body, package, source_name)
     leading, rest = _split_leading_lines(module)
     code = module.with_changes(body=body, header=rest).code
+    if analysis.parsed.text.endswith(("\n", "\r")) and not code.endswith(("\n", "\r")):
+        code += style.newline  # libcst drops the last line break of a file that ends lines with "\r" alone
     try:
         compile(code, source_name, "exec", dont_inherit=True)
     except SyntaxError as exc:

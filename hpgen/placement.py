@@ -14,11 +14,11 @@ from dataclasses import dataclass
 PARTIAL_OPS = ("sum", "avg", "max", "min")
 
 _INT = r"\s*(-?\d+)\s*"
-_PATTERNS = {
+_PATTERNS = {  # ASCII: "S(٣)" is not S(3)
     "R": re.compile(r"R"),
-    "S": re.compile(rf"S\({_INT}\)"),
-    "P": re.compile(r"P\(\s*([a-z]+)\s*\)"),
-    "SS": re.compile(rf"SS\({_INT},{_INT}\)"),
+    "S": re.compile(rf"S\({_INT}\)", re.ASCII),
+    "P": re.compile(r"P\(\s*([a-z]+)\s*\)", re.ASCII),
+    "SS": re.compile(rf"SS\({_INT},{_INT}\)", re.ASCII),
 }
 
 

@@ -37,6 +37,12 @@ _ENTRY_KEYS = {
     "skip_source_lowering",
 }
 _INJECTION_KEYS = {"match", "local_compute_fn", "inner_wrapper"}
+# An axis's collectives live on a boundary module as ``_hp_<axis>``. hpgen's other ``_hp_``
+# attributes (the generated class defaults, what the runtime binds) end in these names,
+# so an axis called so would overwrite one of them.
+RESERVED_AXIS_NAMES = frozenset(
+    {"boundary", "boundary_form", "contract", "plan_keys", "runtime", "out", "vocab", "defer_bias", "parallelized"}
+)
 
 
 # --------------------------------------------------------------------------- names
@@ -224,6 +230,8 @@ def parse_plan(data: bytes | str, *, name: str = "<plan>") -> Plan:
         raise HpgenError(f"invalid JSON: {exc.msg}", file=name, where=f"{exc.lineno}:{exc.colno}") from None
     except RecursionError:
         raise HpgenError("invalid JSON: nested too deeply", file=name) from None
+    except ValueError as exc:  # an integer literal longer than int's string limit (4300 digits)
+        raise HpgenError(f"invalid JSON: {str(exc).split(':', 1)[0]}", file=name) from None
     return plan_from_dict(document, name=name, sha256=hashlib.sha256(raw).hexdigest())
 
 
@@ -257,7 +265,8 @@ def _path_join(path: str, key: str | int) -> str:
         return f"{path}[{key}]"
     if is_identifier(key):
         return f"{path}.{key}" if path else key
-    return f"{path}[{json.dumps(key, ensure_ascii=False)}]"
+    # Readable non-ASCII, but no raw line or paragraph separator: a message is one line.
+    return f"{path}[{json.dumps(key, ensure_ascii=not key.isprintable())}]"
 
 
 class _PlanReader:
@@ -322,6 +331,13 @@ class _PlanReader:
         self.mesh = self.name_list(top["mesh_dim_names"], "mesh_dim_names", what="an axis name (an identifier)")
         if not self.mesh:
             raise self.fail("mesh_dim_names", "needs at least one axis")
+        for index, axis in enumerate(self.mesh):
+            if axis in RESERVED_AXIS_NAMES:
+                raise self.fail(
+                    f"mesh_dim_names[{index}]", f"{axis!r} is reserved: _hp_{axis} is an attribute hpgen uses itself"
+                )
+            if axis.startswith("__"):  # Python would mangle ``self.__x_enable`` inside the class
+                raise self.fail(f"mesh_dim_names[{index}]", f"{axis!r} starts with '__', which Python mangles in classes")
 
         model_class = top.get("model_class")
         if model_class is not None:

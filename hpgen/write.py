@@ -71,7 +71,12 @@ def atomic_write(path: str | os.PathLike[str], data: bytes) -> bool:
     folder = target.parent if str(target.parent) else Path(".")
     fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".hpgen-tmp", dir=folder)
     try:
-        with os.fdopen(fd, "wb") as stream:
+        try:
+            stream = os.fdopen(fd, "wb")
+        except BaseException:
+            os.close(fd)
+            raise
+        with stream:
             stream.write(data)
             stream.flush()
             os.fsync(stream.fileno())

@@ -204,6 +204,7 @@ def test_bad_input_messages_are_all_different():
     [
         (["lower", SOURCE, PLAN, "--check"], "error: --check compares against a file: give it with -o OUTPUT"),
         (["lower", SOURCE, PLAN, "-o", SOURCE], "the output would overwrite the source"),
+        (["lower", SOURCE, PLAN, "-o", PLAN], "the output would overwrite the plan"),
         (["lower", SOURCE, PLAN, "--package", "a b"], "--package 'a b' is not a dotted package name"),
         (["lower", SOURCE, PLAN, "--mode", "fast"], "Invalid value for '--mode'"),
         (["lower", SOURCE], "Missing argument 'PLAN'"),

@@ -38,6 +38,7 @@ def test_canonical_spelling_round_trips(text):
         ("P(prod)", "partial op must be one of sum, avg, max, min"),
         ("SS(0,0)", "block count must be at least 1"),
         ("S(0", "is not a placement"),
+        ("S(\u0663)", "is not a placement"),  # an Arabic-Indic digit is not a dim
         ("", "is not a placement"),
         (3, "expected a string"),
         (None, "expected a string"),
