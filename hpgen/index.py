@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -121,6 +122,18 @@ class ModuleIndex:
 
     def class_named(self, name: str) -> ClassInfo | None:
         return self.classes.get(name)
+
+    def lineage(self, info: ClassInfo) -> Iterator[ClassInfo]:
+        """``info`` and then its base classes defined in this file, breadth first, once each."""
+        seen: set[str] = set()
+        pending = [info]
+        while pending:
+            current = pending.pop(0)
+            if current.name in seen:
+                continue
+            seen.add(current.name)
+            yield current
+            pending.extend(self.classes[base] for base in current.bases if base in self.classes)
 
 
 @dataclass(frozen=True)

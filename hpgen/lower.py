@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from keyword import iskeyword
 
 import libcst as cst
 
@@ -20,7 +19,7 @@ from hpgen.errors import GeneratedCodeError, HpgenError
 from hpgen.header import Header, display_name, sha256_text
 from hpgen.index import RUNTIME_IMPORT_TEXT as RUNTIME_IMPORT
 from hpgen.index import ClassInfo, ModuleIndex, ParsedSource, index_module, parse_source
-from hpgen.plan import Plan, contract_signature
+from hpgen.plan import Plan, contract_signature, is_dotted_path
 from hpgen.resolve import ResolvedClass, resolve_boundaries
 
 MODES = ("default", "toggle")
@@ -170,13 +169,7 @@ def _check_generated_names(index: ModuleIndex, info: ClassInfo, source_name: str
     The generated ``_forward_impl`` (and the ``_hp_`` defaults) would silently replace it:
     a ``forward`` that called the class's own ``_forward_impl`` would call itself.
     """
-    seen: set[str] = set()
-    pending = [info]
-    while pending:
-        current = pending.pop(0)
-        if current.name in seen:
-            continue
-        seen.add(current.name)
+    for current in index.lineage(info):
         for name, line in sorted(current.members.items(), key=lambda item: item[1]):
             if name in GENERATED_MEMBERS or name.startswith("_hp_"):
                 owner = f"class {info.name}" if current is info else f"{current.name}, a base of {info.name},"
@@ -185,7 +178,6 @@ def _check_generated_names(index: ModuleIndex, info: ClassInfo, source_name: str
                     file=source_name,
                     where=f"{line}:1",
                 )
-        pending.extend(index.classes[base] for base in current.bases if base in index.classes)
 
 
 def _check_toggle_names(analysis: Analysis, source_name: str) -> None:
@@ -218,7 +210,7 @@ def lower(
     """
     if mode not in MODES:
         raise HpgenError(f"unknown mode {mode!r} (expected one of {', '.join(MODES)})")
-    if package is not None and not all(part.isidentifier() and not iskeyword(part) for part in package.split(".")):
+    if package is not None and not is_dotted_path(package):
         raise HpgenError(f"package {package!r} is not a dotted package name")  # it reaches the header and imports
     analysis = analyze(source_text, plan, source_name=source_name)
     if mode == "toggle":

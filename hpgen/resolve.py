@@ -140,13 +140,7 @@ class _Resolver:
 
     def child(self, key: str, info: ClassInfo, attr: str):
         """The submodule class ``attr`` of ``info`` (or of a base class in this file)."""
-        seen: set[str] = set()
-        pending = [info]
-        while pending:
-            current = pending.pop(0)
-            if current.name in seen:
-                continue
-            seen.add(current.name)
+        for current in self.index.lineage(info):
             children = current.children.get(attr)
             if children:
                 names = sorted({(child.class_name, child.is_list) for child in children})
@@ -154,5 +148,4 @@ class _Resolver:
                     where = ", ".join(f"{child.class_name} (line {child.line})" for child in children)
                     raise self.unresolved(key, f"{current.name}.{attr} is assigned more than one class: {where}")
                 return children[0]
-            pending.extend(self.index.classes[base] for base in current.bases if base in self.index.classes)
         raise self.unresolved(key, f"{info.name}.__init__ assigns no submodule {attr!r}")
