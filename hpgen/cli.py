@@ -221,6 +221,28 @@ def explain_command(source: str, plan: str, as_json: bool) -> None:
     run_guarded(run)
 
 
+@cli.command("plan")
+@click.argument("model")
+@click.option("--tp", type=click.IntRange(min=1), help="Tensor-parallel size the plan must divide (heads).")
+@click.option("--sp", is_flag=True, help="Keep the residual stream sequence-sharded between decoder layers.")
+@click.option("--ep", type=click.IntRange(min=1), help="Shard the experts by expert over this many ranks.")
+@click.option("-o", "--output", help="Write the plan here instead of stdout ('-' is stdout).")
+def plan_command(model: str, tp: int | None, sp: bool, ep: int | None, output: str | None) -> None:
+    """Write a frozen plan for MODEL (a transformers model type or a config.json) from its own tp_plan."""
+
+    def run() -> int:
+        from hpgen.tp_plan import dumps_plan, make_plan
+
+        text = dumps_plan(make_plan(model, tp=tp, ep=ep, sp=sp))
+        if output in (None, "-"):
+            write_stdout(text)
+        elif atomic_write(output, text.encode("utf-8")):
+            click.echo(f"wrote {output}", err=True)
+        return 0
+
+    run_guarded(run)
+
+
 def main() -> None:
     """Console-script entry point."""
     cli(prog_name="hpgen")

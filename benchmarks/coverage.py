@@ -1,0 +1,684 @@
+"""Coverage of ``hpgen plan`` over the installed transformers: plan, lower, 2-rank parity.
+
+    python benchmarks/coverage.py                      # every architecture, resuming earlier results
+    python benchmarks/coverage.py --sp                 # the --sp plans (the SP column), where TP passed
+    python benchmarks/coverage.py --only llama,qwen3   # some model types (their rows are redone)
+    python benchmarks/coverage.py --fresh              # forget earlier results of this variant
+    python benchmarks/coverage.py --render             # only rewrite docs/coverage.md from the results
+
+For every model type whose config class has a ``base_model_tp_plan``:
+
+1. **plan**: a tiny config of the architecture (:func:`tiny_config`), the model on the meta
+   device, and :func:`hpgen.tp_plan.plan_for_model` with ``tp=2`` (and ``sp=True`` with ``--sp``);
+2. **lower**: ``hpgen.lower.lower`` of the file the model class comes from, under that
+   plan (relative imports made absolute, so the generated file imports from anywhere);
+3. **parity** (decoder-only causal LMs): two gloo ranks on the CPU each build the
+   transformers model from the tiny config with seeded, perturbed weights (transformers
+   initialises norms to one and biases to zero, which would hide a bias added twice), the
+   same model from the generated file with those weights, ``parallelize`` it over the two
+   ranks, and compare logits (tolerance 1e-5 + 1e-4 * max|logits|, as the runtime tests)
+   and every parameter's gradient (this rank's slice of the reference gradient).
+
+The ranks run several architectures per spawn (``--chunk``), each case bounded by
+``--timeout`` seconds; a spawn that fails as a whole is retried one architecture at a time.
+A result line is appended to ``<--results>/hpgen-coverage-<tp|sp>.jsonl`` (default: the
+system temporary folder) as soon as it is known, so an interrupted run resumes where it
+stopped. The page ``docs/coverage.md`` is rendered from those files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+TABLE = REPO / "docs" / "coverage.md"
+SEED = 0
+
+# The tiny shape, applied to the keys a config has: head_dim 16 with 4 query and 2 KV heads
+# (GQA), 4 experts of which 2 are routed per token, and odd sizes where a shard may be
+# uneven (vocabulary rows, MLP intermediate), so the uneven tensor_split chunks run too.
+TINY: dict[str, Any] = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_attention_heads_per_layer": 4,
+    "head_dim": 16,
+    "intermediate_size": 89,
+    "vocab_size": 127,
+    "max_position_embeddings": 128,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "moe_num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "moe_k": 2,
+    "top_k_experts": 2,
+    "moe_intermediate_size": 24,
+    "shared_expert_intermediate_size": 32,
+    "shared_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 32,
+    "n_shared_experts": 1,
+    "num_shared_experts": 1,
+    "moe_num_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_expert_group": 1,
+    "first_k_dense_replace": 1,
+    "decoder_sparse_step": 1,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "qk_head_dim": 24,
+    "v_head_dim": 16,
+    "index_n_heads": 2,
+    "index_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_heads": 4,
+    "linear_head_dim": 16,
+    "mamba_n_heads": 8,
+    "mamba_num_heads": 8,
+    "mamba_d_head": 16,
+    "mamba_head_dim": 16,
+    "mamba_d_state": 16,
+    "mamba_d_ssm": 128,
+    "ssm_state_size": 16,
+    "mamba_n_groups": 1,
+    "n_groups": 1,
+    "mamba_chunk_size": 16,
+    "chunk_size": 16,
+    "sliding_window": 16,
+    "swa_num_attention_heads": 4,
+    "swa_num_key_value_heads": 2,
+    "swa_head_dim": 16,
+    "hidden_size_per_layer_input": 16,
+    "vocab_size_per_layer_input": 127,
+    "num_kv_shared_layers": 0,
+    "num_nextn_predict_layers": 0,
+    "intermediate_size_mlp": 89,
+    "dense_intermediate_size": 89,
+    "moe_hidden_size": 24,
+    "embedding_rank": 32,
+    "rotary_dim": 8,
+    "unpadded_vocab_size": 127,
+}
+LAYERS = 2
+MAX_LAYERS = 4
+
+
+# --------------------------------------------------------------------------- tiny configs
+
+
+def _per_layer_lists(defaults: dict[str, Any], count: int) -> list[str]:
+    """Config keys holding one value per layer (a list as long as the layer count)."""
+    return sorted(
+        key for key, value in defaults.items() if isinstance(value, (list, tuple)) and len(value) == count and count > 1
+    )
+
+
+def _layer_choice(defaults: dict[str, Any], keys: list[str], count: int) -> list[int]:
+    """Layer indices covering each distinct per-layer combination once (at least two layers)."""
+    seen, chosen = set(), []
+    for index in range(count):
+        combination = tuple(json.dumps(defaults[key][index], sort_keys=True, default=str) for key in keys)
+        if combination not in seen:
+            seen.add(combination)
+            chosen.append(index)
+    chosen = chosen[:MAX_LAYERS]
+    while len(chosen) < LAYERS:
+        chosen.append(next(i for i in range(count) if i not in chosen))
+    return sorted(chosen)
+
+
+def tiny_config(model_type: str) -> Any:
+    """A small config of ``model_type``: the tiny shape on the keys it has, eager kernels.
+
+    Per-layer lists (``layer_types``, ``mlp_layer_types``, ...) keep one layer of each
+    distinct combination, so a hybrid or partly-MoE model keeps every kind of layer. A key
+    whose default is 0 stays 0 (it turns a feature off, e.g. no rotary part in an MLA head);
+    a per-layer list of sizes gets the tiny size on every layer; multimodal rotary sections
+    are rescaled to the tiny head. A config that rejects grouped-query attention is retried
+    with as many key/value heads as query heads.
+    """
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    defaults = default.to_dict()
+    aliases = getattr(default, "attribute_map", {}) or {}
+    overrides: dict[str, Any] = {}
+    for key, value in TINY.items():
+        key = aliases.get(key, key)
+        if key in defaults:
+            overrides[key] = _fit(value, defaults[key])
+    mla = "kv_lora_rank" in defaults
+    if mla and "num_key_value_heads" in defaults:  # MLA: as many key/value heads as query heads
+        overrides["num_key_value_heads"] = TINY["num_attention_heads"]
+    if mla and defaults.get("head_dim"):  # rotary on the qk_rope_head_dim part of each head
+        overrides["head_dim"] = overrides.get("qk_rope_head_dim", TINY["qk_rope_head_dim"])
+    if "qk_head_dim" in defaults and {"qk_nope_head_dim", "qk_rope_head_dim"} <= set(overrides):
+        overrides["qk_head_dim"] = overrides["qk_nope_head_dim"] + overrides["qk_rope_head_dim"]
+    count = defaults.get("num_hidden_layers")
+    if isinstance(count, int):
+        keys = _per_layer_lists(defaults, count)
+        chosen = _layer_choice(defaults, keys, count) if keys else list(range(LAYERS))
+        overrides["num_hidden_layers"] = len(chosen)
+        for key in keys:
+            values = overrides.get(key, defaults[key])
+            overrides[key] = [values[index] for index in chosen]
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if key in defaults and defaults[key] is not None:
+            overrides[key] = 0
+    rope = defaults.get("rope_parameters")
+    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list):
+        rotary = overrides.get("qk_rope_head_dim") if mla else overrides.get("head_dim", TINY["head_dim"])
+        overrides["rope_parameters"] = {**rope, "mrope_section": _rescaled(rope["mrope_section"], rotary // 2)}
+    try:
+        config = AutoConfig.for_model(model_type, **overrides)
+    except Exception:  # e.g. an architecture without grouped-query attention
+        if "num_key_value_heads" not in overrides:
+            raise
+        config = AutoConfig.for_model(model_type, **{**overrides, "num_key_value_heads": TINY["num_attention_heads"]})
+    config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+    for sub in _configs(config):
+        sub._attn_implementation = "eager"
+        sub._experts_implementation = "eager"
+        if hasattr(sub, "use_cache"):
+            sub.use_cache = False
+    return config
+
+
+def _fit(value: Any, default: Any) -> Any:
+    """The tiny value in the default's form: 0 stays 0, a per-layer list of ints stays a list."""
+    if isinstance(default, bool) or not isinstance(value, int):
+        return value
+    if isinstance(default, int) and default == 0:
+        return 0
+    if isinstance(default, list) and default and all(isinstance(item, int) for item in default):
+        return [value] * len(default)
+    return value
+
+
+def _rescaled(sections: list[int], total: int) -> list[int]:
+    """Integer sections proportional to ``sections`` that add up to ``total`` (each at least 1)."""
+    scale = total / sum(sections)
+    found = [max(1, int(section * scale)) for section in sections]
+    found[0] += total - sum(found)
+    return found
+
+
+def _configs(config: Any) -> Iterable[Any]:
+    """The config and its sub-configs (text, vision...), each once."""
+    seen, pending = set(), [config]
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        for value in vars(current).values():
+            if hasattr(value, "to_dict") and hasattr(value, "model_type"):
+                pending.append(value)
+
+
+def is_decoder_only_causal_lm(cls: type, config: Any) -> bool:
+    return cls.__name__.endswith("ForCausalLM") and not getattr(config, "is_encoder_decoder", False)
+
+
+# --------------------------------------------------------------------------- one architecture
+
+
+@dataclasses.dataclass
+class Row:
+    """The coverage of one model type."""
+
+    model_type: str
+    model_class: str = ""
+    plan_ok: bool = False
+    lower_ok: bool = False
+    parity: bool | None = None  # None: not run (not a decoder-only causal LM, or an earlier step failed)
+    logits_err: float | None = None
+    logits_tol: float | None = None
+    grads_ok: bool | None = None
+    reason: str = ""
+    seconds: float = 0.0  # planning and lowering in the parent process
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One architecture ready for the parity run: its generated file and plan."""
+
+    model_type: str
+    generated: str
+    plan: dict
+
+
+def prepare(model_type: str, directory: Path, *, sp: bool = False) -> tuple[Row, Case | None]:
+    """Plan and lower one architecture; the case to compare on ranks when it is a causal LM."""
+    from hpgen.errors import HpgenError
+    from hpgen.generate import infer_package
+    from hpgen.lower import lower
+    from hpgen.plan import plan_from_dict
+    from hpgen.tp_plan import meta_model, model_class_for, plan_for_model
+
+    row = Row(model_type)
+    started = time.monotonic()
+    try:
+        try:
+            config = tiny_config(model_type)
+            cls = model_class_for(config)
+        except HpgenError as error:
+            row.reason = f"config: {error}"
+            return row, None
+        except Exception as error:  # transformers cannot build this architecture's config
+            row.reason = f"config: {_short(error)}"
+            return row, None
+        row.model_class = cls.__name__
+        try:
+            plan = plan_for_model(meta_model(config), tp=2, sp=sp, name=model_type)
+        except HpgenError as error:
+            row.reason = f"plan: {error}"
+            return row, None
+        row.plan_ok = True
+        source = Path(inspect.getsourcefile(cls) or "")
+        try:
+            text = lower(
+                source.read_text(encoding="utf-8"),
+                plan_from_dict(plan, name=f"{model_type}.json"),
+                source_name=source.name,
+                package=infer_package(source),
+            )
+        except HpgenError as error:
+            row.reason = f"lower: {error}"
+            return row, None
+        row.lower_ok = True
+        if not is_decoder_only_causal_lm(cls, config):
+            row.reason = "parity not run: not a decoder-only causal LM"
+            return row, None
+        generated = directory / f"{model_type}_{'sp' if sp else 'tp'}.py"
+        generated.write_text(text, encoding="utf-8")
+        return row, Case(model_type, str(generated), plan)
+    finally:
+        row.seconds = round(time.monotonic() - started, 1)
+
+
+def compare(cases: list[Case], timeout: float) -> dict[str, dict | str]:
+    """Run the cases on 2 ranks in one spawn; per model type its rank results or an error line.
+
+    Every rank catches a case's exception and meets the other at a barrier before the next
+    case, so a failure that both ranks hit (nearly all: the ranks run the same code) costs
+    one case. A run that still fails as a whole (a rank stuck in a collective the other
+    left) is retried one case per spawn.
+    """
+    from tests.dist import RankFailed, run_distributed
+
+    try:
+        ranks = run_distributed(_rank_cases, cases, SEED, timeout=timeout * len(cases))
+    except RankFailed as failure:
+        if len(cases) == 1:
+            return {cases[0].model_type: _rank_error(failure)}
+        found: dict[str, dict | str] = {}
+        for case in cases:
+            found.update(compare([case], timeout))
+        return found
+    found = {}
+    for case in cases:
+        outcomes = [by_case[case.model_type] for by_case in ranks]
+        errors = [outcome for outcome in outcomes if isinstance(outcome, str)]
+        found[case.model_type] = errors[0] if errors else {"ranks": outcomes}
+    return found
+
+
+def finish(row: Row, outcome: dict | str) -> Row:
+    """Fill in the parity columns from one case's outcome."""
+    if isinstance(outcome, str):
+        row.parity = False
+        row.reason = f"parity: {outcome}"
+        return row
+    results = outcome["ranks"]
+    worst = max(results, key=lambda result: result["logits_err"] / max(result["logits_tol"], 1e-30))
+    row.logits_err, row.logits_tol = worst["logits_err"], worst["logits_tol"]
+    row.parity = all(result["logits_err"] <= result["logits_tol"] for result in results)
+    grad_failures = sorted({failure for result in results for failure in result["grad_failures"]})
+    row.grads_ok = not grad_failures
+    reasons = []
+    if not row.parity:
+        reasons.append(f"logits differ: {row.logits_err:.3g} > {row.logits_tol:.3g}")
+    if grad_failures:
+        reasons.append(f"gradients differ ({len(grad_failures)}): " + "; ".join(grad_failures[:3]))
+    row.reason = "; ".join(reasons)
+    return row
+
+
+def _rank_cases(rank: int, world_size: int, cases: list[Case], seed: int) -> dict[str, dict | str]:
+    """Rank body: each case's result, or the last line of its traceback; a barrier between cases."""
+    import torch.distributed as dist
+
+    found: dict[str, dict | str] = {}
+    for case in cases:
+        try:
+            found[case.model_type] = _parity_rank(rank, world_size, case.model_type, case.generated, case.plan, seed)
+        except Exception:  # recorded per case; the next case still runs
+            found[case.model_type] = _last_line(traceback.format_exc())
+        dist.barrier()
+    return found
+
+
+def _parity_rank(rank: int, world_size: int, model_type: str, generated: str, plan: dict, seed: int) -> dict:
+    """One rank: the reference and the parallelized generated model, their logits and gradients."""
+    import torch
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hpgen.runtime import parallelize
+    from hpgen.tp_plan import model_class_for
+    from tests.runtime.models import expected_shard, import_file, param_layouts, perturb_, tolerance
+
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=tuple(plan["mesh_dim_names"]))
+    config = tiny_config(model_type)
+    cls = model_class_for(config)
+    torch.manual_seed(seed)
+    reference = cls(config)
+    perturb_(reference, seed)
+    reference.eval()
+    generated_class = getattr(import_file(generated), cls.__name__)
+    torch.manual_seed(seed)  # the same non-persistent buffers as the reference (some are drawn at random)
+    model = generated_class(config)
+    missing, unexpected = model.load_state_dict(reference.state_dict(), strict=False)
+    if missing or unexpected:
+        raise AssertionError(f"state_dict keys differ: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.eval()
+    parallelize(model, plan, mesh)
+
+    generator = torch.Generator().manual_seed(seed + 1)
+    vocab = config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (2, 7), generator=generator)
+    try:
+        ref_logits = reference(input_ids=ids).logits
+    except Exception as error:  # the tiny config, not hpgen: transformers' own model fails
+        raise ReferenceFailed(f"transformers' own model fails on the tiny config: {_short(error)}") from error
+    if not torch.isfinite(ref_logits).all():
+        raise ReferenceFailed("transformers' own model gives non-finite logits on the tiny config")
+    logits = model(input_ids=ids).logits
+    projection = torch.randn(ref_logits.shape, generator=generator)
+    (ref_logits * projection).sum().backward()
+    (logits * projection).sum().backward()
+
+    layouts = param_layouts(reference, plan)
+    axes = [
+        (axis, mesh.get_local_rank(axis), mesh.size(mesh.mesh_dim_names.index(axis))) for axis in plan["mesh_dim_names"]
+    ]
+    failures = []
+    mine = dict(model.named_parameters())
+    for name, ref_param in reference.named_parameters():
+        if ref_param.grad is None:
+            continue  # unused in this forward (e.g. an MTP head)
+        param = mine.get(name)
+        if param is None or param.grad is None:
+            failures.append(f"{name}: no gradient")
+            continue
+        want = ref_param.grad
+        for axis, coordinate, size in axes:  # each axis splits what the previous ones left, in mesh order
+            want = expected_shard(want, layouts.get(name, {}).get(axis, "R"), coordinate, size)
+        err, tol = (param.grad - want).abs().max().item(), tolerance(ref_param.grad)
+        if not err <= tol:
+            failures.append(f"{name}: {err:.3g} > {tol:.3g}")
+    return {
+        "logits_err": (logits - ref_logits).abs().max().item(),
+        "logits_tol": tolerance(ref_logits),
+        "grad_failures": failures,
+    }
+
+
+class ReferenceFailed(RuntimeError):
+    """transformers' unsharded model itself fails on the tiny config (a config problem, not hpgen's)."""
+
+
+def _short(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:300]}" if lines else type(error).__name__
+
+
+def _rank_error(failure: Exception) -> str:
+    """The last line of the first failed rank's traceback (the exception and its message)."""
+    failures = getattr(failure, "failures", {})
+    text = next(iter(failures.values()), str(failure)) if failures else str(failure)
+    return _last_line(text)
+
+
+def _last_line(text: str) -> str:
+    """The exception line of a traceback text."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    for line in reversed(lines):
+        if not line.startswith((" ", "\t")) and ("Error" in line or "Exception" in line or "failed" in line):
+            return line.strip()[:400]
+    return (lines[-1] if lines else "no output").strip()[:400]
+
+
+# --------------------------------------------------------------------------- the run and the table
+
+
+def architectures() -> list[str]:
+    """Every model type of the installed transformers whose config has a base_model_tp_plan."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    found = []
+    for model_type in sorted(CONFIG_MAPPING_NAMES):
+        try:
+            config_class = CONFIG_MAPPING[model_type]
+        except Exception:  # a config class that does not import in this environment
+            continue
+        if getattr(config_class, "base_model_tp_plan", None):
+            found.append(model_type)
+    return found
+
+
+def results_path(folder: Path, variant: str) -> Path:
+    return folder / f"hpgen-coverage-{variant}.jsonl"
+
+
+def load_results(path: Path) -> dict[str, Row]:
+    """The rows of a results file; a model type's later line wins (reruns append)."""
+    rows: dict[str, Row] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                data = json.loads(line)
+                rows[data["model_type"]] = Row(**data)
+    return rows
+
+
+# Failures whose cause was found by hand, each checked by changing exactly that one thing.
+NOTES: dict[str, str] = {
+    "inkling_text": "transformers' plan shards the packed `experts.gate_up_proj` ([E, 2I, H], split by "
+    "`chunk(2)`) with plain `colwise`, so one rank holds the gate half and the other the up half; "
+    "`packed_colwise` (SS(1,2)) is what the experts' forward needs, and with it the logits and gradients match.",
+    "inkling2_text": "as inkling_text: `experts.gate_up_proj` is `colwise` instead of `packed_colwise` in "
+    "transformers' plan; with SS(1,2) the logits and gradients match.",
+    "inkling2_loop_text": "as inkling_text: `experts.gate_up_proj` is `colwise` instead of `packed_colwise` "
+    "in transformers' plan.",
+    "gemma3n_text": "the MLP's activation sparsity (`_gaussian_topk`: mean and std over the intermediate "
+    "features) runs on the colwise-sharded intermediate, so each rank thresholds with its own statistics "
+    "(transformers' hooks hand it the same local shard); with `activation_sparsity_pattern` all 0 the "
+    "logits and gradients match.",
+    "doge": "`self_attn.dt_proj` is `rowwise` in transformers' plan: its reduced output, one value per "
+    "key/value head for all heads, builds the attention mask, while the scores hold this rank's heads only; "
+    "no block boundary (nor transformers' hooks) slices the mask back to the local heads.",
+    "longcat_flash": "`moe_identity_expert` (identity experts inside the expert sum, whose input transformers "
+    "divides by the TP size) has no plan equivalent: it needs a local compute function.",
+}
+
+
+def render(variants: dict[str, dict[str, Row]], architectures_found: list[str]) -> str:
+    """The markdown page: counts, one row per architecture, failures grouped, notes."""
+    import transformers
+
+    rows, sp_rows = variants["tp"], variants.get("sp", {})
+    ordered = [rows[name] for name in architectures_found if name in rows]
+    compared = [row for row in ordered if row.parity is not None]
+    lines = [
+        "# `hpgen plan` coverage",
+        "",
+        f"Generated by `python benchmarks/coverage.py` against transformers {transformers.__version__}"
+        " (torch CPU, 2 gloo ranks). For every model type whose config has a `base_model_tp_plan`: a tiny"
+        " config (hidden 64, 4 heads of 16, 2 KV heads, vocabulary 127, intermediate 89, 4 experts with 2"
+        " routed, one layer of each kind the default config has), `hpgen plan --tp 2` on the meta device,"
+        " `hpgen lower` of the model's modeling file, and for decoder-only causal LMs the generated model,"
+        " parallelized over 2 ranks, against transformers' unsharded model with the same perturbed weights:"
+        " logits within 1e-5 + 1e-4 * max|logits|, and every parameter's gradient (this rank's slice) within"
+        " the same tolerance of the reference gradient. The SP column runs `hpgen plan --tp 2 --sp` the same way.",
+        "",
+        f"- architectures with a `base_model_tp_plan`: **{len(architectures_found)}**",
+        f"- plan written: **{sum(row.plan_ok for row in ordered)}**",
+        f"- lowered: **{sum(row.lower_ok for row in ordered)}**",
+        f"- decoder-only causal LMs compared on 2 ranks: **{len(compared)}**; logits equal: "
+        f"**{sum(bool(row.parity) for row in ordered)}**; logits and every gradient equal: "
+        f"**{sum(bool(row.parity and row.grads_ok) for row in ordered)}**",
+    ]
+    if sp_rows:
+        sp_compared = [row for row in sp_rows.values() if row.parity is not None]
+        lines.append(
+            f"- with `--sp`: logits and every gradient equal for **"
+            f"{sum(bool(row.parity and row.grads_ok) for row in sp_rows.values())}** of {len(sp_compared)} compared"
+        )
+    lines += [
+        "",
+        "| model type | model class | plan | lower | parity | max logit diff (tol) | gradients | SP | reason |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in architectures_found:
+        row = rows.get(name)
+        if row is None:
+            lines.append(f"| {name} |  | not run |  |  |  |  |  |  |")
+            continue
+        diff = f"{row.logits_err:.1e} ({row.logits_tol:.1e})" if row.logits_err is not None else ""
+        sp = sp_rows.get(name)
+        sp_mark = _mark(sp.parity and sp.grads_ok) if sp is not None and sp.parity is not None else ""
+        reason = row.reason + (f" — {NOTES[name]}" if name in NOTES else "")
+        lines.append(
+            f"| {name} | {row.model_class} | {_mark(row.plan_ok)} | {_mark(row.lower_ok) if row.plan_ok else ''} | "
+            f"{_mark(row.parity)} | {diff} | {_mark(row.grads_ok)} | {sp_mark} | {_cell(reason)} |"
+        )
+    lines += ["", "## Failures by cause", ""]
+    groups: dict[str, list[str]] = {}
+    for row in ordered:
+        if row.reason and not row.reason.startswith("parity not run"):
+            groups.setdefault(_cause(row), []).append(row.model_type)
+    for cause, names in sorted(groups.items(), key=lambda item: (-len(item[1]), item[0])):
+        lines.append(f"- **{cause}** ({len(names)}): {', '.join(names)}")
+    sp_failures = {
+        name: row.reason
+        for name, row in sorted(sp_rows.items())
+        if row.parity is not None and not (row.parity and row.grads_ok) and rows.get(name) and rows[name].parity
+    }
+    if sp_failures:
+        lines += ["", "## Sequence parallel (`--sp`) failures where tensor parallel passes", ""]
+        lines += [f"- **{name}**: {_cell(reason)}" for name, reason in sp_failures.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _mark(value: bool | None) -> str:
+    return "" if value is None else "yes" if value else "**no**"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")[:600]
+
+
+def _cause(row: Row) -> str:
+    """A coarse failure class for grouping (the table keeps the full reason)."""
+    reason = row.reason
+    stage = reason.split(":", 1)[0]
+    if row.model_type in NOTES:
+        return "transformers' own plan or model does not shard this way (see the notes in the reason)"
+    if stage in ("config", "plan", "lower"):
+        if "cannot build" in reason or stage == "config":
+            return "config: transformers cannot build the tiny config or its model"
+        return f"{stage}: " + reason.split(": ", 2)[-1][:100]
+    if "transformers' own model" in reason:
+        return "tiny config: transformers' own model fails on it"
+    if reason.startswith("parity:"):
+        return "parity: a rank raised (" + reason.split(":", 2)[1].strip()[:80] + ")"
+    if "logits differ" in reason:
+        return "parity: logits differ"
+    if "gradients differ" in reason:
+        return "gradients differ (logits equal)"
+    return reason[:80]
+
+
+def run(wanted: list[str], sp: bool, path: Path, rows: dict[str, Row], chunk: int, timeout: float) -> None:
+    """Plan, lower and compare ``wanted``, appending each row to ``path`` as it is known."""
+    with tempfile.TemporaryDirectory(prefix="hpgen-coverage-") as folder:
+        for start in range(0, len(wanted), chunk):
+            prepared = [prepare(model_type, Path(folder), sp=sp) for model_type in wanted[start : start + chunk]]
+            cases = [case for _, case in prepared if case is not None]
+            outcomes = compare(cases, timeout) if cases else {}
+            for row, case in prepared:
+                if case is not None:
+                    finish(row, outcomes[case.model_type])
+                rows[row.model_type] = row
+                with path.open("a") as stream:
+                    stream.write(json.dumps(dataclasses.asdict(row), sort_keys=True) + "\n")
+                status = (
+                    "parity" if row.parity else "lowered" if row.lower_ok else "planned" if row.plan_ok else "failed"
+                )
+                print(f"{'sp ' if sp else ''}{row.model_type}: {status} {row.reason[:200]}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="comma-separated model types (their rows are redone)")
+    parser.add_argument("--sp", action="store_true", help="run the --sp plans (the SP column) instead")
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds per architecture on the ranks")
+    parser.add_argument("--chunk", type=int, default=8, help="architectures compared per spawn of the ranks")
+    parser.add_argument("--results", type=Path, default=Path(tempfile.gettempdir()), help="folder of the results files")
+    parser.add_argument("--table", type=Path, default=TABLE)
+    parser.add_argument("--fresh", action="store_true", help="forget earlier results of this variant")
+    parser.add_argument("--render", action="store_true", help="only rewrite the table from the results")
+    args = parser.parse_args()
+
+    import transformers
+
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    found = architectures()
+    variant = "sp" if args.sp else "tp"
+    path = results_path(args.results, variant)
+    if args.fresh and path.exists():
+        path.unlink()
+    variants = {name: load_results(results_path(args.results, name)) for name in ("tp", "sp")}
+    if not args.render:
+        rows = variants[variant]
+        wanted = args.only.split(",") if args.only else [name for name in found if name not in rows]
+        if args.sp and not args.only:  # only where the tensor-parallel plan already matches
+            wanted = [name for name in wanted if variants["tp"].get(name) and variants["tp"][name].parity]
+        run(wanted, args.sp, path, rows, args.chunk, args.timeout)
+    args.table.parent.mkdir(parents=True, exist_ok=True)
+    args.table.write_text(render(variants, found))
+    print(f"wrote {args.table}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -1,0 +1,251 @@
+"""``hpgen plan``: frozen plans from transformers' own ``base_model_tp_plan`` / ``base_model_ep_plan``.
+
+The plans are built on the meta device from the installed transformers' configs, so they
+follow transformers as it is installed. What they must say is pinned by the hand-written
+plans of ``tests/plans`` that the runtime tests run on two ranks: the generated llama plan
+is ``llama_tp_vocab.json`` (and its attention and MLP contracts those of
+``llama_tp.json``), the 2-layer sequence-parallel one ``llama_tp_sp.json``, the
+Qwen3-MoE experts-parallel one ``qwen3_moe_tp_ep.json``. One test runs a generated plan on
+two gloo ranks against the unsharded model.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hpgen.cli import cli
+from hpgen.lower import analyze, lower
+from hpgen.plan import contract_signature, load_plan, plan_from_dict
+from tests.conftest import PLANS, transformers_modeling_file
+
+MODELING = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "mistral": "mistral"}
+
+
+def run_plan(*args: str) -> tuple[int, str, str]:
+    """``hpgen plan ARGS`` in-process: (exit code, stdout, stderr)."""
+    result = CliRunner().invoke(cli, ["plan", *args], catch_exceptions=False)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def generated(model: str, tmp_path: Path, *flags: str) -> Path:
+    """The plan file ``hpgen plan MODEL FLAGS -o`` writes."""
+    path = tmp_path / f"{model}.json"
+    code, _, err = run_plan(model, *flags, "-o", str(path))
+    assert code == 0, err
+    return path
+
+
+def tiny_llama_config(tmp_path: Path, **overrides: object) -> Path:
+    """config.json of the runtime tests' tiny llama (2 layers, 4 heads, 2 KV heads)."""
+    from tests.runtime.models import make_config
+
+    make_config("llama", **overrides).save_pretrained(tmp_path)
+    return tmp_path / "config.json"
+
+
+def entries(plan_path: Path | dict) -> dict:
+    """Validated entries keyed by FQN pattern (lists sorted, so key order does not matter)."""
+    plan = load_plan(plan_path) if isinstance(plan_path, Path) else plan_from_dict(plan_path)
+    return dict(plan.entries)
+
+
+# --------------------------------------------------------------------------- plans that load and lower
+
+
+@pytest.mark.parametrize("model", sorted(MODELING))
+def test_plan_loads_and_lowers(model: str, tmp_path: Path) -> None:
+    path = generated(model, tmp_path, "--tp", "2")
+    plan = load_plan(path)
+    source = transformers_modeling_file(MODELING[model])
+    analysis = analyze(source.read_text(), plan, source_name=source.name)
+    forms = {contract.form for lowering in analysis.classes.values() for contract in lowering.contracts}
+    assert forms == {"tp_collective"}, forms  # every block lowers to bare collectives
+    assert set(analysis.external) == {"model.embed_tokens", "lm_head"}  # wrapped by parallelize
+    assert lower(source.read_text(), plan, source_name=source.name).count("self._hp_tp.all_reduce(") >= 2
+
+
+def test_llama_is_the_hand_written_vocab_parallel_plan(tmp_path: Path) -> None:
+    path = generated("llama", tmp_path, "--tp", "2")
+    assert entries(path) == entries(PLANS / "llama_tp_vocab.json")
+    plan, hand_written = load_plan(path), load_plan(PLANS / "llama_tp.json")
+    for key in ("model.layers.*.self_attn", "model.layers.*.mlp"):
+        assert contract_signature(plan, key) == contract_signature(hand_written, key)
+    assert plan.model_class == "LlamaForCausalLM" and not plan.boundary_classes
+
+
+def test_qwen_specifics(tmp_path: Path) -> None:
+    qwen2 = entries(generated("qwen2", tmp_path, "--tp", "2"))["model.layers.*.self_attn"]
+    assert {name: str(layout.on("tp")) for name, layout in qwen2.params.items() if name.endswith("bias")} == {
+        "q_proj.bias": "S(0)",
+        "k_proj.bias": "S(0)",
+        "v_proj.bias": "S(0)",
+    }
+    qwen3 = entries(generated("qwen3", tmp_path, "--tp", "2"))["model.layers.*.self_attn"]
+    assert qwen3.grad_reduce_params == ("k_norm.weight", "q_norm.weight")  # per-head norms see local heads
+
+
+def test_qwen3_moe_tensor_parallel_experts(tmp_path: Path) -> None:
+    path = generated("qwen3_moe", tmp_path, "--tp", "2")
+    document = json.loads(path.read_text())
+    experts = entries(path)["model.layers.*.mlp.experts"]
+    # packed_colwise on [E, 2I, H] is a strided shard of both halves; rowwise on [E, H, I] the last dim
+    assert {name: str(layout.on("tp")) for name, layout in experts.params.items()} == {
+        "gate_up_proj": "SS(1,2)",
+        "down_proj": "S(2)",
+    }
+    assert experts.input_names == ("hidden_states", "top_k_weights")  # routing weights get a partial gradient
+    # `model.layers.*.mlp` is a sparse block or a dense MLP depending on the layer: resolved from the model
+    assert document["boundary_classes"] == {"model.layers.*.mlp.experts": "Qwen3MoeExperts"}
+    assert "injections" not in document
+
+
+def test_qwen3_moe_experts_parallel_is_the_hand_written_plan(tmp_path: Path) -> None:
+    path = generated("qwen3_moe", tmp_path, "--tp", "2", "--ep", "2")
+    mine, hand_written = json.loads(path.read_text()), json.loads((PLANS / "qwen3_moe_tp_ep.json").read_text())
+    found = entries(path)
+    for key, entry in entries(PLANS / "qwen3_moe_tp_ep.json").items():
+        assert found[key] == entry
+    for part in ("injections", "boundary_classes", "mesh_dim_names", "model_class"):
+        assert mine[part] == hand_written[part]
+
+
+def test_sequence_parallel_is_the_hand_written_plan(tmp_path: Path) -> None:
+    config = tiny_llama_config(tmp_path)
+    path = generated(str(config), tmp_path, "--tp", "2", "--sp")
+    assert entries(path) == entries(PLANS / "llama_tp_sp.json")
+    source = transformers_modeling_file("llama")
+    text = lower(source.read_text(), load_plan(path), source_name=source.name)
+    assert "self._hp_tp.reduce_scatter(" in text and "self._hp_tp.split(" in text
+
+
+def test_sequence_parallel_gathers_at_the_last_layer_when_the_final_norm_is_torchs(tmp_path: Path) -> None:
+    from transformers import GPTNeoXConfig
+
+    GPTNeoXConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=89, vocab_size=127
+    ).save_pretrained(tmp_path)
+    found = entries(generated(str(tmp_path / "config.json"), tmp_path, "--tp", "2", "--sp"))
+    # final_layer_norm is an nn.LayerNorm, which hpgen cannot rewrite: the last layer gathers instead
+    last = found["gpt_neox.layers.1"]
+    assert [str(layout.on("tp")) for layout in (*last.out_src.values(), *last.out_dst.values())] == ["S(1)", "R"]
+    assert "gpt_neox.final_layer_norm" not in found
+    attention = found["gpt_neox.layers.*.attention"]
+    # the deferred row-parallel bias is added to a sequence shard: its gradient is partial too
+    assert attention.deferred_bias_params == ("dense.bias",) and "dense.bias" in attention.grad_reduce_params
+    assert str(attention.out_dst["attn_output"].on("tp")) == "S(1)"
+
+
+@pytest.mark.parametrize(
+    ("flags", "mesh", "experts_axis"),
+    [(["--ep", "2"], ["ep"], "ep"), (["--tp", "2", "--ep", "4"], ["ep", "tp"], "ep")],
+)
+def test_experts_parallel_axes(tmp_path: Path, flags: list[str], mesh: list[str], experts_axis: str) -> None:
+    path = generated("qwen3_moe", tmp_path, *flags)
+    document = json.loads(path.read_text())
+    assert document["mesh_dim_names"] == mesh
+    assert document["injections"][0]["local_compute_fn"]["axis"] == experts_axis
+    experts = document["param_plan"]["model.layers.*.mlp.experts"]
+    assert experts["params"] == {"gate_up_proj": {experts_axis: "S(0)"}, "down_proj": {experts_axis: "S(0)"}}
+    assert ("model.layers.*.self_attn" in document["param_plan"]) == ("tp" in mesh)
+    source = transformers_modeling_file("qwen3_moe")
+    lower(source.read_text(), load_plan(path), source_name=source.name)
+
+
+def test_output_is_deterministic_json(tmp_path: Path) -> None:
+    code, first, _ = run_plan("qwen3", "--tp", "2")
+    assert code == 0
+    assert run_plan("qwen3", "--tp", "2")[1] == first
+    document = json.loads(first)
+    assert first == json.dumps(document, indent=2, sort_keys=True) + "\n"
+    assert document["format"] == "hpgen.plan/1" and document["mesh_dim_names"] == ["tp"]
+
+
+# --------------------------------------------------------------------------- bad input: exit 2, one line
+
+
+def test_a_style_it_cannot_map_lists_the_supported_ones(tmp_path: Path) -> None:
+    config = tiny_llama_config(tmp_path)
+    document = json.loads(config.read_text())
+    document["base_model_tp_plan"] = {"layers.*.self_attn.q_proj": "colwise", "norm": "sequence_parallel"}
+    config.write_text(json.dumps(document))
+    code, out, err = run_plan(str(config), "--tp", "2")
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1
+    assert "'sequence_parallel'" in err and "supported styles: all_reduce, colwise," in err
+    assert "rowwise_split_input" in err and "moe_tp_experts" in err
+
+
+@pytest.mark.parametrize(
+    ("overrides", "size", "expected"),
+    [
+        ({}, 3, "num_attention_heads=4 does not divide over --tp 3"),
+        ({}, 4, "num_key_value_heads=2 does not divide over --tp 4"),
+    ],
+)
+def test_indivisible_heads_name_the_sizes(tmp_path: Path, overrides: dict, size: int, expected: str) -> None:
+    config = tiny_llama_config(tmp_path, **overrides)
+    code, out, err = run_plan(str(config), "--tp", str(size))
+    assert code == 2 and out == ""
+    assert expected in err and len(err.strip().splitlines()) == 1
+
+
+def test_indivisible_experts_name_the_sizes() -> None:
+    code, _, err = run_plan("qwen3_moe", "--ep", "3")
+    assert code == 2 and "num_experts=128, which does not divide over --ep 3" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["no_such_model"], "is neither a config.json path nor a model type"),
+        (["llama", "--ep", "2"], "has no base_model_ep_plan"),
+        (["llama", "--sp", "--ep", "2"], "has no base_model_ep_plan"),
+        (["missing/config.json"], "no such config file"),
+    ],
+)
+def test_bad_targets_exit_2(args: list[str], expected: str) -> None:
+    code, out, err = run_plan(*args)
+    assert code == 2 and out == "" and expected in err
+
+
+def test_generating_plans_keeps_torch_out_of_the_generator() -> None:
+    probe = (
+        "import sys, hpgen.tp_plan, hpgen.cli, hpgen.lower; "
+        "print('torch' in sys.modules, 'transformers' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["False", "False"]
+
+
+# --------------------------------------------------------------------------- two ranks
+
+
+def test_generated_plans_match_the_unsharded_llama_on_two_ranks(tmp_path: Path) -> None:
+    from hpgen.tp_plan import meta_model, plan_for_model
+    from tests.dist import run_distributed
+    from tests.runtime.models import (
+        Case,
+        check_generation,
+        check_gradients,
+        check_logits,
+        lower_family,
+        make_config,
+        run_cases,
+    )
+
+    cases = []
+    for name, sp in (("tp", False), ("tp_sp", True)):
+        plan = plan_for_model(meta_model(make_config("llama")), tp=2, sp=sp)
+        (tmp_path / name).mkdir()
+        cases.append(Case(name, "llama", str(lower_family("llama", plan, tmp_path / name)), plan))
+    results = run_distributed(run_cases, cases, timeout=300)
+    for case in cases:
+        check_logits(results, case.name)
+        check_gradients(results, case.name)
+        check_generation(results, case.name)
