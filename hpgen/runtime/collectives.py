@@ -232,6 +232,8 @@ class AxisCollectives:
         _check("identity", backward)
         if x is None or self.size == 1 or backward == "identity":
             return x
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            return x  # nothing flows back: the forward is the identity, no copy needed
         return self._run(x, _Move("identity", None, None), backward)
 
     # ---- machinery --------------------------------------------------------------------
