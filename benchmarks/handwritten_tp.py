@@ -5,8 +5,8 @@ a forward hook, the way gpt-fast's ``tp.py`` does it. Nothing else changes: the 
 code infers its local head count from ``view(..., -1, head_dim)``, and the KV cache sizes
 itself from the first keys it sees, so the head counts follow the sliced weights.
 
-Inference only (the hooks reduce in place, which autograd would refuse on a leaf's view;
-the benchmark runs under ``torch.no_grad``).
+Inference only: the hooks reduce in place with ``dist.all_reduce``, which has no backward
+(gpt-fast's forward-only use too); the benchmark runs under ``torch.no_grad``.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ variants take turns (``--rounds`` rounds of ``--steps`` steps each), as load on 
 machine drifts; sampling at 1 ms gives a few thousand samples per variant.
 
 Then it times one MLP block alone, the hand-written one (forward hook) against hpgen's
-generated one, with the runtime as it is and with the no-grad fast path of
+generated one, with the runtime as it is and with the no-grad ``all_reduce`` of
 :class:`NoGradFastPath` (a subclass defined here, not in the runtime): the cost of one
 boundary, and what that change to ``hpgen/runtime/collectives.py`` would save.
 """
@@ -105,17 +105,12 @@ def self_times(frame, totals: dict[str, float], caller: str = "other") -> None:
 
 
 class NoGradFastPath(AxisCollectives):
-    """The change proposed for ``AxisCollectives`` (measured here, not installed anywhere).
+    """The change proposed for ``AxisCollectives.all_reduce`` (measured here, installed nowhere).
 
-    Without autograd, ``copy`` (identity forward) returns its input instead of a clone, and
-    ``all_reduce(sum)`` is one clone and one ``dist.all_reduce``: no per-call validation,
-    move record or dispatch table.
+    Without autograd, ``all_reduce(sum)`` is one clone and one ``dist.all_reduce``: no
+    per-call validation, move record, dispatch table or second ownership check. (The same
+    fast path for ``copy``, which cloned its input, is in the runtime since commit 0232cc1.)
     """
-
-    def copy(self, x, *, backward="all_reduce"):
-        if x is None or self.size == 1 or not (torch.is_grad_enabled() and x.requires_grad):
-            return x
-        return super().copy(x, backward=backward)
 
     def all_reduce(self, x, op="sum", *, backward="identity"):
         if x is None or self.size == 1 or op != "sum" or (torch.is_grad_enabled() and x.requires_grad):
