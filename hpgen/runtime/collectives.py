@@ -179,6 +179,11 @@ class AxisCollectives:
         _check("all_reduce", backward, op)
         if x is None or self.size == 1:
             return x
+        if op == "sum" and not (torch.is_grad_enabled() and x.requires_grad):
+            # The decode hot path: no autograd node, one clone, one in-place all-reduce.
+            out = x.clone(memory_format=torch.contiguous_format)
+            dist.all_reduce(out, group=self.group)
+            return out
         return self._run(x, _Move("all_reduce", None, None, op), backward)
 
     def all_gather(self, x: Tensor | None, dim: int, *, backward: str = "reduce_scatter") -> Tensor | None:
