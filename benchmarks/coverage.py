@@ -197,6 +197,11 @@ def tiny_config(model_type: str) -> Any:
         if "num_key_value_heads" not in overrides:
             raise
         config = AutoConfig.for_model(model_type, **{**overrides, "num_key_value_heads": TINY["num_attention_heads"]})
+    from hpgen.tp_plan import model_and_config
+
+    built = model_and_config(config)[1]
+    if built is not config:  # the causal LM is built from a sub-config (llama4 -> llama4_text): shrink that
+        return tiny_config(built.model_type)
     config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
     for sub in _configs(config):
         sub._attn_implementation = "eager"
@@ -277,14 +282,13 @@ def prepare(model_type: str, directory: Path, *, sp: bool = False) -> tuple[Row,
     from hpgen.generate import infer_package
     from hpgen.lower import lower
     from hpgen.plan import plan_from_dict
-    from hpgen.tp_plan import meta_model, model_class_for, plan_for_model
+    from hpgen.tp_plan import meta_model, model_and_config, plan_for_model
 
     row = Row(model_type)
     started = time.monotonic()
     try:
         try:
-            config = tiny_config(model_type)
-            cls = model_class_for(config)
+            cls, config = model_and_config(tiny_config(model_type))
         except HpgenError as error:
             row.reason = f"config: {error}"
             return row, None
@@ -382,21 +386,23 @@ def _rank_cases(rank: int, world_size: int, cases: list[Case], seed: int) -> dic
     return found
 
 
-def _parity_rank(rank: int, world_size: int, model_type: str, generated: str, plan: dict, seed: int) -> dict:
-    """One rank: the reference and the parallelized generated model, their logits and gradients."""
+def _parity_rank(_rank: int, world_size: int, model_type: str, generated: str, plan: dict, seed: int) -> dict:
+    """One rank: the reference and the parallelized generated model, their logits and gradients.
+
+    This rank's place on each mesh axis comes from the mesh (``_rank`` is its global rank).
+    """
     import torch
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
 
     from hpgen.runtime import parallelize
-    from hpgen.tp_plan import model_class_for
+    from hpgen.tp_plan import model_and_config
     from tests.runtime.models import expected_shard, import_file, param_layouts, perturb_, tolerance
 
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=tuple(plan["mesh_dim_names"]))
-    config = tiny_config(model_type)
-    cls = model_class_for(config)
+    cls, config = model_and_config(tiny_config(model_type))
     torch.manual_seed(seed)
     reference = cls(config)
     perturb_(reference, seed)

@@ -236,8 +236,9 @@ def plan_command(model: str, tp: int | None, sp: bool, ep: int | None, output: s
         text = dumps_plan(make_plan(model, tp=tp, ep=ep, sp=sp))
         if output in (None, "-"):
             write_stdout(text)
-        elif atomic_write(output, text.encode("utf-8")):
-            click.echo(f"wrote {output}", err=True)
+        else:
+            written = atomic_write(output, text.encode("utf-8"))
+            click.echo(f"wrote {output}" if written else f"{output} unchanged", err=True)
         return 0
 
     run_guarded(run)

@@ -190,6 +190,10 @@ def model_class_for(config: Any) -> type:
     for value in vars(modeling).values() if modeling is not None else ():
         if isinstance(value, type) and getattr(value, "config_class", None) is config_class and value not in candidates:
             candidates.append(value)
+    # a deprecated alias is a subclass of the class it renames: keep the original
+    candidates = [
+        cls for cls in candidates if not any(other is not cls and issubclass(cls, other) for other in candidates)
+    ]
     causal = [cls for cls in candidates if cls.__name__.endswith("ForCausalLM")]
     models = [cls for cls in candidates if not cls.__name__.endswith("PreTrainedModel")]
     for group in (causal, models, [cls for cls in models if cls.__name__.endswith("Model")]):
@@ -198,11 +202,26 @@ def model_class_for(config: Any) -> type:
     raise HpgenError(f"{config_class.__name__}: no model class of the installed transformers is built from this config")
 
 
+def model_and_config(config: Any) -> tuple[type, Any]:
+    """The model class of ``config`` and the config to build it from.
+
+    A multimodal config whose causal LM is built from its text part (``llama4`` ->
+    ``Llama4ForCausalLM(Llama4TextConfig)``) hands over that text config.
+    """
+    cls = model_class_for(config)
+    wanted = getattr(cls, "config_class", None)
+    if wanted is not None and not isinstance(config, wanted) and hasattr(config, "get_text_config"):
+        text = config.get_text_config()
+        if isinstance(text, wanted):
+            return cls, text
+    return cls, config
+
+
 def meta_model(config: Any) -> nn.Module:
     """The model of ``config`` on the meta device: every module and shape, no memory, no weights."""
     import torch
 
-    cls = model_class_for(config)
+    cls, config = model_and_config(config)
     try:
         with torch.device("meta"):
             return cls._from_config(config)
@@ -587,7 +606,7 @@ class _Translator:
                 own = child_fqn in self.boundaries and self.boundaries[child_fqn].kind in ("block", "experts")
                 if own:
                     self.boundaries[child_fqn].sp_input = True
-                elif inner or (_has_params(child) and not _is_norm(child)):
+                elif inner or (_has_params(child) and not _is_per_token(child)):
                     wrapper = self._boundary(child_fqn, "sp")
                     wrapper.inputs[self._input(child, child_fqn)] = ({"tp": "S(1)"}, {"tp": "R"})
                     child_names = self._outputs(child, child_fqn)
@@ -620,7 +639,10 @@ class _Translator:
             if held and (best is None or held > best[0]):
                 best = (held, fqn)
         if best is None:
-            raise HpgenError(f"{self.name}: --sp needs decoder layers holding sharded blocks; none found")
+            raise HpgenError(
+                f"{self.name}: --sp: no decoder layer holds a sharded block (the plan shards "
+                f"{', '.join(sorted(self.boundaries)) or 'nothing'}), so there is no all-reduce to split"
+            )
         path = best[1]
         outside = [
             key
@@ -846,6 +868,13 @@ def _is_attention(boundary: _Boundary) -> bool:
 
 def _is_norm(module: Any) -> bool:
     return "norm" in type(module).__name__.lower()
+
+
+def _is_per_token(module: Any) -> bool:
+    """A layer that computes each position on its own (a norm, a linear map): it runs on sequence shards."""
+    import torch.nn as nn
+
+    return _is_norm(module) or isinstance(module, nn.Linear)
 
 
 def _has_params(module: Any) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,12 +34,22 @@ def run_plan(*args: str) -> tuple[int, str, str]:
     return result.exit_code, result.stdout, result.stderr
 
 
-def generated(model: str, tmp_path: Path, *flags: str) -> Path:
-    """The plan file ``hpgen plan MODEL FLAGS -o`` writes."""
-    path = tmp_path / f"{model}.json"
-    code, _, err = run_plan(model, *flags, "-o", str(path))
-    assert code == 0, err
-    return path
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``generated(MODEL, *FLAGS)``: the plan file ``hpgen plan MODEL FLAGS -o`` writes (made once)."""
+    folder = tmp_path_factory.mktemp("plans")
+    made: dict[tuple[str, ...], Path] = {}
+
+    def make(model: str, *flags: str) -> Path:
+        key = (model, *flags)
+        if key not in made:
+            path = folder / f"plan{len(made)}.json"
+            code, _, err = run_plan(model, *flags, "-o", str(path))
+            assert code == 0, err
+            made[key] = path
+        return made[key]
+
+    return make
 
 
 def tiny_llama_config(tmp_path: Path, **overrides: object) -> Path:
@@ -59,8 +70,8 @@ def entries(plan_path: Path | dict) -> dict:
 
 
 @pytest.mark.parametrize("model", sorted(MODELING))
-def test_plan_loads_and_lowers(model: str, tmp_path: Path) -> None:
-    path = generated(model, tmp_path, "--tp", "2")
+def test_plan_loads_and_lowers(generated: Callable[..., Path], model: str) -> None:
+    path = generated(model, "--tp", "2")
     plan = load_plan(path)
     source = transformers_modeling_file(MODELING[model])
     analysis = analyze(source.read_text(), plan, source_name=source.name)
@@ -70,8 +81,8 @@ def test_plan_loads_and_lowers(model: str, tmp_path: Path) -> None:
     assert lower(source.read_text(), plan, source_name=source.name).count("self._hp_tp.all_reduce(") >= 2
 
 
-def test_llama_is_the_hand_written_vocab_parallel_plan(tmp_path: Path) -> None:
-    path = generated("llama", tmp_path, "--tp", "2")
+def test_llama_is_the_hand_written_vocab_parallel_plan(generated: Callable[..., Path]) -> None:
+    path = generated("llama", "--tp", "2")
     assert entries(path) == entries(PLANS / "llama_tp_vocab.json")
     plan, hand_written = load_plan(path), load_plan(PLANS / "llama_tp.json")
     for key in ("model.layers.*.self_attn", "model.layers.*.mlp"):
@@ -79,19 +90,45 @@ def test_llama_is_the_hand_written_vocab_parallel_plan(tmp_path: Path) -> None:
     assert plan.model_class == "LlamaForCausalLM" and not plan.boundary_classes
 
 
-def test_qwen_specifics(tmp_path: Path) -> None:
-    qwen2 = entries(generated("qwen2", tmp_path, "--tp", "2"))["model.layers.*.self_attn"]
+def test_qwen_specifics(generated: Callable[..., Path]) -> None:
+    qwen2 = entries(generated("qwen2", "--tp", "2"))["model.layers.*.self_attn"]
     assert {name: str(layout.on("tp")) for name, layout in qwen2.params.items() if name.endswith("bias")} == {
         "q_proj.bias": "S(0)",
         "k_proj.bias": "S(0)",
         "v_proj.bias": "S(0)",
     }
-    qwen3 = entries(generated("qwen3", tmp_path, "--tp", "2"))["model.layers.*.self_attn"]
+    qwen3 = entries(generated("qwen3", "--tp", "2"))["model.layers.*.self_attn"]
     assert qwen3.grad_reduce_params == ("k_norm.weight", "q_norm.weight")  # per-head norms see local heads
 
 
-def test_qwen3_moe_tensor_parallel_experts(tmp_path: Path) -> None:
-    path = generated("qwen3_moe", tmp_path, "--tp", "2")
+def test_an_embedding_subclass_of_the_modeling_file_is_wrapped_not_lowered(generated: Callable[..., Path]) -> None:
+    # GemmaTextScaledWordEmbedding(nn.Embedding) scales the lookup: lowered as a class of the file,
+    # it would all-reduce a lookup of ids outside its rows; parallelize's wrapper masks them first
+    plan = load_plan(generated("gemma", "--tp", "2"))
+    assert plan.boundary_classes == {"model.embed_tokens": "nn.Embedding"}
+    source = transformers_modeling_file("gemma")
+    assert set(analyze(source.read_text(), plan, source_name=source.name).external) == {"model.embed_tokens", "lm_head"}
+
+
+def test_every_replicated_parameter_of_a_sharded_block_reduces_its_gradient(generated: Callable[..., Path]) -> None:
+    # MiniCPM3's MLA attention: transformers' plan marks only kv_a_proj_with_mqa (mla_kv_a_proj); under
+    # one boundary, each rank's backward reaches all four through its own heads only
+    attention = entries(generated("minicpm3", "--tp", "2"))["model.layers.*.self_attn"]
+    assert set(attention.grad_reduce_params) == {
+        "q_a_proj.weight",
+        "q_a_layernorm.weight",
+        "kv_a_proj_with_mqa.weight",
+        "kv_a_layernorm.weight",
+    }
+    assert {name for name, layout in attention.params.items() if str(layout.on("tp")) != "R"} == {
+        "q_b_proj.weight",
+        "kv_b_proj.weight",
+        "o_proj.weight",
+    }
+
+
+def test_qwen3_moe_tensor_parallel_experts(generated: Callable[..., Path]) -> None:
+    path = generated("qwen3_moe", "--tp", "2")
     document = json.loads(path.read_text())
     experts = entries(path)["model.layers.*.mlp.experts"]
     # packed_colwise on [E, 2I, H] is a strided shard of both halves; rowwise on [E, H, I] the last dim
@@ -105,8 +142,8 @@ def test_qwen3_moe_tensor_parallel_experts(tmp_path: Path) -> None:
     assert "injections" not in document
 
 
-def test_qwen3_moe_experts_parallel_is_the_hand_written_plan(tmp_path: Path) -> None:
-    path = generated("qwen3_moe", tmp_path, "--tp", "2", "--ep", "2")
+def test_qwen3_moe_experts_parallel_is_the_hand_written_plan(generated: Callable[..., Path]) -> None:
+    path = generated("qwen3_moe", "--tp", "2", "--ep", "2")
     mine, hand_written = json.loads(path.read_text()), json.loads((PLANS / "qwen3_moe_tp_ep.json").read_text())
     found = entries(path)
     for key, entry in entries(PLANS / "qwen3_moe_tp_ep.json").items():
@@ -115,22 +152,24 @@ def test_qwen3_moe_experts_parallel_is_the_hand_written_plan(tmp_path: Path) -> 
         assert mine[part] == hand_written[part]
 
 
-def test_sequence_parallel_is_the_hand_written_plan(tmp_path: Path) -> None:
+def test_sequence_parallel_is_the_hand_written_plan(generated: Callable[..., Path], tmp_path: Path) -> None:
     config = tiny_llama_config(tmp_path)
-    path = generated(str(config), tmp_path, "--tp", "2", "--sp")
+    path = generated(str(config), "--tp", "2", "--sp")
     assert entries(path) == entries(PLANS / "llama_tp_sp.json")
     source = transformers_modeling_file("llama")
     text = lower(source.read_text(), load_plan(path), source_name=source.name)
     assert "self._hp_tp.reduce_scatter(" in text and "self._hp_tp.split(" in text
 
 
-def test_sequence_parallel_gathers_at_the_last_layer_when_the_final_norm_is_torchs(tmp_path: Path) -> None:
+def test_sequence_parallel_gathers_at_the_last_layer_when_the_final_norm_is_torchs(
+    generated: Callable[..., Path], tmp_path: Path
+) -> None:
     from transformers import GPTNeoXConfig
 
     GPTNeoXConfig(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=89, vocab_size=127
     ).save_pretrained(tmp_path)
-    found = entries(generated(str(tmp_path / "config.json"), tmp_path, "--tp", "2", "--sp"))
+    found = entries(generated(str(tmp_path / "config.json"), "--tp", "2", "--sp"))
     # final_layer_norm is an nn.LayerNorm, which hpgen cannot rewrite: the last layer gathers instead
     last = found["gpt_neox.layers.1"]
     assert [str(layout.on("tp")) for layout in (*last.out_src.values(), *last.out_dst.values())] == ["S(1)", "R"]
@@ -145,8 +184,10 @@ def test_sequence_parallel_gathers_at_the_last_layer_when_the_final_norm_is_torc
     ("flags", "mesh", "experts_axis"),
     [(["--ep", "2"], ["ep"], "ep"), (["--tp", "2", "--ep", "4"], ["ep", "tp"], "ep")],
 )
-def test_experts_parallel_axes(tmp_path: Path, flags: list[str], mesh: list[str], experts_axis: str) -> None:
-    path = generated("qwen3_moe", tmp_path, *flags)
+def test_experts_parallel_axes(
+    generated: Callable[..., Path], flags: list[str], mesh: list[str], experts_axis: str
+) -> None:
+    path = generated("qwen3_moe", *flags)
     document = json.loads(path.read_text())
     assert document["mesh_dim_names"] == mesh
     assert document["injections"][0]["local_compute_fn"]["axis"] == experts_axis
@@ -157,10 +198,10 @@ def test_experts_parallel_axes(tmp_path: Path, flags: list[str], mesh: list[str]
     lower(source.read_text(), load_plan(path), source_name=source.name)
 
 
-def test_output_is_deterministic_json(tmp_path: Path) -> None:
+def test_output_is_deterministic_json(generated: Callable[..., Path]) -> None:
     code, first, _ = run_plan("qwen3", "--tp", "2")
     assert code == 0
-    assert run_plan("qwen3", "--tp", "2")[1] == first
+    assert generated("qwen3", "--tp", "2").read_text() == first  # stdout and -o: the same bytes, run after run
     document = json.loads(first)
     assert first == json.dumps(document, indent=2, sort_keys=True) + "\n"
     assert document["format"] == "hpgen.plan/1" and document["mesh_dim_names"] == ["tp"]
@@ -182,15 +223,14 @@ def test_a_style_it_cannot_map_lists_the_supported_ones(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("overrides", "size", "expected"),
+    ("size", "expected"),
     [
-        ({}, 3, "num_attention_heads=4 does not divide over --tp 3"),
-        ({}, 4, "num_key_value_heads=2 does not divide over --tp 4"),
+        (3, "num_attention_heads=4 does not divide over --tp 3"),
+        (4, "num_key_value_heads=2 does not divide over --tp 4"),
     ],
 )
-def test_indivisible_heads_name_the_sizes(tmp_path: Path, overrides: dict, size: int, expected: str) -> None:
-    config = tiny_llama_config(tmp_path, **overrides)
-    code, out, err = run_plan(str(config), "--tp", str(size))
+def test_indivisible_heads_name_the_sizes(tmp_path: Path, size: int, expected: str) -> None:
+    code, out, err = run_plan(str(tiny_llama_config(tmp_path)), "--tp", str(size))
     assert code == 2 and out == ""
     assert expected in err and len(err.strip().splitlines()) == 1
 
