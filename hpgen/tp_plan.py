@@ -656,7 +656,13 @@ class _Translator:
         return path, [(f"{path}.{name}", layer) for name, layer in self.modules[path].named_children()]
 
     def _final_norm(self, layers_path: str) -> tuple[str, Any] | None:
-        """The norm after the decoder layers, when its class is in the source (it then gathers)."""
+        """The norm after the decoder layers, when it can gather the sequence at its output.
+
+        It must be a class of the modeling file with a ``forward`` of its own, and the
+        model's ``forward`` must call it once: a norm also applied before the layers
+        (NanoChat) would gather a stream that is not sharded yet. Otherwise the last
+        decoder layer gathers.
+        """
         parent_path = layers_path.rpartition(".")[0]
         parent = self.modules[parent_path]
         after = False
@@ -666,11 +672,12 @@ class _Translator:
                 after = True
                 continue
             if after and _is_norm(child):
-                cls = type(child).__name__
-                info = self.index.class_named(cls)
-                if info is not None and info.forward is not None and _defined_in(type(child), self.source):
-                    return fqn, child
-                return None
+                info = self.index.class_named(type(child).__name__)
+                if info is None or info.forward is None or not _defined_in(type(child), self.source):
+                    return None
+                if _self_calls(self.parsed, self._forward_owner(parent, parent_path).name, name) != 1:
+                    return None
+                return fqn, child
         return None
 
     # -- inputs and outputs
@@ -937,6 +944,25 @@ def _return_names(parsed: ParsedSource, class_name: str) -> tuple[str, ...]:
         name = found.pop() if len(found) == 1 else f"output_{position}"
         names.append(name if name not in names else f"output_{position}")
     return tuple(names) if names else ("output",)
+
+
+def _self_calls(parsed: ParsedSource, class_name: str, attr: str) -> int:
+    """How many times ``<class_name>.forward`` calls ``self.<attr>(...)``."""
+    node = next((n for n in parsed.tree.body if isinstance(n, ast.ClassDef) and n.name == class_name), None)
+    forward = next(
+        (n for n in (node.body if node else ()) if isinstance(n, ast.FunctionDef) and n.name == "forward"), None
+    )
+    if forward is None:
+        return 0
+    return sum(
+        1
+        for call in ast.walk(forward)
+        if isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Attribute)
+        and call.func.attr == attr
+        and isinstance(call.func.value, ast.Name)
+        and call.func.value.id == "self"
+    )
 
 
 def _own_returns(function: ast.AST) -> Iterable[ast.Return]:
