@@ -161,6 +161,8 @@ def tiny_config(model_type: str) -> Any:
     """
     from transformers import AutoConfig
 
+    from hpgen.tp_plan import model_and_config
+
     default = AutoConfig.for_model(model_type)
     defaults = default.to_dict()
     aliases = getattr(default, "attribute_map", {}) or {}
@@ -197,8 +199,6 @@ def tiny_config(model_type: str) -> Any:
         if "num_key_value_heads" not in overrides:
             raise
         config = AutoConfig.for_model(model_type, **{**overrides, "num_key_value_heads": TINY["num_attention_heads"]})
-    from hpgen.tp_plan import model_and_config
-
     built = model_and_config(config)[1]
     if built is not config:  # the causal LM is built from a sub-config (llama4 -> llama4_text): shrink that
         return tiny_config(built.model_type)
@@ -245,6 +245,7 @@ def _configs(config: Any) -> Iterable[Any]:
 
 
 def is_decoder_only_causal_lm(cls: type, config: Any) -> bool:
+    """Whether parity runs: a ``*ForCausalLM`` that is not half of an encoder-decoder."""
     return cls.__name__.endswith("ForCausalLM") and not getattr(config, "is_encoder_decoder", False)
 
 
@@ -536,6 +537,20 @@ NOTES: dict[str, str] = {
 }
 
 
+# Sequence-parallel failures whose cause was found by reading the model's forward.
+SP_NOTES: dict[str, str] = {
+    "llama4_text": "Llama4TextMoe returns its output flattened to [tokens, hidden]; the plan gathers and splits "
+    "the MoE block on dim 1, which is the sequence only in [batch, sequence, hidden].",
+    "llama4": "as llama4_text (the same text model).",
+    "gemma4_text": "each decoder layer adds its per-layer input, computed by the model for the whole sequence, "
+    "to the sequence shard.",
+    "deepseek_v4": "DeepseekV4HyperConnection, a child of the decoder layer, returns three per-position tensors; "
+    "the plan gathers its input and splits only the first output, so `collapsed` reaches the attention whole.",
+    "hy_v4": "as deepseek_v4: a hyper-connection child returns several per-position tensors and only the first "
+    "is split back.",
+}
+
+
 def render(variants: dict[str, dict[str, Row]], architectures_found: list[str]) -> str:
     """The markdown page: counts, one row per architecture, failures grouped, notes."""
     import transformers
@@ -563,10 +578,13 @@ def render(variants: dict[str, dict[str, Row]], architectures_found: list[str]) 
         f"**{sum(bool(row.parity and row.grads_ok) for row in ordered)}**",
     ]
     if sp_rows:
-        sp_compared = [row for row in sp_rows.values() if row.parity is not None]
+        tried = [row for name, row in sp_rows.items() if rows.get(name) and rows[name].parity]
+        passed = sum(bool(row.parity and row.grads_ok) for row in tried)
+        refused = sum(not row.plan_ok for row in tried)
+        failed = sum(row.plan_ok and not (row.parity and row.grads_ok) for row in tried)
         lines.append(
-            f"- with `--sp`: logits and every gradient equal for **"
-            f"{sum(bool(row.parity and row.grads_ok) for row in sp_rows.values())}** of {len(sp_compared)} compared"
+            f"- with `--sp`, run where the tensor-parallel plan passes ({len(tried)}): logits and every gradient "
+            f"equal for **{passed}**; plan refused for {refused}, parity failed for {failed} (listed at the end)"
         )
     lines += [
         "",
@@ -581,10 +599,10 @@ def render(variants: dict[str, dict[str, Row]], architectures_found: list[str]) 
         diff = f"{row.logits_err:.1e} ({row.logits_tol:.1e})" if row.logits_err is not None else ""
         sp = sp_rows.get(name)
         sp_mark = _mark(sp.parity and sp.grads_ok) if sp is not None and sp.parity is not None else ""
-        reason = row.reason + (f" — {NOTES[name]}" if name in NOTES else "")
+        reason = _cell(row.reason) + (f" — {_cell(NOTES[name], None)}" if name in NOTES else "")
         lines.append(
             f"| {name} | {row.model_class} | {_mark(row.plan_ok)} | {_mark(row.lower_ok) if row.plan_ok else ''} | "
-            f"{_mark(row.parity)} | {diff} | {_mark(row.grads_ok)} | {sp_mark} | {_cell(reason)} |"
+            f"{_mark(row.parity)} | {diff} | {_mark(row.grads_ok)} | {sp_mark} | {reason} |"
         )
     lines += ["", "## Failures by cause", ""]
     groups: dict[str, list[str]] = {}
@@ -594,13 +612,13 @@ def render(variants: dict[str, dict[str, Row]], architectures_found: list[str]) 
     for cause, names in sorted(groups.items(), key=lambda item: (-len(item[1]), item[0])):
         lines.append(f"- **{cause}** ({len(names)}): {', '.join(names)}")
     sp_failures = {
-        name: row.reason
+        name: _cell(row.reason) + (f" — {_cell(SP_NOTES[name], None)}" if name in SP_NOTES else "")
         for name, row in sorted(sp_rows.items())
-        if row.parity is not None and not (row.parity and row.grads_ok) and rows.get(name) and rows[name].parity
+        if not (row.parity and row.grads_ok) and rows.get(name) and rows[name].parity
     }
     if sp_failures:
         lines += ["", "## Sequence parallel (`--sp`) failures where tensor parallel passes", ""]
-        lines += [f"- **{name}**: {_cell(reason)}" for name, reason in sp_failures.items()]
+        lines += [f"- **{name}**: {reason}" for name, reason in sp_failures.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -608,8 +626,10 @@ def _mark(value: bool | None) -> str:
     return "" if value is None else "yes" if value else "**no**"
 
 
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")[:600]
+def _cell(text: str, limit: int | None = 300) -> str:
+    """One table cell: pipes escaped, one line, long messages cut at ``limit`` characters."""
+    text = text.replace("|", "\\|").replace("\n", " ")
+    return text if limit is None or len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _cause(row: Row) -> str:

@@ -22,10 +22,10 @@ from click.testing import CliRunner
 
 from hpgen.cli import cli
 from hpgen.lower import analyze, lower
-from hpgen.plan import contract_signature, load_plan, plan_from_dict
+from hpgen.plan import contract_signature, load_plan
 from tests.conftest import PLANS, transformers_modeling_file
 
-MODELING = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "mistral": "mistral"}
+MODELS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 
 def run_plan(*args: str) -> tuple[int, str, str]:
@@ -52,28 +52,27 @@ def generated(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     return make
 
 
-def tiny_llama_config(tmp_path: Path, **overrides: object) -> Path:
+def tiny_llama_config(tmp_path: Path) -> Path:
     """config.json of the runtime tests' tiny llama (2 layers, 4 heads, 2 KV heads)."""
     from tests.runtime.models import make_config
 
-    make_config("llama", **overrides).save_pretrained(tmp_path)
+    make_config("llama").save_pretrained(tmp_path)
     return tmp_path / "config.json"
 
 
-def entries(plan_path: Path | dict) -> dict:
-    """Validated entries keyed by FQN pattern (lists sorted, so key order does not matter)."""
-    plan = load_plan(plan_path) if isinstance(plan_path, Path) else plan_from_dict(plan_path)
-    return dict(plan.entries)
+def entries(path: Path) -> dict:
+    """A plan file's validated entries by FQN pattern (lists sorted, so key order does not matter)."""
+    return dict(load_plan(path).entries)
 
 
 # --------------------------------------------------------------------------- plans that load and lower
 
 
-@pytest.mark.parametrize("model", sorted(MODELING))
+@pytest.mark.parametrize("model", MODELS)
 def test_plan_loads_and_lowers(generated: Callable[..., Path], model: str) -> None:
     path = generated(model, "--tp", "2")
     plan = load_plan(path)
-    source = transformers_modeling_file(MODELING[model])
+    source = transformers_modeling_file(model)
     analysis = analyze(source.read_text(), plan, source_name=source.name)
     forms = {contract.form for lowering in analysis.classes.values() for contract in lowering.contracts}
     assert forms == {"tp_collective"}, forms  # every block lowers to bare collectives
@@ -181,18 +180,21 @@ def test_sequence_parallel_gathers_at_the_last_layer_when_the_final_norm_is_torc
 
 
 @pytest.mark.parametrize(
-    ("flags", "mesh", "experts_axis"),
-    [(["--ep", "2"], ["ep"], "ep"), (["--tp", "2", "--ep", "4"], ["ep", "tp"], "ep")],
+    ("flags", "mesh"),
+    [
+        (["--ep", "2"], ["ep"]),
+        (["--tp", "2", "--ep", "4"], ["ep", "tp"]),
+    ],  # experts only; EP beside a TP of another size
 )
-def test_experts_parallel_axes(
-    generated: Callable[..., Path], flags: list[str], mesh: list[str], experts_axis: str
+def test_experts_parallel_on_an_axis_of_its_own(
+    generated: Callable[..., Path], flags: list[str], mesh: list[str]
 ) -> None:
     path = generated("qwen3_moe", *flags)
     document = json.loads(path.read_text())
     assert document["mesh_dim_names"] == mesh
-    assert document["injections"][0]["local_compute_fn"]["axis"] == experts_axis
+    assert document["injections"][0]["local_compute_fn"]["axis"] == "ep"
     experts = document["param_plan"]["model.layers.*.mlp.experts"]
-    assert experts["params"] == {"gate_up_proj": {experts_axis: "S(0)"}, "down_proj": {experts_axis: "S(0)"}}
+    assert experts["params"] == {"gate_up_proj": {"ep": "S(0)"}, "down_proj": {"ep": "S(0)"}}
     assert ("model.layers.*.self_attn" in document["param_plan"]) == ("tp" in mesh)
     source = transformers_modeling_file("qwen3_moe")
     lower(source.read_text(), load_plan(path), source_name=source.name)
