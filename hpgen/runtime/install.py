@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hpgen.errors import HpgenError
 from hpgen.plan import Plan, load_plan, plan_from_dict
-from hpgen.runtime.collectives import AxisCollectives
+from hpgen.runtime.collectives import AxisCollectives, scope_shard_sizes
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.hooks import (
     DeferredBias,
@@ -67,6 +67,7 @@ def parallelize(model: nn.Module, plan: PlanLike, mesh: DeviceMesh) -> nn.Module
     axes = mesh_axes(plan, mesh)
     survey = _survey(model, plan, mesh, axes)
     survey.install(axes, plan.mesh_dim_names)
+    scope_shard_sizes(model, axes.values())  # gathers reuse the sizes of shards made in the same forward
     model._hp_parallelized = True
     return model
 
