@@ -1,17 +1,22 @@
 """Parallelized models compile whole: ``torch.compile(fullgraph=True)``, eager's numbers.
 
-Every plan form of the parity tests is built from its generated file, parallelized over
-2 gloo ranks, and run eagerly and compiled on the same inputs: the forward (inference),
-the forward and backward (training: every parameter's gradient), and for some a decode
-loop over transformers' ``StaticCache``. ``torch._dynamo.explain`` must find one graph
-and no graph break, and the inference graph must hold the collectives the plan asks for
-and no size exchange (an all-gather of int64 sizes: a host synchronisation).
+Every plan form of the parity tests (tensor parallel, vocab-parallel embedding and
+column-parallel ``lm_head``, sequence parallel on even and uneven lengths, toggle mode,
+deferred biases, the generic form, expert-parallel regions) is built from its generated
+file, parallelized over 2 gloo ranks and run eagerly and compiled on the same inputs:
 
-Numbers use ``backend="aot_eager"`` (Dynamo and AOTAutograd, the eager kernels: fast to
-compile on a small CPU machine); one case runs the default Inductor backend, which
-generates and compiles C++ and is the slow part of this file.
+- inference, run by ``torch._dynamo.explain`` (its graphs run as captured): one graph, no
+  break, eager's logits, and the graph holds the plan's collectives and no size exchange
+  (an all-gather of int64 sizes: a host synchronisation);
+- training, the same for forward + backward: every parameter's gradient;
+- for some, a decode loop over transformers' ``StaticCache``: one graph for every step
+  (no recompilation), eager's logits.
 
-One spawn of 2 processes runs every case (see ``CASES``); each test checks one property.
+``explain`` runs Dynamo alone; AOTAutograd (``aot_eager``) compiles the training step of
+the sequence-parallel case once more, and the default backend, Inductor, compiles one
+small case: it generates and builds C++, the slowest part of this file.
+
+One spawn of 2 processes runs every case (``FORMS``); each test checks one property.
 """
 
 from __future__ import annotations
@@ -35,9 +40,11 @@ class CompileCase:
     plan: dict[str, Any]
     config: dict[str, Any] = field(default_factory=dict)
     seq_len: int = 7
-    train: bool = False  # also compile forward + backward and compare every gradient
+    train: bool = False  # also trace forward + backward and compare every gradient
     decode_steps: int = 0  # also decode these many tokens over a StaticCache, compiled
-    backend: str = "eager"  # besides explain: "aot_eager" or "inductor" compile it once more
+    backend: str | None = None  # also compile inference with this backend ("inductor")
+    train_backend: str | None = None  # also compile training with this backend ("aot_eager")
+    decode_backend: str = "eager"
 
 
 @dataclass
@@ -53,33 +60,40 @@ class CompileResult:
     grad_failures: list[str]
     grads_checked: int
     decode_err: float | None
-    decode_breaks: int | None
+    decode_graphs: int | None  # graphs compiled for all the decode steps (fullgraph: no break)
 
+
+ONE_LAYER = {"num_hidden_layers": 1}  # where the plan allows: half the tracing
+TRAIN = {"train": True}
 
 # name: (family, plan, lowering mode, config overrides, case options)
-TRAIN, AOT = {"train": True}, {"train": True, "backend": "aot_eager", "decode_steps": 3}
 FORMS: dict[str, tuple[str, str, str, dict[str, Any], dict[str, Any]]] = {
     # attention heads and MLP columns/rows sharded: 2 all-reduces per layer
-    "llama_tp": ("llama", "llama_tp", "default", {}, {**TRAIN, "decode_steps": 3}),
-    # + vocab-parallel embedding (all-reduce) and column-parallel lm_head (gather of a known size)
-    "llama_vocab": ("llama", "llama_tp_vocab", "default", {}, AOT),
-    # the same lowered in toggle mode (``if self.tp_enable:`` blocks)
-    "llama_vocab_toggle": ("llama", "llama_tp_vocab", "toggle", {}, TRAIN),
-    # + sequence parallel: 7 tokens split 4 + 3 (decode: 1 token split 1 + 0), and 8 split 4 + 4
-    "llama_sp_uneven": ("llama", "llama_tp_sp", "default", {}, AOT),
-    "llama_sp_even": ("llama", "llama_tp_sp", "default", {}, {**TRAIN, "seq_len": 8}),
-    # the gather in the last decoder layer (a generated subclass for that layer's contract)
-    "llama_sp_layers": ("llama", "llama_tp_sp_layers", "default", {}, TRAIN),
-    # sharded biases, deferred biases added after the reduction
-    "llama_bias": ("llama", "llama_bias", "default", {"attention_bias": True, "mlp_bias": True}, TRAIN),
+    "llama_tp": ("llama", "llama_tp", "default", {}, TRAIN),
+    # SPEC section 2's plan: + vocab-parallel embedding (all-reduce) and column-parallel
+    # lm_head (a gather whose sizes follow from out_features)
+    "llama_spec": ("llama", "llama_spec", "default", ONE_LAYER, {**TRAIN, "decode_steps": 3}),
+    # the vocab plan lowered in toggle mode (``if self.tp_enable:`` blocks around the same ops)
+    "llama_vocab_toggle": ("llama", "llama_tp_vocab", "toggle", ONE_LAYER, {}),
+    # + sequence parallel: 7 tokens split 4 + 3 (a decode step's 1 token: 1 + 0), 8 split 4 + 4
+    "llama_sp_uneven": (
+        "llama",
+        "llama_tp_sp",
+        "default",
+        {},
+        {**TRAIN, "seq_len": 7, "train_backend": "aot_eager", "decode_steps": 3},
+    ),
+    "llama_sp_even": ("llama", "llama_tp_sp", "default", {}, {"seq_len": 8}),
+    # sharded biases; o_proj and down_proj biases deferred, added by a hook after the reduction
+    "llama_bias": ("llama", "llama_bias", "default", {**ONE_LAYER, "attention_bias": True, "mlp_bias": True}, {}),
     # attention in the generic form, lm_head R -> P through DTensor
-    "llama_generic": ("llama", "llama_generic", "default", {}, TRAIN),
-    # per-head q_norm/k_norm (gradients all-reduced by hooks), vocab-parallel embedding
-    "qwen3_tp": ("qwen3", "qwen3_tp", "default", {}, TRAIN),
-    # experts in the region form (experts_parallel), attention tensor-parallel
-    "qwen3_moe_ep": ("qwen3_moe", "qwen3_moe_tp_ep", "default", {}, TRAIN),
-    # the default backend, Inductor (C++ kernels, the slow compile), on a one-layer model
-    "llama_vocab_inductor": ("llama", "llama_tp_vocab", "default", {"num_hidden_layers": 1}, {"backend": "inductor"}),
+    "llama_generic": ("llama", "llama_generic", "default", ONE_LAYER, TRAIN),
+    # per-head q_norm/k_norm (gradients all-reduced by tensor hooks), vocab-parallel embedding
+    "qwen3_tp": ("qwen3", "qwen3_tp", "default", ONE_LAYER, TRAIN),
+    # experts in the region form (experts_parallel, transformers' default grouped_mm kernel)
+    "qwen3_moe_ep": ("qwen3_moe", "qwen3_moe_tp_ep", "default", ONE_LAYER, TRAIN),
+    # the default backend, Inductor, on the uneven sequence-parallel plan of one layer
+    "llama_sp_inductor": ("llama", "llama_tp_sp_one_layer", "default", ONE_LAYER, {"backend": "inductor"}),
 }
 
 
@@ -117,6 +131,20 @@ def _explained(fn: Any, *args: Any) -> tuple[Any, Any]:
     report = torch._dynamo.explain(lambda *a: result.append(fn(*a)))(*args)
     torch._dynamo.reset()
     return result[0], report
+
+
+class _Counting:
+    """A ``torch.compile`` backend that counts the graphs it is given, then hands them on."""
+
+    def __init__(self, backend: str) -> None:
+        import torch
+
+        self.backend = torch._dynamo.lookup_backend(backend)
+        self.graphs = 0
+
+    def __call__(self, graph_module: Any, example_inputs: list[Any]) -> Any:
+        self.graphs += 1
+        return self.backend(graph_module, example_inputs)
 
 
 def _decode(model: Any, config: Any, prompt: Any, steps: int, step: Any) -> list[Any]:
@@ -166,7 +194,7 @@ def run_case(case: CompileCase, mesh: Any) -> CompileResult:
     with torch.no_grad():
         eager = logits(ids)
         compiled, report = _explained(logits, ids)
-        if case.backend != "eager":
+        if case.backend is not None:
             compiled = torch.compile(logits, fullgraph=True, backend=case.backend)(ids)
     breaks, graphs = report.graph_break_count, [report.graph_count]
     reasons = [str(reason.reason)[:400] for reason in report.break_reasons]
@@ -185,13 +213,13 @@ def run_case(case: CompileCase, mesh: Any) -> CompileResult:
         breaks, graphs = breaks + report.graph_break_count, [*graphs, report.graph_count]
         reasons += [str(reason.reason)[:400] for reason in report.break_reasons]
         failures = _grad_failures(model, want)
-        if case.backend != "eager":  # and once more through AOTAutograd and the backend
+        if case.train_backend is not None:  # once more through AOTAutograd and the backend
             model.zero_grad()
-            torch.compile(loss, fullgraph=True, backend=case.backend)(ids).backward()
-            failures += [f"{case.backend}: {failure}" for failure in _grad_failures(model, want)]
+            torch.compile(loss, fullgraph=True, backend=case.train_backend)(ids).backward()
+            failures += [f"{case.train_backend}: {failure}" for failure in _grad_failures(model, want)]
         model.zero_grad()
 
-    decode_err = decode_breaks = None
+    decode_err = decode_graphs = None
     if case.decode_steps:
 
         def step(token: torch.Tensor, cache: Any) -> torch.Tensor:
@@ -199,18 +227,15 @@ def run_case(case: CompileCase, mesh: Any) -> CompileResult:
 
         with torch.no_grad():
             want = _decode(model, config, ids[:1], case.decode_steps, step)
-            compiled_step = torch.compile(step, fullgraph=True, backend=case.backend)
-            got = _decode(model, config, ids[:1], case.decode_steps, compiled_step)
-            decode_err = max((a - b).abs().max().item() for a, b in zip(got, want, strict=True))
-            tol = max(tol, *(tolerance(w) for w in want))
-            from transformers import StaticCache
-
-            cache = StaticCache(config=config, max_cache_len=case.seq_len + 1)
-            model(ids[:1], cache=cache, use_cache=True)
-            decode_breaks = _explained(step, ids[:1, :1], cache)[1].graph_break_count
+            torch._dynamo.reset()
+            backend = _Counting(case.decode_backend)
+            got = _decode(model, config, ids[:1], case.decode_steps, torch.compile(step, fullgraph=True, backend=backend))
+        decode_err = max((a - b).abs().max().item() for a, b in zip(got, want, strict=True))
+        decode_graphs = backend.graphs
+        tol = max(tol, *(tolerance(w) for w in want))
     torch._dynamo.reset()
     return CompileResult(
-        breaks, graphs, reasons, collectives, logits_err, tol, failures, checked, decode_err, decode_breaks
+        breaks, graphs, reasons, collectives, logits_err, tol, failures, checked, decode_err, decode_graphs
     )
 
 
@@ -227,13 +252,22 @@ def run_cases(rank: int, world_size: int, cases: list[CompileCase]) -> dict[str,
 # --------------------------------------------------------------------------- the tests
 
 
+def _plan(name: str) -> dict[str, Any]:
+    """A plan of tests/plans; ``llama_tp_sp_one_layer``: llama_tp_sp for a model of one layer."""
+    if name == "llama_tp_sp_one_layer":
+        plan = load_plan_dict("llama_tp_sp")
+        del plan["param_plan"]["model.layers.1"]
+        return plan
+    return load_plan_dict(name)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, CompileResult]]:
     directory = tmp_path_factory.mktemp("compile")
     cases = []
     for name, (family, plan, mode, config, options) in FORMS.items():
-        generated = lower_family(family, plan, directory, mode=mode)
-        cases.append(CompileCase(name, family, str(generated), load_plan_dict(plan), config, **options))
+        generated = lower_family(family, _plan(plan), directory, mode=mode).rename(directory / f"{name}.py")
+        cases.append(CompileCase(name, family, str(generated), _plan(plan), config, **options))
     return run_distributed(run_cases, cases, timeout=600)
 
 
@@ -263,21 +297,27 @@ def test_compiled_gradients_are_eager_ones(results: list[dict[str, CompileResult
 def test_compiled_static_cache_decode(results: list[dict[str, CompileResult]], name: str) -> None:
     for rank, by_case in enumerate(results):
         result = by_case[name]
-        assert result.decode_breaks == 0, f"rank {rank}"
+        assert result.decode_graphs == 1, f"rank {rank}: {result.decode_graphs} graphs (recompiled)"
         assert result.decode_err is not None and result.decode_err <= result.tol, f"rank {rank}: {result.decode_err}"
 
 
 def test_graphs_hold_the_plans_collectives_and_no_size_exchange(results: list[dict[str, CompileResult]]) -> None:
-    layers = 2
+    sp = {"all_reduce": 1, "all_gather": 2 * 2 + 2, "reduce_scatter": 2 * 2}
     expected = {
-        "llama_tp": {"all_reduce": 2 * layers},
-        # + the embedding's all-reduce and lm_head's gather (its sizes come from out_features)
-        "llama_vocab": {"all_reduce": 2 * layers + 1, "all_gather": 1},
-        # split at layer 0; per layer 2 gathers and 2 reduce-scatters; the norm's and lm_head's gathers:
-        # every gather's sizes come from the split, the reduce-scatters or out_features
-        "llama_sp_uneven": {"all_reduce": 1, "all_gather": 2 * layers + 2, "reduce_scatter": 2 * layers},
-        "llama_sp_even": {"all_reduce": 1, "all_gather": 2 * layers + 2, "reduce_scatter": 2 * layers},
+        "llama_tp": {"all_reduce": 2 * 2},  # 2 layers
+        # + the embedding's all-reduce and lm_head's gather (1 layer)
+        "llama_spec": {"all_reduce": 2 + 1, "all_gather": 1},
+        "llama_vocab_toggle": {"all_reduce": 2 + 1, "all_gather": 1},
+        # the embedding's all-reduce; split at layer 0; per layer 2 gathers and 2 reduce-scatters;
+        # the norm's and lm_head's gathers: each gather's sizes come from the split, the
+        # reduce-scatters or out_features
+        "llama_sp_uneven": sp,
+        "llama_sp_even": sp,
+        "llama_sp_inductor": {"all_reduce": 1, "all_gather": 2 + 2, "reduce_scatter": 2},
+        "qwen3_moe_ep": {"all_reduce": 2},  # attention and experts
     }
     for by_case in results:
         for name, counts in expected.items():
             assert by_case[name].collectives == counts, name
+        for name, result in by_case.items():
+            assert "size_exchange" not in result.collectives, name
