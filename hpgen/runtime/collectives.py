@@ -129,6 +129,14 @@ _VALID_BACKWARD: dict[str, tuple[str, ...]] = {
 }
 
 
+def _tracing() -> bool:
+    """Whether Dynamo is tracing: the ops then take their functional-collective form.
+
+    (A function of its own so that the tests can run that form eagerly too.)
+    """
+    return torch.compiler.is_compiling()
+
+
 def _check(op: str, backward: str, reduce: str = "sum") -> None:
     """Reject a reduction or backward op that ``op`` cannot run, naming the valid ones."""
     if reduce not in REDUCE_OPS:
@@ -212,7 +220,7 @@ class AxisCollectives:
         _check("all_reduce", backward, op)
         if x is None or self.size == 1:
             return x
-        if op == "sum" and not (torch.is_grad_enabled() and x.requires_grad) and not torch.compiler.is_compiling():
+        if op == "sum" and not (torch.is_grad_enabled() and x.requires_grad) and not _tracing():
             # The eager decode hot path: no autograd node, one clone, one in-place all-reduce.
             out = x.clone(memory_format=torch.contiguous_format)
             dist.all_reduce(out, group=self.group)
@@ -301,7 +309,7 @@ class AxisCollectives:
         else:
             return self._exchange_sizes(x.size(dim), x.device)
         mine = x.size(dim)
-        if torch.compiler.is_compiling():
+        if _tracing():
             torch._check(mine == sizes[self.rank])  # (Dynamo takes no message built from locals)
         elif mine != sizes[self.rank]:
             raise RuntimeError(
@@ -318,10 +326,10 @@ class AxisCollectives:
         ``torch._dynamo.config.capture_scalar_outputs = True`` (else the graph breaks here).
         """
         mine = torch.full((1,), n, dtype=torch.int64, device=device)
-        if torch.compiler.is_compiling():
+        if _tracing():
             sizes = tuple(_fc_all_gather(mine, 0, self.group).tolist())
             for size in sizes:
-                torch._check_is_size(size)
+                torch._check(size >= 0)
             torch._check(sizes[self.rank] == n)
             return sizes
         every = torch.empty(self.size, dtype=torch.int64, device=device)
@@ -333,7 +341,7 @@ class AxisCollectives:
     def _run(self, x: Tensor, move: _Move, backward: str) -> Tensor:
         if torch.is_grad_enabled() and x.requires_grad:
             return _Collective.apply(x, self, move, move.reversed(backward))
-        if torch.compiler.is_compiling():
+        if _tracing():
             return _TRACED[move.op](self, x, move)
         return _owned(_OPS[move.op](self, x, move), x)  # no gradient: skip the autograd node
 
@@ -540,10 +548,10 @@ def _traced_all_gather(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
 
 def _traced_reduce_scatter(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
     d, sizes = move.dst
-    most = sizes[0]  # tensor_split's first chunk is the largest
+    most = _largest(sizes)  # (a gather's backward scatters the gather's sizes, whatever they are)
     blocks = torch.stack([_padded(chunk, d, most) for chunk in _chunks(x, d, sizes)])
-    out = _fc_reduce_scatter(blocks, "sum", 0, ax.group)[0]
-    return out.narrow(d, 0, sizes[ax.rank]).contiguous()
+    out = _fc_reduce_scatter(blocks, "sum", 0, ax.group)[0]  # a view: cloned, like every result
+    return out.narrow(d, 0, sizes[ax.rank]).clone(memory_format=torch.contiguous_format)
 
 
 def _traced_split(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
@@ -581,7 +589,7 @@ class _Collective(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, ax: AxisCollectives, move: _Move, back: _Move) -> Tensor:  # type: ignore[override]
-        if torch.compiler.is_compiling():
+        if _tracing():
             y = _TRACED[move.op](ax, x, move)
         else:
             y = _owned(_OPS[move.op](ax, x, move), x)
@@ -596,7 +604,7 @@ class _Collective(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
         if ctx.back.op != "identity":  # (the traced identity copies; a gradient need not)
-            ops = _TRACED if torch.compiler.is_compiling() else _OPS
+            ops = _TRACED if _tracing() else _OPS
             grad = ops[ctx.back.op](ctx.ax, grad, ctx.back)
         if ctx.scale is not None:
             grad = grad * ctx.scale

@@ -72,7 +72,7 @@ FORMS: dict[str, tuple[str, str, str, dict[str, Any], dict[str, Any]]] = {
     "llama_tp": ("llama", "llama_tp", "default", {}, TRAIN),
     # SPEC section 2's plan: + vocab-parallel embedding (all-reduce) and column-parallel
     # lm_head (a gather whose sizes follow from out_features)
-    "llama_spec": ("llama", "llama_spec", "default", ONE_LAYER, {**TRAIN, "decode_steps": 3}),
+    "llama_spec": ("llama", "llama_spec", "default", ONE_LAYER, TRAIN),
     # the vocab plan lowered in toggle mode (``if self.tp_enable:`` blocks around the same ops)
     "llama_vocab_toggle": ("llama", "llama_tp_vocab", "toggle", ONE_LAYER, {}),
     # + sequence parallel: 7 tokens split 4 + 3 (a decode step's 1 token: 1 + 0), 8 split 4 + 4
