@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -148,6 +149,40 @@ def compiled_run(
     return run
 
 
+def build_runs(
+    reference: nn.Module, folder: Path, mesh: Any, prompt: torch.Tensor, token: torch.Tensor, args: argparse.Namespace
+) -> list[Run]:
+    """Every framework eagerly and compiled (the eager hand-written TP reduces in place; its
+    compiled twin, a model of its own, returns functional all-reduces from its hooks)."""
+    runs = []
+    for framework in FRAMEWORKS:
+        eager_model = build_framework(framework, reference, folder, mesh, functional=False)
+        compiled_model = (
+            build_framework(framework, reference, folder, mesh, functional=True)
+            if framework == "hand-written"
+            else eager_model
+        )
+        runs.append(eager_run(framework, eager_model, prompt, token))
+        runs.append(compiled_run(framework, compiled_model, prompt, token, args.backend, args.mode))
+    return runs
+
+
+def host_only_timings(folder: Path, world: int, args: argparse.Namespace, prompt: torch.Tensor, token: torch.Tensor) -> dict:
+    """Rank 0 alone: every run rebuilt over a fake process group of ``world`` ranks (collectives
+    return at once, with wrong values) and timed in this thread's CPU time: each framework's
+    host cost, compiled or not, without the communication latency and the scheduler's noise."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        runs = build_runs(build_reference(), folder, mesh, prompt, token, args)
+        interleaved(runs, args.rounds, args.decode_calls, args.prefill_calls, clock=time.thread_time)
+    dist.destroy_process_group()
+    return {run.name: {"decode": run.decode_ms, "prefill": run.prefill_ms} for run in runs}
+
+
 def count_collectives(step: Callable[[], object]) -> dict[str, int]:
     """The collectives one call of ``step`` runs: backend op name (or ``size_exchange``) -> count."""
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -171,17 +206,19 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
-def interleaved(runs: list[Run], rounds: int, decode_calls: int, prefill_calls: int) -> None:
+def interleaved(
+    runs: list[Run], rounds: int, decode_calls: int, prefill_calls: int, clock: Callable[[], float] = time.perf_counter
+) -> None:
     """Warm up, then time every run once per round, the order rotating by one each round."""
     for run in runs:
-        timed_ms(run.decode, 3)
-        timed_ms(run.prefill, 1)
+        timed_ms(run.decode, 3, clock)
+        timed_ms(run.prefill, 1, clock)
     for index in range(rounds):
         order = runs[index % len(runs) :] + runs[: index % len(runs)]
         for run in order:
-            run.decode_ms.append(timed_ms(run.decode, decode_calls))
+            run.decode_ms.append(timed_ms(run.decode, decode_calls, clock))
         for run in order:
-            run.prefill_ms.append(timed_ms(run.prefill, prefill_calls))
+            run.prefill_ms.append(timed_ms(run.prefill, prefill_calls, clock))
 
 
 def main() -> None:
@@ -191,6 +228,7 @@ def main() -> None:
     parser.add_argument("--prefill-calls", type=int, default=2)
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
     parser.add_argument("--mode", default=None, help="torch.compile mode (reduce-overhead needs CUDA)")
+    parser.add_argument("--no-host-only", action="store_true", help="skip the fake-process-group timings")
     parser.add_argument("--json", type=Path, help="also write the results (rank 0) to this file")
     args = parser.parse_args()
 
@@ -215,34 +253,19 @@ def main() -> None:
     prompt = torch.randint(0, CONFIG["vocab_size"], (1, PREFILL), generator=generator)
     token = torch.randint(0, CONFIG["vocab_size"], (1, 1), generator=generator)
 
-    runs: list[Run] = []
-    parity: dict[str, dict[str, float | bool]] = {}
-    collectives: dict[str, dict[str, dict[str, int]]] = {}
     with torch.no_grad():
         want = eager_run("unsharded", reference, prompt, token)
         want_logits = {"decode": want.decode(), "prefill": want.prefill()}
-        for framework in FRAMEWORKS:
-            # the eager hand-written TP reduces in place; its compiled twin returns functional all-reduces
-            eager_model = build_framework(framework, reference, folder, mesh, functional=False)
-            compiled_model = (
-                build_framework(framework, reference, folder, mesh, functional=True)
-                if framework == "hand-written"
-                else eager_model
+        runs = build_runs(reference, folder, mesh, prompt, token, args)
+        parity: dict[str, dict[str, float | bool]] = {}
+        collectives: dict[str, dict[str, dict[str, int]]] = {}
+        for run in runs:
+            got = {"decode": run.decode(), "prefill": run.prefill()}
+            parity[run.name] = {f"{kind}_max_abs_diff": (got[kind] - want_logits[kind]).abs().max().item() for kind in got}
+            parity[run.name]["same_greedy_tokens"] = all(
+                bool(got[kind][0, -1].argmax() == want_logits[kind][0, -1].argmax()) for kind in got
             )
-            pair = [
-                eager_run(framework, eager_model, prompt, token),
-                compiled_run(framework, compiled_model, prompt, token, args.backend, args.mode),
-            ]
-            for run in pair:
-                got = {"decode": run.decode(), "prefill": run.prefill()}
-                parity[run.name] = {
-                    f"{kind}_max_abs_diff": (got[kind] - want_logits[kind]).abs().max().item() for kind in got
-                }
-                parity[run.name]["same_greedy_tokens"] = all(
-                    bool(got[kind][0, -1].argmax() == want_logits[kind][0, -1].argmax()) for kind in got
-                )
-                collectives[run.name] = {kind: count_collectives(getattr(run, kind)) for kind in ("decode", "prefill")}
-            runs += pair
+            collectives[run.name] = {kind: count_collectives(getattr(run, kind)) for kind in ("decode", "prefill")}
         interleaved(runs, args.rounds, args.decode_calls, args.prefill_calls)
 
     per_rank: list[Any] = [None] * world
@@ -262,6 +285,10 @@ def main() -> None:
             kind: [max(ranks[run.name][i][index] for ranks in per_rank) for index in range(args.rounds)]
             for i, kind in enumerate(("decode", "prefill"))
         }
+    del runs
+    if not args.no_host_only:
+        results["host_only_ms"] = host_only_timings(folder, world, args, prompt, token)
+    shutil.rmtree(folder, ignore_errors=True)
     results["wall_s"] = time.perf_counter() - started
     print(report(results))
     if args.json:
@@ -280,6 +307,22 @@ RATIOS = (  # (numerator, denominator, target)
 )
 
 
+def timing_tables(timing: dict[str, dict[str, list[float]]], title: str) -> list[str]:
+    """Medians with p10-p90 per run, then the ratios of ``RATIOS``."""
+    lines = [f"### {title}", "", "| variant | decode ms | p10-p90 | prefill ms | p10-p90 |", "|---|---:|---:|---:|---:|"]
+    for name, kinds in timing.items():
+        d, p = summary(kinds["decode"]), summary(kinds["prefill"])
+        lines.append(f"| {name} | {d[0]:.3f} | {d[1]:.3f}-{d[2]:.3f} | {p[0]:.2f} | {p[1]:.2f}-{p[2]:.2f} |")
+    lines += ["", "| ratio | decode | prefill | target |", "|---|---:|---:|---|"]
+    for a, b, target in RATIOS:
+        cells = []
+        for kind in ("decode", "prefill"):
+            x, y = timing[a][kind], timing[b][kind]
+            cells.append(f"{statistics.median(x) / statistics.median(y):.3f} ({paired_ratio(x, y):.3f})")
+        lines.append(f"| {a} / {b} | {cells[0]} | {cells[1]} | {target} |")
+    return lines + [""]
+
+
 def report(results: dict[str, Any]) -> str:
     s = results["setup"]
     compile_setup = s["compile"]
@@ -292,22 +335,11 @@ def report(results: dict[str, Any]) -> str:
             "and in brackets the median of the per-round ratios."
         ),
         "",
-        "### Time per call over gloo (slower rank per round)",
-        "",
-        "| variant | decode ms | p10-p90 | prefill ms | p10-p90 |",
-        "|---|---:|---:|---:|---:|",
     ]
-    timing = results["timing_ms"]
-    for name, kinds in timing.items():
-        d, p = summary(kinds["decode"]), summary(kinds["prefill"])
-        lines.append(f"| {name} | {d[0]:.3f} | {d[1]:.3f}-{d[2]:.3f} | {p[0]:.2f} | {p[1]:.2f}-{p[2]:.2f} |")
-    lines += ["", "| ratio | decode | prefill | target |", "|---|---:|---:|---|"]
-    for a, b, target in RATIOS:
-        cells = []
-        for kind in ("decode", "prefill"):
-            x, y = timing[a][kind], timing[b][kind]
-            cells.append(f"{statistics.median(x) / statistics.median(y):.3f} ({paired_ratio(x, y):.3f})")
-        lines.append(f"| {a} / {b} | {cells[0]} | {cells[1]} | {target} |")
+    lines += timing_tables(results["timing_ms"], "Time per call over gloo (slower rank per round)")
+    if "host_only_ms" in results:
+        title = "Host CPU time per call, no communication (fake process group, rank 0's thread CPU time)"
+        lines += timing_tables(results["host_only_ms"], title)
 
     layers = s["model"]["num_hidden_layers"]
     lines += [
