@@ -308,7 +308,7 @@ def report(results: dict[str, Any]) -> str:
 
 def smoke_options(folder: str) -> Options:
     """The settings of ``--cpu-smoke``: tiny, float32, Dynamo's eager backend, a few steps."""
-    return Options(layers=1, steps=3, prompt=8, rounds=2, smoke=True, backend="eager", mode=None, folder=folder)
+    return Options(layers=1, steps=2, prompt=8, rounds=1, smoke=True, backend="eager", mode=None, folder=folder)
 
 
 def main() -> None:

@@ -43,16 +43,15 @@ class CompileCase:
     train: bool = False  # also trace forward + backward and compare every gradient
     decode_steps: int = 0  # also decode these many tokens over a StaticCache, compiled
     backend: str | None = None  # also compile inference with this backend ("inductor")
-    train_backend: str | None = None  # also compile training with this backend ("aot_eager")
-    decode_backend: str = "eager"
+    train_backend: str | None = None  # compile training with this backend ("aot_eager"), not explain
 
 
 @dataclass
 class CompileResult:
     """What one rank measured for one :class:`CompileCase` (picklable)."""
 
-    graph_breaks: int  # over the inference and the training trace
-    graphs: list[int]  # graphs of each trace
+    graph_breaks: int  # over the traces explain ran (fullgraph=True compiles cannot break)
+    graphs: list[int]  # graphs of each trace or compiled function
     break_reasons: list[str]
     collectives: dict[str, int]  # in the inference graph: op -> count ("size_exchange" apart)
     logits_err: float
@@ -69,27 +68,28 @@ TRAIN = {"train": True}
 # name: (family, plan, lowering mode, config overrides, case options)
 FORMS: dict[str, tuple[str, str, str, dict[str, Any], dict[str, Any]]] = {
     # attention heads and MLP columns/rows sharded: 2 all-reduces per layer
-    "llama_tp": ("llama", "llama_tp", "default", {}, TRAIN),
+    "llama_tp": ("llama", "llama_tp", "default", {}, {}),
     # SPEC section 2's plan: + vocab-parallel embedding (all-reduce) and column-parallel
     # lm_head (a gather whose sizes follow from out_features)
     "llama_spec": ("llama", "llama_spec", "default", ONE_LAYER, TRAIN),
     # the vocab plan lowered in toggle mode (``if self.tp_enable:`` blocks around the same ops)
     "llama_vocab_toggle": ("llama", "llama_tp_vocab", "toggle", ONE_LAYER, {}),
-    # + sequence parallel: 7 tokens split 4 + 3 (a decode step's 1 token: 1 + 0), 8 split 4 + 4
+    # + sequence parallel: 7 tokens split 4 + 3 (a decode step's 1 token: 1 + 0; training
+    # through AOTAutograd), and 8 split 4 + 4
     "llama_sp_uneven": (
         "llama",
         "llama_tp_sp",
         "default",
         {},
-        {**TRAIN, "seq_len": 7, "train_backend": "aot_eager", "decode_steps": 3},
+        {**TRAIN, "train_backend": "aot_eager", "decode_steps": 3},
     ),
-    "llama_sp_even": ("llama", "llama_tp_sp", "default", {}, {"seq_len": 8}),
+    "llama_sp_even": ("llama", "llama_tp_sp", "default", {}, {**TRAIN, "seq_len": 8}),
     # sharded biases; o_proj and down_proj biases deferred, added by a hook after the reduction
     "llama_bias": ("llama", "llama_bias", "default", {**ONE_LAYER, "attention_bias": True, "mlp_bias": True}, {}),
     # attention in the generic form, lm_head R -> P through DTensor
     "llama_generic": ("llama", "llama_generic", "default", ONE_LAYER, TRAIN),
     # per-head q_norm/k_norm (gradients all-reduced by tensor hooks), vocab-parallel embedding
-    "qwen3_tp": ("qwen3", "qwen3_tp", "default", ONE_LAYER, TRAIN),
+    "qwen3_tp": ("qwen3", "qwen3_tp", "default", ONE_LAYER, {}),
     # experts in the region form (experts_parallel, transformers' default grouped_mm kernel)
     "qwen3_moe_ep": ("qwen3_moe", "qwen3_moe_tp_ep", "default", ONE_LAYER, TRAIN),
     # the default backend, Inductor, on the uneven sequence-parallel plan of one layer
@@ -187,7 +187,7 @@ def run_case(case: CompileCase, mesh: Any) -> CompileResult:
     def logits(ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits
 
-    def loss(ids: torch.Tensor) -> torch.Tensor:
+    def loss(ids: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
         return (model(ids).logits * projection).sum()
 
     # inference: explain's graphs run it (no autograd node: the collectives' no-grad path)
@@ -196,27 +196,29 @@ def run_case(case: CompileCase, mesh: Any) -> CompileResult:
         compiled, report = _explained(logits, ids)
         if case.backend is not None:
             compiled = torch.compile(logits, fullgraph=True, backend=case.backend)(ids)
-    breaks, graphs = report.graph_break_count, [report.graph_count]
-    reasons = [str(reason.reason)[:400] for reason in report.break_reasons]
-    collectives = _graph_collectives(report.graphs)
-    logits_err, tol = (compiled - eager).abs().max().item(), tolerance(eager)
+        breaks, graphs = report.graph_break_count, [report.graph_count]
+        reasons = [str(reason.reason)[:400] for reason in report.break_reasons]
+        collectives = _graph_collectives(report.graphs)
+        logits_err, tol = (compiled - eager).abs().max().item(), tolerance(eager)
 
-    # training: forward + backward through the traced autograd Functions
+    # training: forward + backward through the traced autograd Functions (explain), or
+    # compiled with fullgraph=True by a backend that runs AOTAutograd too
     failures, checked = [], 0
     if case.train:
-        loss(ids).backward()
+        loss(ids, projection).backward()
         want = {name: p.grad.clone() for name, p in model.named_parameters()}
         checked = len(want)
         model.zero_grad()
-        value, report = _explained(loss, ids)
-        value.backward()
-        breaks, graphs = breaks + report.graph_break_count, [*graphs, report.graph_count]
-        reasons += [str(reason.reason)[:400] for reason in report.break_reasons]
+        if case.train_backend is not None:
+            backend = _Counting(case.train_backend)
+            torch.compile(loss, fullgraph=True, backend=backend)(ids, projection).backward()
+            graphs.append(backend.graphs)
+        else:
+            value, report = _explained(loss, ids, projection)
+            value.backward()
+            breaks, graphs = breaks + report.graph_break_count, [*graphs, report.graph_count]
+            reasons += [str(reason.reason)[:400] for reason in report.break_reasons]
         failures = _grad_failures(model, want)
-        if case.train_backend is not None:  # once more through AOTAutograd and the backend
-            model.zero_grad()
-            torch.compile(loss, fullgraph=True, backend=case.train_backend)(ids).backward()
-            failures += [f"{case.train_backend}: {failure}" for failure in _grad_failures(model, want)]
         model.zero_grad()
 
     decode_err = decode_graphs = None
@@ -225,11 +227,12 @@ def run_case(case: CompileCase, mesh: Any) -> CompileResult:
         def step(token: torch.Tensor, cache: Any) -> torch.Tensor:
             return model(token, cache=cache, use_cache=True).logits
 
+        prompt = ids[:1]
         with torch.no_grad():
-            want = _decode(model, config, ids[:1], case.decode_steps, step)
+            want = _decode(model, config, prompt, case.decode_steps, step)
             torch._dynamo.reset()
-            backend = _Counting(case.decode_backend)
-            got = _decode(model, config, ids[:1], case.decode_steps, torch.compile(step, fullgraph=True, backend=backend))
+            backend = _Counting("eager")
+            got = _decode(model, config, prompt, case.decode_steps, torch.compile(step, fullgraph=True, backend=backend))
         decode_err = max((a - b).abs().max().item() for a, b in zip(got, want, strict=True))
         decode_graphs = backend.graphs
         tol = max(tol, *(tolerance(w) for w in want))
