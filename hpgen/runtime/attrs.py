@@ -96,17 +96,21 @@ def _check_head_groups(
 
 
 def _projections(item: Matched, query_rows: int, kv_rows: int) -> tuple[str | None, str | None]:
-    """The planned ``nn.Linear`` weights holding the query heads and a key/value projection."""
+    """The planned ``nn.Linear`` weights whose rows (output features, sharded) hold the query
+    heads and the key/value heads; a row-parallel ``o_proj`` of the same shape is not one."""
     query = keys = None
     for name in sorted(item.entry.params):
         owner_path, _, leaf = name.rpartition(".")
         owner = item.module.get_submodule(owner_path) if owner_path else item.module
+        placements = [p for _, p in item.entry.params[name].placements]
         if leaf != "weight" or not isinstance(owner, nn.Linear):
             continue
+        if not any(p.kind in ("S", "RS") and p.dim in (0, -2) for p in placements):
+            continue
         rows = owner.weight.shape[0]
-        if rows == query_rows and query is None:
+        if rows == query_rows and query is None and not any(p.kind == "RS" for p in placements):
             query = name
-        elif rows == kv_rows and keys is None and any(l.kind == "RS" for _, l in item.entry.params[name].placements):
+        elif rows == kv_rows and keys is None and any(p.kind == "RS" for p in placements):
             keys = name
     return query, keys
 

@@ -31,7 +31,7 @@ from tests.runtime.models import (
     tolerance,
 )
 
-ENGINES = ("none", "fsdp2", "ddp")
+ENGINES = ("none", "fsdp2", "fsdp2_root", "ddp")
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class TrainCase:
     generated: str
     plan: Mapping[str, Any]
     mesh: tuple[tuple[str, int], ...]
-    engine: str = "none"  # none | fsdp2 | ddp, on the mesh's "dp" axis
+    engine: str = "none"  # one of ENGINES, on the mesh's "dp" axis (fsdp2_root: fully_shard on the root only)
     config: Mapping[str, Any] = field(default_factory=dict)
     seed: int = 0
     batch: int = 4
@@ -74,12 +74,13 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _wrap(model: nn.Module, engine: str, mesh: Any) -> nn.Module:
-    if engine == "fsdp2":
+    if engine in ("fsdp2", "fsdp2_root"):
         from torch.distributed.fsdp import fully_shard
 
         dp = mesh["dp"]
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=dp)
+        if engine == "fsdp2":
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=dp)
         fully_shard(model, mesh=dp)
         return model
     if engine == "ddp":

@@ -84,7 +84,21 @@ FAMILIES = {
             norm_topk_prob=True,
         ),
     ),
+    "mixtral": Family(
+        "transformers.models.mixtral.modeling_mixtral",
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        extra=dict(num_local_experts=4, num_experts_per_tok=2),
+    ),
 }
+
+
+def generated_plan(family: str, config: Mapping[str, Any] | None = None, **flags: Any) -> dict[str, Any]:
+    """What ``hpgen plan`` writes for the tiny config of ``family`` (with ``config`` overrides),
+    for ``flags`` ``tp=``, ``ep=``, ``ep_axis=``, ``sp=``."""
+    from hpgen.tp_plan import meta_model, plan_for_model
+
+    return plan_for_model(meta_model(make_config(family, **(config or {}))), name=family, **flags)
 
 
 def load_plan_dict(name: str) -> dict[str, Any]:
@@ -239,6 +253,7 @@ class Case:
     seq_len: int = 7  # odd: uneven sequence shards under sequence parallelism
     new_tokens: int = 12
     mesh: tuple[tuple[str, int], ...] = ()  # (axis, size) in mesh order; () = the plan's first axis, all ranks
+    parallel: bool = True  # False: the generated model as built, without parallelize (its class defaults)
 
 
 @dataclass
@@ -249,6 +264,7 @@ class Result:
     logits_tol: float
     grad_failures: list[str]  # "name: err > tol" or "name: no gradient"
     grads_checked: int
+    grad_max_err: float  # the largest |gradient - reference slice| over every parameter
     tokens: list[list[int]]
     reference_tokens: list[list[int]]
     scores_err: float  # max over the decode steps of |step logits - reference's|
@@ -289,7 +305,8 @@ def run_case(case: Case, mesh: Any) -> Result:
     model = generated_model(import_file(case.generated), case.family, config, reference)
     full_bytes = param_bytes(model)
     keys = list(model.state_dict())
-    parallelize(model, case.plan, mesh)
+    if case.parallel:
+        parallelize(model, case.plan, mesh)
     same_keys = list(model.state_dict()) == keys
 
     generator = torch.Generator().manual_seed(case.seed + 1)
@@ -307,16 +324,17 @@ def run_case(case: Case, mesh: Any) -> Result:
 
     layouts = param_layouts(reference, case.plan)
     axes = case.plan["mesh_dim_names"]
-    failures, checked = [], 0
+    failures, checked, worst = [], 0, 0.0
     mine = dict(model.named_parameters())
     for name, ref_param in reference.named_parameters():
         param = mine[name]
         if param.grad is None:
             failures.append(f"{name}: no gradient")
             continue
-        want = expected_local(ref_param.grad, layouts.get(name, {}), axes, mesh)
+        want = expected_local(ref_param.grad, layouts.get(name, {}), axes, mesh) if case.parallel else ref_param.grad
         err, tol = (param.grad - want).abs().max().item(), tolerance(ref_param.grad)
         checked += 1
+        worst = max(worst, err)
         if not err <= tol:
             failures.append(f"{name}: {err:.3g} > {tol:.3g}")
 
@@ -338,6 +356,7 @@ def run_case(case: Case, mesh: Any) -> Result:
         logits_tol=tolerance(ref_logits),
         grad_failures=failures,
         grads_checked=checked,
+        grad_max_err=worst,
         tokens=mine_out.sequences[:, case.seq_len :].tolist(),
         reference_tokens=ref_out.sequences[:, case.seq_len :].tolist(),
         scores_err=scores_err,
