@@ -158,7 +158,7 @@ def survey_deferred_biases(matched: Iterable[Matched], plan: Plan) -> list[Defer
 
 @dataclass
 class GradReduce:
-    """A Parameter whose gradient is summed over ``groups`` (union over the entries naming it).
+    """A Parameter whose gradient is summed over whole axes and replica groups (union over entries).
 
     ``uses`` are the boundaries that reduce it, each with the (owner module, attribute)
     it is registered under there: where :class:`FollowReducedParameters` looks for it.
@@ -166,29 +166,36 @@ class GradReduce:
 
     param: nn.Parameter
     name: str
-    groups: list[dist.ProcessGroup]
+    axes: list[str]  # grad_reduce_params: every axis its boundary's body is sharded on
+    replicas: dict[str, int]  # RS(d,r): axis -> r
     uses: list[tuple[Matched, nn.Module, str]]
 
+    def groups(self, axes: Mapping[str, AxisCollectives], mesh: DeviceMesh) -> list[dist.ProcessGroup]:
+        """The process groups to sum over; axes of size one (and ``r`` of one) reduce nothing."""
+        found = [axes[axis].group for axis in self.axes if axes[axis].size > 1]
+        for axis, replicas in self.replicas.items():
+            if axis not in self.axes and replicas > 1 and axes[axis].size > 1:
+                found.append(replica_group(mesh, axis, replicas))
+        return found
 
-def survey_grad_reduce(
-    matched: Iterable[Matched], plan: Plan, mesh: DeviceMesh, axes: Mapping[str, AxisCollectives]
-) -> list[GradReduce]:
-    """Each Parameter whose gradient a rank holds only part of, with the groups to sum it over.
+
+def survey_grad_reduce(matched: Iterable[Matched], plan: Plan) -> list[GradReduce]:
+    """Each Parameter whose gradient a rank holds only part of, with what to sum it over.
 
     ``grad_reduce_params`` sum over every axis the boundary's body is sharded on;
     ``RS(d,r)`` parameters over the ``r`` ranks of the axis holding the same chunk (their
-    replica group, :mod:`hpgen.runtime.groups`). Axes of size one reduce nothing.
+    replica group, :mod:`hpgen.runtime.groups`).
     """
-    found: dict[int, tuple[GradReduce, list[str], dict[str, int]]] = {}
+    found: dict[int, GradReduce] = {}
 
-    def record(item: Matched, name: str) -> tuple[GradReduce, list[str], dict[str, int]]:
+    def record(item: Matched, name: str) -> GradReduce:
         param = item.module.get_parameter(name)
-        entry = found.setdefault(id(param), (GradReduce(param, f"{item.fqn}.{name}", [], []), [], {}))
+        reduce = found.setdefault(id(param), GradReduce(param, f"{item.fqn}.{name}", [], {}, []))
         owner_path, _, attr = name.rpartition(".")
-        use = (item, item.module.get_submodule(owner_path) if owner_path else item.module, attr)
-        if not any(u[0].module is item.module and u[1] is use[1] and u[2] == attr for u in entry[0].uses):
-            entry[0].uses.append(use)
-        return entry
+        owner = item.module.get_submodule(owner_path) if owner_path else item.module
+        if not any(use.module is item.module and o is owner and a == attr for use, o, a in reduce.uses):
+            reduce.uses.append((item, owner, attr))
+        return reduce
 
     for item in matched:
         entry = item.entry
@@ -197,24 +204,19 @@ def survey_grad_reduce(
             if not sharded:
                 raise ParallelizeError(
                     f"{item.fqn} ({type(item.module).__name__}): grad_reduce_params, but param_plan[{item.key!r}] "
-                    "shards its body on no axis, so no gradient is partial"
+                    "shards its body on no axis, so no gradient is partial and hpgen cannot tell over which axes to "
+                    "reduce. Declare the layout the input arrives in, e.g. for a norm on a sequence-sharded stream "
+                    '"in_src": {"<input>": {"tp": "S(1)"}}, "in_dst": {"<input>": {"tp": "S(1)"}} '
+                    "(<input> is its forward's parameter: 'input' for nn.LayerNorm)"
                 )
             for name in entry.grad_reduce_params:
-                _, whole, _ = record(item, name)
-                whole += [axis for axis in sharded if axis not in whole]
+                reduce = record(item, name)
+                reduce.axes += [axis for axis in sharded if axis not in reduce.axes]
         for name, layout in entry.params.items():
-            replicated = {axis: layout.on(axis).replicas for axis in plan.mesh_dim_names if layout.on(axis).kind == "RS"}
+            replicated = {a: layout.on(a).replicas for a in plan.mesh_dim_names if layout.on(a).kind == "RS"}
             if replicated:
-                record(item, name)[2].update(replicated)
-    records = []
-    for reduce, whole, replicated in found.values():
-        reduce.groups = [axes[axis].group for axis in whole if axes[axis].size > 1]
-        for axis, replicas in replicated.items():
-            if axis not in whole and replicas > 1 and axes[axis].size > 1:
-                reduce.groups.append(replica_group(mesh, axis, replicas))
-        if reduce.groups:
-            records.append(reduce)
-    return records
+                record(item, name).replicas.update(replicated)
+    return list(found.values())
 
 
 class FollowReducedParameters:
@@ -257,12 +259,24 @@ def _is_dtensor(tensor: Tensor) -> bool:
     return dtensor is not None and isinstance(tensor, dtensor.DTensor)
 
 
-def install_grad_reduce(records: Iterable[GradReduce], replaced: Mapping[int, nn.Parameter]) -> None:
-    """Hook each (possibly re-created) Parameter, and make every boundary using it follow it."""
+def install_grad_reduce(
+    records: Iterable[GradReduce],
+    replaced: Mapping[int, nn.Parameter],
+    axes: Mapping[str, AxisCollectives],
+    mesh: DeviceMesh,
+) -> None:
+    """Hook each (possibly re-created) Parameter, and make every boundary using it follow it.
+
+    Replica groups are made here, after every rank accepted the plan: creating a process
+    group is a collective of all ranks.
+    """
     follows: dict[int, tuple[Matched, list[tuple[nn.Module, str, GradAllReduce]]]] = {}
     for record in records:
+        groups = record.groups(axes, mesh)
+        if not groups:
+            continue
         param = replaced.get(id(record.param), record.param)
-        reducer = GradAllReduce(record.groups, record.name)
+        reducer = GradAllReduce(groups, record.name)
         param.register_hook(reducer)
         param._hp_grad_reduce = reducer
         for item, owner, attr in record.uses:

@@ -23,6 +23,9 @@ from tests.runtime.models import (
 
 # name: (plan in tests/plans, config overrides, lowering mode)
 CASES = {
+    # the example plan of the contract, as written there (no o_proj bias: Llama has none):
+    # lm_head and embed_tokens declare no input, the wrapper copies lm_head's in itself
+    "spec_example": ("llama_spec", {}, "default"),
     # attention heads and MLP columns/rows sharded, one all-reduce each
     "tp": ("llama_tp", {}, "default"),
     # + vocab-parallel embed_tokens and column-parallel lm_head, sharing one tied weight
