@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -113,9 +114,8 @@ def _everything(rank: int, world_size: int, cases: list, training: list, refusal
     return results
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    directory = tmp_path_factory.mktemp("parity_2d")
+def build_runs(directory: Path) -> tuple[list[Case], list[TrainCase], list[tuple]]:
+    """Lower the files into ``directory``; the parity cases, training cases and refusals to run."""
     sp = str(lower_family("llama", "llama_tp_sp", directory))
     qwen3 = str(lower_family("qwen3", "qwen3_tp", directory))
     plans = {
@@ -155,7 +155,13 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         ("fsdp2_inside_boundary", "llama", sp, tp_sp, {}),
         ("kv_groups_not_divided", "llama", files["llama_kv1"], _without_divide_attrs(plans["llama_kv1"]), KV1),
     ]
-    return run_distributed(_everything, cases, training, refusals, world_size=4, timeout=400)
+    return cases, training, refusals
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    runs = build_runs(tmp_path_factory.mktemp("parity_2d"))
+    return run_distributed(_everything, *runs, world_size=4, timeout=400)
 
 
 @pytest.mark.parametrize("name", PARITY)
