@@ -46,6 +46,7 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
 
 from hpgen.errors import HpgenError
 from hpgen.plan import Plan, load_plan, plan_from_dict
@@ -79,6 +80,11 @@ def parallelize(model: nn.Module, plan: PlanLike, mesh: DeviceMesh) -> nn.Module
     the model is left unchanged.
     """
     plan = _as_plan(plan)
+    if isinstance(model, DistributedDataParallel):
+        raise ParallelizeError(
+            "the model is wrapped in DistributedDataParallel: call parallelize on the model first, then wrap it "
+            "(DDP must see the sharded parameters)"
+        )
     if getattr(model, "_hp_parallelized", False):
         raise ParallelizeError(f"{type(model).__name__} was already parallelized; build a fresh model")
     axes = mesh_axes(plan, mesh, off=_toggle_axes(model, plan, mesh))

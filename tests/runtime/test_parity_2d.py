@@ -12,8 +12,8 @@
   and Qwen3 (k_norm) at ``tp`` 4; logits, every gradient, greedy generation with the cache.
 - Toggle mode on any mesh: one ``--mode toggle`` Qwen3-MoE file run unparallelized, on
   ``tp`` alone (4 ranks; its ``ep`` axis off), on ``dp x tp`` under FSDP2 and on ``ep x tp``.
-- Refusals instead of partial gradients: ``fully_shard`` before ``parallelize``, an FSDP2
-  unit inside a boundary that reduces a gradient, and replicated KV heads whose
+- Refusals instead of partial gradients: ``fully_shard`` or DDP before ``parallelize``, an
+  FSDP2 unit inside a boundary that reduces a gradient, and replicated KV heads whose
   ``num_key_value_groups`` the plan does not divide.
 """
 
@@ -53,6 +53,7 @@ PARITY = ("qwen3_moe_ep_tp", "mixtral_ep_tp", "llama_rs", "qwen2_rs", "qwen3_rs"
 TRAINING = ("llama_sp_fsdp2", "llama_sp_fsdp2_root", "llama_sp_ddp", "qwen3_fsdp2", "llama_rs_fsdp2", "toggle_dp_tp")
 REFUSALS = {
     "fsdp2_first": ["model.embed_tokens.weight", "already a DTensor", "Call parallelize first"],
+    "ddp_first": ["wrapped in DistributedDataParallel", "call parallelize on the model first"],
     "fsdp2_inside_boundary": [
         "model.layers.0.input_layernorm.weight",
         "still a sharded DTensor",
@@ -93,6 +94,10 @@ def _refuse(case: tuple[str, str, str, dict[str, Any], dict[str, Any]]) -> str:
                 fully_shard(layer, mesh=mesh["dp"])
             fully_shard(model, mesh=mesh["dp"])
             parallelize(model, plan, mesh)
+        elif name == "ddp_first":
+            from torch.nn.parallel import DistributedDataParallel
+
+            parallelize(DistributedDataParallel(model, process_group=mesh.get_group("dp")), plan, mesh)
         elif name == "fsdp2_inside_boundary":
             parallelize(model, plan, mesh)
             for layer in model.model.layers:
@@ -152,6 +157,7 @@ def build_runs(directory: Path) -> tuple[list[Case], list[TrainCase], list[tuple
     ]
     refusals = [
         ("fsdp2_first", "llama", sp, tp_sp, {}),
+        ("ddp_first", "llama", sp, tp_sp, {}),
         ("fsdp2_inside_boundary", "llama", sp, tp_sp, {}),
         ("kv_groups_not_divided", "llama", files["llama_kv1"], _without_divide_attrs(plans["llama_kv1"]), KV1),
     ]
