@@ -49,7 +49,12 @@ norms on the shards get ``grad_reduce_params``, and the final norm gathers at it
 (when it is a class of the modeling file; otherwise the last layer does), before the
 causal LM slices ``logits_to_keep`` and calls ``lm_head``. ``--ep`` shards the experts by
 expert from ``base_model_ep_plan`` through ``hpgen.runtime.local.experts_parallel``: on
-the ``tp`` axis when ``--ep`` equals ``--tp``, on an ``ep`` axis of its own otherwise.
+the ``tp`` axis (``--ep`` equal to ``--tp``), or with ``--ep-axis NAME`` on an axis of
+their own (mesh ``NAME x tp``), keeping the TP plan's intermediate-dim rules on ``tp``.
+
+Key/value heads fewer than ``--tp`` (``--tp`` a multiple of them) are replicated, as vLLM
+does: the key/value projections become ``RS(0, tp / kv)`` and the attention entry divides
+``num_key_value_groups`` by the same number (``divide_attrs``).
 
 torch and transformers are imported inside the functions that need them: the generator
 (``hpgen lower``) never imports them.
@@ -658,8 +663,14 @@ class _Translator:
                 f"{boundary.fqn} has no key/value projection of its own to replicate (sharded rows = "
                 f"{kv_heads} x head_dim {head_dim})"
             )
-        if isinstance(getattr(boundary.module, "num_key_value_groups", None), int):
-            boundary.divide_attrs["num_key_value_groups"] = replicas
+        if not isinstance(getattr(boundary.module, "num_key_value_groups", None), int):
+            # without it hpgen cannot say (nor parallelize check) how the local heads pair up
+            raise HpgenError(
+                f"{self.name}: num_key_value_heads={kv_heads} is fewer than --{axis} {replicas * kv_heads}; "
+                f"replicating them needs {type(boundary.module).__name__}.num_key_value_groups (what repeat_kv "
+                "repeats by), which it does not have"
+            )
+        boundary.divide_attrs["num_key_value_groups"] = replicas
 
     # -- sequence parallel
 
