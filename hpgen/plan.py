@@ -420,7 +420,8 @@ class _PlanReader:
                 # a replicated shard says where a parameter's chunks live; boundary values
                 # move by collectives, and none of them reads or makes replicated chunks
                 raise self.fail(
-                    axis_where, f"{found[axis]} is a parameter placement (params); inputs and outputs take R, S, P or SS"
+                    axis_where,
+                    f"{found[axis]} is a parameter placement (params); inputs and outputs take R, S, P or SS",
                 )
         return Layout(tuple((axis, found.get(axis, REPLICATE)) for axis in self.mesh))
 

@@ -229,7 +229,8 @@ def _check_placements(
             if isinstance(head_dim, int) and head_dim > 0 and isinstance(owner, nn.Linear) and n % head_dim == 0:
                 heads = n // head_dim
                 if heads % chunks:
-                    raise ParallelizeError(_heads_message(where, name, placement, dim, axis, size, heads, head_dim, item))
+                    message = _heads_message(where, name, placement, dim, axis, size, heads, head_dim, item)
+                    raise ParallelizeError(message)
             if isinstance(num_experts, int) and len(current) == 3 and n == num_experts and n % size:
                 raise ParallelizeError(
                     f"{where}: {name} dim {dim} holds {n} experts, which do not divide over axis {axis!r} "
@@ -241,7 +242,15 @@ def _check_placements(
 
 
 def _heads_message(
-    where: str, name: str, placement: Placement, dim: int, axis: str, size: int, heads: int, head_dim: int, item: Matched
+    where: str,
+    name: str,
+    placement: Placement,
+    dim: int,
+    axis: str,
+    size: int,
+    heads: int,
+    head_dim: int,
+    item: Matched,
 ) -> str:
     """Why ``placement`` would cut a head, and the placement or axis size that would not."""
     label = _heads_label(item.module, heads)
