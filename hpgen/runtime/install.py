@@ -40,10 +40,12 @@ Nothing here runs in a forward: the generated code calls the bound collectives d
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
@@ -53,6 +55,7 @@ from hpgen.plan import Plan, load_plan, plan_from_dict
 from hpgen.runtime.agreement import check_ranks_agree, raise_together
 from hpgen.runtime.attrs import survey_attrs
 from hpgen.runtime.collectives import AxisCollectives
+from hpgen.runtime.kernels import fit_experts_kernel
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.hooks import (
     DeferredBias,
@@ -155,8 +158,16 @@ class _Survey:
 
     def install(self, axes: Mapping[str, AxisCollectives], mesh_names: tuple[str, ...]) -> None:
         replaced = shard_params(self.shards)
+        switched = []
         for target in self.targets:
             target.install(axes, mesh_names)
+            why = fit_experts_kernel(target.item.module) if target.form != "identity" else None
+            if why is not None:
+                switched.append((target.item.fqn, why))
+        if switched and (not dist.is_initialized() or dist.get_rank() == 0):
+            first, why = switched[0]
+            more = f" and {len(switched) - 1} more like it" if len(switched) > 1 else ""
+            print(f"hpgen: {first}{more} run the eager experts loop: the local shard {why}", file=sys.stderr)
         for bias in self.biases:
             bias.install()
         install_grad_reduce(self.grad_reduces, replaced, axes, self.mesh)
