@@ -18,7 +18,9 @@ untouched:
 The install then shards the parameters in place (plain ``nn.Parameter``s holding the
 local chunk), swaps classes (generated per-contract subclasses, wrappers), binds the
 axes' collectives, the region functions and the generic boundaries, adds the deferred
-biases' and the gradient reductions' hooks, and divides ``tp_divide_attrs``.
+biases' and the gradient reductions' hooks, and divides ``tp_divide_attrs``. Last, the
+state-dict hooks (:mod:`hpgen.runtime.state_dict`) and ``save_pretrained``
+(:mod:`hpgen.runtime.saving`) make checkpoints keep every shard.
 
 Nothing here runs in a forward: the generated code calls the bound collectives directly.
 """
@@ -45,6 +47,8 @@ from hpgen.runtime.hooks import (
     survey_grad_reduce,
 )
 from hpgen.runtime.params import Matched, ParamShard, shard_params, survey_params
+from hpgen.runtime.saving import bind_save_pretrained
+from hpgen.runtime.state_dict import install_state_dict_hooks
 from hpgen.runtime.targets import Target, resolve
 
 __all__ = ["ParallelizeError", "parallelize"]
@@ -67,6 +71,9 @@ def parallelize(model: nn.Module, plan: PlanLike, mesh: DeviceMesh) -> nn.Module
     axes = mesh_axes(plan, mesh)
     survey = _survey(model, plan, mesh, axes)
     survey.install(axes, plan.mesh_dim_names)
+    # state_dict() as DTensors, load_state_dict of DTensors or full tensors, save_pretrained unsharded
+    install_state_dict_hooks(model, survey.shards, mesh, axes, plan.mesh_dim_names)
+    bind_save_pretrained(model)
     model._hp_parallelized = True
     return model
 
