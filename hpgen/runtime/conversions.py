@@ -55,10 +55,7 @@ class FileSource(Source):
         self.described = key
 
     def read(self, index: Index) -> Tensor:
-        handle = self.files.slice(self.key)
-        if not index:
-            return handle[...]
-        return handle[tuple(slice(a, b) for a, b in index)]
+        return self.files.read(self.key, tuple(slice(a, b) for a, b in index))
 
 
 class Stacked(Source):
@@ -206,7 +203,7 @@ class _Group:
 
 
 def _reader(files: CheckpointFiles | None, key: str) -> Callable[[], Tensor]:
-    return lambda: files.slice(key)[...]
+    return lambda: files.read(key)
 
 
 def _sliceable(converter: Any) -> tuple[int | None, int | None] | None:

@@ -193,7 +193,10 @@ def _load(model: nn.Module, files: CheckpointFiles, device: torch.device) -> Non
         shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
     records = sharded_params(model)
     full_shapes = {key: records[key].global_shape if key in records else shape for key, shape in shapes.items()}
-    sources = checkpoint_sources(model, files, full_shapes, model_conversions(model))
+    # transformers' rules are only needed when the checkpoint's names are not the model's
+    # (building them compiles a regex for every rule of every architecture)
+    exact = set(files.keys()) == set(full_shapes)
+    sources = checkpoint_sources(model, files, full_shapes, [] if exact else model_conversions(model))
     _report_unexpected(model, sources.unexpected)
     dtype_plan = _dtype_plan(model)
 
@@ -218,6 +221,7 @@ def _load(model: nn.Module, files: CheckpointFiles, device: torch.device) -> Non
                 f"parameter is {wanted}; is this the checkpoint of this model and config?"
             )
         local = _read_local(source, wanted, record.shares if record is not None else ())
+        files.drop_copies()
         if isinstance(source, Mapped):
             source.release()
         value = local.to(device=device, dtype=_target_dtype(name, tensor, dtype_plan))
