@@ -117,6 +117,7 @@ class Loaded:
     inv_freq_equal: bool
     dtensor_keys: int  # state-dict entries that are DTensors with the global shape
     checkpoint_files: int
+    views: int  # parameters whose storage is more than their data: views of the mapped file
 
 
 @dataclass
@@ -159,7 +160,7 @@ def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from hpgen.runtime import from_pretrained, parallelize
+    from hpgen.runtime import checkpoint_files, from_pretrained, parallelize
     from hpgen.runtime.errors import ParallelizeError
 
     transformers.utils.logging.disable_progress_bar()
@@ -171,6 +172,8 @@ def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> 
         cls = FAMILIES[case.family].model
         reference = getattr(transformers, cls).from_pretrained(case.folder).eval()
         plan = load_plan_dict(case.plan)
+        # "llama" copies every slice (all are small); the others take contiguous ones as views of the file
+        checkpoint_files.VIEW_MIN_BYTES = 2**30 if case.name == "llama" else 0
         model = from_pretrained(getattr(module, cls), case.folder, plan, mesh)
         try:
             err, tol, failure = (_logits(model) - _logits(reference)).abs().max().item(), tolerance(_logits(reference)), ""
@@ -195,6 +198,7 @@ def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> 
                 isinstance(v, DTensor) and tuple(v.shape) == tuple(full_shapes[k].shape) for k, v in state.items()
             ),
             checkpoint_files=len(list(Path(case.folder).glob("*.safetensors"))),
+            views=sum(p.untyped_storage().nbytes() > p.nbytes for p in model.parameters()),
         )
         models[case.name], references[case.name] = model, reference
 
@@ -335,6 +339,7 @@ def test_from_pretrained_logits(results: list[RankResults], name: str) -> None:
 
 def test_multi_file_checkpoints_and_ties(results: list[RankResults]) -> None:
     loaded = results[0].loaded
+    assert loaded["llama"].views == 0 and all(loaded[name].views > 0 for name in LOADED[1:])
     assert loaded["llama"].checkpoint_files == 1 and loaded["llama_tied"].checkpoint_files > 1
     assert loaded["qwen3_moe"].checkpoint_files > 1
     assert all(r.loaded["llama_tied"].tied for r in results)
