@@ -151,7 +151,9 @@ def lower_llama(out: Path) -> None:
     from hpgen.plan import load_plan
 
     source = Path(transformers.models.llama.modeling_llama.__file__)
-    out.write_text(lower(source.read_text(), load_plan(PLAN), source_name=source.name, package="transformers.models.llama"))
+    out.write_text(
+        lower(source.read_text(), load_plan(PLAN), source_name=source.name, package="transformers.models.llama")
+    )
 
 
 def run_variant(variant: str, checkpoint: Path, generated: Path, folder: Path, tag: str) -> dict:
@@ -198,7 +200,11 @@ def main() -> None:
         runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
         for round_ in range(args.rounds):
             for name in VARIANTS:
-                runs[name].append(run_variant(name, checkpoint, generated, folder, f"{name.replace(' ', '_').replace(',', '')}_{round_}"))
+                runs[name].append(
+                    run_variant(
+                        name, checkpoint, generated, folder, f"{name.replace(' ', '_').replace(',', '')}_{round_}"
+                    )
+                )
         reference = torch.load(runs["transformers"][0]["logits"])
         results = {"checkpoint_bytes": size, "layers": args.layers, "rounds": args.rounds, "variants": {}}
         for name, items in runs.items():

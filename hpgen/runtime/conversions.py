@@ -294,8 +294,7 @@ def _sliced_source(group: _Group, files: CheckpointFiles, stack_dim: int | None,
         keys = group.keys.get(pattern, [])
         if not keys:
             raise ParallelizeError(
-                f"{group.target}: the checkpoint has no key for {pattern!r}, one of the sources of "
-                f"{group.describe()}"
+                f"{group.target}: the checkpoint has no key for {pattern!r}, one of the sources of {group.describe()}"
             )
         if stack_dim is not None:
             parts.append(Stacked([FileSource(files, key) for key in _by_index(keys, pattern)], stack_dim))

@@ -316,7 +316,11 @@ def _ignored(model: nn.Module, name: str, attribute: str) -> bool:
 
 
 def _report_unexpected(model: nn.Module, keys: list[str]) -> None:
-    keys = [k for k in keys if not _ignored(model, k, "_keys_to_ignore_on_load_unexpected") and "rotary_emb.inv_freq" not in k]
+    keys = [
+        k
+        for k in keys
+        if not _ignored(model, k, "_keys_to_ignore_on_load_unexpected") and "rotary_emb.inv_freq" not in k
+    ]
     if keys and (not dist.is_initialized() or dist.get_rank() == 0):
         logger.warning(
             "from_pretrained: %d checkpoint key(s) are not used by %s: %s",
@@ -336,4 +340,3 @@ def _progress(total: int, rank: int) -> Any:
         from tqdm.auto import tqdm
 
         return tqdm(total=total, desc="Loading weights", disable=rank != 0)
-

@@ -122,16 +122,16 @@ def boxes(shape: Sequence[int], shares: Sequence[AxisShare]) -> list[Box]:
         per_dim.append(placed or [(0, 0, 0)])
     found = []
     for combo in itertools.product(*per_dim):
-        found.append(
-            Box(tuple(c[0] for c in combo), tuple(c[1] for c in combo), tuple(c[2] for c in combo))
-        )
+        found.append(Box(tuple(c[0] for c in combo), tuple(c[1] for c in combo), tuple(c[2] for c in combo)))
     return found
 
 
 # --------------------------------------------------------------------------- the DTensor form
 
 
-def hpgen_indices(n: int, placements: Sequence[Placement], sizes: Sequence[int], coordinate: Sequence[int]) -> list[int]:
+def hpgen_indices(
+    n: int, placements: Sequence[Placement], sizes: Sequence[int], coordinate: Sequence[int]
+) -> list[int]:
     """The global indices of one dim of size ``n`` that hpgen gives mesh ``coordinate``.
 
     ``placements[i]`` is axis ``i``'s placement of this dim (``R`` when it does not shard it).
@@ -154,7 +154,9 @@ def _chunk(values: list[int], k: int, rank: int) -> list[int]:
     return values[rank * step : (rank + 1) * step] if step else []
 
 
-def dtensor_indices(n: int, placements: Sequence[Placement], sizes: Sequence[int], coordinate: Sequence[int]) -> list[int]:
+def dtensor_indices(
+    n: int, placements: Sequence[Placement], sizes: Sequence[int], coordinate: Sequence[int]
+) -> list[int]:
     """The global indices of one dim that DTensor gives ``coordinate`` for the placements
     :func:`dtensor_form` maps ``placements`` to (``Shard``: chunk; ``_StridedShard``: chunk of
     each block). ``tests/runtime`` checks this against DTensor itself."""

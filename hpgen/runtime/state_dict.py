@@ -220,7 +220,11 @@ def _load_pre_hook(
 
 
 def install_state_dict_hooks(
-    model: nn.Module, shards: Iterable[ParamShard], mesh: DeviceMesh, axes: Mapping[str, AxisCollectives], names: Sequence[str]
+    model: nn.Module,
+    shards: Iterable[ParamShard],
+    mesh: DeviceMesh,
+    axes: Mapping[str, AxisCollectives],
+    names: Sequence[str],
 ) -> None:
     """Record each sharded parameter's layout on its owners and register the hooks (see the module docstring).
 
@@ -289,7 +293,10 @@ def gather_full(local: Tensor, param: ShardedParam) -> Tensor:
         if placement.kind == "S":
             tensor = torch.cat(pieces, dim)
         else:
-            per_block = [piece.chunk(placement.blocks, dim) if piece.size(dim) else [piece] * placement.blocks for piece in pieces]
+            per_block = [
+                piece.chunk(placement.blocks, dim) if piece.size(dim) else [piece] * placement.blocks
+                for piece in pieces
+            ]
             tensor = torch.cat([per_block[r][j] for j in range(placement.blocks) for r in range(size)], dim)
     return tensor
 

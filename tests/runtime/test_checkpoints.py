@@ -51,7 +51,9 @@ def _config(family: str, **overrides: Any) -> Any:
     return getattr(transformers, spec.config)(**{**TINY, **spec.extra, **overrides})
 
 
-def _write_checkpoint(family: str, folder: Path, seed: int, *, max_shard_size: str | None = None, **config: Any) -> None:
+def _write_checkpoint(
+    family: str, folder: Path, seed: int, *, max_shard_size: str | None = None, **config: Any
+) -> None:
     import transformers
 
     from tests.runtime.models import perturb_
@@ -89,7 +91,15 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     save_file(weights, root / "llama_broken" / "model.safetensors", metadata={"format": "pt"})
 
     cases = [
-        Checkpoint("llama", "llama", str(root / "llama"), files["llama_tp_vocab"], "llama_tp_vocab", "llama_tp", files["llama_tp"]),
+        Checkpoint(
+            "llama",
+            "llama",
+            str(root / "llama"),
+            files["llama_tp_vocab"],
+            "llama_tp_vocab",
+            "llama_tp",
+            files["llama_tp"],
+        ),
         Checkpoint("llama_tied", "llama", str(root / "llama_tied"), files["llama_tp_vocab"], "llama_tp_vocab"),
         Checkpoint("qwen3", "qwen3", str(root / "qwen3"), files["qwen3_tp"], "qwen3_tp"),
         Checkpoint("qwen3_moe", "qwen3_moe", str(root / "qwen3_moe"), files["qwen3_moe_tp"], "qwen3_moe_tp"),
@@ -140,7 +150,7 @@ def _logits(model: torch.nn.Module) -> torch.Tensor:
 
 
 def _compare(model: torch.nn.Module, reference: torch.nn.Module, plan: dict, rank: int, size: int) -> list[str]:
-    """Names of ``model``'s parameters that are not bit-equal to the chunk of ``reference``'s the plan gives this rank."""
+    """``model``'s parameters that are not bit-equal to the chunk of ``reference``'s the plan gives this rank."""
     from tests.runtime.models import param_layouts
 
     layouts = param_layouts(reference, plan)
@@ -176,7 +186,11 @@ def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> 
         checkpoint_files.VIEW_MIN_BYTES = 2**30 if case.name == "llama" else 0
         model = from_pretrained(getattr(module, cls), case.folder, plan, mesh)
         try:
-            err, tol, failure = (_logits(model) - _logits(reference)).abs().max().item(), tolerance(_logits(reference)), ""
+            err, tol, failure = (
+                (_logits(model) - _logits(reference)).abs().max().item(),
+                tolerance(_logits(reference)),
+                "",
+            )
         except Exception as error:  # noqa: BLE001 - reported by the logits test; the other checks still run
             err, tol, failure = float("inf"), 0.0, f"{type(error).__name__}: {error}"
         bad = _compare(model, reference, plan, rank, world_size)
@@ -269,7 +283,7 @@ def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> 
     # ---- load_state_dict(full unsharded) after parallelize
     case = cases[0]
     reference = references["llama"]
-    model = getattr(import_file(case.generated), "LlamaForCausalLM")(reference.config).eval()
+    model = import_file(case.generated).LlamaForCausalLM(reference.config).eval()
     parallelize(model, load_plan_dict(case.plan), mesh)
     model.load_state_dict(reference.state_dict())
     out.dcp["llama: load_state_dict(full)"] = _compare(model, reference, load_plan_dict(case.plan), rank, world_size)
@@ -377,7 +391,13 @@ def test_bit_exact(results: list[RankResults], check: str) -> None:
 
 @pytest.mark.parametrize(
     "check",
-    ["llama: dcp to llama_tp", "llama: save_pretrained", "llama_tied: save_pretrained", "qwen3_moe: save_pretrained", "llama: load_state_dict(full)"],
+    [
+        "llama: dcp to llama_tp",
+        "llama: save_pretrained",
+        "llama_tied: save_pretrained",
+        "qwen3_moe: save_pretrained",
+        "llama: load_state_dict(full)",
+    ],
 )
 def test_logits_after(results: list[RankResults], check: str) -> None:
     for rank, result in enumerate(results):

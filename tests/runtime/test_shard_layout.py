@@ -67,7 +67,10 @@ def test_boxes_of_a_packed_shard() -> None:
     # gate_up [2I=10, H=3], SS(0,2) on 2 ranks: rank 1 holds rows 3-4 of gate and 8-9 of up
     assert dim_runs((10, 3), [(SS02, 1, 2)]) == [[(3, 5), (8, 10)], [(0, 3)]]
     found = boxes((10, 3), [(SS02, 1, 2)])
-    assert [(b.offsets, b.sizes, b.local_offsets) for b in found] == [((3, 0), (2, 3), (0, 0)), ((8, 0), (2, 3), (2, 0))]
+    assert [(b.offsets, b.sizes, b.local_offsets) for b in found] == [
+        ((3, 0), (2, 3), (0, 0)),
+        ((8, 0), (2, 3), (2, 0)),
+    ]
     # adjacent ranges merge: S(0) then S(0) on a second axis is one box
     assert boxes((8, 2), [(S0, 1, 2), (S0, 0, 2)])[0].offsets == (4, 0)
     full = torch.arange(30).view(10, 3)
