@@ -17,8 +17,10 @@ fresh processes (gloo, one thread a rank), one forward included:
 Memory is each process's peak resident set (``VmHWM``, which counts mapped file pages
 that were touched) above its resident set just before loading (``/proc/self/clear_refs``
 resets the peak there), over loading and one forward. Load time is the wall time of the
-loading call, the slower rank's. Each variant runs ``--rounds`` times in turn; the table
-gives the median. Logits of the forward are compared with the unsharded model's.
+loading call and its CPU time (user + system, all threads: copies and page faults),
+each the slower rank's; on a shared machine the CPU time is the steadier of the two.
+Each variant runs ``--rounds`` times in turn; the table gives medians. Logits of the
+forward are compared with the unsharded model's.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -72,6 +75,12 @@ def _status(field: str) -> int:
     raise KeyError(field)
 
 
+def _cpu_s() -> float:
+    """User + system CPU seconds of this process, all threads (page faults and copies are system time)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def worker(variant: str, checkpoint: str, generated: str, out: str) -> None:
     import importlib.util
 
@@ -102,6 +111,7 @@ def worker(variant: str, checkpoint: str, generated: str, out: str) -> None:
 
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS := RSS now
     before = _status("VmRSS")
+    cpu_started = _cpu_s()
     started = time.perf_counter()
     if variant == "transformers":
         model = transformers.LlamaForCausalLM.from_pretrained(checkpoint)
@@ -114,12 +124,14 @@ def worker(variant: str, checkpoint: str, generated: str, out: str) -> None:
         model = module.LlamaForCausalLM.from_pretrained(checkpoint)
         parallelize(model, PLAN, mesh)
     load_s = time.perf_counter() - started
+    load_cpu_s = _cpu_s() - cpu_started
     with torch.no_grad():
         logits = model.eval()(ids).logits
     peak = _status("VmHWM") - before
     if rank == 0:
         torch.save(logits, f"{out}.logits.pt")
-    Path(f"{out}.rank{rank}.json").write_text(json.dumps({"peak_bytes": peak, "load_s": load_s}))
+    result = {"peak_bytes": peak, "load_s": load_s, "load_cpu_s": load_cpu_s}
+    Path(f"{out}.rank{rank}.json").write_text(json.dumps(result))
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -171,6 +183,7 @@ def run_variant(variant: str, checkpoint: Path, generated: Path, folder: Path, t
     return {
         "peak_bytes": [r["peak_bytes"] for r in per_rank],
         "load_s": max(r["load_s"] for r in per_rank),
+        "load_cpu_s": max(r["load_cpu_s"] for r in per_rank),
         "logits": f"{out}.logits.pt",
     }
 
@@ -216,6 +229,7 @@ def main() -> None:
                 "peak_bytes_per_rank": peaks,
                 "load_s": statistics.median(item["load_s"] for item in items),
                 "load_s_all": [item["load_s"] for item in items],
+                "load_cpu_s": statistics.median(item["load_cpu_s"] for item in items),
                 "logits_err": logits_err,
             }
     print(report(results))
@@ -227,20 +241,23 @@ def report(results: dict) -> str:
     variants = results["variants"]
     base = max(variants["transformers"]["peak_bytes_per_rank"])
     tp_load = variants["transformers tp_plan"]["load_s"]
+    tp_cpu = variants["transformers tp_plan"]["load_cpu_s"]
     mib = 2**20
     lines = [
         f"Random Llama, {results['layers']} layers, {results['checkpoint_bytes'] / mib:,.0f} MiB of fp32 safetensors; "
         f"peak RSS growth per rank over loading + one forward; median of {results['rounds']} runs",
         "",
-        "| variant | ranks | peak RSS per rank (MiB) | × unsharded | load s | × tp_plan load | max logits diff |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| variant | ranks | peak RSS per rank (MiB) | × unsharded | load s (wall) | × tp_plan | "
+        "load CPU s | × tp_plan | max logits diff |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, item in variants.items():
         peak = max(item["peak_bytes_per_rank"])
         per_rank = " / ".join(f"{p / mib:,.0f}" for p in item["peak_bytes_per_rank"])
         lines.append(
             f"| {name} | {item['ranks']} | {per_rank} | {peak / base:.2f} | {item['load_s']:.2f} | "
-            f"{item['load_s'] / tp_load:.2f} | {item['logits_err']:.1e} |"
+            f"{item['load_s'] / tp_load:.2f} | {item['load_cpu_s']:.2f} | {item['load_cpu_s'] / tp_cpu:.2f} | "
+            f"{item['logits_err']:.1e} |"
         )
     return "\n".join(lines)
 

@@ -74,6 +74,7 @@ class CheckpointFiles:
     def __init__(self, folder: str | os.PathLike[str]) -> None:
         self.folder = Path(folder)
         self._where = self._weight_map()
+        self.views = True  # False: copy every slice (a parameter going to another device or dtype)
         self._open: dict[str, Any] = {}  # file -> handle that views are taken from
         self._copying: dict[str, Any] = {}  # file -> handle that copies are read from
 
@@ -119,7 +120,8 @@ class CheckpointFiles:
         """The elements ``index`` (one slice per dim; all of them for ``()``) of tensor ``key``."""
         mapped = self.slice(key)
         shape = mapped.get_shape()
-        if _contiguous(shape, index) and _nbytes(shape, index, mapped.get_dtype()) >= VIEW_MIN_BYTES:
+        large = _nbytes(shape, index, mapped.get_dtype()) >= VIEW_MIN_BYTES
+        if self.views and large and _contiguous(shape, index):
             return mapped[index] if index else mapped[...]
         source = self._handle(key, "copy").get_slice(key)
         view = source[index] if index else source[...]

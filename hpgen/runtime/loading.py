@@ -141,15 +141,13 @@ def _device(mesh: DeviceMesh, device: torch.device | str | None) -> torch.device
 
 def _build_on_meta(model_class: type[nn.Module], config: Any, dtype: torch.dtype) -> nn.Module:
     """``model_class(config)`` without memory: on the meta device, parameters in ``dtype``."""
-    contexts: list[Any] = [torch.device("meta")]
-    try:
-        from transformers import initialization
-        from transformers.modeling_utils import local_torch_dtype
+    contexts: list[Any] = [torch.device("meta"), _default_dtype(dtype)]
+    try:  # transformers' own: linspace & co. stay usable in __init__ under the meta device
+        from transformers.initialization import meta_device_safe_creation_ops
 
-        contexts.append(local_torch_dtype(dtype, model_class.__name__))
-        contexts.append(initialization.meta_device_safe_creation_ops())
-    except ImportError:  # an older transformers: the plain default-dtype switch
-        contexts.append(_default_dtype(dtype))
+        contexts.append(meta_device_safe_creation_ops())
+    except ImportError:
+        pass
     with contextlib.ExitStack() as stack:
         for context in contexts:
             stack.enter_context(context)
@@ -220,11 +218,14 @@ def _load(model: nn.Module, files: CheckpointFiles, device: torch.device) -> Non
                 f"{name}: the checkpoint holds shape {tuple(source.shape)} ({source.described}) but the model's "
                 f"parameter is {wanted}; is this the checkpoint of this model and config?"
             )
+        dtype = _target_dtype(name, tensor, dtype_plan)
+        # a view of the file only when it is the parameter as is; else it would stay mapped until the end
+        files.views = device.type == "cpu" and _SAFETENSORS_DTYPES.get(_file_dtype(source)) == dtype
         local = _read_local(source, wanted, record.shares if record is not None else ())
         files.drop_copies()
         if isinstance(source, Mapped):
             source.release()
-        value = local.to(device=device, dtype=_target_dtype(name, tensor, dtype_plan))
+        value = local.to(device=device, dtype=dtype)
         if kind == "param":
             _replace_param(tensor, value, owners)
         else:
@@ -241,6 +242,13 @@ def _load(model: nn.Module, files: CheckpointFiles, device: torch.device) -> Non
         )
     model._weight_conversions = sources.conversions_used  # what transformers records: save_pretrained reverts them
     _initialise_buffers(model, device)
+
+
+def _file_dtype(source: Source) -> str | None:
+    """The safetensors dtype of a plain file tensor (None for stacked/converted sources: those are copies)."""
+    from hpgen.runtime.conversions import FileSource
+
+    return source.files.slice(source.key).get_dtype() if isinstance(source, FileSource) else None
 
 
 def _read_local(source: Source, shape: tuple[int, ...], shares: Any) -> torch.Tensor:
