@@ -2,8 +2,9 @@
 
 Importable without libcst. ``parallelize``, ``from_pretrained`` (load a transformers
 checkpoint, each rank reading its slices), ``save_pretrained`` / ``full_state_dict``
-(the unsharded checkpoint of a parallelized model) and ``local_state_dict`` (plain local
-shards) are loaded on first use so that generated files, which import
+(the unsharded checkpoint of a parallelized model), ``local_state_dict`` (plain local
+shards) and ``optimizer_state_dict`` / ``load_optimizer_state_dict`` (optimizer state for
+DCP, sharded like the parameters) are loaded on first use so that generated files, which import
 ``hpgen.runtime.defaults``, do not pay for them.
 """
 
@@ -11,7 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["from_pretrained", "full_state_dict", "local_state_dict", "parallelize", "save_pretrained"]
+__all__ = [
+    "from_pretrained",
+    "full_state_dict",
+    "load_optimizer_state_dict",
+    "local_state_dict",
+    "optimizer_state_dict",
+    "parallelize",
+    "save_pretrained",
+]
 
 _LAZY = {
     "parallelize": "hpgen.runtime.install",
@@ -19,6 +28,8 @@ _LAZY = {
     "save_pretrained": "hpgen.runtime.saving",
     "full_state_dict": "hpgen.runtime.saving",
     "local_state_dict": "hpgen.runtime.state_dict",
+    "optimizer_state_dict": "hpgen.runtime.state_dict",
+    "load_optimizer_state_dict": "hpgen.runtime.state_dict",
 }
 
 

@@ -48,7 +48,9 @@ __all__ = [
     "ShardedParam",
     "gather_full",
     "install_state_dict_hooks",
+    "load_optimizer_state_dict",
     "local_state_dict",
+    "optimizer_state_dict",
     "sharded_params",
 ]
 
@@ -261,6 +263,57 @@ def sharded_params(model: nn.Module) -> dict[str, ShardedParam]:
         for attr, record in module.__dict__.get("_hp_sharded", {}).items():
             found[f"{prefix}.{attr}" if prefix else attr] = record
     return found
+
+
+# --------------------------------------------------------------------------- optimizer state
+
+
+def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer``'s state keyed by parameter FQN, each sharded parameter's state (``exp_avg``, ...) a DTensor.
+
+    torch's ``get_optimizer_state_dict``, with every state tensor of a sharded parameter's
+    local shape given that parameter's DTensor form, so that DCP saves all its shards
+    (plain tensors would read as replicated) and can load them at another layout.
+    """
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(model, optimizer)
+    records = sharded_params(model)
+    for fqn, per_param in state.get("state", {}).items():
+        record = records.get(fqn)
+        if record is None:
+            continue
+        # a new dict: the inner ones are the optimizer's own state
+        state["state"][fqn] = {
+            name: record.to_dtensor(value) if _is_local_state(value, record) else value
+            for name, value in per_param.items()
+        }
+    return state
+
+
+def _is_local_state(value: Any, record: ShardedParam) -> bool:
+    """A plain tensor of the parameter's local shape (``exp_avg``); not a scalar such as ``step``."""
+    return isinstance(value, Tensor) and not isinstance(value, DTensor) and tuple(value.shape) == record.local_shape
+
+
+def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    """Load an FQN-keyed optimizer state (this layout's DTensors, another's, or full tensors) into ``optimizer``."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    records = sharded_params(model)
+    local: dict[str, Any] = dict(state)
+    local["state"] = {}
+    for fqn, per_param in state.get("state", {}).items():
+        record = records.get(fqn)
+        converted = {}
+        for name, value in per_param.items():
+            if record is not None:
+                value = record.to_local(value)
+            elif isinstance(value, DTensor):
+                value = value.full_tensor()
+            converted[name] = value
+        local["state"][fqn] = converted
+    set_optimizer_state_dict(model, optimizer, local)
 
 
 # --------------------------------------------------------------------------- gathering

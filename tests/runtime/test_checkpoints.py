@@ -13,6 +13,9 @@ runs every case on both ranks and reports numbers that the tests check:
   (bit-exact), into the unsharded transformers model, and into another plan;
 - ``model.save_pretrained(dir)`` at tp=2, loaded by transformers' own class;
 - ``load_state_dict(full unsharded state dict)`` after ``parallelize``;
+- training: one AdamW step at tp=2, model and optimizer saved with DCP
+  (``optimizer_state_dict``), resumed at tp=2 and in transformers' unsharded model with its
+  own optimizer (tp=1); the next step matches the run that went on;
 - DTensor's ``_StridedShard`` against ``SS(d,k)`` on real ranks.
 """
 
@@ -302,7 +305,88 @@ def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> 
             out.errors[label] = str(error)
 
     out.strided = _strided_shard_checks(mesh, rank, world_size)
+    _train_save_resume(out, cases[0], references["llama"], models["llama"], root, mesh, rank, world_size)
     return out
+
+
+def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    """One AdamW step on a fixed loss (the logits against a seeded projection)."""
+    logits = model(_inputs()).logits
+    projection = torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed))
+    (logits * projection).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _train_save_resume(
+    out: RankResults, case: Checkpoint, reference: Any, model: Any, root: str, mesh: Any, rank: int, size: int
+) -> None:
+    """Train a step at tp=2, save model and optimizer with DCP, resume at tp=2 (fresh) and at tp=1, step again."""
+    import torch.distributed.checkpoint as dcp
+    import transformers
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    from hpgen.runtime import load_optimizer_state_dict, optimizer_state_dict, parallelize
+
+    plan = load_plan_dict(case.plan)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, optimizer, 1)
+    folder = f"{root}/dcp_train"
+    dcp.save({"model": model.state_dict(), "optim": optimizer_state_dict(model, optimizer)}, checkpoint_id=folder)
+
+    # resume at tp=2 in a fresh parallelized model
+    fresh = import_file(case.generated).LlamaForCausalLM(reference.config).train()
+    parallelize(fresh, plan, mesh)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    state = {"model": fresh.state_dict(), "optim": optimizer_state_dict(fresh, fresh_optimizer)}
+    dcp.load(state, checkpoint_id=folder)
+    fresh.load_state_dict(state["model"])
+    load_optimizer_state_dict(fresh, fresh_optimizer, state["optim"])
+
+    # resume at tp=1: transformers' own model and optimizer, no hpgen
+    plain = transformers.LlamaForCausalLM(reference.config).train()
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    state = {"model": plain.state_dict(), "optim": get_optimizer_state_dict(plain, plain_optimizer)}
+    dcp.load(state, checkpoint_id=folder)
+    plain.load_state_dict(state["model"])
+    set_optimizer_state_dict(plain, plain_optimizer, state["optim"])
+
+    layouts = _layouts(reference, plan)
+    ours = dict(model.named_parameters())
+    mismatched = []
+    for name, param in plain.named_parameters():
+        for label, value in [("exp_avg", plain_optimizer.state[param]["exp_avg"]), ("param", param.detach())]:
+            mine = (
+                fresh_optimizer.state[dict(fresh.named_parameters())[name]]["exp_avg"] if label == "exp_avg" else None
+            )
+            want = expected_shard(value, layouts.get(name, "R"), rank, size)
+            original = optimizer.state[ours[name]]["exp_avg"] if label == "exp_avg" else ours[name].detach()
+            if not torch.equal(original, want):
+                mismatched.append(f"tp=1 {label} {name}")
+            if mine is not None and not torch.equal(mine, original):
+                mismatched.append(f"tp=2 {label} {name}")
+    out.dcp["train: resumed state"] = mismatched
+
+    # one more step everywhere: the resumed runs continue the original one
+    for run, run_optimizer in [(model, optimizer), (fresh, fresh_optimizer), (plain, plain_optimizer)]:
+        _step(run, run_optimizer, 2)
+    worst = {"tp=2": 0.0, "tp=1": 0.0}
+    fresh_params = dict(fresh.named_parameters())
+    for name, param in plain.named_parameters():
+        want = ours[name].detach()
+        worst["tp=2"] = max(worst["tp=2"], (fresh_params[name].detach() - want).abs().max().item())
+        shard = expected_shard(param.detach(), layouts.get(name, "R"), rank, size)
+        worst["tp=1"] = max(worst["tp=1"], (shard - want).abs().max().item())
+    out.logits["train: tp=2 resumed, next step"] = (worst["tp=2"], 0.0)
+    out.logits["train: tp=1 resumed, next step"] = (worst["tp=1"], 1e-5)
+
+
+def _layouts(reference: Any, plan: dict) -> dict[str, str]:
+    from tests.runtime.models import param_layouts
+
+    axis = plan["mesh_dim_names"][0]
+    return {name: layout.get(axis, "R") for name, layout in param_layouts(reference, plan).items()}
 
 
 def _strided_shard_checks(mesh: Any, rank: int, size: int) -> list[str]:
@@ -382,6 +466,7 @@ def test_state_dict_gives_dtensors_with_global_shapes(results: list[RankResults]
         "llama_tied: save_pretrained",
         "qwen3_moe: save_pretrained",
         "llama: load_state_dict(full)",
+        "train: resumed state",
     ],
 )
 def test_bit_exact(results: list[RankResults], check: str) -> None:
