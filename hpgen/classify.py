@@ -199,13 +199,20 @@ class Contract:
         return counts
 
 
-def value_ops(plan: Plan, key: str) -> tuple[tuple[ValueOps, ...], tuple[ValueOps, ...]]:
-    """Ops for every declared input (mesh order) and output (reverse mesh order)."""
+def value_ops(
+    plan: Plan, key: str, *, known_inputs: tuple[str, ...] = ()
+) -> tuple[tuple[ValueOps, ...], tuple[ValueOps, ...]]:
+    """Ops for every declared input (mesh order) and output (reverse mesh order).
+
+    ``known_inputs`` are inputs the caller knows the module has even where the plan does
+    not declare them (``input`` of a wrapped ``nn.Linear``): an undeclared one is ``R`` on
+    every axis (SPEC §2), so it still gets its ``copy`` into a sharded body.
+    """
     entry = plan.entries[key]
     mesh = plan.mesh_dim_names
     sharded = {axis: body_is_sharded(entry, axis) for axis in mesh}
     inputs = []
-    for name in entry.input_names:
+    for name in sorted({*entry.input_names, *known_inputs}):
         src, dst = entry.input_layouts(name, mesh)
         ops = tuple(
             transition(axis, name, src.on(axis), dst.on(axis), side="in", sharded_body=sharded[axis]) for axis in mesh
@@ -222,16 +229,17 @@ def value_ops(plan: Plan, key: str) -> tuple[tuple[ValueOps, ...], tuple[ValueOp
     return tuple(inputs), tuple(outputs)
 
 
-def is_identity_contract(plan: Plan, key: str) -> bool:
+def is_identity_contract(plan: Plan, key: str, *, known_inputs: tuple[str, ...] = ()) -> bool:
     """True when no value moves on any axis and no injection applies (form identity).
 
     A ``copy`` is not identity: it moves nothing forward, but its backward all-reduces
     the partial gradient of a replicated input, so the class must be rewritten for it.
+    ``known_inputs`` as for :func:`value_ops`.
     """
     entry = plan.entries[key]
     if plan.injection_for(key) is not None or entry.region_dispatch:
         return False
-    inputs, outputs = value_ops(plan, key)
+    inputs, outputs = value_ops(plan, key, known_inputs=known_inputs)
     return all(op.is_identity for value in (*inputs, *outputs) for op in value.ops)
 
 

@@ -109,7 +109,7 @@ def run_targets(
         except HpgenError as exc:
             report.failed.append(name)
             click.echo(f"error: {exc}", err=True)
-        except OSError as exc:  # the output folder is missing, read-only, full...
+        except OSError as exc:  # a read-only folder, a full disk, a file where a folder should be...
             report.failed.append(name)
             click.echo(f"error: {name}: cannot write: {exc.strerror or exc}", err=True)
         except GeneratedCodeError as exc:

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpgen.classify import DEFAULT_BACKWARD, Contract, Op
+from hpgen.classify import DEFAULT_BACKWARD, Contract, Op, is_identity_contract, value_ops
+from hpgen.index import ForwardInfo
 from hpgen.lower import Analysis
+from hpgen.plan import Plan, body_is_sharded
+
+# Inputs the runtime's wrappers know (hpgen.runtime.targets.KNOWN_INPUTS, kept apart
+# because the generator never imports the runtime).
+_KNOWN_INPUTS = {"Linear": ("input",), "Embedding": ()}
 
 
 def _op_record(op: Op) -> dict[str, Any]:
@@ -31,7 +37,21 @@ def _why(op: Op) -> str:
     return f"{op.axis} {op.src} -> {op.dst} lowers to {op.kind}"
 
 
-def _contract_record(contract: Contract, class_name: str) -> dict[str, Any]:
+def _untouched(plan: Plan, contract: Contract, forward: ForwardInfo | None) -> list[str]:
+    """``forward`` parameters the plan does not declare, of a body sharded on some axis:
+    they reach the body as the caller passed them (no collective, no gradient reduction)."""
+    entry = plan.entries[contract.keys[0]]
+    if forward is None or not any(body_is_sharded(entry, axis) for axis in plan.mesh_dim_names):
+        return []
+    declared = set(entry.input_names)
+    return [
+        parameter.name
+        for parameter in forward.parameters[1:]  # self
+        if parameter.kind not in ("var_positional", "var_keyword") and parameter.name not in declared
+    ]
+
+
+def _contract_record(contract: Contract, class_name: str, untouched: list[str]) -> dict[str, Any]:
     ops = [op for value in (*contract.inputs, *contract.outputs) for op in value.active]
     return {
         "class": class_name,
@@ -42,6 +62,53 @@ def _contract_record(contract: Contract, class_name: str) -> dict[str, Any]:
         "region": contract.region_target,
         "ops": [_op_record(op) for op in ops],
         "collectives_per_call": contract.collectives_per_call(),
+        "untouched_inputs": untouched,
+    }
+
+
+def _wrapper_runs(plan: Plan, key: str, class_name: str) -> str:
+    """What ``parallelize``'s wrapper of an outside class runs around the torch forward, and why."""
+    entry = plan.entries[key]
+    kind = class_name.rsplit(".", 1)[-1]
+    weight = entry.params.get("weight")
+    placements = [weight.on(axis) for axis in plan.mesh_dim_names] if weight is not None else []
+    dims = {p.dim % 2 for p in placements if p.kind == "S"}
+    if kind == "Embedding":
+        if 0 in dims:
+            return (
+                "vocab-parallel lookup: ids outside this rank's rows are masked to row 0, looked up and their "
+                "rows zeroed, so the ranks' outputs add up to the full lookup (P(sum)); then the output ops"
+            )
+        return "the lookup of this rank's embedding columns (S(-1)); then the output ops"
+    if kind == "Linear":
+        if 0 in dims:
+            return (
+                "column-parallel matmul: the input is copied in (its gradient, partial per rank, is all-reduced), "
+                "each rank computes its output features (S(-1)); then the output ops"
+            )
+        if 1 in dims:
+            return "row-parallel matmul: each rank multiplies its input features, giving a partial sum (P(sum))"
+    return "the torch forward between the input and output ops"
+
+
+def _external_record(plan: Plan, key: str, class_name: str) -> dict[str, Any]:
+    """An outside class: wrapped by the runtime (nn.Linear, nn.Embedding) or left as it is (identity)."""
+    known = _KNOWN_INPUTS.get(class_name.rsplit(".", 1)[-1])
+    if known is None or is_identity_contract(plan, key, known_inputs=known):
+        entry = plan.entries[key]
+        reductions = ", ".join(entry.grad_reduce_params)
+        runs = "nothing moves: the class is used as it is" + (
+            f"; parallelize all-reduces the gradients of {reductions}" if reductions else ""
+        )
+        return {"fqn": key, "class": class_name, "handled_by": "identity", "runs": runs, "ops": []}
+    inputs, outputs = value_ops(plan, key, known_inputs=known)
+    ops = [op for value in (*inputs, *outputs) for op in value.active]
+    return {
+        "fqn": key,
+        "class": class_name,
+        "handled_by": "runtime wrapper",
+        "runs": _wrapper_runs(plan, key, class_name),
+        "ops": [_op_record(op) for op in ops],
     }
 
 
@@ -49,8 +116,9 @@ def explain(analysis: Analysis) -> dict[str, Any]:
     """A JSON-ready description of what lowering does and why."""
     classes = []
     for name, lowering in analysis.classes.items():
+        forward = lowering.info.forward
         for contract, subclass in zip(lowering.contracts, [name, *lowering.subclass_names]):
-            classes.append(_contract_record(contract, subclass))
+            classes.append(_contract_record(contract, subclass, _untouched(analysis.plan, contract, forward)))
         if lowering.identity_keys:
             classes.append(
                 {
@@ -62,15 +130,27 @@ def explain(analysis: Analysis) -> dict[str, Any]:
                     "region": None,
                     "ops": [],
                     "collectives_per_call": {},
+                    "untouched_inputs": [],
                 }
             )
-    wrapped = [{"fqn": key, "class": found.name, "handled_by": "runtime wrapper"} for key, found in analysis.external.items()]
+    wrapped = [_external_record(analysis.plan, key, found.name) for key, found in analysis.external.items()]
     return {
         "mesh_dim_names": list(analysis.plan.mesh_dim_names),
         "classes": classes,
         "wrapped": wrapped,
         "skipped": list(analysis.skipped),
     }
+
+
+def _op_lines(ops: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for op in ops:
+        args = ", ".join(f"{key}={value}" for key, value in op["args"].items())
+        backward = f", backward {op['backward']}" if "backward" in op else ""
+        call = f"{op['op']}({args})" if args else op["op"]
+        lines.append(f"  {op['value']}: {op['axis']} {op['src']} -> {op['dst']} ==> {call}{backward}")
+        lines.append(f"      why: {op['why']}")
+    return lines
 
 
 def explain_text(report: dict[str, Any]) -> str:
@@ -84,19 +164,21 @@ def explain_text(report: dict[str, Any]) -> str:
             lines.append(f"  local compute: {record['region']}")
         for reason in record["reasons"]:
             lines.append(f"  generic because {reason}")
-        for op in record["ops"]:
-            args = ", ".join(f"{key}={value}" for key, value in op["args"].items())
-            backward = f", backward {op['backward']}" if "backward" in op else ""
-            call = f"{op['op']}({args})" if args else op["op"]
-            lines.append(f"  {op['value']}: {op['axis']} {op['src']} -> {op['dst']} ==> {call}{backward}")
-            lines.append(f"      why: {op['why']}")
+        lines += _op_lines(record["ops"])
+        for name in record["untouched_inputs"]:
+            lines.append(f"  {name}: not declared in the plan: passed on untouched")
         counts = record["collectives_per_call"]
         total = sum(counts.values())
         detail = ", ".join(f"{count} {kind}" for kind, count in sorted(counts.items()))
         lines.append(f"  collectives per forward call: {total}" + (f" ({detail})" if detail else ""))
     for record in report["wrapped"]:
         lines.append("")
-        lines.append(f"{record['fqn']}: {record['class']}, not in the source: wrapped by hpgen.runtime.parallelize")
+        if record["handled_by"] == "identity":
+            lines.append(f"{record['fqn']}: {record['class']}, not in the source: identity")
+        else:
+            lines.append(f"{record['fqn']}: {record['class']}, not in the source: wrapped by hpgen.runtime.parallelize")
+        lines.append(f"  runs: {record['runs']}")
+        lines += _op_lines(record["ops"])
     for key in report["skipped"]:
         lines.append("")
         lines.append(f"{key}: skip_source_lowering")

@@ -188,6 +188,10 @@ class Plan:
                 return injection
         return None
 
+    def digest(self) -> str:
+        """sha256 of what the plan says, whatever its file's formatting, key order or name."""
+        return hashlib.sha256(_canonical_text(self).encode()).hexdigest()
+
     def boundary_class_for(self, key: str) -> str | None:
         """The class that ``boundary_classes`` names for an entry key, if any."""
         if key in self.boundary_classes:
@@ -196,6 +200,23 @@ class Plan:
             if fqn_matches(pattern, key):
                 return class_name
         return None
+
+
+def _canonical_text(plan: Plan) -> str:
+    def plain(value: object) -> object:
+        if isinstance(value, Placement):
+            return str(value)
+        if hasattr(value, "__dataclass_fields__"):
+            return {name: plain(getattr(value, name)) for name in sorted(value.__dataclass_fields__)}
+        if isinstance(value, Mapping):
+            return {str(key): plain(item) for key, item in sorted(value.items())}
+        if isinstance(value, (tuple, list)):
+            return [plain(item) for item in value]
+        return value
+
+    fields = {name: plain(getattr(plan, name)) for name in sorted(plan.__dataclass_fields__)}
+    del fields["name"], fields["sha256"]  # where it came from, not what it says
+    return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
 
 def _replicated(mesh: tuple[str, ...]) -> Layout:

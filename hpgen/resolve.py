@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hpgen.classify import is_identity_contract
 from hpgen.errors import HpgenError
 from hpgen.index import ClassInfo, ModuleIndex
 from hpgen.plan import Plan
@@ -87,11 +88,14 @@ class _Resolver:
         return self.external(key, name)
 
     def external(self, key: str, name: str) -> ResolvedClass:
-        if name.rsplit(".", 1)[-1] not in WRAPPED_EXTERNAL:
+        # A contract that moves nothing needs no rewrite, whatever the class (a sequence-
+        # parallel nn.LayerNorm with only params and grad_reduce_params).
+        if name.rsplit(".", 1)[-1] not in WRAPPED_EXTERNAL and not is_identity_contract(self.plan, key):
             raise self.fail(
                 key,
                 f"its class {name} is not defined in {self.source_name}; the runtime wraps only "
-                f"nn.Embedding and nn.Linear from outside the file",
+                f"nn.Embedding and nn.Linear from outside the file, and other outside classes take only "
+                f"contracts that move nothing",
             )
         return ResolvedClass(name, external=True)
 

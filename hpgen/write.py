@@ -63,12 +63,50 @@ def atomic_write(path: str | os.PathLike[str], data: bytes) -> bool:
     """Write ``data`` through a temporary file in the target folder and a rename.
 
     Returns False (and leaves the file and its mtime alone) when the bytes are already
-    there. A failure at any point leaves the previous file intact.
+    there. Missing parent folders are created; a failure at any point leaves the previous
+    file intact and removes the folders this call created.
     """
     target = Path(path)
     if read_existing(target) == data:
         return False
     folder = target.parent if str(target.parent) else Path(".")
+    created = _make_parents(folder)
+    try:
+        _write_through_temporary(target, folder, data)
+    except BaseException:
+        for made in created:  # deepest first; only folders this call made, and only if still empty
+            try:
+                made.rmdir()
+            except OSError:
+                break
+        raise
+    return True
+
+
+def _make_parents(folder: Path) -> list[Path]:
+    """Create ``folder`` and its missing ancestors; return the ones created, deepest first."""
+    missing = []
+    current = folder
+    while not current.exists():
+        missing.append(current)
+        if current.parent == current:
+            break
+        current = current.parent
+    created = []
+    for made in reversed(missing):
+        try:
+            made.mkdir()
+        except FileExistsError:  # made meanwhile by another writer: not ours to remove
+            continue
+        except BaseException:
+            for ours in reversed(created):
+                ours.rmdir()
+            raise
+        created.append(made)
+    return list(reversed(created))
+
+
+def _write_through_temporary(target: Path, folder: Path, data: bytes) -> None:
     fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".hpgen-tmp", dir=folder)
     try:
         try:
@@ -93,7 +131,6 @@ def atomic_write(path: str | os.PathLike[str], data: bytes) -> bool:
         except FileNotFoundError:
             pass
         raise
-    return True
 
 
 def unified_diff(before: str, after: str, before_name: str, after_name: str) -> str:

@@ -97,7 +97,28 @@ def test_explain_text_and_json():
     assert attention["form"] == "tp_collective"
     assert attention["collectives_per_call"] == {"all_reduce": 1}
     assert [op["op"] for op in attention["ops"]] == ["copy", "all_reduce"]
-    assert {record["fqn"] for record in report["wrapped"]} == {"lm_head", "model.embed_tokens"}
+    # forward parameters the plan does not declare reach the sharded body untouched
+    assert attention["untouched_inputs"] == ["position_embeddings", "attention_mask"]
+    assert "  attention_mask: not declared in the plan: passed on untouched" in run("explain", SOURCE, PLAN).stdout
+    wrapped = {record["fqn"]: record for record in report["wrapped"]}
+    assert set(wrapped) == {"lm_head", "model.embed_tokens"}
+    assert wrapped["model.embed_tokens"]["runs"].startswith("vocab-parallel lookup: ids outside this rank's rows")
+    assert wrapped["lm_head"]["runs"].startswith("column-parallel matmul")
+    assert [op["op"] for op in wrapped["lm_head"]["ops"]] == ["copy", "all_gather"]
+
+
+def test_explain_shows_the_copy_of_an_undeclared_wrapped_input(tmp_path):
+    """SPEC §2: a wrapped nn.Linear without in_src still copies its input in (gradient all-reduced)."""
+    plan = json.loads(PLAN.read_text())
+    for part in ("in_src", "in_dst"):
+        del plan["param_plan"]["lm_head"][part]
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    report = json.loads(run("explain", SOURCE, tmp_path / "plan.json", "--json").stdout)
+    lm_head = next(record for record in report["wrapped"] if record["fqn"] == "lm_head")
+    assert [(op["value"], op["op"], op["backward"]) for op in lm_head["ops"]] == [
+        ("input", "copy", "all_reduce"),
+        ("output", "all_gather", "split"),
+    ]
 
 
 def test_console_script_and_module_entry_points(tmp_path):

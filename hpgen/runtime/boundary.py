@@ -256,12 +256,19 @@ class GenericBoundary:
 
 
 def boundary_movers(
-    plan: Plan, key: str, mesh: DeviceMesh, axes: Mapping[str, AxisCollectives], where: str
+    plan: Plan,
+    key: str,
+    mesh: DeviceMesh,
+    axes: Mapping[str, AxisCollectives],
+    where: str,
+    *,
+    known_inputs: tuple[str, ...] = (),
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Movers for every declared input and output of the entry ``key``."""
+    """Movers for every declared input and output of the entry ``key`` (and ``known_inputs``,
+    see :func:`hpgen.classify.value_ops`)."""
     entry = plan.entries[key]
     sharded = {axis: body_is_sharded(entry, axis) for axis in plan.mesh_dim_names}
-    inputs, outputs = value_ops(plan, key)
+    inputs, outputs = value_ops(plan, key, known_inputs=known_inputs)
     mesh_names = plan.mesh_dim_names
     movers_in = {
         value.name: mover_for(

@@ -164,7 +164,10 @@ def survey_grad_reduce(matched: Iterable[Matched], plan: Plan) -> list[GradReduc
         if not axes:
             raise ParallelizeError(
                 f"{item.fqn} ({type(item.module).__name__}): grad_reduce_params, but param_plan[{item.key!r}] "
-                "shards its body on no axis, so no gradient is partial"
+                "shards its body on no axis, so no gradient is partial and hpgen cannot tell over which axes to "
+                "reduce. Declare the layout the input arrives in, e.g. for a norm on a sequence-sharded stream "
+                '"in_src": {"<input>": {"tp": "S(1)"}}, "in_dst": {"<input>": {"tp": "S(1)"}} '
+                "(<input> is its forward's parameter: 'input' for nn.LayerNorm)"
             )
         for name in entry.grad_reduce_params:
             param = item.module.get_parameter(name)

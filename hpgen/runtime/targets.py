@@ -36,12 +36,18 @@ from hpgen.plan import Target as PlanTarget
 from hpgen.runtime.boundary import StaticMove, boundary_movers, generic_boundary
 from hpgen.runtime.collectives import AxisCollectives
 from hpgen.runtime.errors import ParallelizeError
+from hpgen.runtime.kernels import instance_forward_problem, route_dispatch
 from hpgen.runtime.params import Matched
 from hpgen.runtime.sharding import local_range, normalize_dim
 from hpgen.runtime.wrappers import subclass_with
 
 __all__ = ["Target", "resolve"]
 
+# nn.Linear.forward takes one tensor, ``input``: undeclared, it is R (a copy into a sharded
+# body, whose backward all-reduces the partial gradient). An nn.Embedding's input is
+# integer ids, which carry no gradient, so it has nothing to add.
+KNOWN_INPUTS = {"linear": ("input",), "embedding": ()}
+GENERATED_FORMS = ("tp_collective", "generic", "region")
 _REGENERATE = "regenerate it with `hpgen lower SOURCE PLAN` (or `hpgen lower` for the targets in pyproject.toml)"
 
 
@@ -53,6 +59,7 @@ class Target:
     form: str  # identity | tp_collective | generic | region | embedding | linear
     cls: type[nn.Module] | None = None  # the class to give the instance; None keeps it
     bind: dict[str, Any] = field(default_factory=dict)  # instance attributes set after the swap
+    prepare: Callable[[], None] | None = None  # a region function's one-time set-up, run last
 
     def install(self, axes: Mapping[str, AxisCollectives], mesh_axes: tuple[str, ...]) -> None:
         module = self.item.module
@@ -60,6 +67,8 @@ class Target:
             return
         if self.cls is not None and type(module) is not self.cls:
             module.__class__ = self.cls
+        if self.form in GENERATED_FORMS:
+            route_dispatch(type(module))  # transformers' kernel choice runs inside the generated forward
         for axis in mesh_axes:
             setattr(module, f"_hp_{axis}", axes[axis])
             if hasattr(type(module), f"{axis}_enable"):
@@ -68,17 +77,29 @@ class Target:
             setattr(module, name, value)
         if self.form == "embedding":
             _fit_embedding(module)
+        if self.prepare is not None:
+            self.prepare()
 
 
 def resolve(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, AxisCollectives]) -> Target:
     """Decide what ``item.module`` becomes; raise :class:`ParallelizeError` if it cannot."""
+    target = _resolve(item, plan, mesh, axes)
+    problem = instance_forward_problem(item.module) if target.form != "identity" else None
+    if problem is not None:
+        raise ParallelizeError(f"{item.fqn} ({type(item.module).__name__}), a boundary of param_plan[{item.key!r}]: {problem}")
+    return target
+
+
+def _resolve(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, AxisCollectives]) -> Target:
     if not item.entry.is_boundary:
         return Target(item, "identity")
     cls = type(item.module)
     lowered = hasattr(cls, "_hp_boundary_form")
     if not lowered and isinstance(item.module, (nn.Embedding, nn.Linear)):
         role = "embedding" if isinstance(item.module, nn.Embedding) else "linear"
-        if is_identity_contract(plan, item.key) and not (role == "embedding" and _vocab_sharded(item, plan)):
+        if is_identity_contract(plan, item.key, known_inputs=KNOWN_INPUTS[role]) and not (
+            role == "embedding" and _vocab_sharded(item, plan)
+        ):
             return Target(item, "identity")
         return _wrapper(item, plan, mesh, axes, role)
     if is_identity_contract(plan, item.key):
@@ -140,6 +161,7 @@ def _generated(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, A
         injection = plan.injection_for(item.key)
         if injection is not None:
             target.bind["__hp_compute__"] = _region_compute(item, injection.local_compute_fn, injection.inner_wrapper)
+            target.prepare = _region_prepare(item, injection.local_compute_fn)
     elif form == "generic":
         target.bind["_hp_boundary"] = generic_boundary(plan, item.key, mesh, axes, item.fqn)
     return target
@@ -162,6 +184,15 @@ def _region_compute(item: Matched, compute: PlanTarget, wrapper: PlanTarget | No
     if wrapper is not None:
         function = _import(wrapper, item, "inner_wrapper")(function, **wrapper.kwargs_dict())
     return functools.partial(function, item.module, **compute.kwargs_dict())
+
+
+def _region_prepare(item: Matched, compute: PlanTarget) -> Callable[[], None] | None:
+    """The local compute function's ``prepare(module, **kwargs)``, if it has one: set-up that
+    needs the local shards (e.g. the experts' local ids), run once at install."""
+    prepare = getattr(_import(compute, item, "local_compute_fn"), "prepare", None)
+    if prepare is None:
+        return None
+    return functools.partial(prepare, item.module, **compute.kwargs_dict())
 
 
 # --------------------------------------------------------------------------- wrappers
@@ -207,7 +238,8 @@ def _wrapper(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, Axi
                     f"{'column' if dim == 0 else 'row'}-parallel layout: it needs in_dst {expected_in} and out_src "
                     f"{expected_out} on that axis; the plan says in_dst {in_dst}, out_src {out_src}"
                 )
-    movers_in, movers_out = boundary_movers(plan, item.key, mesh, axes, item.fqn)
+    known = KNOWN_INPUTS[role]
+    movers_in, movers_out = boundary_movers(plan, item.key, mesh, axes, item.fqn, known_inputs=known)
     target = Target(item, role, cls=subclass_with(type(item.module), role))
     target.bind["_hp_in"] = _unless_empty(movers_in.get("input"))
     target.bind["_hp_out"] = _unless_empty(movers_out.get(output)) if output else None

@@ -70,6 +70,9 @@ FAMILIES = {
     "llama": Family("transformers.models.llama.modeling_llama", "LlamaConfig", "LlamaForCausalLM"),
     "qwen2": Family("transformers.models.qwen2.modeling_qwen2", "Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": Family("transformers.models.qwen3.modeling_qwen3", "Qwen3Config", "Qwen3ForCausalLM"),
+    "starcoder2": Family(
+        "transformers.models.starcoder2.modeling_starcoder2", "Starcoder2Config", "Starcoder2ForCausalLM"
+    ),
     "qwen3_moe": Family(
         "transformers.models.qwen3_moe.modeling_qwen3_moe",
         "Qwen3MoeConfig",
@@ -130,17 +133,13 @@ def import_file(path: str | Path) -> ModuleType:
 
 
 def make_config(family: str, **overrides: Any) -> Any:
-    """The tiny config of ``family`` (eager attention and experts: deterministic, and the
-    experts' generated ``forward`` only runs under ``experts_implementation="eager"``)."""
+    """The tiny config of ``family``, with transformers' default attention and experts
+    implementations (sdpa, grouped_mm): what users get."""
     import transformers
 
     spec = FAMILIES[family]
     kwargs = {**TINY, **spec.extra, **overrides}
-    config = getattr(transformers, spec.config)(**kwargs)
-    config._attn_implementation = "eager"
-    if family == "qwen3_moe":
-        config._experts_implementation = "eager"
-    return config
+    return getattr(transformers, spec.config)(**kwargs)
 
 
 def reference_model(family: str, config: Any, seed: int) -> nn.Module:

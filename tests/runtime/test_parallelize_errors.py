@@ -103,6 +103,13 @@ def _scenarios() -> dict[str, tuple[str, str, dict[str, Any], dict[str, Any], li
             {},
             ["'model.decoder.*.mlp'", "match no module"],
         ),
+        "grad_reduce_without_layout": (
+            "llama",
+            "llama_tp",
+            _with(tp, "model.layers.*.input_layernorm", params={"weight": {"tp": "R"}}, grad_reduce_params=["weight"]),
+            {},
+            ["model.layers.0.input_layernorm", "shards its body on no axis", "Declare the layout", '"in_dst"'],
+        ),
         "divide_attr": (
             "llama",
             "llama_tp",
