@@ -221,8 +221,15 @@ def _load(model: nn.Module, files: CheckpointFiles, device: torch.device) -> Non
         dtype = _target_dtype(name, tensor, dtype_plan)
         # a view of the file only when it is the parameter as is; else it would stay mapped until the end
         files.views = device.type == "cpu" and _SAFETENSORS_DTYPES.get(_file_dtype(source)) == dtype
-        local = _read_local(source, wanted, record.shares if record is not None else ())
+        try:
+            local = _read_local(source, wanted, record.shares if record is not None else ())
+        except ValueError as error:
+            raise ParallelizeError(f"{name}: {error}") from None
         files.drop_copies()
+        if tuple(local.shape) != tuple(tensor.shape):  # the layout and the parameter must agree
+            raise ParallelizeError(
+                f"{name}: read a shard of shape {tuple(local.shape)} for a parameter of {tuple(tensor.shape)}"
+            )
         if isinstance(source, Mapped):
             source.release()
         value = local.to(device=device, dtype=dtype)

@@ -69,8 +69,10 @@ def dim_runs(shape: Sequence[int], shares: Sequence[AxisShare]) -> list[list[Run
     """
     runs: list[list[Run]] = [[(0, n)] for n in shape]
     for placement, rank, size in shares:
-        if placement.kind not in ("S", "SS"):
+        if placement.kind == "R":
             continue
+        if placement.kind not in ("S", "SS"):
+            raise ValueError(f"no shard layout for placement {placement} (only R, S(d), SS(d,k))")
         dim = normalize_dim(placement.dim, len(shape))
         total = sum(stop - start for start, stop in runs[dim])
         if placement.kind == "S":

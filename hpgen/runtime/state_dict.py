@@ -334,7 +334,9 @@ def gather_full(local: Tensor, param: ShardedParam) -> Tensor:
         current = list(local_shape(current, [(placement, rank, size)]))
     tensor = local.contiguous()
     for (placement, _, size), group, before in reversed(list(zip(param.shares, param.groups, levels))):
-        if placement.kind not in ("S", "SS") or size == 1:
+        if placement.kind not in ("R", "S", "SS"):
+            raise ParallelizeError(f"{param.name}: cannot gather a {placement} shard (only R, S(d), SS(d,k))")
+        if placement.kind == "R" or size == 1:
             continue
         dim = normalize_dim(placement.dim, ndim)
         n = before[dim]
