@@ -6,6 +6,8 @@ of ``k`` packed blocks. :func:`dim_runs` says, per tensor dim, which global inde
 this rank holds and in what order (one range for ``S``, one per block for ``SS``); a
 checkpoint reader reads those boxes and a DCP writer names them.
 
+``RS(d,r)`` is ``S(d)`` over ``size / r`` chunks, each held by ``r`` consecutive ranks.
+
 DTensor's ``Shard(d)`` follows ``torch.chunk`` instead (every rank but the last holds
 ``ceil(n / k)``, trailing ranks may hold nothing), and ``_StridedShard(d, split_factor=k)``
 chunks each of ``k`` blocks the same way. The two agree when ``k`` divides the size and,
@@ -29,8 +31,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement as DPlacement
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from hpgen.placement import Placement
-from hpgen.runtime.sharding import AxisShare, normalize_dim, split_sizes
+from hpgen.placement import REPLICATE, Placement
+from hpgen.runtime.sharding import AxisShare, chunks_and_index, normalize_dim, split_sizes
 
 __all__ = ["Box", "DTensorForm", "boxes", "dim_runs", "dtensor_form", "hpgen_indices", "dtensor_indices"]
 
@@ -71,12 +73,13 @@ def dim_runs(shape: Sequence[int], shares: Sequence[AxisShare]) -> list[list[Run
     for placement, rank, size in shares:
         if placement.kind == "R":
             continue
-        if placement.kind not in ("S", "SS"):
-            raise ValueError(f"no shard layout for placement {placement} (only R, S(d), SS(d,k))")
+        if placement.kind not in ("S", "SS", "RS"):
+            raise ValueError(f"no shard layout for placement {placement} (only R, S(d), SS(d,k), RS(d,r))")
         dim = normalize_dim(placement.dim, len(shape))
         total = sum(stop - start for start, stop in runs[dim])
-        if placement.kind == "S":
-            runs[dim] = _take(runs[dim], *_bounds(total, size, rank))
+        if placement.kind in ("S", "RS"):
+            chunks, index = chunks_and_index(placement, rank, size)
+            runs[dim] = _take(runs[dim], *_bounds(total, chunks, index))
         else:
             block = total // placement.blocks
             lo, hi = _bounds(block, size, rank)
@@ -140,8 +143,8 @@ def hpgen_indices(
     """
     index = list(range(n))
     for placement, size, rank in zip(placements, sizes, coordinate):
-        if placement.kind == "S":
-            lo, hi = _bounds(len(index), size, rank)
+        if placement.kind in ("S", "RS"):
+            lo, hi = _bounds(len(index), *chunks_and_index(placement, rank, size))
             index = index[lo:hi]
         elif placement.kind == "SS":
             block = len(index) // placement.blocks
@@ -174,19 +177,34 @@ def dtensor_indices(
 
 @dataclass(frozen=True)
 class DTensorForm:
-    """The DTensor placements (one per plan axis) of a parameter, or why there are none."""
+    """The DTensor placements of a parameter, one per mesh dim, or why there are none.
+
+    ``split[i]`` is ``r`` when plan axis ``i`` holds ``RS(d,r)``: DTensor sees that axis as
+    two mesh dims, ``size / r`` chunks (``Shard(d)``) times ``r`` replicas (``Replicate()``),
+    and the state dict builds that mesh (``DeviceMesh._unflatten``).
+    """
 
     placements: tuple[DPlacement, ...] | None
     problem: str | None = None
     packed: bool = False  # the shard is several blocks of the full tensor (SS)
+    split: tuple[int | None, ...] = ()
 
 
 def _to_dtensor_placement(placement: Placement, ndim: int) -> DPlacement:
-    if placement.kind == "S":
+    if placement.kind in ("S", "RS"):
         return Shard(normalize_dim(placement.dim, ndim))
     if placement.kind == "SS":
         return _StridedShard(normalize_dim(placement.dim, ndim), split_factor=placement.blocks)
     return Replicate()
+
+
+def _as_chunks(placement: Placement, size: int) -> tuple[Placement, int, int | None]:
+    """``RS(d,r)`` on ``size`` ranks as what DTensor sees: ``S(d)`` on ``size / r`` chunks (r replicas each)."""
+    if placement.kind != "RS" or placement.replicas == 1:
+        return placement, size, None
+    if placement.replicas >= size:
+        return REPLICATE, size, None  # one chunk, on every rank
+    return Placement("S", dim=placement.dim), size // placement.replicas, placement.replicas
 
 
 @functools.lru_cache(maxsize=4096)
@@ -194,16 +212,26 @@ def dtensor_form(shape: tuple[int, ...], layout: tuple[Placement, ...], sizes: t
     """DTensor placements that hold, on every mesh coordinate, the same elements as hpgen's.
 
     ``layout[i]`` is the placement on plan axis ``i`` (of ``sizes[i]`` ranks). ``S(d)`` maps
-    to ``Shard(d)``, ``SS(d,k)`` to ``_StridedShard(d, split_factor=k)`` and ``R`` to
-    ``Replicate()``, checked dim by dim against DTensor's chunk semantics for all coordinates.
+    to ``Shard(d)``, ``SS(d,k)`` to ``_StridedShard(d, split_factor=k)``, ``RS(d,r)`` to
+    ``Shard(d)`` and ``Replicate()`` on the axis unflattened into chunks and replicas, and
+    ``R`` to ``Replicate()``; checked dim by dim against DTensor's chunk semantics for all
+    coordinates.
     """
     ndim = len(shape)
     for placement in layout:
-        if placement.kind not in ("R", "S", "SS"):
-            return DTensorForm(None, f"{placement} has no DTensor form here yet")
-    placements = tuple(_to_dtensor_placement(p, ndim) for p in layout)
+        if placement.kind not in ("R", "S", "SS", "RS"):
+            return DTensorForm(None, f"{placement} has no DTensor form")
+    seen = [_as_chunks(p, n) for p, n in zip(layout, sizes)]
+    layout = tuple(p for p, _, _ in seen)
+    sizes = tuple(n for _, n, _ in seen)
+    split = tuple(r for _, _, r in seen)
+    placements: list[DPlacement] = []
+    for placement, replicas in zip(layout, split):
+        placements.append(_to_dtensor_placement(placement, ndim))
+        if replicas is not None:
+            placements.append(Replicate())
     for dim in range(ndim):
-        on_dim = [p if p.kind in ("S", "SS") and normalize_dim(p.dim, ndim) == dim else Placement("R") for p in layout]
+        on_dim = [p if p.kind in ("S", "SS") and normalize_dim(p.dim, ndim) == dim else REPLICATE for p in layout]
         sharding = [i for i, p in enumerate(on_dim) if p.kind != "R"]
         if not sharding:
             continue
@@ -216,15 +244,15 @@ def dtensor_form(shape: tuple[int, ...], layout: tuple[Placement, ...], sizes: t
             ours = hpgen_indices(shape[dim], on_dim, sizes, full)
             theirs = dtensor_indices(shape[dim], on_dim, sizes, full)
             if ours != theirs:
-                axes_text = ", ".join(f"{layout[i]} over {sizes[i]} ranks" for i in sharding)
+                axes_text = ", ".join(f"{layout[i]} over {sizes[i]}" for i in sharding)
                 return DTensorForm(
                     None,
                     f"dim {dim} of size {shape[dim]} ({axes_text}) splits like torch.tensor_split in hpgen "
-                    f"(rank coordinate {tuple(coordinate)} holds {_describe(ours)}) but like torch.chunk in "
+                    f"(coordinate {tuple(coordinate)} holds {_describe(ours)}) but like torch.chunk in "
                     f"DTensor ({_describe(theirs)})",
                 )
     packed = any(p.kind == "SS" for p in layout)
-    return DTensorForm(placements, None, packed)
+    return DTensorForm(tuple(placements), None, packed, split)
 
 
 def _describe(indices: list[int]) -> str:

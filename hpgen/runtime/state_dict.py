@@ -35,13 +35,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
+from hpgen.placement import REPLICATE, Placement
 from hpgen.runtime.collectives import AxisCollectives
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.params import ParamShard
 from hpgen.runtime.shard_layout import DTensorForm, boxes, dtensor_form
-from hpgen.runtime.sharding import AxisShare, local_chunk, local_shape, normalize_dim, split_sizes
+from hpgen.runtime.sharding import AxisShare, chunks_and_index, local_chunk, local_shape, normalize_dim, split_sizes
 
 __all__ = [
     "PackedShard",
@@ -75,7 +77,7 @@ class ShardedParam:
     global_shape: tuple[int, ...]
     shares: tuple[AxisShare, ...]  # (placement, rank, size) per plan axis, mesh order
     axes: tuple[str, ...]
-    mesh: DeviceMesh  # the plan's axes of the mesh
+    mesh: DeviceMesh | None  # the DTensor form's mesh: the plan's axes, RS axes unflattened (None: no form)
     groups: tuple[Any, ...]  # each axis's process group
     form: DTensorForm
 
@@ -174,13 +176,8 @@ class PackedShard(DTensor):
         raise ValueError(f"PackedShard: no block at offset {index.offset}")
 
 
-def _hp_placement(placement: Any) -> Any:
+def _hp_placement(placement: Any) -> Placement:
     """The hpgen placement a DTensor placement of :func:`dtensor_form` came from."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    from hpgen.placement import REPLICATE, Placement
-
     if isinstance(placement, _StridedShard):
         return Placement("SS", dim=placement.dim, blocks=int(placement.split_factor))
     if isinstance(placement, Shard):
@@ -235,15 +232,17 @@ def install_state_dict_hooks(
     ``names`` the plan's axes in mesh order.
     """
     names = tuple(names)
-    plan_mesh = mesh[names] if tuple(mesh.mesh_dim_names or ()) != names else mesh
     groups = tuple(axes[axis].group for axis in names)
-    sizes = tuple(axes[axis].size for axis in names)
+    on_mesh = tuple(axis for axis in names if axis in (mesh.mesh_dim_names or ()))  # toggle axes off: size 1
+    meshes = _Meshes(mesh, on_mesh)
     for shard in shards:
-        if not shard.sharded:
-            continue
         shape = tuple(shard.param.shape)
-        form = dtensor_form(shape, tuple(p for p, _, _ in shard.shares), sizes)
-        record = ShardedParam(shard.names[0], shape, tuple(shard.shares), names, plan_mesh, groups, form)
+        if local_shape(shape, shard.shares) == shape:
+            continue  # whole on every rank (R, or split over axes of one rank)
+        layout = tuple(p for (p, _, _), axis in zip(shard.shares, names) if axis in on_mesh)
+        form = dtensor_form(shape, layout, tuple(axes[axis].size for axis in on_mesh))
+        dtensor_mesh = meshes.get(form.split) if form.placements is not None else None
+        record = ShardedParam(shard.names[0], shape, tuple(shard.shares), names, dtensor_mesh, groups, form)
         for owner, attr in shard.owners:
             registry = owner.__dict__.get("_hp_sharded")
             if registry is None:
@@ -254,6 +253,33 @@ def install_state_dict_hooks(
         if (module._parameters or module._buffers) and not module.__dict__.get("_hp_load_hook"):
             module.register_load_state_dict_pre_hook(_load_pre_hook)
             module._hp_load_hook = True
+
+
+class _Meshes:
+    """The DeviceMesh of each DTensor form: the plan's axes, ``RS`` axes unflattened into chunks x replicas.
+
+    Unflattening makes process groups (a collective), so each mesh is made once, in the
+    same order on every rank (the plan is the same everywhere).
+    """
+
+    def __init__(self, mesh: DeviceMesh, axes: tuple[str, ...]) -> None:
+        names = tuple(mesh.mesh_dim_names or ())
+        self.base = mesh if names == axes else mesh[axes if len(axes) > 1 else axes[0]]
+        self.axes = axes
+        self.made: dict[tuple[int | None, ...], DeviceMesh] = {}
+
+    def get(self, split: tuple[int | None, ...]) -> DeviceMesh:
+        if not any(split):
+            return self.base
+        if split not in self.made:
+            mesh = self.base
+            for axis, replicas in zip(self.axes, split):
+                if replicas is not None:
+                    size = mesh.size(mesh.mesh_dim_names.index(axis))
+                    parts = (f"{axis}_chunks_of_{replicas}", f"{axis}_replicas_of_{replicas}")
+                    mesh = mesh._unflatten(axis, (size // replicas, replicas), parts)
+            self.made[split] = mesh
+        return self.made[split]
 
 
 def sharded_params(model: nn.Module) -> dict[str, ShardedParam]:
@@ -334,19 +360,18 @@ def gather_full(local: Tensor, param: ShardedParam) -> Tensor:
         current = list(local_shape(current, [(placement, rank, size)]))
     tensor = local.contiguous()
     for (placement, _, size), group, before in reversed(list(zip(param.shares, param.groups, levels))):
-        if placement.kind not in ("R", "S", "SS"):
-            raise ParallelizeError(f"{param.name}: cannot gather a {placement} shard (only R, S(d), SS(d,k))")
+        if placement.kind not in ("R", "S", "SS", "RS"):
+            raise ParallelizeError(f"{param.name}: cannot gather a {placement} shard (only R, S(d), SS(d,k), RS(d,r))")
         if placement.kind == "R" or size == 1:
             continue
         dim = normalize_dim(placement.dim, ndim)
         n = before[dim]
-        if placement.kind == "S":
-            sizes = split_sizes(n, size)
-        else:
-            sizes = tuple(placement.blocks * s for s in split_sizes(n // placement.blocks, size))
+        sizes = _piece_sizes(placement, n, size)
         pieces = _all_gather_uneven(tensor, dim, sizes, group)
         if placement.kind == "S":
             tensor = torch.cat(pieces, dim)
+        elif placement.kind == "RS":
+            tensor = torch.cat(pieces[:: placement.replicas], dim)  # one rank of each replica group
         else:
             per_block = [
                 piece.chunk(placement.blocks, dim) if piece.size(dim) else [piece] * placement.blocks
@@ -354,6 +379,17 @@ def gather_full(local: Tensor, param: ShardedParam) -> Tensor:
             ]
             tensor = torch.cat([per_block[r][j] for j in range(placement.blocks) for r in range(size)], dim)
     return tensor
+
+
+def _piece_sizes(placement: Placement, n: int, size: int) -> tuple[int, ...]:
+    """The length of each rank's piece of a dim of ``n`` under ``placement`` on ``size`` ranks."""
+    if placement.kind == "SS":
+        return tuple(placement.blocks * s for s in split_sizes(n // placement.blocks, size))
+    pieces = []
+    for rank in range(size):
+        chunks, index = chunks_and_index(placement, rank, size)
+        pieces.append(split_sizes(n, chunks)[index])
+    return tuple(pieces)
 
 
 def _all_gather_uneven(tensor: Tensor, dim: int, sizes: Sequence[int], group: Any) -> list[Tensor]:
