@@ -13,8 +13,9 @@ DTensor's ``Shard(d)`` follows ``torch.chunk`` instead (every rank but the last 
 chunks each of ``k`` blocks the same way. The two agree when ``k`` divides the size and,
 for any size, on 2 ranks; they differ for e.g. 5 rows on 4 ranks (2,1,1,1 against
 2,2,1,0). :func:`dtensor_form` gives the DTensor placements only when they describe
-exactly the shard hpgen holds on every rank, and otherwise says why not, so a state
-dict is never silently wrong.
+exactly the shard hpgen holds on every rank (then the shard is the DTensor's local
+tensor), and otherwise says why not, so that the state dict lays out a copy DTensor's
+way instead of describing rows the rank does not hold.
 
 Pure functions of shapes, placements and mesh sizes: every rank reaches the same verdict.
 """
@@ -177,17 +178,22 @@ def dtensor_indices(
 
 @dataclass(frozen=True)
 class DTensorForm:
-    """The DTensor placements of a parameter, one per mesh dim, or why there are none.
+    """The DTensor placements of a parameter, one per mesh dim, and whether they are exact.
 
+    ``exact``: the placements hold, on every rank, exactly the elements hpgen's shard holds,
+    so the shard itself is the DTensor's local tensor. Otherwise ``problem`` says why, and
+    ``chunked`` are placements (``SS`` as ``Shard``) for a copy laid out DTensor's way.
     ``split[i]`` is ``r`` when plan axis ``i`` holds ``RS(d,r)``: DTensor sees that axis as
     two mesh dims, ``size / r`` chunks (``Shard(d)``) times ``r`` replicas (``Replicate()``),
     and the state dict builds that mesh (``DeviceMesh._unflatten``).
     """
 
     placements: tuple[DPlacement, ...] | None
+    exact: bool = True
     problem: str | None = None
     packed: bool = False  # the shard is several blocks of the full tensor (SS)
     split: tuple[int | None, ...] = ()
+    chunked: tuple[DPlacement, ...] | None = None
 
 
 def _to_dtensor_placement(placement: Placement, ndim: int) -> DPlacement:
@@ -220,7 +226,7 @@ def dtensor_form(shape: tuple[int, ...], layout: tuple[Placement, ...], sizes: t
     ndim = len(shape)
     for placement in layout:
         if placement.kind not in ("R", "S", "SS", "RS"):
-            return DTensorForm(None, f"{placement} has no DTensor form")
+            return DTensorForm(None, False, f"{placement} has no DTensor form")
     seen = [_as_chunks(p, n) for p, n in zip(layout, sizes)]
     layout = tuple(p for p, _, _ in seen)
     sizes = tuple(n for _, n, _ in seen)
@@ -230,13 +236,19 @@ def dtensor_form(shape: tuple[int, ...], layout: tuple[Placement, ...], sizes: t
         placements.append(_to_dtensor_placement(placement, ndim))
         if replicas is not None:
             placements.append(Replicate())
+    chunked = tuple(Shard(p.dim) if isinstance(p, _StridedShard) else p for p in placements)
+    packed = any(p.kind == "SS" for p in layout)
+
+    def inexact(problem: str) -> DTensorForm:
+        return DTensorForm(tuple(placements), False, problem, packed, split, chunked)
+
     for dim in range(ndim):
         on_dim = [p if p.kind in ("S", "SS") and normalize_dim(p.dim, ndim) == dim else REPLICATE for p in layout]
         sharding = [i for i, p in enumerate(on_dim) if p.kind != "R"]
         if not sharding:
             continue
         if len(sharding) > 1 and any(on_dim[i].kind == "SS" for i in sharding):
-            return DTensorForm(None, f"dim {dim} is sharded by SS and another axis; DTensor has no equal form")
+            return inexact(f"dim {dim} is sharded by SS and another axis, which DTensor orders differently")
         for coordinate in itertools.product(*(range(sizes[i]) for i in sharding)):
             full = [0] * len(layout)
             for i, c in zip(sharding, coordinate):
@@ -245,14 +257,12 @@ def dtensor_form(shape: tuple[int, ...], layout: tuple[Placement, ...], sizes: t
             theirs = dtensor_indices(shape[dim], on_dim, sizes, full)
             if ours != theirs:
                 axes_text = ", ".join(f"{layout[i]} over {sizes[i]}" for i in sharding)
-                return DTensorForm(
-                    None,
+                return inexact(
                     f"dim {dim} of size {shape[dim]} ({axes_text}) splits like torch.tensor_split in hpgen "
                     f"(coordinate {tuple(coordinate)} holds {_describe(ours)}) but like torch.chunk in "
-                    f"DTensor ({_describe(theirs)})",
+                    f"DTensor ({_describe(theirs)})"
                 )
-    packed = any(p.kind == "SS" for p in layout)
-    return DTensorForm(tuple(placements), None, packed, split)
+    return DTensorForm(tuple(placements), True, None, packed, split, chunked)
 
 
 def _describe(indices: list[int]) -> str:

@@ -14,9 +14,10 @@ registers, on each module owning a sharded parameter:
   tensor; any other: its full tensor) or full unsharded tensor into this rank's chunk,
   which ``load_state_dict`` then copies into the parameter.
 
-Layouts DTensor cannot describe exactly (uneven ``S(d)`` splits where ``tensor_split``
-and ``chunk`` differ) make ``state_dict()`` raise :class:`ParallelizeError` naming the
-parameter; loading full tensors and :func:`gather_full` work for every layout.
+Where DTensor's placements cannot describe hpgen's shard exactly (an uneven ``S(d)``
+split on more than 2 ranks, where ``tensor_split`` and ``chunk`` differ), the entry is a
+copy laid out DTensor's way, made with a gather over the plan's axes: ``state_dict()``
+is then collective for that parameter (every rank calls it, as DCP does).
 
 :func:`gather_full` rebuilds the full tensor of a parameter from its shards (collective on
 the plan's axes); ``save_pretrained`` uses it. ``with local_state_dict():`` turns the
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hpgen.placement import REPLICATE, Placement
@@ -55,6 +57,8 @@ __all__ = [
     "optimizer_state_dict",
     "sharded_params",
 ]
+
+logger = logging.getLogger("hpgen.runtime")
 
 _LOCAL = contextvars.ContextVar("hpgen_local_state_dict", default=False)
 
@@ -89,18 +93,23 @@ class ShardedParam:
         return self  # immutable, holds process groups: shared by copies of a model
 
     def to_dtensor(self, local: Tensor) -> DTensor:
-        """``local`` (this rank's chunk) as a DTensor over the plan's axes, without copying."""
-        if self.form.placements is None:
-            raise ParallelizeError(
-                f"state_dict(): {self.name} ({_layout_text(self)}) has no DTensor form: {self.form.problem}. "
-                "torch.distributed.checkpoint needs one; use sizes the axis divides. save_pretrained, "
-                "from_pretrained and load_state_dict(full tensors) work for this layout"
-            )
+        """``local`` (this rank's chunk) as a DTensor over the plan's axes.
+
+        A view when the DTensor form is exact; otherwise (``tensor_split`` and ``chunk``
+        differ) a copy laid out DTensor's way, which takes a gather over the plan's axes:
+        then every rank must call ``state_dict()`` together, as DCP does.
+        """
+        form = self.form
+        if form.placements is None:
+            raise ParallelizeError(f"state_dict(): {self.name} ({_layout_text(self)}): {form.problem}")
+        shape = torch.Size(self.global_shape)
         stride = torch.empty(self.global_shape, device="meta").stride()
-        dtensor = DTensor.from_local(
-            local, self.mesh, self.form.placements, run_check=False, shape=torch.Size(self.global_shape), stride=stride
-        )
-        if self.form.packed:
+        if not form.exact:
+            full = gather_full(local.detach(), self)
+            local = distribute_tensor(full, self.mesh, form.chunked, src_data_rank=None).to_local()
+            return DTensor.from_local(local, self.mesh, form.chunked, run_check=False, shape=shape, stride=stride)
+        dtensor = DTensor.from_local(local, self.mesh, form.placements, run_check=False, shape=shape, stride=stride)
+        if form.packed:
             dtensor.__class__ = PackedShard
         return dtensor
 
@@ -108,7 +117,7 @@ class ShardedParam:
         """What ``load_state_dict`` should copy into the local parameter for ``value``."""
         if isinstance(value, DTensor):
             if (
-                self.form.placements is not None
+                self.form.exact
                 and tuple(value.shape) == self.global_shape
                 and value.device_mesh == self.mesh
                 and tuple(value.placements) == self.form.placements
@@ -242,6 +251,8 @@ def install_state_dict_hooks(
         layout = tuple(p for (p, _, _), axis in zip(shard.shares, names) if axis in on_mesh)
         form = dtensor_form(shape, layout, tuple(axes[axis].size for axis in on_mesh))
         dtensor_mesh = meshes.get(form.split) if form.placements is not None else None
+        if not form.exact and form.placements is not None:
+            logger.debug("%s: state_dict() copies it DTensor's way: %s", shard.names[0], form.problem)
         record = ShardedParam(shard.names[0], shape, tuple(shard.shares), names, dtensor_mesh, groups, form)
         for owner, attr in shard.owners:
             registry = owner.__dict__.get("_hp_sharded")

@@ -508,3 +508,98 @@ def test_refusals_are_clear(results: list[RankResults]) -> None:
 def test_dtensor_strided_shard_is_hpgen_ss(results: list[RankResults]) -> None:
     for rank, result in enumerate(results):
         assert result.strided == [], f"rank {rank}: {result.strided}"
+
+
+# --------------------------------------------------------------------------- tp=4: RS and uneven shards
+
+
+@pytest.fixture(scope="module")
+def results4(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Llama at tp=4 on 4 ranks with ``hpgen plan``'s plan: 2 key/value heads replicated
+    (``RS(0,2)``), and sizes that split unevenly (vocab 127, intermediate 89): the state
+    dict's DTensors are copies laid out DTensor's way there."""
+    import json
+
+    from hpgen.tp_plan import make_plan
+
+    root = tmp_path_factory.mktemp("checkpoints4")
+    _write_checkpoint("llama", root / "llama", 5, max_shard_size="100KB")
+    plan = make_plan(str(root / "llama" / "config.json"), tp=4)
+    (root / "plan.json").write_text(json.dumps(plan))
+    generated = str(lower_family("llama", plan, root))
+    return run_distributed(_run_tp4, str(root), generated, plan, world_size=4, timeout=400)
+
+
+def _shard(full: torch.Tensor, placement: str, rank: int, size: int) -> torch.Tensor:
+    """``expected_shard`` and ``RS(d,r)``: chunk ``rank // r`` of ``size / r``."""
+    if placement.startswith("RS("):
+        dim, replicas = (int(part) for part in placement[3:-1].split(","))
+        return full.tensor_split(size // replicas, dim)[rank // replicas]
+    return expected_shard(full, placement, rank, size)
+
+
+def _run_tp4(rank: int, world_size: int, root: str, generated: str, plan: dict) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from hpgen.runtime import from_pretrained, parallelize
+
+    transformers.utils.logging.disable_progress_bar()
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    folder = f"{root}/llama"
+    reference = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
+    expected = reference.state_dict()
+    layouts = _layouts(reference, plan)
+    cls = import_file(generated).LlamaForCausalLM
+    model = from_pretrained(cls, folder, plan, mesh)
+    out: dict[str, Any] = {}
+
+    def mismatches(candidate: torch.nn.Module) -> list[str]:
+        ours = dict(candidate.named_parameters())
+        return [
+            n
+            for n, full in expected.items()
+            if not torch.equal(ours[n].detach(), _shard(full, layouts.get(n, "R"), rank, world_size))
+        ]
+
+    out["from_pretrained"] = mismatches(model)
+    out["logits"] = ((_logits(model) - _logits(reference)).abs().max().item(), tolerance(_logits(reference)))
+    state = model.state_dict()
+    out["placements"] = {
+        k: str(tuple(v.placements)) for k, v in state.items() if isinstance(v, DTensor) and "layers.0." in k
+    }
+    out["global shapes"] = [
+        k for k, v in state.items() if isinstance(v, DTensor) and tuple(v.shape) != tuple(expected[k].shape)
+    ]
+    dcp.save(state, checkpoint_id=f"{root}/dcp")
+
+    fresh = cls(reference.config).eval()
+    parallelize(fresh, plan, mesh)
+    fresh_state = fresh.state_dict()
+    dcp.load(fresh_state, checkpoint_id=f"{root}/dcp")
+    fresh.load_state_dict(fresh_state)
+    out["dcp round trip"] = mismatches(fresh)
+
+    plain = transformers.LlamaForCausalLM(reference.config)
+    plain_state = plain.state_dict()
+    dcp.load(plain_state, checkpoint_id=f"{root}/dcp")
+    plain.load_state_dict(plain_state)
+    out["dcp to unsharded"] = [n for n, t in plain.state_dict().items() if not torch.equal(t, expected[n])]
+
+    model.save_pretrained(f"{root}/saved")
+    saved = transformers.LlamaForCausalLM.from_pretrained(f"{root}/saved")
+    out["save_pretrained"] = [n for n, t in saved.state_dict().items() if not torch.equal(t, expected[n])]
+    return out
+
+
+def test_tp4_replicated_kv_heads_and_uneven_shards(results4: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(results4):
+        for check in ("from_pretrained", "dcp round trip", "dcp to unsharded", "save_pretrained", "global shapes"):
+            assert result[check] == [], f"rank {rank}: {check}: {result[check]}"
+        err, tol = result["logits"]
+        assert err <= tol, f"rank {rank}: logits {err} > {tol}"
+    placements = results4[0]["placements"]
+    assert placements["model.layers.0.self_attn.k_proj.weight"] == "(Shard(dim=0), Replicate())"  # RS(0,2)
+    assert placements["model.layers.0.self_attn.q_proj.weight"] == "(Shard(dim=0),)"

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hpgen.placement import Placement
-from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.shard_layout import boxes, dim_runs, dtensor_form, dtensor_indices, hpgen_indices
 from hpgen.runtime.sharding import local_chunk
-from hpgen.runtime.state_dict import ShardedParam
 
 S0, SS02, SS03, R = (Placement.parse(t) for t in ("S(0)", "SS(0,2)", "SS(0,3)", "R"))
 
@@ -52,15 +50,18 @@ def test_agreement_and_refusal() -> None:
     assert dtensor_form((5, 3), (S0,), (2,)).placements == (Shard(0),)  # 3,2 both ways
     assert dtensor_form((8, 3), (S0,), (4,)).placements == (Shard(0),)
     form = dtensor_form((5, 3), (S0,), (4,))  # tensor_split 2,1,1,1; chunk 2,2,1,0
-    assert form.placements is None and "torch.tensor_split" in form.problem and "torch.chunk" in form.problem
-    assert dtensor_form((10, 3), (Placement.parse("SS(0,2)"),), (4,)).placements is None  # blocks of 5 on 4
+    assert not form.exact and "torch.tensor_split" in form.problem and "torch.chunk" in form.problem
+    assert form.chunked == (Shard(0),)  # the state dict holds a copy laid out this way instead
+    packed = dtensor_form((10, 3), (Placement.parse("SS(0,2)"),), (4,))  # blocks of 5 on 4
+    assert not packed.exact and packed.chunked == (Shard(0),)
     # two axes on one dim: DTensor's nested chunks, compared on every coordinate
     assert dtensor_form((8, 2), (S0, S0), (2, 2)).placements == (Shard(0), Shard(0))
     assert dtensor_form((7, 2), (S0, S0), (2, 2)).placements == (Shard(0), Shard(0))  # 2 ranks always agree
-    assert dtensor_form((10, 2), (S0, S0), (2, 4)).placements is None  # then 5 rows on 4 ranks
-    record = ShardedParam("w", (5, 3), ((S0, 0, 4),), ("tp",), None, (), form)
-    with pytest.raises(ParallelizeError, match=r"state_dict\(\): w \(tp S\(0\) over 4\) has no DTensor form"):
-        record.to_dtensor(torch.zeros(2, 3))
+    assert not dtensor_form((10, 2), (S0, S0), (2, 4)).exact  # then 5 rows on 4 ranks
+    # RS(0,2) on 4 ranks: DTensor sees 2 chunks x 2 replicas
+    rs = dtensor_form((8, 3), (Placement.parse("RS(0,2)"),), (4,))
+    assert rs.exact and rs.placements == (Shard(0), Replicate()) and rs.split == (2,)
+    assert dtensor_form((8, 3), (Placement.parse("RS(0,4)"),), (4,)).placements == (Replicate(),)
 
 
 def test_boxes_of_a_packed_shard() -> None:
