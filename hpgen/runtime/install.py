@@ -23,7 +23,9 @@ plan, generated file and hpgen version (:mod:`hpgen.runtime.agreement`).
 The install then shards the parameters in place (plain ``nn.Parameter``s holding the
 local chunk), swaps classes (generated per-contract subclasses, wrappers), binds the
 axes' collectives, the region functions and the generic boundaries, adds the deferred
-biases' and the gradient reductions' hooks, and divides the attributes.
+biases' and the gradient reductions' hooks, and divides the attributes. Last, the
+state-dict hooks (:mod:`hpgen.runtime.state_dict`) and ``save_pretrained``
+(:mod:`hpgen.runtime.saving`) make checkpoints keep every shard.
 
 Other mesh axes belong to torch's engines, applied after ``parallelize``: FSDP2
 (``fully_shard`` per decoder layer and on the root, on a ``dp`` axis) or DDP. The
@@ -65,6 +67,8 @@ from hpgen.runtime.hooks import (
     survey_grad_reduce,
 )
 from hpgen.runtime.params import Matched, ParamShard, shard_params, survey_params
+from hpgen.runtime.saving import bind_save_pretrained
+from hpgen.runtime.state_dict import install_state_dict_hooks
 from hpgen.runtime.targets import Target, resolve
 
 __all__ = ["ParallelizeError", "parallelize"]
@@ -101,6 +105,9 @@ def parallelize(model: nn.Module, plan: PlanLike, mesh: DeviceMesh) -> nn.Module
         raise
     raise_together(None, mesh, on_mesh)
     survey.install(axes, plan.mesh_dim_names)
+    # state_dict() as DTensors, load_state_dict of DTensors or full tensors, save_pretrained unsharded
+    install_state_dict_hooks(model, survey.shards, mesh, axes, plan.mesh_dim_names)
+    bind_save_pretrained(model)
     model._hp_parallelized = True
     return model
 
