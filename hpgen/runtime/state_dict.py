@@ -22,6 +22,10 @@ is then collective for that parameter (every rank calls it, as DCP does).
 :func:`gather_full` rebuilds the full tensor of a parameter from its shards (collective on
 the plan's axes); ``save_pretrained`` uses it. ``with local_state_dict():`` turns the
 post-hook off and gives the plain local shards.
+
+Under FSDP2 (``fully_shard`` on ``dp`` after ``parallelize``) a parameter is FSDP2's
+``dp`` DTensor of the local shard; :mod:`hpgen.runtime.fsdp_state` presents it over
+(``dp``, plan axes) with the global shape and loads values back into FSDP2's pieces.
 """
 
 from __future__ import annotations
