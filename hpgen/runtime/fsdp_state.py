@@ -133,7 +133,7 @@ def _mesh(dp: DeviceMesh, tp: DeviceMesh) -> DeviceMesh:
         concatenate = getattr(DeviceMesh, "_concatenate", None)
         if concatenate is None:
             raise ParallelizeError(
-                "state_dict() of an FSDP2 x hpgen model needs DeviceMesh._concatenate (torch >= 2.10)"
+                "state_dict() of an FSDP2 x hpgen model needs DeviceMesh._concatenate, which this torch lacks"
             )
         _MESHES[key] = concatenate([dp, tp])
     return _MESHES[key]
