@@ -22,6 +22,10 @@ is then collective for that parameter (every rank calls it, as DCP does).
 :func:`gather_full` rebuilds the full tensor of a parameter from its shards (collective on
 the plan's axes); ``save_pretrained`` uses it. ``with local_state_dict():`` turns the
 post-hook off and gives the plain local shards.
+
+Under FSDP2 (``fully_shard`` on ``dp`` after ``parallelize``) a parameter is FSDP2's
+``dp`` DTensor of the local shard; :mod:`hpgen.runtime.fsdp_state` presents it over
+(``dp``, plan axes) with the global shape and loads values back into FSDP2's pieces.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from hpgen.placement import REPLICATE, Placement
 from hpgen.runtime.collectives import AxisCollectives
 from hpgen.runtime.errors import ParallelizeError
+from hpgen.runtime.fsdp_state import composed_dtensor, dp_piece, fsdp_value, is_fsdp_shard
 from hpgen.runtime.params import ParamShard
 from hpgen.runtime.shard_layout import DTensorForm, boxes, dtensor_form
 from hpgen.runtime.sharding import AxisShare, chunks_and_index, local_chunk, local_shape, normalize_dim, split_sizes
@@ -202,8 +207,12 @@ def _state_dict_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix:
         return
     for attr, param in module._hp_sharded.items():
         key = prefix + attr
-        if key in state_dict and not isinstance(state_dict[key], DTensor):
+        if key not in state_dict:
+            continue
+        if not isinstance(state_dict[key], DTensor):
             state_dict[key] = param.to_dtensor(state_dict[key])
+        elif is_fsdp_shard(state_dict[key], param):  # FSDP2's dp DTensor of the tp-local shard
+            state_dict[key] = composed_dtensor(param, state_dict[key])
 
 
 def _load_pre_hook(
@@ -221,10 +230,28 @@ def _load_pre_hook(
         key = prefix + attr
         if key not in state_dict:
             continue
+        current = module._parameters.get(attr)
+        fsdp = isinstance(current, DTensor)  # FSDP2 has made it a dp DTensor
         if attr in sharded:
-            state_dict[key] = sharded[attr].to_local(state_dict[key])
+            record = sharded[attr]
+            value = state_dict[key]
+            state_dict[key] = fsdp_value(record, current, value) if fsdp else record.to_local(value)
+        elif fsdp:
+            state_dict[key] = _into_fsdp(current, state_dict[key])
         elif isinstance(state_dict[key], DTensor):
             state_dict[key] = state_dict[key].full_tensor()  # sharded elsewhere, replicated here
+
+
+def _into_fsdp(param: DTensor, value: Any) -> Any:
+    """A replicated parameter's ``value`` as FSDP2's DTensor ``param`` holds it (its form kept; others gathered)."""
+    if isinstance(value, DTensor):
+        if value.device_mesh == param.device_mesh and value.placements == param.placements:
+            return value
+        value = value.full_tensor()
+    if not isinstance(value, Tensor) or value.shape != param.shape:
+        return value  # a size load_state_dict reports
+    spec = dict(run_check=False, shape=param.shape, stride=param.stride())
+    return DTensor.from_local(dp_piece(value, param), param.device_mesh, param.placements, **spec)
 
 
 def install_state_dict_hooks(

@@ -12,6 +12,11 @@
   and Qwen3 (k_norm) at ``tp`` 4; logits, every gradient, greedy generation with the cache.
 - Toggle mode on any mesh: one ``--mode toggle`` Qwen3-MoE file run unparallelized, on
   ``tp`` alone (4 ranks; its ``ep`` axis off), on ``dp x tp`` under FSDP2 and on ``ep x tp``.
+- DCP checkpoints of FSDP2 x hpgen models (``dp x tp``, Llama with a vocab-parallel
+  embedding and sequence-parallel norms, Qwen3): ``state_dict()`` gives DTensors of the
+  global shape whose ``full_tensor()`` is the unsharded weight; the checkpoint loads into a
+  fresh FSDP2 x hpgen model (bit-exact weights and logits), transformers' unsharded model
+  and an hpgen model on ``tp`` alone; a full state dict loads into FSDP2's pieces.
 - Refusals instead of partial gradients: ``fully_shard`` or DDP before ``parallelize``, an
   FSDP2 unit inside a boundary that reduces a gradient, and replicated KV heads whose
   ``num_key_value_groups`` the plan does not divide.
@@ -27,6 +32,7 @@ import pytest
 
 from tests.dist import run_distributed
 from tests.runtime.compose import TrainCase, check_training, run_train_cases
+from tests.runtime.compose_checkpoints import CheckpointCase, run_checkpoint_cases
 from tests.runtime.models import (
     Case,
     check_generation,
@@ -116,15 +122,18 @@ def _refuse(case: tuple[str, str, str, dict[str, Any], dict[str, Any]]) -> str:
     return "no error"
 
 
-def _everything(rank: int, world_size: int, cases: list, training: list, refusals: list) -> dict[str, Any]:
+def _everything(
+    rank: int, world_size: int, cases: list, training: list, refusals: list, checkpoints: list
+) -> dict[str, Any]:
     results: dict[str, Any] = dict(run_cases(rank, world_size, cases))
     results.update(run_train_cases(rank, world_size, training))
+    results.update(run_checkpoint_cases(rank, world_size, checkpoints))
     results.update({case[0]: _refuse(case) for case in refusals})  # last: a refused forward leaves FSDP2 mid-step
     return results
 
 
-def build_runs(directory: Path) -> tuple[list[Case], list[TrainCase], list[tuple]]:
-    """Lower the files into ``directory``; the parity cases, training cases and refusals to run."""
+def build_runs(directory: Path) -> tuple[list[Case], list[TrainCase], list[tuple], list[CheckpointCase]]:
+    """Lower the files into ``directory``; the parity cases, training cases, refusals and checkpoints to run."""
     sp = str(lower_family("llama", "llama_tp_sp", directory))
     qwen3 = str(lower_family("qwen3", "qwen3_tp", directory))
     plans = {
@@ -165,7 +174,11 @@ def build_runs(directory: Path) -> tuple[list[Case], list[TrainCase], list[tuple
         ("fsdp2_inside_boundary", "llama", sp, tp_sp, {}),
         ("kv_groups_not_divided", "llama", files["llama_kv1"], _without_divide_attrs(plans["llama_kv1"]), KV1),
     ]
-    return cases, training, refusals
+    checkpoints = [
+        CheckpointCase("llama_sp_dcp", "llama", sp, tp_sp, str(directory / "dcp_llama_sp")),
+        CheckpointCase("qwen3_dcp", "qwen3", qwen3, load_plan_dict("qwen3_tp"), str(directory / "dcp_qwen3")),
+    ]
+    return cases, training, refusals, checkpoints
 
 
 @pytest.fixture(scope="module")
@@ -200,3 +213,30 @@ def test_refused_with_a_message(results: list[dict], name: str) -> None:
         message = by_case[name]
         for part in REFUSALS[name]:
             assert part in message, f"rank {rank}: {part!r} not in {message!r}"
+
+
+CHECKPOINTS = ("llama_sp_dcp", "qwen3_dcp")
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_fsdp2_state_dict_is_global(results: list[dict], name: str) -> None:
+    for rank, by_case in enumerate(results):
+        result = by_case[name]
+        assert result.checked > 0 and result.not_global == [], f"rank {rank}: not global DTensors: {result.not_global}"
+        assert result.full_tensor == [], f"rank {rank}: full_tensor() is not the unsharded weight: {result.full_tensor}"
+    placements = results[0][name].placements
+    # FSDP2 shards dim 0 of the tp shard: right to left over a tp Shard(0), plain Shard(0) over a tp Shard(1)
+    assert placements["model.layers.0.self_attn.q_proj.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+    assert placements["model.layers.0.self_attn.o_proj.weight"] == "(Shard(dim=0), Shard(dim=1))"
+    assert placements["model.embed_tokens.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+
+
+@pytest.mark.parametrize("target", ["fsdp2 x tp", "unsharded", "tp only", "full state dict"])
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_fsdp2_checkpoint_loads_back(results: list[dict], name: str, target: str) -> None:
+    for rank, by_case in enumerate(results):
+        result = by_case[name]
+        assert result.mismatches[target] == [], f"rank {rank}: {target}: not bit-equal: {result.mismatches[target]}"
+        if target in result.logits:
+            err, tol = result.logits[target]
+            assert err <= tol, f"rank {rank}: {target}: logits {err} > {tol}"
