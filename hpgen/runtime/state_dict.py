@@ -315,6 +315,11 @@ class _Meshes:
                 if replicas is not None:
                     size = mesh.size(mesh.mesh_dim_names.index(axis))
                     parts = (f"{axis}_chunks_of_{replicas}", f"{axis}_replicas_of_{replicas}")
+                    if not hasattr(mesh, "_unflatten"):  # torch < 2.9
+                        raise ParallelizeError(
+                            f"state_dict() of RS({replicas}) parameters on axis {axis!r} needs "
+                            "DeviceMesh._unflatten (torch 2.9 or newer)"
+                        )
                     mesh = mesh._unflatten(axis, (size // replicas, replicas), parts)
             self.made[split] = mesh
         return self.made[split]
