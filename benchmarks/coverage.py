@@ -2,6 +2,7 @@
 
     python benchmarks/coverage.py                      # every architecture, resuming earlier results
     python benchmarks/coverage.py --sp                 # the --sp plans (the SP column), where TP passed
+    python benchmarks/coverage.py --ep                 # --ep 2 plans (the EP column), MoE models where TP passed
     python benchmarks/coverage.py --only llama,qwen3   # some model types (their rows are redone)
     python benchmarks/coverage.py --fresh              # forget earlier results of this variant
     python benchmarks/coverage.py --render             # only rewrite docs/coverage.md from the results
@@ -9,7 +10,8 @@
 For every model type whose config class has a ``base_model_tp_plan``:
 
 1. **plan**: a tiny config of the architecture (:func:`tiny_config`), the model on the meta
-   device, and :func:`hpgen.tp_plan.plan_for_model` with ``tp=2`` (and ``sp=True`` with ``--sp``);
+   device, and :func:`hpgen.tp_plan.plan_for_model` with ``tp=2`` (and ``sp=True`` with ``--sp``,
+   ``ep=2`` with ``--ep``: whole experts per rank, for the models that have an expert plan);
 2. **lower**: ``hpgen.lower.lower`` of the file the model class comes from, under that
    plan (relative imports made absolute, so the generated file imports from anywhere);
 3. **parity** (decoder-only causal LMs): two gloo ranks on the CPU each build the
@@ -21,7 +23,7 @@ For every model type whose config class has a ``base_model_tp_plan``:
 
 The ranks run several architectures per spawn (``--chunk``), each case bounded by
 ``--timeout`` seconds; a spawn that fails as a whole is retried one architecture at a time.
-A result line is appended to ``<--results>/hpgen-coverage-<tp|sp>.jsonl`` (default: the
+A result line is appended to ``<--results>/hpgen-coverage-<tp|sp|ep>.jsonl`` (default: the
 system temporary folder) as soon as it is known, so an interrupted run resumes where it
 stopped. The page ``docs/coverage.md`` is rendered from those files.
 """
@@ -283,7 +285,10 @@ class Case:
     plan: dict
 
 
-def prepare(model_type: str, directory: Path, *, sp: bool = False) -> tuple[Row, Case | None]:
+VARIANTS = {"tp": {}, "sp": {"sp": True}, "ep": {"ep": 2}}  # plan_for_model options beyond tp=2
+
+
+def prepare(model_type: str, directory: Path, *, variant: str = "tp") -> tuple[Row, Case | None]:
     """Plan and lower one architecture; the case to compare on ranks when it is a causal LM."""
     from hpgen.errors import HpgenError
     from hpgen.generate import infer_package
@@ -304,7 +309,7 @@ def prepare(model_type: str, directory: Path, *, sp: bool = False) -> tuple[Row,
             return row, None
         row.model_class = cls.__name__
         try:
-            plan = plan_for_model(meta_model(config), tp=2, sp=sp, name=model_type)
+            plan = plan_for_model(meta_model(config), tp=2, name=model_type, **VARIANTS[variant])
         except HpgenError as error:
             row.reason = f"plan: {error}"
             return row, None
@@ -324,7 +329,7 @@ def prepare(model_type: str, directory: Path, *, sp: bool = False) -> tuple[Row,
         if not is_decoder_only_causal_lm(cls, config):
             row.reason = "parity not run: not a decoder-only causal LM"
             return row, None
-        generated = directory / f"{model_type}_{'sp' if sp else 'tp'}.py"
+        generated = directory / f"{model_type}_{variant}.py"
         generated.write_text(text, encoding="utf-8")
         return row, Case(model_type, str(generated), plan)
     finally:
@@ -583,7 +588,7 @@ def render(variants: dict[str, dict[str, Row]], architectures_found: list[str]) 
     """The markdown page: counts, one row per architecture, failures grouped, notes."""
     import transformers
 
-    rows, sp_rows = variants["tp"], variants.get("sp", {})
+    rows, sp_rows, ep_rows = variants["tp"], variants.get("sp", {}), variants.get("ep", {})
     ordered = [rows[name] for name in architectures_found if name in rows]
     compared = [row for row in ordered if row.parity is not None]
     lines = [
@@ -596,7 +601,8 @@ def render(variants: dict[str, dict[str, Row]], architectures_found: list[str]) 
         " `hpgen lower` of the model's modeling file, and for decoder-only causal LMs the generated model,"
         " parallelized over 2 ranks, against transformers' unsharded model with the same perturbed weights:"
         " logits within 1e-5 + 1e-4 * max|logits|, and every parameter's gradient (this rank's slice) within"
-        " the same tolerance of the reference gradient. The SP column runs `hpgen plan --tp 2 --sp` the same way.",
+        " the same tolerance of the reference gradient. The SP column runs `hpgen plan --tp 2 --sp` the same way,"
+        " the EP column `hpgen plan --tp 2 --ep 2` (whole experts per rank) for the models with an expert plan.",
         "",
         f"- architectures with a `base_model_tp_plan`: **{len(architectures_found)}**",
         f"- plan written: **{sum(row.plan_ok for row in ordered)}**",
@@ -621,29 +627,40 @@ def render(variants: dict[str, dict[str, Row]], architectures_found: list[str]) 
             f"- with `--sp`, run where the tensor-parallel plan passes ({len(tried)}): logits and every gradient "
             f"equal for **{passed}**; plan refused for {refused}, parity failed for {failed} (listed at the end)"
         )
+    if ep_rows:
+        tried = [row for name, row in ep_rows.items() if rows.get(name) and rows[name].parity]
+        passed = sum(bool(row.parity and row.grads_ok) for row in tried)
+        lines.append(
+            f"- with `--ep 2`, run for the MoE models whose tensor-parallel plan passes ({len(tried)}): logits and "
+            f"every gradient equal for **{passed}**"
+            + "".join(f"; {row.model_type}: {_cell(row.reason, 200)}" for row in tried if not (row.parity and row.grads_ok))
+        )
     lines += [
         "",
-        "| model type | model class | plan | lower | parity | max logit diff (tol) | gradients | share | SP | reason |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model type | model class | plan | lower | parity | max logit diff (tol) | gradients | share | SP | EP | reason |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in architectures_found:
         row = rows.get(name)
         if row is None:
-            lines.append(f"| {name} |  | not run |  |  |  |  |  |  |  |")
+            lines.append(f"| {name} |  | not run |  |  |  |  |  |  |  |  |")
             continue
         share = "" if row.param_share is None else f"{row.param_share:.2f}" + ("" if row.layers_sharded else " (emb)")
         diff = f"{row.logits_err:.1e} ({row.logits_tol:.1e})" if row.logits_err is not None else ""
         sp = sp_rows.get(name)
         sp_mark = _mark(sp.parity and sp.grads_ok) if sp is not None and sp.parity is not None else ""
+        ep = ep_rows.get(name)
+        ep_mark = _mark(ep.parity and ep.grads_ok) if ep is not None and ep.parity is not None else ""
         reason = _cell(row.reason) + (f" — {_cell(NOTES[name], None)}" if name in NOTES else "")
         lines.append(
             f"| {name} | {row.model_class} | {_mark(row.plan_ok)} | {_mark(row.lower_ok) if row.plan_ok else ''} | "
-            f"{_mark(row.parity)} | {diff} | {_mark(row.grads_ok)} | {share} | {sp_mark} | {reason} |"
+            f"{_mark(row.parity)} | {diff} | {_mark(row.grads_ok)} | {share} | {sp_mark} | {ep_mark} | {reason} |"
         )
     lines += ["", "## Failures by cause", ""]
     groups: dict[str, list[str]] = {}
     for row in ordered:
-        if row.reason and not row.reason.startswith("parity not run"):
+        passed = row.parity and row.grads_ok  # its reason may still carry a note (the kernel-sized rerun)
+        if row.reason and not passed and not row.reason.startswith("parity not run"):
             groups.setdefault(_cause(row), []).append(row.model_type)
     for cause, names in sorted(groups.items(), key=lambda item: (-len(item[1]), item[0])):
         lines.append(f"- **{cause}** ({len(names)}): {', '.join(names)}")
@@ -656,6 +673,14 @@ def render(variants: dict[str, dict[str, Row]], architectures_found: list[str]) 
         lines += ["", "## Sequence parallel (`--sp`) failures where tensor parallel passes", ""]
         lines += [f"- **{name}**: {reason}" for name, reason in sp_failures.items()]
     return "\n".join(lines) + "\n"
+
+
+def _has_expert_plan(model_type: str) -> bool:
+    """The config (or its text config) has transformers' ``base_model_ep_plan``."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    return any(getattr(sub, "base_model_ep_plan", None) for sub in _configs(config))
 
 
 def _mark(value: bool | None) -> str:
@@ -689,11 +714,11 @@ def _cause(row: Row) -> str:
     return reason[:80]
 
 
-def run(wanted: list[str], sp: bool, path: Path, rows: dict[str, Row], chunk: int, timeout: float) -> None:
+def run(wanted: list[str], variant: str, path: Path, rows: dict[str, Row], chunk: int, timeout: float) -> None:
     """Plan, lower and compare ``wanted``, appending each row to ``path`` as it is known."""
     with tempfile.TemporaryDirectory(prefix="hpgen-coverage-") as folder:
         for start in range(0, len(wanted), chunk):
-            prepared = [prepare(model_type, Path(folder), sp=sp) for model_type in wanted[start : start + chunk]]
+            prepared = [prepare(name, Path(folder), variant=variant) for name in wanted[start : start + chunk]]
             cases = [case for _, case in prepared if case is not None]
             outcomes = compare(cases, timeout) if cases else {}
             for row, case in prepared:
@@ -705,13 +730,14 @@ def run(wanted: list[str], sp: bool, path: Path, rows: dict[str, Row], chunk: in
                 status = (
                     "parity" if row.parity else "lowered" if row.lower_ok else "planned" if row.plan_ok else "failed"
                 )
-                print(f"{'sp ' if sp else ''}{row.model_type}: {status} {row.reason[:200]}", flush=True)
+                print(f"{'' if variant == 'tp' else variant + ' '}{row.model_type}: {status} {row.reason[:200]}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="comma-separated model types (their rows are redone)")
     parser.add_argument("--sp", action="store_true", help="run the --sp plans (the SP column) instead")
+    parser.add_argument("--ep", action="store_true", help="run the --ep 2 plans of MoE models (the EP column) instead")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per architecture on the ranks")
     parser.add_argument("--chunk", type=int, default=8, help="architectures compared per spawn of the ranks")
     parser.add_argument("--results", type=Path, default=Path(tempfile.gettempdir()), help="folder of the results files")
@@ -725,17 +751,20 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
     found = architectures()
-    variant = "sp" if args.sp else "tp"
+    variant = "sp" if args.sp else "ep" if args.ep else "tp"
+    args.results.mkdir(parents=True, exist_ok=True)
     path = results_path(args.results, variant)
     if args.fresh and path.exists():
         path.unlink()
-    variants = {name: load_results(results_path(args.results, name)) for name in ("tp", "sp")}
+    variants = {name: load_results(results_path(args.results, name)) for name in VARIANTS}
     if not args.render:
         rows = variants[variant]
         wanted = args.only.split(",") if args.only else [name for name in found if name not in rows]
-        if args.sp and not args.only:  # only where the tensor-parallel plan already matches
+        if variant != "tp" and not args.only:  # only where the tensor-parallel plan already matches
             wanted = [name for name in wanted if variants["tp"].get(name) and variants["tp"][name].parity]
-        run(wanted, args.sp, path, rows, args.chunk, args.timeout)
+        if variant == "ep" and not args.only:
+            wanted = [name for name in wanted if _has_expert_plan(name)]
+        run(wanted, variant, path, rows, args.chunk, args.timeout)
     args.table.parent.mkdir(parents=True, exist_ok=True)
     args.table.write_text(render(variants, found))
     print(f"wrote {args.table}", file=sys.stderr)

@@ -226,14 +226,21 @@ def explain_command(source: str, plan: str, as_json: bool) -> None:
 @click.option("--tp", type=click.IntRange(min=1), help="Tensor-parallel size the plan must divide (heads).")
 @click.option("--sp", is_flag=True, help="Keep the residual stream sequence-sharded between decoder layers.")
 @click.option("--ep", type=click.IntRange(min=1), help="Shard the experts by expert over this many ranks.")
+@click.option(
+    "--ep-axis",
+    metavar="NAME",
+    help="Put the experts on an axis of their own (mesh NAME x tp); without it they share tp.",
+)
 @click.option("-o", "--output", help="Write the plan here instead of stdout ('-' is stdout).")
-def plan_command(model: str, tp: int | None, sp: bool, ep: int | None, output: str | None) -> None:
+def plan_command(
+    model: str, tp: int | None, sp: bool, ep: int | None, ep_axis: str | None, output: str | None
+) -> None:
     """Write a frozen plan for MODEL (a transformers model type or a config.json) from its own tp_plan."""
 
     def run() -> int:
         from hpgen.tp_plan import dumps_plan, make_plan
 
-        text = dumps_plan(make_plan(model, tp=tp, ep=ep, sp=sp))
+        text = dumps_plan(make_plan(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis))
         if output in (None, "-"):
             write_stdout(text)
         else:

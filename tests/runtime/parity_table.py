@@ -102,6 +102,9 @@ PARITY: dict[str, Row] = {
     "qwen3_moe_wrapped": Row("qwen3_moe", moe_with_inner_wrapper, file_of="qwen3_moe_tp_ep"),
     # hpgen plan: transformers' moe_tp_experts (each expert's intermediate dim sharded)
     "qwen3_moe_hpgen_tp": Row("qwen3_moe", hpgen_plan("qwen3_moe", tp=2)),
+    # the same where the whole experts suit grouped_mm (36 floats a row) but a rank's shard does not
+    # (18 floats, 72 bytes): parallelize runs those experts' eager loop and says so
+    "qwen3_moe_hpgen_tp_unaligned": Row("qwen3_moe", hpgen_plan("qwen3_moe", tp=2), {"moe_intermediate_size": 36}),
     # hpgen plan --ep 2: whole experts per rank
     "qwen3_moe_hpgen_ep": Row("qwen3_moe", hpgen_plan("qwen3_moe", tp=2, ep=2)),
     # sequence-parallel nn.LayerNorm entries on a class outside the file
