@@ -182,11 +182,12 @@ def tiny_config(model_type: str, shape: dict[str, Any] | None = None) -> Any:
         overrides["head_dim"] = overrides.get("qk_rope_head_dim", TINY["qk_rope_head_dim"])
     if "qk_head_dim" in defaults and {"qk_nope_head_dim", "qk_rope_head_dim"} <= set(overrides):
         overrides["qk_head_dim"] = overrides["qk_nope_head_dim"] + overrides["qk_rope_head_dim"]
-    count = defaults.get("num_hidden_layers")
+    layers_key = aliases.get("num_hidden_layers", "num_hidden_layers")
+    count = defaults.get(layers_key)
     if isinstance(count, int):
         keys = _per_layer_lists(defaults, count)
         chosen = _layer_choice(defaults, keys, count) if keys else list(range(LAYERS))
-        overrides["num_hidden_layers"] = len(chosen)
+        overrides[layers_key] = len(chosen)
         for key in keys:
             values = overrides.get(key, defaults[key])
             overrides[key] = [values[index] for index in chosen]
@@ -249,8 +250,15 @@ def _configs(config: Any) -> Iterable[Any]:
 
 
 def is_decoder_only_causal_lm(cls: type, config: Any) -> bool:
-    """Whether parity runs: a ``*ForCausalLM`` that is not half of an encoder-decoder."""
-    return cls.__name__.endswith("ForCausalLM") and not getattr(config, "is_encoder_decoder", False)
+    """Whether parity runs: transformers' causal-LM class of the type, not half of an encoder-decoder."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()) | {
+        name for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() if isinstance(value, tuple) for name in value
+    }
+    return (cls.__name__.endswith("ForCausalLM") or cls.__name__ in causal) and not getattr(
+        config, "is_encoder_decoder", False
+    )
 
 
 # --------------------------------------------------------------------------- one architecture
@@ -270,6 +278,7 @@ class Row:
     grads_ok: bool | None = None
     param_share: float | None = None  # the largest rank's parameter bytes / the unsharded model's
     layers_sharded: bool | None = None  # some parameter inside the decoder layers is sharded
+    plan_source: str = ""  # "transformers' plan" or "derived from the source" (hpgen.planner.make)
     reason: str = ""
     seconds: float = 0.0  # planning and lowering in the parent process
 
@@ -289,7 +298,8 @@ def prepare(model_type: str, directory: Path, *, sp: bool = False) -> tuple[Row,
     from hpgen.generate import infer_package
     from hpgen.lower import lower
     from hpgen.plan import plan_from_dict
-    from hpgen.tp_plan import meta_model, model_and_config, plan_for_model
+    from hpgen.planner.make import plan_model, plan_source
+    from hpgen.tp_plan import meta_model, model_and_config
 
     row = Row(model_type)
     started = time.monotonic()
@@ -304,7 +314,9 @@ def prepare(model_type: str, directory: Path, *, sp: bool = False) -> tuple[Row,
             return row, None
         row.model_class = cls.__name__
         try:
-            plan = plan_for_model(meta_model(config), tp=2, sp=sp, name=model_type)
+            model = meta_model(config)
+            row.plan_source = plan_source(model)
+            plan = plan_model(model, tp=2, sp=sp, name=model_type)
         except HpgenError as error:
             row.reason = f"plan: {error}"
             return row, None
@@ -514,19 +526,10 @@ def _last_line(text: str) -> str:
 
 
 def architectures() -> list[str]:
-    """Every model type of the installed transformers whose config has a base_model_tp_plan."""
-    from transformers import CONFIG_MAPPING
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    """Every model type of the installed transformers that has a causal-LM class (with or without a tp_plan)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    found = []
-    for model_type in sorted(CONFIG_MAPPING_NAMES):
-        try:
-            config_class = CONFIG_MAPPING[model_type]
-        except Exception:  # a config class that does not import in this environment
-            continue
-        if getattr(config_class, "base_model_tp_plan", None):
-            found.append(model_type)
-    return found
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
 def results_path(folder: Path, variant: str) -> Path:

@@ -1,0 +1,891 @@
+"""A Megatron-style tensor-parallel layout derived from the modeling source (no transformers plan needed).
+
+For each decoder layer (an element of an ``nn.ModuleList`` whose class is in the modeling
+file) :mod:`hpgen.planner.flow` gives the graph of its layers: which ``nn.Linear`` /
+``Conv1D`` consumes which. From that graph:
+
+1. **Groups.** A projection whose input comes only from other projections (through the
+   attention, an activation, a gate product, a per-head norm) and not from the residual
+   stream is *row-parallel*; the projections it consumes are *column-parallel*:
+   ``o_proj`` with ``q_proj``/``k_proj``/``v_proj``, ``fc2`` with ``fc1``, ``c_proj`` with
+   ``c_fc``, ``down_proj`` with ``gate_proj``/``up_proj``. Rows deepest in the layer claim
+   their columns first, so a chain (``q_a_proj -> q_b_proj -> o_proj``) pairs at its end.
+2. **Checks.** Each group is sharded only when everything between its columns and rows
+   works on shards: the columns' outputs reach nothing but the rows and per-head norms;
+   no norm over the full sharded width sits between them (BitNet's ``attn_sub_norm``); no
+   per-head tensor made outside the module (BLOOM's ``alibi``) enters it; head counts
+   divide ``--tp``; a fused projection's layout is recognised from the reshape that
+   follows it (``split(split_size)`` / ``chunk(3)``: Q|K|V blocks -> ``SS(d,3)``;
+   ``view(..., heads, 3, head_dim)``: per-head interleaved -> ``S(d)``; one key/value
+   head packed after the queries (multi-query) is refused). Integer attributes that
+   size a reshape of sharded values (``self.num_heads``, ``self.split_size``) are divided
+   (``tp_divide_attrs``); a global count read from ``self.config`` there is refused.
+3. **Boundaries.** The group's lowest common module is one block (``R -> R`` in,
+   ``P(sum) -> R`` out) when its ``forward`` returns the row's output alone (no residual
+   added inside, no norm after). Otherwise the columns' common module becomes a block
+   whose output stays sharded (BERT's self-attention, ``S(-1) -> S(-1)``), or each column
+   ``nn.Linear`` a boundary of its own, and each row ``nn.Linear`` a row-parallel boundary
+   taking the sharded input (OPT's ``fc1``/``fc2`` in the decoder layer itself).
+4. The input embedding vocab-parallel and the output projection column-parallel with its
+   output gathered, where the vocabulary is at least ``--tp`` rows and no other code reads
+   their weights directly.
+
+Every group or module left replicated gets a note saying why; :mod:`hpgen.planner`
+writes the notes into the plan.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpgen.planner.flow import Flow, ShapeUse, Val, leaf_kind, module_names, run_module
+
+__all__ = ["Derivation", "Note", "Placed", "derive"]
+
+HEAD_DIM_ATTRS = (
+    "head_dim",
+    "attention_head_size",
+    "head_size",
+    "d_head",
+    "dim_head",
+    "depth",
+    "kv_channels",
+    "size_per_head",
+    "attn_head_size",
+    "hidden_size_per_attention_head",
+    "head_dim_qk",
+    "qk_head_dim",
+)
+HEADS_ATTRS = (
+    "num_heads",
+    "num_attention_heads",
+    "n_head",
+    "n_heads",
+    "num_attn_heads",
+    "n_attention_heads",
+    "num_q_heads",
+    "num_head",
+)
+KV_HEADS_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads", "num_kv", "n_head_kv")
+# forward parameters of an attention that carry one slice per head, computed outside it
+PER_HEAD_INPUTS = ("alibi", "position_bias", "attn_bias", "rel_pos", "relative_position", "pos_bias", "bias")
+
+
+@dataclass
+class Placed:
+    """One plan entry the derivation asks for (a concrete FQN)."""
+
+    fqn: str
+    kind: str  # block | col_block | col_leaf | row_leaf | lm_head | embedding | attrs | alias
+    params: dict[str, str] = field(default_factory=dict)  # relative parameter name -> placement on tp
+    deferred: set[str] = field(default_factory=set)
+    inputs: tuple[str, ...] = ()  # forward parameters entering a block (R -> R)
+    divide: set[str] = field(default_factory=set)  # tp_divide_attrs
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class Note:
+    """What the derivation did with one module (a ``*`` pattern), and why."""
+
+    target: str
+    sharded: bool
+    text: str
+
+
+@dataclass
+class Derivation:
+    """The entries to write and the notes that explain them."""
+
+    placed: dict[str, Placed] = field(default_factory=dict)
+    notes: list[Note] = field(default_factory=list)
+
+    def note(self, target: str, sharded: bool, text: str) -> None:
+        item = Note(_generic(target), sharded, text)
+        if item not in self.notes:
+            self.notes.append(item)
+
+    @property
+    def layers_sharded(self) -> bool:
+        return any(p.kind in ("block", "col_block", "col_leaf", "row_leaf") for p in self.placed.values())
+
+
+class Refused(Exception):
+    """A group (or module) the derivation leaves replicated; the message says why."""
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def derive(model: Any, *, tp: int | None, source: Path | None = None) -> Derivation:
+    """The derived layout of ``model`` (normally on the meta device) for ``tp`` ranks."""
+    if source is None:
+        source = Path(inspect.getsourcefile(type(model)) or "")
+    return _Deriver(model, tp, source).run()
+
+
+class _Deriver:
+    def __init__(self, model: Any, tp: int | None, source: Path) -> None:
+        self.model = model
+        self.tp = tp
+        self.source = source
+        self.names = module_names(model)
+        self.modules = dict(model.named_modules())
+        self.config = getattr(model, "config", None)
+        text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        self.text_config = text
+        self.result = Derivation()
+        self._flows: dict[str, Flow] = {}
+
+    def run(self) -> Derivation:
+        for layer in self._layers():
+            self._layer(layer)
+        self._vocabulary()
+        return self.result
+
+    # -- decoder layers
+
+    def _layers(self) -> list[str]:
+        """Elements of module lists whose class is in the file, outermost first (not nested in another)."""
+        import torch.nn as nn
+
+        found: list[str] = []
+        for fqn, module in self.modules.items():
+            if not isinstance(module, nn.ModuleList):
+                continue
+            for name, child in module.named_children():
+                element = f"{fqn}.{name}" if fqn else name
+                if leaf_kind(child, self.source) != "source":
+                    continue
+                if any(element.startswith(other + ".") for other in found):
+                    continue
+                found.append(element)
+        return found
+
+    def _layer(self, layer: str) -> None:
+        flow = self._flow(layer)
+        linears = {fqn for fqn in flow.edges if _is_linear(self.modules.get(fqn))}
+        depth = _depths(flow)
+        groups = self._groups(flow, linears, depth)
+        for cols, rows, mids in groups:
+            try:
+                self._place_group(layer, flow, linears, cols, rows, mids)
+            except Refused as refused:
+                for fqn in sorted(cols | rows):
+                    self.result.note(fqn, False, str(refused))
+        placed = set(self.result.placed)
+        for fqn in sorted(linears):
+            if not any(fqn == p or fqn.startswith(p + ".") for p in placed) and not any(
+                n.target == _generic(fqn) for n in self.result.notes
+            ):
+                self.result.note(fqn, False, "not part of a column -> row pair: kept replicated")
+
+    def _flow(self, fqn: str) -> Flow:
+        if fqn not in self._flows:
+            self._flows[fqn] = run_module(self.model, fqn, self.source, names=self.names)
+        return self._flows[fqn]
+
+    def _groups(
+        self, flow: Flow, linears: set[str], depth: Mapping[str, int]
+    ) -> list[tuple[set[str], set[str], set[str]]]:
+        """(columns, rows, per-head layers between) of each column -> row group of one layer."""
+        main = _first_marker(flow)
+        candidates = []
+        for fqn in linears:
+            found = _sources(flow, fqn, linears)
+            if found.linears and main not in found.markers:
+                candidates.append((fqn, found))
+        candidates.sort(key=lambda item: (-depth.get(item[0], 0), item[0]))
+        rows_of: dict[str, set[str]] = {}  # column -> rows
+        taken_rows: set[str] = set()
+        mids_of: dict[str, set[str]] = {}
+        for fqn, found in candidates:
+            if fqn in rows_of:  # already the column of a deeper row (a chain pairs at its end)
+                continue
+            if found.linears & taken_rows:
+                continue
+            taken_rows.add(fqn)
+            mids_of[fqn] = set(found.mids)
+            for column in found.linears:
+                rows_of.setdefault(column, set()).add(fqn)
+        # rows sharing a column form one group
+        groups: list[tuple[set[str], set[str], set[str]]] = []
+        for row in sorted(taken_rows):
+            cols = {c for c, rows in rows_of.items() if row in rows}
+            merged = next((g for g in groups if g[0] & cols), None)
+            if merged is None:
+                groups.append((cols, {row}, set(mids_of[row])))
+            else:
+                merged[0].update(cols)
+                merged[1].add(row)
+                merged[2].update(mids_of[row])
+        return groups
+
+    # -- one group
+
+    def _place_group(
+        self, layer: str, flow: Flow, linears: set[str], cols: set[str], rows: set[str], mids: set[str]
+    ) -> None:
+        what = "attention" if self._is_attention(cols, rows) else "MLP"
+        for fqn in sorted(cols | rows):
+            if not _is_linear(self.modules[fqn]):
+                raise Refused(f"{_relative(fqn, layer)} is a {type(self.modules[fqn]).__name__}, not a linear layer")
+        for fqn in sorted(mids):
+            self._check_mid(fqn, cols, layer)
+        sharded = cols | mids
+        for consumer, origins in flow.edges.items():
+            if origins & sharded and consumer not in rows and consumer not in mids:
+                raise Refused(
+                    f"the output of {', '.join(_relative(c, layer) for c in sorted(origins & cols)) or 'a column'} "
+                    f"also reaches {_relative(consumer, layer)}, which needs it whole"
+                )
+        if flow.result.item(0).whole() & sharded:
+            raise Refused("the layer returns a value computed from the sharded projections")
+        side = sorted(
+            {m for row in rows for m in _sources(flow, row, linears).markers if _per_head_input(m)}
+        )
+        if side and what == "attention":
+            raise Refused(
+                f"the attention adds {', '.join(repr(s) for s in side)}, one slice per head computed outside "
+                "it, which the plan cannot cut to this rank's heads"
+            )
+        heads = self._heads(cols, rows, layer) if what == "attention" else None
+        layouts = {col: self._column_layout(flow, col, heads, layer, what) for col in sorted(cols)}
+        if what == "attention" and heads is not None:
+            self._check_heads(cols, layouts, heads, layer)
+        counts = self._sharded_counts(cols, rows, layouts, heads)
+        divide = self._divided_attrs(flow, sharded, counts, layer)
+        self._boundaries(layer, cols, rows, mids, layouts, divide, what)
+
+    def _is_attention(self, cols: set[str], rows: set[str]) -> bool:
+        common = _lca(cols | rows)
+        names = [type(self.modules[p]).__name__ for p in _prefixes(common) if p in self.modules]
+        if any("attn" in n.lower() or "attention" in n.lower() for n in names[-2:]):
+            return True
+        return any(self._attr(p, HEAD_DIM_ATTRS) is not None for p in _between(cols, common))
+
+    def _check_mid(self, fqn: str, cols: set[str], layer: str) -> None:
+        module = self.modules[fqn]
+        head_dim = self._head_dim(cols)
+        sizes = {p.numel() for p in module.parameters()}
+        shapes = [tuple(p.shape) for p in module.parameters()]
+        if all(len(s) == 1 for s in shapes) and head_dim is not None and sizes <= {head_dim}:
+            return  # a per-head norm (q_norm): runs on whole heads; its gradient is reduced
+        raise Refused(
+            f"{_relative(fqn, layer)} ({type(module).__name__}, parameters {shapes}) sits between the column- and "
+            "row-parallel projections and works across the sharded features"
+        )
+
+    # -- heads
+
+    def _head_dim(self, cols: set[str]) -> int | None:
+        for path in _between(cols, _lca(cols)):
+            value = self._attr(path, HEAD_DIM_ATTRS)
+            if value is not None:
+                return value
+        value = _int(getattr(self.text_config, "head_dim", None))
+        if value:
+            return value
+        hidden, heads = (_int(getattr(self.text_config, a, None)) for a in ("hidden_size", "num_attention_heads"))
+        return hidden // heads if hidden and heads else None
+
+    def _heads(self, cols: set[str], rows: set[str], layer: str) -> tuple[int, int, int] | None:
+        """(query heads, key/value heads, head_dim) of an attention group."""
+        head_dim = self._head_dim(cols)
+        if not head_dim:
+            raise Refused("cannot tell the head size of the attention (no head_dim attribute or config value)")
+        heads = None
+        for path in _between(cols, _lca(cols | rows)):
+            heads = heads or self._attr(path, HEADS_ATTRS)
+        heads = heads or _int(getattr(self.text_config, "num_attention_heads", None))
+        kv = None
+        for path in _between(cols, _lca(cols | rows)):
+            kv = kv or self._attr(path, KV_HEADS_ATTRS)
+        if kv is None:
+            kv = _int(getattr(self.text_config, "num_key_value_heads", None)) or heads
+        if not heads:
+            raise Refused("cannot tell the number of attention heads")
+        return heads, kv, head_dim
+
+    def _attr(self, path: str, names: Iterable[str]) -> int | None:
+        module = self.modules.get(path)
+        for name in names:
+            value = _int(getattr(module, name, None)) if module is not None else None
+            if value:
+                return value
+        return None
+
+    def _column_layout(
+        self, flow: Flow, col: str, heads: tuple[int, int, int] | None, layer: str, what: str
+    ) -> tuple[str, int]:
+        """``("S", 1)`` (plain), ``("SS", k)`` (k packed blocks) for one column projection."""
+        module = self.modules[col]
+        n = _out_features(module)
+        first = next((use for use in flow.shapes if _linear_origins(use.receiver, flow) == {col}), None)
+        if first is None:
+            return "S", 1
+        kind, k = _layout_of(first, n, heads)
+        if kind == "refuse":
+            raise Refused(f"{_relative(col, layer)}: {k} (the reshape at line {first.line})")
+        if kind == "unknown":
+            if what == "attention" and heads is not None and n not in (heads[0] * heads[2], heads[1] * heads[2]):
+                raise Refused(
+                    f"{_relative(col, layer)} packs several projections ({n} features) and hpgen cannot tell their "
+                    f"layout from the reshape at line {first.line}"
+                )
+            return "S", 1
+        return kind, k
+
+    def _check_heads(
+        self, cols: set[str], layouts: Mapping[str, tuple[str, int]], heads: tuple[int, int, int], layer: str
+    ) -> None:
+        q, kv, head_dim = heads
+        tp = self.tp
+        for col in sorted(cols):
+            n = _out_features(self.modules[col])
+            kind, k = layouts[col]
+            per_block = n // k if kind == "SS" else n
+            if per_block % head_dim:
+                if kind == "S" and k == 1:
+                    raise Refused(f"{_relative(col, layer)} has {n} features, not a whole number of heads of {head_dim}")
+            units = per_block // head_dim
+            if kind == "S" and k > 1:  # interleaved per head or per key/value group
+                units = k
+            if tp is not None and units % tp:
+                raise Refused(
+                    f"{_relative(col, layer)} holds {units} heads (or key/value groups), which do not divide over "
+                    f"--tp {tp}"
+                )
+        if tp is not None and (q % tp or kv % tp):
+            raise Refused(f"{q} query and {kv} key/value heads do not divide over --tp {tp}")
+
+    def _sharded_counts(
+        self,
+        cols: set[str],
+        rows: set[str],
+        layouts: Mapping[str, tuple[str, int]],
+        heads: tuple[int, int, int] | None,
+    ) -> set[int]:
+        counts: set[int] = set()
+        for col in cols:
+            n = _out_features(self.modules[col])
+            counts.add(n)
+            kind, k = layouts[col]
+            if kind == "SS":
+                counts.add(n // k)
+        for row in rows:
+            counts.add(_in_features(self.modules[row]))
+        if heads is not None:
+            q, kv, head_dim = heads
+            counts |= {q, kv, q * head_dim, kv * head_dim}
+            counts.discard(head_dim)
+        counts.discard(1)
+        counts.discard(0)
+        return counts
+
+    def _divided_attrs(self, flow: Flow, sharded: set[str], counts: set[int], layer: str) -> dict[str, set[str]]:
+        """Module FQN -> integer attributes that size reshapes of the sharded values."""
+        wanted: dict[str, set[str]] = {}
+        replicated: set[tuple[str, str]] = set()
+        for use in flow.shapes:
+            origins = use.receiver
+            for module, attr in _arg_reads(use):
+                if attr.startswith(("missing:", "method:")):
+                    continue
+                value = self._value(module, attr)
+                if not isinstance(value, int) or isinstance(value, bool) or value not in counts:
+                    continue
+                if _is_head_dim_name(attr):
+                    continue
+                if origins & sharded:
+                    if attr.startswith("config."):
+                        raise Refused(
+                            f"{_relative(module, layer) or 'the layer'} reshapes sharded values with self.{attr} "
+                            f"(line {use.line}), a global count hpgen cannot divide"
+                        )
+                    wanted.setdefault(module, set()).add(attr)
+                elif origins:
+                    replicated.add((module, attr))
+        for module, attrs in wanted.items():
+            both = sorted(a for a in attrs if (module, a) in replicated)
+            if both:
+                raise Refused(
+                    f"self.{both[0]} of {_relative(module, layer) or 'the layer'} sizes both the replicated input and "
+                    "the sharded heads"
+                )
+            for attr in attrs:
+                if "." in attr:
+                    raise Refused(f"self.{attr} of {_relative(module, layer)} sizes the sharded heads but is nested")
+        return wanted
+
+    def _value(self, module: str, attr: str) -> Any:
+        obj: Any = self.modules.get(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part, None)
+        return obj
+
+    # -- boundaries
+
+    def _boundaries(
+        self,
+        layer: str,
+        cols: set[str],
+        rows: set[str],
+        mids: set[str],
+        layouts: Mapping[str, tuple[str, int]],
+        divide: Mapping[str, set[str]],
+        what: str,
+    ) -> None:
+        common = _lca(cols | rows)
+        if not (common == layer or common.startswith(layer + ".")):
+            common = layer
+        pieces: list[Placed] = []
+        block = self._clean(common, cols, rows, mids, full=True)
+        if block is not None:
+            placed = Placed(common, "block", inputs=block, why=f"{what}: column- and row-parallel projections")
+            self._params(placed, cols, rows, layouts)
+            pieces.append(placed)
+        else:
+            column = _lca(cols)
+            inputs = None
+            if not any(r == column or r.startswith(column + ".") for r in rows) and column not in cols:
+                inputs = self._clean(column, cols, set(), mids, full=False)
+            if inputs is not None:
+                placed = Placed(column, "col_block", inputs=inputs, why=f"{what}: column-parallel projections; "
+                                "the output stays sharded for the row-parallel projection after it")
+                self._params(placed, cols, set(), layouts)
+                pieces.append(placed)
+            else:
+                if mids:
+                    raise Refused(
+                        f"{', '.join(_relative(m, layer) for m in sorted(mids))} between the projections needs a "
+                        "block to reduce its gradient in, and no module around the columns returns only their output"
+                    )
+                for col in sorted(cols):
+                    if not _is_nn_linear(self.modules[col]):
+                        raise Refused(f"{_relative(col, layer)} would be a boundary of its own but is not an nn.Linear")
+                    placed = Placed(col, "col_leaf", why=f"{what}: column-parallel nn.Linear (output stays sharded)")
+                    self._params(placed, {col}, set(), layouts)
+                    pieces.append(placed)
+            for row in sorted(rows):
+                if not _is_nn_linear(self.modules[row]):
+                    raise Refused(f"{_relative(row, layer)} would be a boundary of its own but is not an nn.Linear")
+                placed = Placed(row, "row_leaf", why=f"{what}: row-parallel nn.Linear (input arrives sharded)")
+                self._params(placed, set(), {row}, layouts)
+                pieces.append(placed)
+        for piece in pieces:
+            if piece.fqn in self.result.placed:
+                raise Refused(f"{_relative(piece.fqn, layer) or layer} would hold two groups")
+        for piece in pieces:
+            self.result.placed[piece.fqn] = piece
+            self.result.note(piece.fqn, True, piece.why)
+        for module, attrs in divide.items():
+            owner = self.result.placed.get(module)
+            if owner is None:
+                owner = self.result.placed[module] = Placed(module, "attrs", why="sizes of the sharded heads")
+            owner.divide |= attrs
+
+    def _params(self, placed: Placed, cols: set[str], rows: set[str], layouts: Mapping[str, tuple[str, int]]) -> None:
+        for col in sorted(cols):
+            module = self.modules[col]
+            kind, k = layouts[col]
+            dim = 1 if _is_conv1d(module) else 0
+            text = f"SS({dim},{k})" if kind == "SS" else f"S({dim})"
+            placed.params[_join(_relative(col, placed.fqn), "weight")] = text
+            if getattr(module, "bias", None) is not None:
+                placed.params[_join(_relative(col, placed.fqn), "bias")] = f"SS(0,{k})" if kind == "SS" else "S(0)"
+        for row in sorted(rows):
+            module = self.modules[row]
+            dim = 0 if _is_conv1d(module) else 1
+            placed.params[_join(_relative(row, placed.fqn), "weight")] = f"S({dim})"
+            if getattr(module, "bias", None) is not None:
+                name = _join(_relative(row, placed.fqn), "bias")
+                placed.params[name] = "R"
+                placed.deferred.add(name)
+
+    def _clean(self, fqn: str, cols: set[str], rows: set[str], mids: set[str], *, full: bool) -> tuple[str, ...] | None:
+        """The inputs of ``fqn`` feeding the columns when it can be the group's block, else None.
+
+        ``full``: the block holds the rows and returns their output alone; otherwise it holds
+        only the columns and returns their (sharded) output alone.
+        """
+        module = self.modules.get(fqn)
+        if module is None or leaf_kind(module, self.source) != "source" or not fqn:
+            return None
+        flow = self._flow(fqn)
+        group = cols | rows | mids
+        pre = set()
+        for leaf, origins in flow.edges.items():
+            if leaf in group:
+                continue
+            params = [p for p in self.modules[leaf].parameters()]
+            if origins and all(o.startswith("in:") for o in origins) and all(p.dim() == 1 for p in params):
+                pre.add(leaf)  # a norm of the replicated input before the columns
+                continue
+            return None
+        outputs = flow.result.item(0).whole()
+        allowed = rows if full else cols | mids
+        if not outputs or not outputs <= allowed | {o for o in outputs if o.startswith("in:")}:
+            return None
+        inputs: set[str] = set()
+        for col in cols:
+            for origin in flow.edges.get(col, ()):
+                if origin.startswith("in:"):
+                    inputs.add(origin[3:])
+                elif origin in pre:
+                    inputs |= {o[3:] for o in flow.edges[origin] if o.startswith("in:")}
+                else:
+                    return None
+        if not inputs:
+            return None
+        if full and any(o.startswith("in:") for o in outputs):
+            return None  # a residual (or another input) added to the output inside the module
+        if not full and any(o[3:] in inputs for o in outputs if o.startswith("in:")):
+            return None
+        return tuple(sorted(inputs))
+
+    # -- embeddings
+
+    def _vocabulary(self) -> None:
+        import torch.nn as nn
+
+        get_in = getattr(self.model, "get_input_embeddings", None)
+        get_out = getattr(self.model, "get_output_embeddings", None)
+        try:
+            embedding = get_in() if callable(get_in) else None
+        except Exception:
+            embedding = None
+        try:
+            head = get_out() if callable(get_out) else None
+        except Exception:
+            head = None
+        emb_fqn = self.names.get(id(embedding)) if embedding is not None else None
+        head_fqn = self.names.get(id(head)) if head is not None else None
+        tied = (
+            embedding is not None
+            and head is not None
+            and getattr(embedding, "weight", None) is getattr(head, "weight", None)
+        )
+        raw = _raw_weight_reads(self.model, self.source)
+        ok_emb = ok_head = False
+        if emb_fqn and isinstance(embedding, nn.Embedding):
+            reason = self._vocab_problem(emb_fqn, embedding.num_embeddings, raw)
+            if reason:
+                self.result.note(emb_fqn, False, reason)
+            else:
+                ok_emb = True
+        elif emb_fqn:
+            self.result.note(emb_fqn, False, f"the input embedding is a {type(embedding).__name__}, not nn.Embedding")
+        if head_fqn and _is_nn_linear(head):
+            reason = self._vocab_problem(head_fqn, head.out_features, raw)
+            if reason:
+                self.result.note(head_fqn, False, reason)
+            else:
+                ok_head = True
+        elif head_fqn:
+            self.result.note(head_fqn, False, f"the output projection is a {type(head).__name__}, not nn.Linear")
+        if tied and not (ok_emb and ok_head):
+            ok_emb = ok_head = False
+        if ok_emb and emb_fqn:
+            self.result.placed[emb_fqn] = Placed(emb_fqn, "embedding", {"weight": "S(0)"}, why="vocab-parallel embedding")
+            self.result.note(emb_fqn, True, "vocab-parallel embedding: rows S(0), the partial lookups all-reduced")
+        if ok_head and head_fqn:
+            placed = Placed(head_fqn, "lm_head", {"weight": "S(0)"}, why="column-parallel output projection")
+            if head.bias is not None:
+                placed.params["bias"] = "S(0)"
+                self._aliases(head_fqn, "bias", "S(0)")
+            self.result.placed[head_fqn] = placed
+            self.result.note(head_fqn, True, "column-parallel output projection: vocabulary rows S(0), logits gathered")
+
+    def _vocab_problem(self, fqn: str, rows: int, raw: set[str]) -> str | None:
+        if self.tp is not None and rows < self.tp:
+            return f"{rows} vocabulary rows, fewer than --tp {self.tp}"
+        name = fqn.rpartition(".")[2]
+        if name in raw:
+            return f"other code reads {name}.weight directly (not through the module), which a shard would break"
+        return None
+
+    def _aliases(self, owner: str, leaf: str, placement: str) -> None:
+        """Other registrations of ``owner.leaf`` (BERT's ``predictions.bias``): the same layout, by name."""
+        target = self.modules[owner]._parameters[leaf]
+        for name, module in self.model.named_modules(remove_duplicate=False):
+            if name == owner:
+                continue
+            for attr, param in module._parameters.items():
+                if param is target and name not in self.result.placed:
+                    self.result.placed[name] = Placed(name, "alias", {attr: placement}, why=f"the same Parameter as {owner}.{leaf}")
+
+
+# --------------------------------------------------------------------------- graph helpers
+
+
+@dataclass
+class _Sources:
+    linears: set[str] = field(default_factory=set)
+    markers: set[str] = field(default_factory=set)
+    mids: set[str] = field(default_factory=set)
+
+
+def _sources(flow: Flow, fqn: str, linears: set[str]) -> _Sources:
+    """The projections and inputs feeding ``fqn``, looking through the layers between (norms)."""
+    found = _Sources()
+    pending = list(flow.edges.get(fqn, ()))
+    seen: set[str] = set()
+    while pending:
+        origin = pending.pop()
+        if origin in seen:
+            continue
+        seen.add(origin)
+        if origin.startswith("in:"):
+            found.markers.add(origin[3:])
+        elif origin.startswith("param:"):
+            continue
+        elif origin in linears:
+            found.linears.add(origin)
+        elif origin in flow.edges:
+            found.mids.add(origin)
+            pending.extend(flow.edges[origin])
+    return found
+
+
+def _first_marker(flow: Flow) -> str | None:
+    """The layer's first ``forward`` parameter: the residual stream."""
+    return flow.first_input
+
+
+def _depths(flow: Flow) -> dict[str, int]:
+    memo: dict[str, int] = {}
+
+    def depth(node: str, stack: frozenset[str] = frozenset()) -> int:
+        if node in memo:
+            return memo[node]
+        if node in stack or node not in flow.edges:
+            return 0
+        value = 1 + max((depth(o, stack | {node}) for o in flow.edges[node]), default=0)
+        memo[node] = value
+        return value
+
+    for node in flow.edges:
+        depth(node)
+    return memo
+
+
+def _linear_origins(origins: frozenset[str], flow: Flow) -> set[str]:
+    return {o for o in origins if o in flow.edges}
+
+
+def _layout_of(use: ShapeUse, n: int, heads: tuple[int, int, int] | None) -> tuple[str, Any]:
+    """What the first reshape after a projection of ``n`` features says about its layout."""
+    if use.method in ("split", "tensor_split"):
+        sizes = use.arg_vals[0].const if use.arg_vals else None
+        if isinstance(sizes, int) and sizes > 0 and n % sizes == 0:
+            k = n // sizes
+            return ("SS", k) if k > 1 else ("S", 1)
+        if isinstance(sizes, (tuple, list)) and sizes and all(isinstance(s, int) for s in sizes):
+            if sum(sizes) != n:
+                return "unknown", None
+            if len(set(sizes)) == 1:
+                return ("SS", len(sizes)) if len(sizes) > 1 else ("S", 1)
+            return "refuse", (
+                f"the projection packs blocks of unequal sizes {list(sizes)} (multi-query: one key/value head shared "
+                "by all query heads), which no S or SS placement cuts into whole heads per rank"
+            )
+        return "unknown", None
+    if use.method == "chunk":
+        k = use.arg_vals[0].const if use.arg_vals else None
+        if isinstance(k, int) and k > 1 and n % k == 0:
+            return "SS", k
+        return "unknown", None
+    if use.method in ("view", "reshape", "unflatten"):
+        values = use.arg_vals[1:] if use.method == "unflatten" else use.arg_vals
+        dims = _flat_dims(values)
+        suffix = _suffix(dims, n)
+        if suffix is None or heads is None:
+            return "unknown", None
+        q, kv, head_dim = heads
+        if len(suffix) == 1:
+            return "S", 1
+        lead = suffix[0]
+        rest = n // lead
+        if lead in (2, 3) and rest % head_dim == 0 and lead * rest == n and len(suffix) >= 2 and lead not in (q, kv):
+            return "SS", lead  # [k, heads, head_dim]: k packed blocks
+        if lead in (q, kv) and rest % head_dim == 0 and rest // head_dim in (2, 3) or (
+            lead in (q, kv) and len(suffix) >= 3 and suffix[1] in (2, 3)
+        ):
+            return "S", lead  # [heads, k, head_dim]: interleaved per head, whole heads stay together
+        if lead == kv and len(suffix) == 3 and suffix[1] == q // kv + 2:
+            return "S", lead  # [kv groups, queries per group + 2, head_dim]: per key/value group
+        if lead == q + 2 and len(suffix) == 2:
+            return "refuse", (
+                "the projection packs the query heads with one shared key and value head (multi-query), which no S "
+                "or SS placement cuts into whole heads per rank"
+            )
+        if lead * head_dim == n or (len(suffix) == 2 and suffix[1] == head_dim and lead == n // head_dim):
+            return "S", 1
+        return "unknown", None
+    return "unknown", None
+
+
+def _flat_dims(values: Iterable[Val]) -> list[int | None]:
+    dims: list[int | None] = []
+    for value in values:
+        const = value.const
+        if isinstance(const, (tuple, list)):
+            dims.extend(c if isinstance(c, int) else None for c in const)
+        elif value.items is not None:
+            dims.extend(_flat_dims(value.items))
+        elif isinstance(const, int):
+            dims.append(const)
+        else:
+            dims.append(None)
+    return dims
+
+
+def _suffix(dims: list[int | None], n: int) -> list[int] | None:
+    """The trailing known sizes whose product is ``n`` (one ``-1`` among them inferred)."""
+    found: list[int] = []
+    product = 1
+    for dim in reversed(dims):
+        if dim is None:
+            return None
+        if dim == -1:
+            if product == 0 or n % product:
+                return None
+            found.append(-1)
+            break
+        found.append(dim)
+        product *= dim
+        if product == n:
+            return list(reversed(found))
+        if product > n:
+            return None
+    if found and found[-1] == -1:
+        found[-1] = n // product
+        return list(reversed(found))
+    return None
+
+
+def _arg_reads(use: ShapeUse) -> set[tuple[str, str]]:
+    reads: set[tuple[str, str]] = set()
+    for value in use.arg_vals:
+        reads |= value.all_reads()
+    return reads
+
+
+def _raw_weight_reads(model: Any, source: Path) -> set[str]:
+    """Attribute names ``x`` for which some code of the file reads ``<...>.x.weight`` outside that module."""
+    try:
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError):
+        return set()
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "weight" and isinstance(node.value, ast.Attribute):
+            found.add(node.value.attr)
+    # tie_weights and init code read weights too: only forward-time reads matter
+    forward_reads = set()
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        for function in cls.body:
+            if isinstance(function, ast.FunctionDef) and function.name == "forward":
+                for node in ast.walk(function):
+                    if isinstance(node, ast.Attribute) and node.attr == "weight" and isinstance(node.value, ast.Attribute):
+                        forward_reads.add(node.value.attr)
+    return found & forward_reads
+
+
+# --------------------------------------------------------------------------- module helpers
+
+
+def _is_linear(module: Any) -> bool:
+    import torch.nn as nn
+
+    return isinstance(module, nn.Linear) or _is_conv1d(module)
+
+
+def _is_nn_linear(module: Any) -> bool:
+    import torch.nn as nn
+
+    return isinstance(module, nn.Linear)
+
+
+def _is_conv1d(module: Any) -> bool:
+    """transformers' ``Conv1D`` (GPT-2): a linear layer whose weight is ``[in, out]``."""
+    weight = getattr(module, "weight", None)
+    return (
+        type(module).__name__ == "Conv1D"
+        and isinstance(getattr(module, "nf", None), int)
+        and weight is not None
+        and tuple(weight.shape) == (module.nx, module.nf)
+    )
+
+
+def _out_features(module: Any) -> int:
+    return module.nf if _is_conv1d(module) else module.out_features
+
+
+def _in_features(module: Any) -> int:
+    return module.nx if _is_conv1d(module) else module.in_features
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _is_head_dim_name(attr: str) -> bool:
+    leaf = attr.rpartition(".")[2].lower()
+    return leaf in HEAD_DIM_ATTRS or "head_dim" in leaf or "head_size" in leaf
+
+
+def _per_head_input(name: str) -> bool:
+    lowered = name.lower()
+    return any(part in lowered for part in PER_HEAD_INPUTS) and "mask" not in lowered
+
+
+def _lca(fqns: Iterable[str]) -> str:
+    parts = [f.split(".") for f in fqns]
+    if not parts:
+        return ""
+    common = []
+    for segments in zip(*parts):
+        if len(set(segments)) != 1:
+            break
+        common.append(segments[0])
+    return ".".join(common)
+
+
+def _prefixes(fqn: str) -> list[str]:
+    parts = fqn.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def _between(cols: Iterable[str], top: str) -> list[str]:
+    """Modules from the columns' parents up to ``top``, nearest first."""
+    found: list[str] = []
+    for col in sorted(cols):
+        path = col.rpartition(".")[0]
+        while path and (path == top or path.startswith(top + ".") or not top):
+            if path not in found:
+                found.append(path)
+            if path == top:
+                break
+            path = path.rpartition(".")[0]
+    return found
+
+
+def _relative(fqn: str, base: str) -> str:
+    return fqn[len(base) + 1 :] if base and fqn.startswith(base + ".") else ("" if fqn == base else fqn)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _generic(name: str) -> str:
+    import re
+
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
