@@ -778,24 +778,34 @@ def _arg_reads(use: ShapeUse) -> set[tuple[str, str]]:
 
 
 def _raw_weight_reads(model: Any, source: Path) -> set[str]:
-    """Attribute names ``x`` for which some code of the file reads ``<...>.x.weight`` outside that module."""
+    """Attribute names ``x`` for which some ``forward`` of the file computes with ``<...>.x.weight`` itself.
+
+    Reading its metadata (``self.lm_head.weight.dtype``) is fine; using the tensor
+    (``F.linear(h, self.wte.weight)``) would compute with a shard.
+    """
     try:
         tree = ast.parse(source.read_text(encoding="utf-8"))
     except (OSError, SyntaxError):
         return set()
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr == "weight" and isinstance(node.value, ast.Attribute):
-            found.add(node.value.attr)
-    # tie_weights and init code read weights too: only forward-time reads matter
-    forward_reads = set()
+    found: set[str] = set()
     for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
         for function in cls.body:
-            if isinstance(function, ast.FunctionDef) and function.name == "forward":
-                for node in ast.walk(function):
-                    if isinstance(node, ast.Attribute) and node.attr == "weight" and isinstance(node.value, ast.Attribute):
-                        forward_reads.add(node.value.attr)
-    return found & forward_reads
+            if not (isinstance(function, ast.FunctionDef) and function.name == "forward"):
+                continue
+            metadata = {
+                id(node.value)
+                for node in ast.walk(function)
+                if isinstance(node, ast.Attribute) and node.attr in ("dtype", "device", "shape", "ndim", "requires_grad")
+            }
+            for node in ast.walk(function):
+                if (
+                    isinstance(node, ast.Attribute)
+                    and node.attr == "weight"
+                    and isinstance(node.value, ast.Attribute)
+                    and id(node) not in metadata
+                ):
+                    found.add(node.value.attr)
+    return found
 
 
 # --------------------------------------------------------------------------- module helpers
@@ -837,8 +847,11 @@ def _int(value: Any) -> int | None:
 
 
 def _is_head_dim_name(attr: str) -> bool:
+    """``head_dim``, ``attention_head_size``: the size of one head (never divided), not ``all_head_size``."""
     leaf = attr.rpartition(".")[2].lower()
-    return leaf in HEAD_DIM_ATTRS or "head_dim" in leaf or "head_size" in leaf
+    if leaf.startswith(("all_", "total_", "num_", "n_")):
+        return False
+    return leaf in HEAD_DIM_ATTRS or leaf.endswith(("head_dim", "head_size"))
 
 
 def _per_head_input(name: str) -> bool:
