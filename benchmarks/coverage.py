@@ -369,7 +369,7 @@ def prepare(model_type: str, directory: Path, *, sp: bool = False) -> tuple[Row,
             row.reason = f"lower: {error}"
             return row, None
         row.lower_ok = True
-        if not is_decoder_only_causal_lm(cls, config):
+        if not is_decoder_only_causal_lm(cls, getattr(model, "config", config)):  # BartForCausalLM: a decoder
             row.reason = "parity not run: not a decoder-only causal LM"
             return row, None
         size = sum(param.numel() for param in model.parameters())

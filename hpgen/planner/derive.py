@@ -193,37 +193,36 @@ class _Deriver:
     def _groups(
         self, flow: Flow, linears: set[str], depth: Mapping[str, int]
     ) -> list[tuple[set[str], set[str], set[str]]]:
-        """(columns, rows, per-head layers between) of each column -> row group of one layer."""
+        """(columns, rows, per-head layers between) of each column -> row group of one layer.
+
+        A row-parallel projection writes the stream's width (the hidden size, or the width
+        the layer's stream-fed projections read) from other projections' outputs alone; the
+        projections it reads are its columns, unless they are rows themselves (a reduced,
+        replicated value: ``down_proj -> linear`` in Zamba2 pairs ``down_proj`` with its
+        own columns, and ``linear`` stays replicated).
+        """
         main = _first_marker(flow)
-        candidates = []
-        for fqn in linears:
-            found = _sources(flow, fqn, linears)
-            if found.linears and main not in found.markers:
-                candidates.append((fqn, found))
-        candidates.sort(key=lambda item: (-depth.get(item[0], 0), item[0]))
-        rows_of: dict[str, set[str]] = {}  # column -> rows
-        taken_rows: set[str] = set()
-        mids_of: dict[str, set[str]] = {}
-        for fqn, found in candidates:
-            if fqn in rows_of:  # already the column of a deeper row (a chain pairs at its end)
-                continue
-            if found.linears & taken_rows:
-                continue
-            taken_rows.add(fqn)
-            mids_of[fqn] = set(found.mids)
-            for column in found.linears:
-                rows_of.setdefault(column, set()).add(fqn)
-        # rows sharing a column form one group
+        found = {fqn: _sources(flow, fqn, linears, self._per_head) for fqn in linears}
+        widths = {_int(getattr(self.text_config, "hidden_size", None))}
+        widths |= {_in_features(self.modules[f]) for f, src in found.items() if not src.linears}
+        rows = {
+            fqn
+            for fqn, src in found.items()
+            if src.linears and main not in src.markers and not src.stops and _out_features(self.modules[fqn]) in widths
+        }
         groups: list[tuple[set[str], set[str], set[str]]] = []
-        for row in sorted(taken_rows):
-            cols = {c for c, rows in rows_of.items() if row in rows}
+        for row in sorted(rows, key=lambda f: (depth.get(f, 0), f)):
+            src = found[row]
+            cols = src.linears - rows
+            if not cols or src.linears & rows:  # nothing to pair, or a sharded value mixed with a reduced one
+                continue
             merged = next((g for g in groups if g[0] & cols), None)
             if merged is None:
-                groups.append((cols, {row}, set(mids_of[row])))
+                groups.append((set(cols), {row}, set(src.mids)))
             else:
                 merged[0].update(cols)
                 merged[1].add(row)
-                merged[2].update(mids_of[row])
+                merged[2].update(src.mids)
         return groups
 
     # -- one group
@@ -247,7 +246,12 @@ class _Deriver:
         if flow.result.item(0).whole() & sharded:
             raise Refused("the layer returns a value computed from the sharded projections")
         side = sorted(
-            {m for row in rows for m in _sources(flow, row, linears).markers if _per_head_input(m)}
+            {
+                m
+                for row in rows
+                for m in _sources(flow, row, linears, self._per_head).markers
+                if _per_head_input(m) and not self._switched_off(m)
+            }
         )
         if side and what == "attention":
             raise Refused(
@@ -255,17 +259,35 @@ class _Deriver:
                 "it, which the plan cannot cut to this rank's heads"
             )
         heads = self._heads(cols, rows, layer) if what == "attention" else None
-        layouts = {col: self._column_layout(flow, col, heads, layer, what) for col in sorted(cols)}
+        layouts = {col: self._column_layout(flow, col, cols, heads, layer, what) for col in sorted(cols)}
         if what == "attention" and heads is not None:
             self._check_heads(cols, layouts, heads, layer)
         counts = self._sharded_counts(cols, rows, layouts, heads)
         divide = self._divided_attrs(flow, sharded, counts, layer)
         self._boundaries(layer, cols, rows, mids, layouts, divide, what)
 
+    def _per_head(self, fqn: str) -> bool:
+        """A layer of 1-D parameters of one head's size (a per-head ``q_norm``), which works on whole heads."""
+        if not hasattr(self, "_head_sizes"):
+            sizes = {_int(getattr(self.text_config, "head_dim", None))}
+            for module in self.modules.values():
+                sizes |= {_int(getattr(module, name, None)) for name in HEAD_DIM_ATTRS}
+            self._head_sizes = {size for size in sizes if size}
+        params = list(self.modules[fqn].parameters())
+        return bool(params) and all(p.dim() == 1 and p.numel() in self._head_sizes for p in params)
+
+    def _switched_off(self, name: str) -> bool:
+        """An ``alibi`` input of a model whose config turns alibi off (Falcon's default): it arrives as None."""
+        for attr in (name, f"use_{name}"):
+            value = getattr(self.text_config, attr, None)
+            if value is False:
+                return True
+        return False
+
     def _is_attention(self, cols: set[str], rows: set[str]) -> bool:
         common = _lca(cols | rows)
-        names = [type(self.modules[p]).__name__ for p in _prefixes(common) if p in self.modules]
-        if any("attn" in n.lower() or "attention" in n.lower() for n in names[-2:]):
+        name = type(self.modules[common]).__name__.lower() if common in self.modules else ""
+        if "attn" in name or "attention" in name:
             return True
         return any(self._attr(p, HEAD_DIM_ATTRS) is not None for p in _between(cols, common))
 
@@ -321,12 +343,14 @@ class _Deriver:
         return None
 
     def _column_layout(
-        self, flow: Flow, col: str, heads: tuple[int, int, int] | None, layer: str, what: str
+        self, flow: Flow, col: str, cols: set[str], heads: tuple[int, int, int] | None, layer: str, what: str
     ) -> tuple[str, int]:
         """``("S", 1)`` (plain), ``("SS", k)`` (k packed blocks) for one column projection."""
         module = self.modules[col]
         n = _out_features(module)
-        first = next((use for use in flow.shapes if _linear_origins(use.receiver, flow) == {col}), None)
+        first = next(
+            (use for use in flow.shapes if col in use.receiver and _linear_origins(use.receiver, flow) <= cols), None
+        )
         if first is None:
             return "S", 1
         kind, k = _layout_of(first, n, heads)
@@ -517,6 +541,8 @@ class _Deriver:
         module = self.modules.get(fqn)
         if module is None or leaf_kind(module, self.source) != "source" or not fqn:
             return None
+        if not _returns_addressable(type(module)):
+            return None  # returns a list: the plan addresses a value or the first item of a tuple
         flow = self._flow(fqn)
         group = cols | rows | mids
         pre = set()
@@ -534,11 +560,11 @@ class _Deriver:
             return None
         inputs: set[str] = set()
         for col in cols:
-            for origin in flow.edges.get(col, ()):
+            for origin in flow.inputs.get(col, ()):
                 if origin.startswith("in:"):
                     inputs.add(origin[3:])
                 elif origin in pre:
-                    inputs |= {o[3:] for o in flow.edges[origin] if o.startswith("in:")}
+                    inputs |= {o[3:] for o in flow.inputs[origin] if o.startswith("in:")}
                 else:
                     return None
         if not inputs:
@@ -628,11 +654,16 @@ class _Deriver:
 class _Sources:
     linears: set[str] = field(default_factory=set)
     markers: set[str] = field(default_factory=set)
-    mids: set[str] = field(default_factory=set)
+    mids: set[str] = field(default_factory=set)  # per-head norms passed through
+    stops: set[str] = field(default_factory=set)  # other layers: their output counts as replicated
 
 
-def _sources(flow: Flow, fqn: str, linears: set[str]) -> _Sources:
-    """The projections and inputs feeding ``fqn``, looking through the layers between (norms)."""
+def _sources(flow: Flow, fqn: str, linears: set[str], per_head: Any = None) -> _Sources:
+    """The projections and inputs feeding ``fqn``, looking through per-head norms (``q_norm``).
+
+    Any other layer on the way (a norm over the whole width, a convolution) ends the walk:
+    what it computes is not a shard of a projection's output.
+    """
     found = _Sources()
     pending = list(flow.edges.get(fqn, ()))
     seen: set[str] = set()
@@ -648,6 +679,9 @@ def _sources(flow: Flow, fqn: str, linears: set[str]) -> _Sources:
         elif origin in linears:
             found.linears.add(origin)
         elif origin in flow.edges:
+            if per_head is not None and not per_head(origin):
+                found.stops.add(origin)
+                continue
             found.mids.add(origin)
             pending.extend(flow.edges[origin])
     return found
@@ -705,8 +739,12 @@ def _layout_of(use: ShapeUse, n: int, heads: tuple[int, int, int] | None) -> tup
         values = use.arg_vals[1:] if use.method == "unflatten" else use.arg_vals
         dims = _flat_dims(values)
         suffix = _suffix(dims, n)
-        if suffix is None or heads is None:
+        if suffix is None:
             return "unknown", None
+        if heads is None:  # an MLP: [k, features] packs k projections (gate and up)
+            if len(suffix) >= 2 and suffix[0] in (2, 3):
+                return "SS", suffix[0]
+            return "S", 1
         q, kv, head_dim = heads
         if len(suffix) == 1:
             return "S", 1
@@ -747,26 +785,28 @@ def _flat_dims(values: Iterable[Val]) -> list[int | None]:
 
 
 def _suffix(dims: list[int | None], n: int) -> list[int] | None:
-    """The trailing known sizes whose product is ``n`` (one ``-1`` among them inferred)."""
-    found: list[int] = []
-    product = 1
+    """The trailing known sizes that split ``n`` features (one ``-1`` among them inferred), else None."""
+    known: list[int] = []
     for dim in reversed(dims):
         if dim is None:
-            return None
-        if dim == -1:
-            if product == 0 or n % product:
-                return None
-            found.append(-1)
             break
-        found.append(dim)
-        product *= dim
-        if product == n:
-            return list(reversed(found))
-        if product > n:
+        known.append(dim)
+    known.reverse()
+    if known.count(-1) > 1:
+        return None
+    if -1 in known:
+        others = 1
+        for dim in known:
+            others *= dim if dim != -1 else 1
+        if others <= 0 or n % others:
             return None
-    if found and found[-1] == -1:
-        found[-1] = n // product
-        return list(reversed(found))
+        return [n // others if dim == -1 else dim for dim in known]
+    for start in range(len(known) - 1, -1, -1):  # the shortest suffix whose product is n
+        product = 1
+        for dim in known[start:]:
+            product *= dim
+        if product == n:
+            return known[start:]
     return None
 
 
@@ -806,6 +846,36 @@ def _raw_weight_reads(model: Any, source: Path) -> set[str]:
                 ):
                     found.add(node.value.attr)
     return found
+
+
+def _returns_addressable(cls: type) -> bool:
+    """Whether every ``return`` of the class's ``forward`` gives a value or a tuple (not a list display)."""
+    from hpgen.planner.flow import _function
+
+    function = _function(cls, "forward")
+    if function is None:
+        return False
+    for node in ast.walk(function):
+        if isinstance(node, ast.Return) and node.value is not None:
+            value = node.value
+            if isinstance(value, (ast.List, ast.ListComp)) or (
+                isinstance(value, ast.BinOp) and any(isinstance(v, ast.List) for v in (value.left, value.right))
+            ):
+                return False
+            if isinstance(value, ast.Name) and _assigned_list(function, value.id):
+                return False
+    return True
+
+
+def _assigned_list(function: ast.FunctionDef, name: str) -> bool:
+    for node in ast.walk(function):
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            value = node.value
+            if isinstance(value, (ast.List, ast.ListComp)) or (
+                isinstance(value, ast.BinOp) and any(isinstance(v, ast.List) for v in (value.left, value.right))
+            ):
+                return True
+    return False
 
 
 # --------------------------------------------------------------------------- module helpers

@@ -108,8 +108,11 @@ def merge(a: Val, b: Val) -> Val:
     """Join of two branches: item-wise where both are tuples of one length."""
     if a is b:
         return a
-    if a.items is not None and b.items is not None and len(a.items) == len(b.items):
-        return Val(a.origins | b.origins, tuple(merge(x, y) for x, y in zip(a.items, b.items)), a.reads | b.reads)
+    if a.items is not None and b.items is not None:
+        # a tuple of either length: item i merges both where both have it (``outputs += (attn_weights,)``)
+        longer = a.items if len(a.items) >= len(b.items) else b.items
+        common = tuple(merge(x, y) for x, y in zip(a.items, b.items))
+        return Val(a.origins | b.origins, common + longer[len(common) :], a.reads | b.reads)
     if a.modules is not None and b.modules is not None:
         return Val(modules=tuple(dict.fromkeys((*a.modules, *b.modules))))
     if a.modules is not None and not b.whole():
@@ -136,6 +139,7 @@ class Flow:
     """What one abstract run found."""
 
     edges: dict[str, set[str]] = field(default_factory=dict)  # leaf FQN -> origins of its inputs
+    inputs: dict[str, set[str]] = field(default_factory=dict)  # leaf FQN -> origins of its first (data) input
     leaf_calls: dict[str, int] = field(default_factory=dict)  # leaf FQN -> how many call sites
     shapes: list[ShapeUse] = field(default_factory=list)
     raw_params: dict[str, set[str]] = field(default_factory=dict)  # module FQN -> parameters its code reads
@@ -232,6 +236,8 @@ class _Runner:
             if not any(True for _ in module.parameters(recurse=True)):
                 return Val(incoming.whole())  # an activation, a dropout, a rotary table: transparent
             self.flow.edges.setdefault(fqn, set()).update(incoming.whole())
+            first = (args or [None])[0] if args else next(iter((kwargs or {}).values()), None)
+            self.flow.inputs.setdefault(fqn, set()).update(first.whole() if first is not None else ())
             self.flow.leaf_calls[fqn] = self.flow.leaf_calls.get(fqn, 0) + 1
             return Val(frozenset({fqn}))
         function = _function(type(module), method)
@@ -324,7 +330,11 @@ class _Frame:
         elif isinstance(node, ast.AugAssign):
             value = self.expr(node.value)
             if isinstance(node.target, ast.Name):
-                self.env[node.target.id] = union((self.env.get(node.target.id, EMPTY), value))
+                before = self.env.get(node.target.id, EMPTY)
+                if isinstance(node.op, ast.Add) and before.items is not None:
+                    self.env[node.target.id] = Val(items=before.items + _as_items(value))
+                else:
+                    self.env[node.target.id] = union((before, value))
                 self.consts.pop(node.target.id, None)
             else:
                 self.assign(node.target, union((self.expr(node.target), value)), _UNKNOWN)
@@ -595,6 +605,14 @@ class _Frame:
             )
         )
 
+    def _BinOp(self, node: ast.BinOp) -> Val:
+        left, right = self.expr(node.left), self.expr(node.right)
+        if isinstance(node.op, ast.Add) and left.items is not None:
+            return Val(items=left.items + _as_items(right))  # (out,) + rest: out stays item 0
+        if isinstance(node.op, ast.Add) and right.items is not None and _nothing(left):
+            return right
+        return union((left, right))
+
     def _Lambda(self, node: ast.Lambda) -> Val:
         return EMPTY
 
@@ -695,6 +713,17 @@ class _Frame:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _nothing(value: Val) -> bool:
+    return value.items is None and value.modules is None and not value.origins
+
+
+def _as_items(value: Val) -> tuple[Val, ...]:
+    """The items a tuple gains from ``+ value``: its items, nothing for an empty value, else one unknown rest."""
+    if value.items is not None:
+        return value.items
+    return () if _nothing(value) else (union([value]),)
 
 
 def _element(iterated: Val) -> Val:

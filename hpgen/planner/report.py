@@ -63,6 +63,7 @@ class SizeReport:
     per_layer: dict[str, list[Collective]] = field(default_factory=dict)  # layer pattern -> its collectives
     outside: list[Collective] = field(default_factory=list)  # embedding, lm_head, final norm...
     grad_reduce_bytes: int = 0  # per backward: gradients of grad_reduce_params all-reduced
+    optional: set[str] = field(default_factory=set)  # inputs defaulting to None: their collectives only when given
 
     def totals(self, phase: str) -> dict[str, tuple[int, int, float]]:
         """kind -> (calls, tensor bytes, sent bytes) per token over a whole forward (or backward)."""
@@ -119,6 +120,11 @@ class SizeReport:
             if totals:
                 parts = [f"{calls} {kind} ({mb(tensor)}, {mb(sent)} sent per rank)" for kind, (calls, tensor, sent) in totals.items()]
                 lines.append(f"  total per {phase}: " + "; ".join(parts))
+        if self.optional:
+            lines.append(
+                "  not counted: the inputs " + ", ".join(sorted(self.optional)) + " default to None (cross-attention and "
+                "the like) and add their collectives only when given"
+            )
         if self.grad_reduce_bytes:
             lines.append(f"  plus, once per backward: gradient all-reduces of replicated parameters, {mb(self.grad_reduce_bytes)}")
         return "\n".join(lines)
@@ -198,7 +204,7 @@ def size_report(model: Any, plan: Mapping[str, Any] | Plan, *, tp: int, dtype: A
     for fqn, entry in sorted(matched.items(), key=lambda item: _natural(item[0])):
         if not entry.is_boundary:
             continue
-        collectives = _collectives(loaded, entry, fqn, modules[fqn], element, hidden)
+        collectives = _collectives(loaded, entry, fqn, modules[fqn], element, hidden, report.optional)
         for name in entry.grad_reduce_params:
             try:
                 report.grad_reduce_bytes += modules[fqn].get_parameter(name).numel() * element
@@ -227,14 +233,26 @@ def size_report(model: Any, plan: Mapping[str, Any] | Plan, *, tp: int, dtype: A
     return _ring(report)
 
 
-def _collectives(plan: Plan, entry: Any, fqn: str, module: Any, element: int, hidden: Any) -> list[Collective]:
+def _collectives(
+    plan: Plan, entry: Any, fqn: str, module: Any, element: int, hidden: Any, optional: set[str]
+) -> list[Collective]:
+    import inspect
+
     import torch.nn as nn
 
     wrapped = isinstance(module, (nn.Linear, nn.Embedding))
     inputs, outputs = value_ops(plan, entry.key, known_inputs=("input",) if isinstance(module, nn.Linear) else ())
+    try:
+        signature = inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):
+        signature = {}
     found: list[Collective] = []
     for side, values in (("in", inputs), ("out", outputs)):
         for value in values:
+            parameter = signature.get(value.name) if side == "in" else None
+            if parameter is not None and parameter.default is None and not wrapped:
+                optional.add(value.name)
+                continue
             width = _width(module, value.name, side, entry, hidden, wrapped)
             for op in value.ops:
                 if op.axis != "tp" or op.is_identity:
