@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpgen.planner.flow import Flow, ShapeUse, Val, leaf_kind, module_names, run_module
+from hpgen.planner.flow import SIZE, Flow, ShapeUse, Val, leaf_kind, module_names, run_module
 
 __all__ = ["Derivation", "Note", "Placed", "derive"]
 
@@ -418,6 +418,15 @@ class _Deriver:
         replicated: set[tuple[str, str]] = set()
         for use in flow.shapes:
             origins = use.receiver
+            if origins & sharded and use.method in ("view", "reshape"):
+                last = _last_dim(use)
+                if last is not None and any(
+                    module == SIZE and not (set(attr.split(",")) & sharded) for module, attr in last.all_reads()
+                ) and last.const != -1:
+                    raise Refused(
+                        f"{_relative(use.module, layer) or 'the layer'} reshapes the sharded values to a width read "
+                        f"from an unsharded tensor's size (line {use.line}), which a shard does not have"
+                    )
             for module, attr in _arg_reads(use):
                 if attr.startswith(("missing:", "method:")):
                     continue
@@ -620,6 +629,9 @@ class _Deriver:
         if ok_emb and emb_fqn:
             self.result.placed[emb_fqn] = Placed(emb_fqn, "embedding", {"weight": "S(0)"}, why="vocab-parallel embedding")
             self.result.note(emb_fqn, True, "vocab-parallel embedding: rows S(0), the partial lookups all-reduced")
+            self._aliases(emb_fqn, "weight", "S(0)")
+        if ok_emb and emb_fqn:
+            self._other_tables(embedding.num_embeddings, raw)
         if ok_head and head_fqn:
             placed = Placed(head_fqn, "lm_head", {"weight": "S(0)"}, why="column-parallel output projection")
             if head.bias is not None:
@@ -627,6 +639,29 @@ class _Deriver:
                 self._aliases(head_fqn, "bias", "S(0)")
             self.result.placed[head_fqn] = placed
             self.result.note(head_fqn, True, "column-parallel output projection: vocabulary rows S(0), logits gathered")
+            if not tied:
+                self._aliases(head_fqn, "weight", "S(0)")
+
+    def _other_tables(self, word_rows: int, raw: set[str]) -> None:
+        """Other lookup tables outside the layers (learned positions, shape ids) as large as a quarter of the
+        vocabulary: vocab-parallel too. Each costs one all-reduce of its output, worth it only for a big table."""
+        import torch.nn as nn
+
+        for fqn, module in self.modules.items():
+            if fqn in self.result.placed or not isinstance(module, nn.Embedding):
+                continue
+            if type(module).forward is not nn.Embedding.forward or any(part.isdigit() for part in fqn.split(".")):
+                continue  # a subclass computing its own ids (OPT's learned positions), or a table inside a layer
+            rows = module.num_embeddings
+            if rows * 4 < word_rows or self._vocab_problem(fqn, rows, raw) or module.weight.dim() != 2:
+                continue
+            if any(p is module.weight for n, p in self.model.named_parameters(remove_duplicate=False) if not n.startswith(fqn + ".")):
+                continue  # tied to something else
+            self.result.placed[fqn] = Placed(fqn, "embedding", {"weight": "S(0)"}, why="vocab-parallel table")
+            self.result.note(
+                fqn, True, f"vocab-parallel lookup table ({rows} rows, as large as {rows / word_rows:.0%} of the "
+                "vocabulary): one more all-reduce per forward"
+            )
 
     def _vocab_problem(self, fqn: str, rows: int, raw: set[str]) -> str | None:
         if self.tp is not None and rows < self.tp:
@@ -637,13 +672,22 @@ class _Deriver:
         return None
 
     def _aliases(self, owner: str, leaf: str, placement: str) -> None:
-        """Other registrations of ``owner.leaf`` (BERT's ``predictions.bias``): the same layout, by name."""
+        """Other registrations of ``owner.leaf`` (BERT's ``predictions.bias``, ProphetNet's second
+        ``word_embeddings``): the same layout under that name; an ``nn.Embedding`` holding it is
+        a vocab-parallel boundary too, since its lookups now see a shard."""
+        import torch.nn as nn
+
         target = self.modules[owner]._parameters[leaf]
-        for name, module in self.model.named_modules(remove_duplicate=False):
-            if name == owner:
+        for name, module in self.model.named_modules():
+            if name == owner or name in self.result.placed:
                 continue
             for attr, param in module._parameters.items():
-                if param is target and name not in self.result.placed:
+                if param is not target:
+                    continue
+                if isinstance(module, nn.Embedding) and attr == "weight":
+                    self.result.placed[name] = Placed(name, "embedding", {"weight": placement}, why="vocab-parallel embedding")
+                    self.result.note(name, True, f"vocab-parallel embedding (its weight is {owner}.{leaf})")
+                else:
                     self.result.placed[name] = Placed(name, "alias", {attr: placement}, why=f"the same Parameter as {owner}.{leaf}")
 
 
@@ -716,7 +760,10 @@ def _linear_origins(origins: frozenset[str], flow: Flow) -> set[str]:
 def _layout_of(use: ShapeUse, n: int, heads: tuple[int, int, int] | None) -> tuple[str, Any]:
     """What the first reshape after a projection of ``n`` features says about its layout."""
     if use.method in ("split", "tensor_split"):
-        sizes = use.arg_vals[0].const if use.arg_vals else None
+        first = use.arg_vals[0] if use.arg_vals else None
+        sizes = first.const if first is not None else None
+        if first is not None and first.items is not None:
+            sizes = tuple(item.const for item in first.items)
         if isinstance(sizes, int) and sizes > 0 and n % sizes == 0:
             k = n // sizes
             return ("SS", k) if k > 1 else ("S", 1)
@@ -810,6 +857,18 @@ def _suffix(dims: list[int | None], n: int) -> list[int] | None:
     return None
 
 
+def _last_dim(use: ShapeUse) -> Val | None:
+    """The value that sizes the last dim of a ``view``/``reshape`` (None when it is not one plain argument)."""
+    if not use.arg_vals:
+        return None
+    last = use.arg_vals[-1]
+    if last.items is not None:
+        return last.items[-1] if last.items else None
+    if len(use.arg_vals) == 1 and isinstance(last.const, (tuple, list)):
+        return None
+    return last
+
+
 def _arg_reads(use: ShapeUse) -> set[tuple[str, str]]:
     reads: set[tuple[str, str]] = set()
     for value in use.arg_vals:
@@ -863,16 +922,18 @@ def _returns_addressable(cls: type) -> bool:
             ):
                 return False
             if isinstance(value, ast.Name) and _assigned_list(function, value.id):
-                return False
+                return False  # ``outputs = (out,) ...; return outputs``: the plan would move the whole tuple
     return True
 
 
 def _assigned_list(function: ast.FunctionDef, name: str) -> bool:
+    """Whether ``name`` is ever bound to a list or tuple display (or a concatenation of them)."""
+    displays = (ast.List, ast.ListComp, ast.Tuple)
     for node in ast.walk(function):
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
             value = node.value
-            if isinstance(value, (ast.List, ast.ListComp)) or (
-                isinstance(value, ast.BinOp) and any(isinstance(v, ast.List) for v in (value.left, value.right))
+            if isinstance(value, displays) or (
+                isinstance(value, ast.BinOp) and any(isinstance(v, displays) for v in (value.left, value.right))
             ):
                 return True
     return False

@@ -471,7 +471,7 @@ class _Frame:
             return self.self_attribute(path)
         value = self.expr(node.value)
         if node.attr in METADATA_ATTRS:
-            return EMPTY
+            return _size_of(value)
         return union([value]) if value.modules is None else value
 
     def self_attribute(self, path: str) -> Val:
@@ -536,7 +536,13 @@ class _Frame:
 
     def _Call(self, node: ast.Call) -> Val:
         func = node.func
-        args = [self._element_value(arg) for arg in node.args]
+        args: list[Val] = []
+        for arg in node.args:  # f(*shape) with a known tuple: its items are the arguments
+            value = self.expr(arg.value) if isinstance(arg, ast.Starred) else None
+            if value is not None and value.items is not None:
+                args.extend(value.items)
+            else:
+                args.append(self._element_value(arg))
         kwargs = {kw.arg: self.expr(kw.value) for kw in node.keywords if kw.arg is not None}
         spread = [self.expr(kw.value) for kw in node.keywords if kw.arg is None]
         operands = [*args, *kwargs.values(), *spread]
@@ -558,7 +564,7 @@ class _Frame:
             if receiver.modules is not None:  # layer.forward(x) on a module reference
                 return self._call_modules(receiver.modules, args, kwargs) if func.attr == "forward" else union(operands)
             if func.attr in METADATA_CALLS:
-                return EMPTY
+                return _size_of(receiver)
             torch_name = _torch_call(func)
             if func.attr in SHAPE_METHODS and torch_name is None:
                 self._shape(func.attr, receiver, node, args)
@@ -713,6 +719,15 @@ class _Frame:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+SIZE = "size"  # the module part of a read that records a tensor's size, not an attribute
+
+
+def _size_of(value: Val) -> Val:
+    """``x.shape`` / ``x.size()``: no data, but it remembers whose size it is (``bsz, len, dim = x.size()``)."""
+    origins = value.whole()
+    return Val(reads=frozenset({(SIZE, ",".join(sorted(origins)))})) if origins else EMPTY
 
 
 def _nothing(value: Val) -> bool:
