@@ -133,6 +133,39 @@ TINY: dict[str, Any] = {
     "decoder_attention_heads": 4,
     "encoder_attention_heads": 4,
 }
+# Model types whose default config, made tiny, needs one more change to be a valid config at all. Each
+# fixes only what the config's own validator or transformers' model code demands, as the comment says.
+CONFIG_FIXES: dict[str, dict[str, Any]] = {
+    # 7 tokens are too few for block-sparse attention; transformers itself falls back to full attention
+    # then, swapping the attention modules at run time
+    "big_bird": {"attention_type": "original_full"},
+    # hidden 64 * expand 2 must equal num_heads * head_dim 16
+    "mamba2": {"num_heads": 8},
+    # "ZAYA currently supports num_experts_per_tok=1 only"
+    "zaya": {"num_experts_per_tok": 1},
+    # the default lists attention and MLP blocks separately (halved at load) and splits the layers into
+    # input, recurrent and output groups, which must add up
+    "dory": {
+        "num_hidden_layers": 3,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "n_input_layers": 1,
+        "n_recurrent_layers": 1,
+        "n_output_layers": 1,
+    },
+    # the shared transformer is tied across hybrid layers: at least two of them
+    "zamba": {"num_hidden_layers": 3, "layers_block_type": ["mamba", "hybrid", "hybrid"]},
+    # a causal LM only as a decoder; axial position embeddings add up to the hidden size and the positions
+    "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32], "axial_pos_shape": [8, 16]},
+    # the default attention config lacks rope_theta and clip_qkv (transformers' own default does not build)
+    "dbrx": {
+        "attn_config": {"rope_theta": 10000.0, "kv_n_heads": 2, "clip_qkv": 8.0},
+        "ffn_config": {"ffn_hidden_size": 89, "moe_num_experts": 4, "moe_top_k": 2},
+    },
+    # the default has no layer_types (transformers' own default does not build)
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    # rope parameters are per layer type (transformers' own default has none)
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+}
 LAYERS = 2
 MAX_LAYERS = 4
 MAX_PARAMS = 60_000_000
@@ -219,6 +252,7 @@ def tiny_config(model_type: str, shape: dict[str, Any] | None = None) -> Any:
 
     default = AutoConfig.for_model(model_type)
     overrides = _overrides(default.to_dict(), getattr(default, "attribute_map", {}) or {}, shape)
+    overrides.update(CONFIG_FIXES.get(model_type, {}))
     try:
         config = AutoConfig.for_model(model_type, **overrides)
     except Exception:  # e.g. an architecture without grouped-query attention

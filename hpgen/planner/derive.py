@@ -236,6 +236,7 @@ class _Deriver:
                 raise Refused(f"{_relative(fqn, layer)} is a {type(self.modules[fqn]).__name__}, not a linear layer")
         for fqn in sorted(mids):
             self._check_mid(fqn, cols, layer)
+        raw = sorted({p for row in rows for p in _sources(flow, row, linears, self._per_head).raw})
         sharded = cols | mids
         for consumer, origins in flow.edges.items():
             if origins & sharded and consumer not in rows and consumer not in mids:
@@ -264,7 +265,38 @@ class _Deriver:
             self._check_heads(cols, layouts, heads, layer)
         counts = self._sharded_counts(cols, rows, layouts, heads)
         divide = self._divided_attrs(flow, sharded, counts, layer)
-        self._boundaries(layer, cols, rows, mids, layouts, divide, what)
+        direct = self._direct_params(raw, cols, layouts, heads, layer)
+        self._boundaries(layer, cols, rows, mids, layouts, divide, what, direct)
+
+    def _direct_params(
+        self,
+        raw: list[str],
+        cols: set[str],
+        layouts: Mapping[str, tuple[str, int]],
+        heads: tuple[int, int, int] | None,
+        layer: str,
+    ) -> dict[str, str]:
+        """Parameters the code between the projections reads itself, and their placement.
+
+        One value per feature of a plainly sharded column (a learned scale on ``q``): sharded
+        with it, ``S(0)``; a scalar or one head's worth (DiffLlama's lambdas): replicated, its
+        gradient reduced by the block; anything else cannot follow the shards.
+        """
+        found: dict[str, str] = {}
+        head_dim = heads[2] if heads is not None else None
+        widths = {_out_features(self.modules[c]) for c in cols if layouts[c] == ("S", 1)}
+        for name in raw:
+            param = self.model.get_parameter(name)
+            if param.dim() == 1 and param.numel() in widths:
+                found[name] = "S(0)"
+            elif param.numel() == 1 or (param.dim() == 1 and param.numel() == head_dim):
+                found[name] = "R"
+            else:
+                raise Refused(
+                    f"the code between the projections computes with {_relative(name, layer)} "
+                    f"{tuple(param.shape)} directly, which does not follow the shards"
+                )
+        return found
 
     def _per_head(self, fqn: str) -> bool:
         """A layer of 1-D parameters of one head's size (a per-head ``q_norm``), which works on whole heads."""
@@ -374,10 +406,12 @@ class _Deriver:
             n = _out_features(self.modules[col])
             kind, k = layouts[col]
             per_block = n // k if kind == "SS" else n
-            if per_block % head_dim:
-                if kind == "S" and k == 1:
-                    raise Refused(f"{_relative(col, layer)} has {n} features, not a whole number of heads of {head_dim}")
-            units = per_block // head_dim
+            if kind == "S" and k == 1 and n in (q, kv) and n % head_dim:
+                units = n  # one value per head (a per-head gate)
+            elif per_block % head_dim:
+                raise Refused(f"{_relative(col, layer)} has {n} features, not a whole number of heads of {head_dim}")
+            else:
+                units = per_block // head_dim
             if kind == "S" and k > 1:  # interleaved per head or per key/value group
                 units = k
             if tp is not None and units % tp:
@@ -473,6 +507,7 @@ class _Deriver:
         layouts: Mapping[str, tuple[str, int]],
         divide: Mapping[str, set[str]],
         what: str,
+        direct: Mapping[str, str],
     ) -> None:
         common = _lca(cols | rows)
         if not (common == layer or common.startswith(layer + ".")):
@@ -494,6 +529,11 @@ class _Deriver:
                 self._params(placed, cols, set(), layouts)
                 pieces.append(placed)
             else:
+                if direct:
+                    raise Refused(
+                        f"the code between the projections reads {_relative(sorted(direct)[0], layer)} directly and "
+                        "needs a block around it, and no module around the columns returns only their output"
+                    )
                 if mids:
                     raise Refused(
                         f"{', '.join(_relative(m, layer) for m in sorted(mids))} between the projections needs a "
@@ -511,6 +551,12 @@ class _Deriver:
                 placed = Placed(row, "row_leaf", why=f"{what}: row-parallel nn.Linear (input arrives sharded)")
                 self._params(placed, set(), {row}, layouts)
                 pieces.append(placed)
+        for name, placement in direct.items():
+            owner = next((p for p in pieces if p.kind in ("block", "col_block") and name.startswith(p.fqn + ".")), None)
+            if owner is None:
+                raise Refused(f"{_relative(name, layer)} is read directly outside the block of its projections")
+            if placement != "R":
+                owner.params[_relative(name, owner.fqn)] = placement
         for piece in pieces:
             if piece.fqn in self.result.placed:
                 raise Refused(f"{_relative(piece.fqn, layer) or layer} would hold two groups")
@@ -700,6 +746,7 @@ class _Sources:
     markers: set[str] = field(default_factory=set)
     mids: set[str] = field(default_factory=set)  # per-head norms passed through
     stops: set[str] = field(default_factory=set)  # other layers: their output counts as replicated
+    raw: set[str] = field(default_factory=set)  # parameters the code between reads directly (F.conv1d(x, w))
 
 
 def _sources(flow: Flow, fqn: str, linears: set[str], per_head: Any = None) -> _Sources:
@@ -719,7 +766,7 @@ def _sources(flow: Flow, fqn: str, linears: set[str], per_head: Any = None) -> _
         if origin.startswith("in:"):
             found.markers.add(origin[3:])
         elif origin.startswith("param:"):
-            continue
+            found.raw.add(origin[len("param:") :])
         elif origin in linears:
             found.linears.add(origin)
         elif origin in flow.edges:

@@ -153,8 +153,12 @@ class Flow:
 def leaf_kind(module: Any, source: Path) -> str:
     """``source`` when the module's ``forward`` is interpreted, ``sequential``, ``container`` or ``leaf``.
 
-    A leaf is a layer: a module holding parameters of its own (``nn.Linear``, a norm, an
-    experts module with its 3-D weights) or one whose ``forward`` is not in the file.
+    A leaf is a layer: an ``nn.Linear`` or ``nn.Embedding`` (whatever its forward, as
+    FalconLinear's), a module holding parameters of its own and no children (a norm, an
+    experts module with its 3-D weights), or one whose ``forward`` is not in the file. A
+    module with parameters *and* children (an attention with per-head scales, a Mamba
+    mixer with ``A_log``) is interpreted; its code's direct reads of those parameters show
+    up as ``param:<fqn>`` origins.
     """
     import torch.nn as nn
 
@@ -162,8 +166,9 @@ def leaf_kind(module: Any, source: Path) -> str:
         return "sequential"
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
         return "container"
-    if isinstance(module, (nn.Linear, nn.Embedding)) or any(True for _ in module.parameters(recurse=False)):
-        return "leaf"  # a layer: a node of the graph, whatever its forward (FalconLinear, a norm of the file)
+    own = any(True for _ in module.parameters(recurse=False))
+    if isinstance(module, (nn.Linear, nn.Embedding)) or (own and not any(True for _ in module.children())):
+        return "leaf"
     owner = _forward_owner(type(module), "forward")
     if owner is None or not _defined_in(owner, source):
         return "leaf"
