@@ -286,7 +286,10 @@ class _Deriver:
         head_dim = heads[2] if heads is not None else None
         widths = {_out_features(self.modules[c]) for c in cols if layouts[c] == ("S", 1)}
         for name in raw:
-            param = self.model.get_parameter(name)
+            try:
+                param = self.model.get_parameter(name)
+            except AttributeError:
+                raise Refused(f"the code between the projections reads a parameter hpgen cannot place ({name})") from None
             if param.dim() == 1 and param.numel() in widths:
                 found[name] = "S(0)"
             elif param.numel() == 1 or (param.dim() == 1 and param.numel() == head_dim):
