@@ -20,42 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from hpgen.cli import cli
-
-TINY = dict(vocab_size=127, max_position_embeddings=64)
-
-
-def tiny(family: str) -> Any:
-    """A 2-layer config of ``family``: hidden 64, 4 heads of 16."""
-    import transformers
-
-    configs = {
-        "gpt2": ("GPT2Config", dict(n_embd=64, n_head=4, n_layer=2, n_inner=90, vocab_size=127, n_positions=64)),
-        "gpt_bigcode": (
-            "GPTBigCodeConfig",
-            dict(n_embd=64, n_head=4, n_layer=2, n_inner=90, vocab_size=127, n_positions=64, multi_query=True),
-        ),
-        "gpt_neox": (
-            "GPTNeoXConfig",
-            dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=89, **TINY),
-        ),
-        "opt": (
-            "OPTConfig",
-            dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, ffn_dim=90, word_embed_proj_dim=64, **TINY),
-        ),
-        "bert": (
-            "BertConfig",
-            dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=89, is_decoder=True, **TINY),
-        ),
-        "bloom": ("BloomConfig", dict(hidden_size=64, n_head=4, n_layer=2, vocab_size=127)),
-        "falcon": ("FalconConfig", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=127)),
-        "bitnet": (
-            "BitNetConfig",
-            dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=89, **TINY),
-        ),
-    }
-    name, kwargs = configs[family]
-    return getattr(transformers, name)(**kwargs)
-
+from tests.derived_configs import tiny
 
 def derived(family: str, tp: int = 2) -> dict[str, Any]:
     from hpgen.planner.make import plan_model

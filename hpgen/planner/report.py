@@ -63,6 +63,7 @@ class SizeReport:
     per_layer: dict[str, list[Collective]] = field(default_factory=dict)  # layer pattern -> its collectives
     outside: list[Collective] = field(default_factory=list)  # embedding, lm_head, final norm...
     grad_reduce_bytes: int = 0  # per backward: gradients of grad_reduce_params all-reduced
+    grad_reduce_count: int = 0  # how many such all-reduces (one per parameter)
     optional: set[str] = field(default_factory=set)  # inputs defaulting to None: their collectives only when given
 
     def totals(self, phase: str) -> dict[str, tuple[int, int, float]]:
@@ -94,6 +95,7 @@ class SizeReport:
             "per_layer": {p: {"layers": self.layers[p], "collectives": rows(cs)} for p, cs in self.per_layer.items()},
             "outside_layers": rows(self.outside),
             "grad_reduce_bytes_per_backward": self.grad_reduce_bytes,
+            "grad_reduce_calls_per_backward": self.grad_reduce_count,
             "per_token": {phase: {k: list(v) for k, v in self.totals(phase).items()} for phase in ("forward", "backward")},
         }
 
@@ -208,6 +210,7 @@ def size_report(model: Any, plan: Mapping[str, Any] | Plan, *, tp: int, dtype: A
         for name in entry.grad_reduce_params:
             try:
                 report.grad_reduce_bytes += modules[fqn].get_parameter(name).numel() * element
+                report.grad_reduce_count += 1
             except AttributeError:
                 continue
         layer = _layer_of(fqn)
