@@ -163,6 +163,9 @@ CONFIG_FIXES: dict[str, dict[str, Any]] = {
     },
     # the default has no layer_types (transformers' own default does not build)
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    # the causal LM takes one row of ids per codebook: two codebooks for the batch of two sequences
+    "musicgen_decoder": {"num_codebooks": 2},
+    "musicgen_melody_decoder": {"num_codebooks": 2},
     # rope parameters are per layer type (transformers' own default has none)
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
 }

@@ -455,6 +455,11 @@ class _Deriver:
         replicated: set[tuple[str, str]] = set()
         for use in flow.shapes:
             origins = use.receiver
+            if origins & sharded and use.method in ("chunk", "split", "tensor_split") and _dim_of(use) in (1, -3):
+                raise Refused(
+                    f"{_relative(use.module, layer) or 'the layer'} splits the heads into groups ({use.method} along "
+                    f"dim {_dim_of(use)}, line {use.line}): a rank's contiguous heads are not whole groups"
+                )
             if origins & sharded and use.method in ("view", "reshape"):
                 last = _last_dim(use)
                 if last is not None and any(
@@ -665,7 +670,10 @@ class _Deriver:
                 ok_emb = True
         elif emb_fqn:
             self.result.note(emb_fqn, False, f"the input embedding is a {type(embedding).__name__}, not nn.Embedding")
-        if head_fqn and _is_nn_linear(head):
+        if head_fqn and _is_nn_linear(head) and set(dict(head.named_parameters())) - {"weight", "bias"}:
+            extra = sorted(set(dict(head.named_parameters())) - {"weight", "bias"})
+            self.result.note(head_fqn, False, f"the output projection also applies {', '.join(extra)} to the logits")
+        elif head_fqn and _is_nn_linear(head):
             reason = self._vocab_problem(head_fqn, head.out_features, raw)
             if reason:
                 self.result.note(head_fqn, False, reason)
@@ -904,6 +912,15 @@ def _suffix(dims: list[int | None], n: int) -> list[int] | None:
             product *= dim
         if product == n:
             return known[start:]
+    return None
+
+
+def _dim_of(use: ShapeUse) -> int | None:
+    """The ``dim`` of a ``chunk``/``split`` call (keyword or second argument), when constant."""
+    if use.dim is not None:
+        return use.dim
+    if len(use.arg_vals) >= 2 and isinstance(use.arg_vals[1].const, int):
+        return use.arg_vals[1].const
     return None
 
 

@@ -132,6 +132,7 @@ class ShapeUse:
     args: tuple[ast.expr, ...]
     arg_vals: tuple[Val, ...]
     line: int
+    dim: int | None = None  # a constant ``dim=`` keyword
 
 
 @dataclass
@@ -613,6 +614,7 @@ class _Frame:
                 tuple(node.args[skip:]) + tuple(kw.value for kw in node.keywords if kw.arg in ("split_size", "chunks", "sections")),
                 tuple(args),
                 node.lineno,
+                next((self.const(kw.value) for kw in node.keywords if kw.arg == "dim" and isinstance(self.const(kw.value), int)), None),
             )
         )
 
