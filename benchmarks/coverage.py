@@ -6,10 +6,14 @@
     python benchmarks/coverage.py --fresh              # forget earlier results of this variant
     python benchmarks/coverage.py --render             # only rewrite docs/coverage.md from the results
 
-For every model type whose config class has a ``base_model_tp_plan``:
+For every model type that has a causal-LM class (transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING``),
+with or without a ``base_model_tp_plan``:
 
-1. **plan**: a tiny config of the architecture (:func:`tiny_config`), the model on the meta
-   device, and :func:`hpgen.tp_plan.plan_for_model` with ``tp=2`` (and ``sp=True`` with ``--sp``);
+1. **plan**: a tiny config of the architecture (:func:`tiny_config`; :data:`CONFIG_FIXES` for the
+   few whose config needs one more change to be valid), the model on the meta device, and
+   :func:`hpgen.planner.make.plan_model` with ``tp=2`` (and ``sp=True`` with ``--sp``):
+   transformers' plan where it shards the decoder layers, otherwise the plan derived from the
+   modeling source (the ``plan source`` column);
 2. **lower**: ``hpgen.lower.lower`` of the file the model class comes from, under that
    plan (relative imports made absolute, so the generated file imports from anywhere);
 3. **parity** (decoder-only causal LMs): two gloo ranks on the CPU each build the
@@ -17,7 +21,10 @@ For every model type whose config class has a ``base_model_tp_plan``:
    initialises norms to one and biases to zero, which would hide a bias added twice), the
    same model from the generated file with those weights, ``parallelize`` it over the two
    ranks, and compare logits (tolerance 1e-5 + 1e-4 * max|logits|, as the runtime tests)
-   and every parameter's gradient (this rank's slice of the reference gradient).
+   and every parameter's gradient (this rank's slice of the reference gradient; a bias against
+   its layer's gradient scale, as a key bias's gradient is zero but for rounding). The
+   causal LMs of composite models and BERT-style decoders count too (``GPT2LMHeadModel``,
+   ``BertLMHeadModel`` with ``is_decoder``); a tiny config still over ``MAX_PARAMS`` is not run.
 
 The ranks run several architectures per spawn (``--chunk``), each case bounded by
 ``--timeout`` seconds; a spawn that fails as a whole is retried one architecture at a time.
@@ -512,6 +519,7 @@ def _parity_rank(_rank: int, world_size: int, model_type: str, generated: str, p
         reference = cls(config)
         perturb_(reference, seed)
         reference.eval()
+        _default_language(reference, config)
         if ids is None:
             ids = torch.randint(0, config.get_text_config().vocab_size, (2, 7), generator=generator)
         try:
@@ -527,6 +535,7 @@ def _parity_rank(_rank: int, world_size: int, model_type: str, generated: str, p
     generated_class = getattr(import_file(generated), cls.__name__)
     torch.manual_seed(seed)  # the same non-persistent buffers as the reference (some are drawn at random)
     model = generated_class(config)
+    _default_language(model, config)
     missing, unexpected = model.load_state_dict(reference.state_dict(), strict=False)
     if missing or unexpected:
         raise AssertionError(f"state_dict keys differ: missing {missing[:5]}, unexpected {unexpected[:5]}")
@@ -584,6 +593,13 @@ def _parity_rank(_rank: int, world_size: int, model_type: str, generated: str, p
         "layers_sharded": layers_sharded,
         "shape": shape,
     }
+
+
+def _default_language(model: Any, config: Any) -> None:
+    """X-MOD runs per-language adapters and needs one chosen (transformers' own API for it)."""
+    languages = getattr(config, "languages", None)
+    if hasattr(model, "set_default_language") and languages:
+        model.set_default_language(list(languages)[0])
 
 
 class ReferenceFailed(RuntimeError):

@@ -25,14 +25,20 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "bert": (
         "BertConfig",
-        dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=89, is_decoder=True, **_TINY),
+        dict(
+            hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=89, is_decoder=True, **_TINY
+        ),
     ),
     "bloom": ("BloomConfig", dict(hidden_size=64, n_head=4, n_layer=2, vocab_size=127)),
     "falcon": ("FalconConfig", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=127)),
     "bitnet": (
         "BitNetConfig",
         dict(
-            hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=89,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=2,
+            intermediate_size=89,
             **_TINY,
         ),
     ),

@@ -22,6 +22,7 @@ from click.testing import CliRunner
 from hpgen.cli import cli
 from tests.derived_configs import tiny
 
+
 def derived(family: str, tp: int = 2) -> dict[str, Any]:
     from hpgen.planner.make import plan_model
     from hpgen.tp_plan import meta_model
@@ -130,7 +131,9 @@ def test_derived_plans_load_and_lower() -> None:
 
     for family in ("gpt2", "opt", "bert"):
         source = Path(inspect.getsourcefile(model_class_for(tiny(family))) or "")
-        text = lower(source.read_text(), plan_from_dict(derived(family)), source_name=source.name, package=infer_package(source))
+        text = lower(
+            source.read_text(), plan_from_dict(derived(family)), source_name=source.name, package=infer_package(source)
+        )
         assert "_hp_tp" in text
 
 
@@ -159,7 +162,9 @@ def test_sizing_report_counts_bytes_and_collectives() -> None:
 def test_hpgen_plan_prints_the_notes_and_the_sizing_report(tmp_path: Path) -> None:
     config = tmp_path / "gpt2"
     tiny("gpt2").save_pretrained(config)
-    result = CliRunner().invoke(cli, ["plan", str(config / "config.json"), "--tp", "2", "--explain"], catch_exceptions=False)
+    result = CliRunner().invoke(
+        cli, ["plan", str(config / "config.json"), "--tp", "2", "--explain"], catch_exceptions=False
+    )
     assert result.exit_code == 0, result.stderr
     plan = json.loads(result.stdout)
     assert plan["comments"]["plan_source"] == "derived from the source"

@@ -36,14 +36,30 @@ writes the notes into the plan.
 
 from __future__ import annotations
 
-import ast
 import inspect
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpgen.planner.flow import SIZE, Flow, ShapeUse, Val, leaf_kind, module_names, run_module
+from hpgen.planner.entries import Derivation, Note, Placed, Refused
+from hpgen.planner.flow import SIZE, Flow, leaf_kind, module_names, run_module
+from hpgen.planner.layouts import arg_reads, dim_of, last_dim, layout_of
+from hpgen.planner.modules import (
+    between,
+    generic,
+    in_features,
+    is_conv1d,
+    is_linear,
+    is_nn_linear,
+    join,
+    lca,
+    out_features,
+    positive_int,
+    relative,
+    returns_addressable,
+)
+from hpgen.planner.vocab import place_vocabulary
 
 __all__ = ["Derivation", "Note", "Placed", "derive"]
 
@@ -76,49 +92,6 @@ KV_HEADS_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads
 PER_HEAD_INPUTS = ("alibi", "position_bias", "attn_bias", "rel_pos", "relative_position", "pos_bias", "bias")
 
 
-@dataclass
-class Placed:
-    """One plan entry the derivation asks for (a concrete FQN)."""
-
-    fqn: str
-    kind: str  # block | col_block | col_leaf | row_leaf | lm_head | embedding | attrs | alias
-    params: dict[str, str] = field(default_factory=dict)  # relative parameter name -> placement on tp
-    deferred: set[str] = field(default_factory=set)
-    inputs: tuple[str, ...] = ()  # forward parameters entering a block (R -> R)
-    divide: set[str] = field(default_factory=set)  # tp_divide_attrs
-    why: str = ""
-
-
-@dataclass(frozen=True)
-class Note:
-    """What the derivation did with one module (a ``*`` pattern), and why."""
-
-    target: str
-    sharded: bool
-    text: str
-
-
-@dataclass
-class Derivation:
-    """The entries to write and the notes that explain them."""
-
-    placed: dict[str, Placed] = field(default_factory=dict)
-    notes: list[Note] = field(default_factory=list)
-
-    def note(self, target: str, sharded: bool, text: str) -> None:
-        item = Note(_generic(target), sharded, text)
-        if item not in self.notes:
-            self.notes.append(item)
-
-    @property
-    def layers_sharded(self) -> bool:
-        return any(p.kind in ("block", "col_block", "col_leaf", "row_leaf") for p in self.placed.values())
-
-
-class Refused(Exception):
-    """A group (or module) the derivation leaves replicated; the message says why."""
-
-
 # --------------------------------------------------------------------------- entry point
 
 
@@ -145,7 +118,7 @@ class _Deriver:
     def run(self) -> Derivation:
         for layer in self._layers():
             self._layer(layer)
-        self._vocabulary()
+        place_vocabulary(self.model, tp=self.tp, source=self.source, names=self.names, result=self.result)
         return self.result
 
     # -- decoder layers
@@ -169,7 +142,7 @@ class _Deriver:
 
     def _layer(self, layer: str) -> None:
         flow = self._flow(layer)
-        linears = {fqn for fqn in flow.edges if _is_linear(self.modules.get(fqn))}
+        linears = {fqn for fqn in flow.edges if is_linear(self.modules.get(fqn))}
         depth = _depths(flow)
         groups = self._groups(flow, linears, depth)
         for cols, rows, mids in groups:
@@ -181,7 +154,7 @@ class _Deriver:
         placed = set(self.result.placed)
         for fqn in sorted(linears):
             if not any(fqn == p or fqn.startswith(p + ".") for p in placed) and not any(
-                n.target == _generic(fqn) for n in self.result.notes
+                n.target == generic(fqn) for n in self.result.notes
             ):
                 self.result.note(fqn, False, "not part of a column -> row pair: kept replicated")
 
@@ -203,12 +176,12 @@ class _Deriver:
         """
         main = _first_marker(flow)
         found = {fqn: _sources(flow, fqn, linears, self._per_head) for fqn in linears}
-        widths = {_int(getattr(self.text_config, "hidden_size", None))}
-        widths |= {_in_features(self.modules[f]) for f, src in found.items() if not src.linears}
+        widths = {positive_int(getattr(self.text_config, "hidden_size", None))}
+        widths |= {in_features(self.modules[f]) for f, src in found.items() if not src.linears}
         rows = {
             fqn
             for fqn, src in found.items()
-            if src.linears and main not in src.markers and not src.stops and _out_features(self.modules[fqn]) in widths
+            if src.linears and main not in src.markers and not src.stops and out_features(self.modules[fqn]) in widths
         }
         groups: list[tuple[set[str], set[str], set[str]]] = []
         for row in sorted(rows, key=lambda f: (depth.get(f, 0), f)):
@@ -232,8 +205,8 @@ class _Deriver:
     ) -> None:
         what = "attention" if self._is_attention(cols, rows) else "MLP"
         for fqn in sorted(cols | rows):
-            if not _is_linear(self.modules[fqn]):
-                raise Refused(f"{_relative(fqn, layer)} is a {type(self.modules[fqn]).__name__}, not a linear layer")
+            if not is_linear(self.modules[fqn]):
+                raise Refused(f"{relative(fqn, layer)} is a {type(self.modules[fqn]).__name__}, not a linear layer")
         for fqn in sorted(mids):
             self._check_mid(fqn, cols, layer)
         raw = sorted({p for row in rows for p in _sources(flow, row, linears, self._per_head).raw})
@@ -241,8 +214,8 @@ class _Deriver:
         for consumer, origins in flow.edges.items():
             if origins & sharded and consumer not in rows and consumer not in mids:
                 raise Refused(
-                    f"the output of {', '.join(_relative(c, layer) for c in sorted(origins & cols)) or 'a column'} "
-                    f"also reaches {_relative(consumer, layer)}, which needs it whole"
+                    f"the output of {', '.join(relative(c, layer) for c in sorted(origins & cols)) or 'a column'} "
+                    f"also reaches {relative(consumer, layer)}, which needs it whole"
                 )
         if flow.result.item(0).whole() & sharded:
             raise Refused("the layer returns a value computed from the sharded projections")
@@ -284,19 +257,21 @@ class _Deriver:
         """
         found: dict[str, str] = {}
         head_dim = heads[2] if heads is not None else None
-        widths = {_out_features(self.modules[c]) for c in cols if layouts[c] == ("S", 1)}
+        widths = {out_features(self.modules[c]) for c in cols if layouts[c] == ("S", 1)}
         for name in raw:
             try:
                 param = self.model.get_parameter(name)
             except AttributeError:
-                raise Refused(f"the code between the projections reads a parameter hpgen cannot place ({name})") from None
-            if param.dim() == 1 and param.numel() in widths:
-                found[name] = "S(0)"
+                raise Refused(
+                    f"the code between the projections reads a parameter hpgen cannot place ({name})"
+                ) from None
+            if param.dim() == 1 and (param.numel() in widths or (heads is not None and param.numel() == heads[0])):
+                found[name] = "S(0)"  # one value per feature of a column, or one per query head (GPT-OSS sinks)
             elif param.numel() == 1 or (param.dim() == 1 and param.numel() == head_dim):
                 found[name] = "R"
             else:
                 raise Refused(
-                    f"the code between the projections computes with {_relative(name, layer)} "
+                    f"the code between the projections computes with {relative(name, layer)} "
                     f"{tuple(param.shape)} directly, which does not follow the shards"
                 )
         return found
@@ -304,9 +279,9 @@ class _Deriver:
     def _per_head(self, fqn: str) -> bool:
         """A layer of 1-D parameters of one head's size (a per-head ``q_norm``), which works on whole heads."""
         if not hasattr(self, "_head_sizes"):
-            sizes = {_int(getattr(self.text_config, "head_dim", None))}
+            sizes = {positive_int(getattr(self.text_config, "head_dim", None))}
             for module in self.modules.values():
-                sizes |= {_int(getattr(module, name, None)) for name in HEAD_DIM_ATTRS}
+                sizes |= {positive_int(getattr(module, name, None)) for name in HEAD_DIM_ATTRS}
             self._head_sizes = {size for size in sizes if size}
         params = list(self.modules[fqn].parameters())
         return bool(params) and all(p.dim() == 1 and p.numel() in self._head_sizes for p in params)
@@ -320,11 +295,11 @@ class _Deriver:
         return False
 
     def _is_attention(self, cols: set[str], rows: set[str]) -> bool:
-        common = _lca(cols | rows)
+        common = lca(cols | rows)
         name = type(self.modules[common]).__name__.lower() if common in self.modules else ""
         if "attn" in name or "attention" in name:
             return True
-        return any(self._attr(p, HEAD_DIM_ATTRS) is not None for p in _between(cols, common))
+        return any(self._attr(p, HEAD_DIM_ATTRS) is not None for p in between(cols, common))
 
     def _check_mid(self, fqn: str, cols: set[str], layer: str) -> None:
         module = self.modules[fqn]
@@ -334,21 +309,23 @@ class _Deriver:
         if all(len(s) == 1 for s in shapes) and head_dim is not None and sizes <= {head_dim}:
             return  # a per-head norm (q_norm): runs on whole heads; its gradient is reduced
         raise Refused(
-            f"{_relative(fqn, layer)} ({type(module).__name__}, parameters {shapes}) sits between the column- and "
+            f"{relative(fqn, layer)} ({type(module).__name__}, parameters {shapes}) sits between the column- and "
             "row-parallel projections and works across the sharded features"
         )
 
     # -- heads
 
     def _head_dim(self, cols: set[str]) -> int | None:
-        for path in _between(cols, _lca(cols)):
+        for path in between(cols, lca(cols)):
             value = self._attr(path, HEAD_DIM_ATTRS)
             if value is not None:
                 return value
-        value = _int(getattr(self.text_config, "head_dim", None))
+        value = positive_int(getattr(self.text_config, "head_dim", None))
         if value:
             return value
-        hidden, heads = (_int(getattr(self.text_config, a, None)) for a in ("hidden_size", "num_attention_heads"))
+        hidden, heads = (
+            positive_int(getattr(self.text_config, a, None)) for a in ("hidden_size", "num_attention_heads")
+        )
         return hidden // heads if hidden and heads else None
 
     def _heads(self, cols: set[str], rows: set[str], layer: str) -> tuple[int, int, int] | None:
@@ -357,14 +334,14 @@ class _Deriver:
         if not head_dim:
             raise Refused("cannot tell the head size of the attention (no head_dim attribute or config value)")
         heads = None
-        for path in _between(cols, _lca(cols | rows)):
+        for path in between(cols, lca(cols | rows)):
             heads = heads or self._attr(path, HEADS_ATTRS)
-        heads = heads or _int(getattr(self.text_config, "num_attention_heads", None))
+        heads = heads or positive_int(getattr(self.text_config, "num_attention_heads", None))
         kv = None
-        for path in _between(cols, _lca(cols | rows)):
+        for path in between(cols, lca(cols | rows)):
             kv = kv or self._attr(path, KV_HEADS_ATTRS)
         if kv is None:
-            kv = _int(getattr(self.text_config, "num_key_value_heads", None)) or heads
+            kv = positive_int(getattr(self.text_config, "num_key_value_heads", None)) or heads
         if not heads:
             raise Refused("cannot tell the number of attention heads")
         return heads, kv, head_dim
@@ -372,7 +349,7 @@ class _Deriver:
     def _attr(self, path: str, names: Iterable[str]) -> int | None:
         module = self.modules.get(path)
         for name in names:
-            value = _int(getattr(module, name, None)) if module is not None else None
+            value = positive_int(getattr(module, name, None)) if module is not None else None
             if value:
                 return value
         return None
@@ -382,19 +359,19 @@ class _Deriver:
     ) -> tuple[str, int]:
         """``("S", 1)`` (plain), ``("SS", k)`` (k packed blocks) for one column projection."""
         module = self.modules[col]
-        n = _out_features(module)
+        n = out_features(module)
         first = next(
             (use for use in flow.shapes if col in use.receiver and _linear_origins(use.receiver, flow) <= cols), None
         )
         if first is None:
             return "S", 1
-        kind, k = _layout_of(first, n, heads)
+        kind, k = layout_of(first, n, heads)
         if kind == "refuse":
-            raise Refused(f"{_relative(col, layer)}: {k} (the reshape at line {first.line})")
+            raise Refused(f"{relative(col, layer)}: {k} (the reshape at line {first.line})")
         if kind == "unknown":
             if what == "attention" and heads is not None and n not in (heads[0] * heads[2], heads[1] * heads[2]):
                 raise Refused(
-                    f"{_relative(col, layer)} packs several projections ({n} features) and hpgen cannot tell their "
+                    f"{relative(col, layer)} packs several projections ({n} features) and hpgen cannot tell their "
                     f"layout from the reshape at line {first.line}"
                 )
             return "S", 1
@@ -406,20 +383,20 @@ class _Deriver:
         q, kv, head_dim = heads
         tp = self.tp
         for col in sorted(cols):
-            n = _out_features(self.modules[col])
+            n = out_features(self.modules[col])
             kind, k = layouts[col]
             per_block = n // k if kind == "SS" else n
             if kind == "S" and k == 1 and n in (q, kv) and n % head_dim:
                 units = n  # one value per head (a per-head gate)
             elif per_block % head_dim:
-                raise Refused(f"{_relative(col, layer)} has {n} features, not a whole number of heads of {head_dim}")
+                raise Refused(f"{relative(col, layer)} has {n} features, not a whole number of heads of {head_dim}")
             else:
                 units = per_block // head_dim
             if kind == "S" and k > 1:  # interleaved per head or per key/value group
                 units = k
             if tp is not None and units % tp:
                 raise Refused(
-                    f"{_relative(col, layer)} holds {units} heads (or key/value groups), which do not divide over "
+                    f"{relative(col, layer)} holds {units} heads (or key/value groups), which do not divide over "
                     f"--tp {tp}"
                 )
         if tp is not None and (q % tp or kv % tp):
@@ -434,13 +411,13 @@ class _Deriver:
     ) -> set[int]:
         counts: set[int] = set()
         for col in cols:
-            n = _out_features(self.modules[col])
+            n = out_features(self.modules[col])
             counts.add(n)
             kind, k = layouts[col]
             if kind == "SS":
                 counts.add(n // k)
         for row in rows:
-            counts.add(_in_features(self.modules[row]))
+            counts.add(in_features(self.modules[row]))
         if heads is not None:
             q, kv, head_dim = heads
             counts |= {q, kv, q * head_dim, kv * head_dim}
@@ -455,21 +432,25 @@ class _Deriver:
         replicated: set[tuple[str, str]] = set()
         for use in flow.shapes:
             origins = use.receiver
-            if origins & sharded and use.method in ("chunk", "split", "tensor_split") and _dim_of(use) in (1, -3):
+            if origins & sharded and use.method in ("chunk", "split", "tensor_split") and dim_of(use) in (1, -3):
                 raise Refused(
-                    f"{_relative(use.module, layer) or 'the layer'} splits the heads into groups ({use.method} along "
-                    f"dim {_dim_of(use)}, line {use.line}): a rank's contiguous heads are not whole groups"
+                    f"{relative(use.module, layer) or 'the layer'} splits the heads into groups ({use.method} along "
+                    f"dim {dim_of(use)}, line {use.line}): a rank's contiguous heads are not whole groups"
                 )
             if origins & sharded and use.method in ("view", "reshape"):
-                last = _last_dim(use)
-                if last is not None and any(
-                    module == SIZE and not (set(attr.split(",")) & sharded) for module, attr in last.all_reads()
-                ) and last.const != -1:
+                last = last_dim(use)
+                if (
+                    last is not None
+                    and any(
+                        module == SIZE and not (set(attr.split(",")) & sharded) for module, attr in last.all_reads()
+                    )
+                    and last.const != -1
+                ):
                     raise Refused(
-                        f"{_relative(use.module, layer) or 'the layer'} reshapes the sharded values to a width read "
+                        f"{relative(use.module, layer) or 'the layer'} reshapes the sharded values to a width read "
                         f"from an unsharded tensor's size (line {use.line}), which a shard does not have"
                     )
-            for module, attr in _arg_reads(use):
+            for module, attr in arg_reads(use):
                 if attr.startswith(("missing:", "method:")):
                     continue
                 value = self._value(module, attr)
@@ -480,7 +461,7 @@ class _Deriver:
                 if origins & sharded:
                     if attr.startswith("config."):
                         raise Refused(
-                            f"{_relative(module, layer) or 'the layer'} reshapes sharded values with self.{attr} "
+                            f"{relative(module, layer) or 'the layer'} reshapes sharded values with self.{attr} "
                             f"(line {use.line}), a global count hpgen cannot divide"
                         )
                     wanted.setdefault(module, set()).add(attr)
@@ -490,12 +471,12 @@ class _Deriver:
             both = sorted(a for a in attrs if (module, a) in replicated)
             if both:
                 raise Refused(
-                    f"self.{both[0]} of {_relative(module, layer) or 'the layer'} sizes both the replicated input and "
+                    f"self.{both[0]} of {relative(module, layer) or 'the layer'} sizes both the replicated input and "
                     "the sharded heads"
                 )
             for attr in attrs:
                 if "." in attr:
-                    raise Refused(f"self.{attr} of {_relative(module, layer)} sizes the sharded heads but is nested")
+                    raise Refused(f"self.{attr} of {relative(module, layer)} sizes the sharded heads but is nested")
         return wanted
 
     def _value(self, module: str, attr: str) -> Any:
@@ -517,7 +498,7 @@ class _Deriver:
         what: str,
         direct: Mapping[str, str],
     ) -> None:
-        common = _lca(cols | rows)
+        common = lca(cols | rows)
         if not (common == layer or common.startswith(layer + ".")):
             common = layer
         pieces: list[Placed] = []
@@ -527,47 +508,52 @@ class _Deriver:
             self._params(placed, cols, rows, layouts)
             pieces.append(placed)
         else:
-            column = _lca(cols)
+            column = lca(cols)
             inputs = None
             if not any(r == column or r.startswith(column + ".") for r in rows) and column not in cols:
                 inputs = self._clean(column, cols, set(), mids, full=False)
             if inputs is not None:
-                placed = Placed(column, "col_block", inputs=inputs, why=f"{what}: column-parallel projections; "
-                                "the output stays sharded for the row-parallel projection after it")
+                placed = Placed(
+                    column,
+                    "col_block",
+                    inputs=inputs,
+                    why=f"{what}: column-parallel projections; "
+                    "the output stays sharded for the row-parallel projection after it",
+                )
                 self._params(placed, cols, set(), layouts)
                 pieces.append(placed)
             else:
                 if direct:
                     raise Refused(
-                        f"the code between the projections reads {_relative(sorted(direct)[0], layer)} directly and "
+                        f"the code between the projections reads {relative(sorted(direct)[0], layer)} directly and "
                         "needs a block around it, and no module around the columns returns only their output"
                     )
                 if mids:
                     raise Refused(
-                        f"{', '.join(_relative(m, layer) for m in sorted(mids))} between the projections needs a "
+                        f"{', '.join(relative(m, layer) for m in sorted(mids))} between the projections needs a "
                         "block to reduce its gradient in, and no module around the columns returns only their output"
                     )
                 for col in sorted(cols):
-                    if not _is_nn_linear(self.modules[col]):
-                        raise Refused(f"{_relative(col, layer)} would be a boundary of its own but is not an nn.Linear")
+                    if not is_nn_linear(self.modules[col]):
+                        raise Refused(f"{relative(col, layer)} would be a boundary of its own but is not an nn.Linear")
                     placed = Placed(col, "col_leaf", why=f"{what}: column-parallel nn.Linear (output stays sharded)")
                     self._params(placed, {col}, set(), layouts)
                     pieces.append(placed)
             for row in sorted(rows):
-                if not _is_nn_linear(self.modules[row]):
-                    raise Refused(f"{_relative(row, layer)} would be a boundary of its own but is not an nn.Linear")
+                if not is_nn_linear(self.modules[row]):
+                    raise Refused(f"{relative(row, layer)} would be a boundary of its own but is not an nn.Linear")
                 placed = Placed(row, "row_leaf", why=f"{what}: row-parallel nn.Linear (input arrives sharded)")
                 self._params(placed, set(), {row}, layouts)
                 pieces.append(placed)
         for name, placement in direct.items():
             owner = next((p for p in pieces if p.kind in ("block", "col_block") and name.startswith(p.fqn + ".")), None)
             if owner is None:
-                raise Refused(f"{_relative(name, layer)} is read directly outside the block of its projections")
+                raise Refused(f"{relative(name, layer)} is read directly outside the block of its projections")
             if placement != "R":
-                owner.params[_relative(name, owner.fqn)] = placement
+                owner.params[relative(name, owner.fqn)] = placement
         for piece in pieces:
             if piece.fqn in self.result.placed:
-                raise Refused(f"{_relative(piece.fqn, layer) or layer} would hold two groups")
+                raise Refused(f"{relative(piece.fqn, layer) or layer} would hold two groups")
         for piece in pieces:
             self.result.placed[piece.fqn] = piece
             self.result.note(piece.fqn, True, piece.why)
@@ -581,17 +567,17 @@ class _Deriver:
         for col in sorted(cols):
             module = self.modules[col]
             kind, k = layouts[col]
-            dim = 1 if _is_conv1d(module) else 0
+            dim = 1 if is_conv1d(module) else 0
             text = f"SS({dim},{k})" if kind == "SS" else f"S({dim})"
-            placed.params[_join(_relative(col, placed.fqn), "weight")] = text
+            placed.params[join(relative(col, placed.fqn), "weight")] = text
             if getattr(module, "bias", None) is not None:
-                placed.params[_join(_relative(col, placed.fqn), "bias")] = f"SS(0,{k})" if kind == "SS" else "S(0)"
+                placed.params[join(relative(col, placed.fqn), "bias")] = f"SS(0,{k})" if kind == "SS" else "S(0)"
         for row in sorted(rows):
             module = self.modules[row]
-            dim = 0 if _is_conv1d(module) else 1
-            placed.params[_join(_relative(row, placed.fqn), "weight")] = f"S({dim})"
+            dim = 0 if is_conv1d(module) else 1
+            placed.params[join(relative(row, placed.fqn), "weight")] = f"S({dim})"
             if getattr(module, "bias", None) is not None:
-                name = _join(_relative(row, placed.fqn), "bias")
+                name = join(relative(row, placed.fqn), "bias")
                 placed.params[name] = "R"
                 placed.deferred.add(name)
 
@@ -604,7 +590,7 @@ class _Deriver:
         module = self.modules.get(fqn)
         if module is None or leaf_kind(module, self.source) != "source" or not fqn:
             return None
-        if not _returns_addressable(type(module)):
+        if not returns_addressable(type(module)):
             return None  # returns a list: the plan addresses a value or the first item of a tuple
         flow = self._flow(fqn)
         group = cols | rows | mids
@@ -639,113 +625,6 @@ class _Deriver:
         return tuple(sorted(inputs))
 
     # -- embeddings
-
-    def _vocabulary(self) -> None:
-        import torch.nn as nn
-
-        get_in = getattr(self.model, "get_input_embeddings", None)
-        get_out = getattr(self.model, "get_output_embeddings", None)
-        try:
-            embedding = get_in() if callable(get_in) else None
-        except Exception:
-            embedding = None
-        try:
-            head = get_out() if callable(get_out) else None
-        except Exception:
-            head = None
-        emb_fqn = self.names.get(id(embedding)) if embedding is not None else None
-        head_fqn = self.names.get(id(head)) if head is not None else None
-        tied = (
-            embedding is not None
-            and head is not None
-            and getattr(embedding, "weight", None) is getattr(head, "weight", None)
-        )
-        raw = _raw_weight_reads(self.model, self.source)
-        ok_emb = ok_head = False
-        if emb_fqn and isinstance(embedding, nn.Embedding):
-            reason = self._vocab_problem(emb_fqn, embedding.num_embeddings, raw)
-            if reason:
-                self.result.note(emb_fqn, False, reason)
-            else:
-                ok_emb = True
-        elif emb_fqn:
-            self.result.note(emb_fqn, False, f"the input embedding is a {type(embedding).__name__}, not nn.Embedding")
-        if head_fqn and _is_nn_linear(head) and set(dict(head.named_parameters())) - {"weight", "bias"}:
-            extra = sorted(set(dict(head.named_parameters())) - {"weight", "bias"})
-            self.result.note(head_fqn, False, f"the output projection also applies {', '.join(extra)} to the logits")
-        elif head_fqn and _is_nn_linear(head):
-            reason = self._vocab_problem(head_fqn, head.out_features, raw)
-            if reason:
-                self.result.note(head_fqn, False, reason)
-            else:
-                ok_head = True
-        elif head_fqn:
-            self.result.note(head_fqn, False, f"the output projection is a {type(head).__name__}, not nn.Linear")
-        if tied and not (ok_emb and ok_head):
-            ok_emb = ok_head = False
-        if ok_emb and emb_fqn:
-            self.result.placed[emb_fqn] = Placed(emb_fqn, "embedding", {"weight": "S(0)"}, why="vocab-parallel embedding")
-            self.result.note(emb_fqn, True, "vocab-parallel embedding: rows S(0), the partial lookups all-reduced")
-            self._aliases(emb_fqn, "weight", "S(0)")
-        if ok_emb and emb_fqn:
-            self._other_tables(embedding.num_embeddings, raw)
-        if ok_head and head_fqn:
-            placed = Placed(head_fqn, "lm_head", {"weight": "S(0)"}, why="column-parallel output projection")
-            if head.bias is not None:
-                placed.params["bias"] = "S(0)"
-                self._aliases(head_fqn, "bias", "S(0)")
-            self.result.placed[head_fqn] = placed
-            self.result.note(head_fqn, True, "column-parallel output projection: vocabulary rows S(0), logits gathered")
-            if not tied:
-                self._aliases(head_fqn, "weight", "S(0)")
-
-    def _other_tables(self, word_rows: int, raw: set[str]) -> None:
-        """Other lookup tables outside the layers (learned positions, shape ids) as large as a quarter of the
-        vocabulary: vocab-parallel too. Each costs one all-reduce of its output, worth it only for a big table."""
-        import torch.nn as nn
-
-        for fqn, module in self.modules.items():
-            if fqn in self.result.placed or not isinstance(module, nn.Embedding):
-                continue
-            if type(module).forward is not nn.Embedding.forward or any(part.isdigit() for part in fqn.split(".")):
-                continue  # a subclass computing its own ids (OPT's learned positions), or a table inside a layer
-            rows = module.num_embeddings
-            if rows * 4 < word_rows or self._vocab_problem(fqn, rows, raw) or module.weight.dim() != 2:
-                continue
-            if any(p is module.weight for n, p in self.model.named_parameters(remove_duplicate=False) if not n.startswith(fqn + ".")):
-                continue  # tied to something else
-            self.result.placed[fqn] = Placed(fqn, "embedding", {"weight": "S(0)"}, why="vocab-parallel table")
-            self.result.note(
-                fqn, True, f"vocab-parallel lookup table ({rows} rows, as large as {rows / word_rows:.0%} of the "
-                "vocabulary): one more all-reduce per forward"
-            )
-
-    def _vocab_problem(self, fqn: str, rows: int, raw: set[str]) -> str | None:
-        if self.tp is not None and rows < self.tp:
-            return f"{rows} vocabulary rows, fewer than --tp {self.tp}"
-        name = fqn.rpartition(".")[2]
-        if name in raw:
-            return f"other code reads {name}.weight directly (not through the module), which a shard would break"
-        return None
-
-    def _aliases(self, owner: str, leaf: str, placement: str) -> None:
-        """Other registrations of ``owner.leaf`` (BERT's ``predictions.bias``, ProphetNet's second
-        ``word_embeddings``): the same layout under that name; an ``nn.Embedding`` holding it is
-        a vocab-parallel boundary too, since its lookups now see a shard."""
-        import torch.nn as nn
-
-        target = self.modules[owner]._parameters[leaf]
-        for name, module in self.model.named_modules():
-            if name == owner or name in self.result.placed:
-                continue
-            for attr, param in module._parameters.items():
-                if param is not target:
-                    continue
-                if isinstance(module, nn.Embedding) and attr == "weight":
-                    self.result.placed[name] = Placed(name, "embedding", {"weight": placement}, why="vocab-parallel embedding")
-                    self.result.note(name, True, f"vocab-parallel embedding (its weight is {owner}.{leaf})")
-                else:
-                    self.result.placed[name] = Placed(name, "alias", {attr: placement}, why=f"the same Parameter as {owner}.{leaf}")
 
 
 # --------------------------------------------------------------------------- graph helpers
@@ -815,235 +694,6 @@ def _linear_origins(origins: frozenset[str], flow: Flow) -> set[str]:
     return {o for o in origins if o in flow.edges}
 
 
-def _layout_of(use: ShapeUse, n: int, heads: tuple[int, int, int] | None) -> tuple[str, Any]:
-    """What the first reshape after a projection of ``n`` features says about its layout."""
-    if use.method in ("split", "tensor_split"):
-        first = use.arg_vals[0] if use.arg_vals else None
-        sizes = first.const if first is not None else None
-        if first is not None and first.items is not None:
-            sizes = tuple(item.const for item in first.items)
-        if isinstance(sizes, int) and sizes > 0 and n % sizes == 0:
-            k = n // sizes
-            return ("SS", k) if k > 1 else ("S", 1)
-        if isinstance(sizes, (tuple, list)) and sizes and all(isinstance(s, int) for s in sizes):
-            if sum(sizes) != n:
-                return "unknown", None
-            if len(set(sizes)) == 1:
-                return ("SS", len(sizes)) if len(sizes) > 1 else ("S", 1)
-            return "refuse", (
-                f"the projection packs blocks of unequal sizes {list(sizes)} (multi-query: one key/value head shared "
-                "by all query heads), which no S or SS placement cuts into whole heads per rank"
-            )
-        return "unknown", None
-    if use.method == "chunk":
-        k = use.arg_vals[0].const if use.arg_vals else None
-        if isinstance(k, int) and k > 1 and n % k == 0:
-            return "SS", k
-        return "unknown", None
-    if use.method in ("view", "reshape", "unflatten"):
-        values = use.arg_vals[1:] if use.method == "unflatten" else use.arg_vals
-        dims = _flat_dims(values)
-        suffix = _suffix(dims, n)
-        if suffix is None:
-            return "unknown", None
-        if heads is None:  # an MLP: [k, features] packs k projections (gate and up)
-            if len(suffix) >= 2 and suffix[0] in (2, 3):
-                return "SS", suffix[0]
-            return "S", 1
-        q, kv, head_dim = heads
-        if len(suffix) == 1:
-            return "S", 1
-        lead = suffix[0]
-        rest = n // lead
-        if lead in (2, 3) and rest % head_dim == 0 and lead * rest == n and len(suffix) >= 2 and lead not in (q, kv):
-            return "SS", lead  # [k, heads, head_dim]: k packed blocks
-        if lead in (q, kv) and rest % head_dim == 0 and rest // head_dim in (2, 3) or (
-            lead in (q, kv) and len(suffix) >= 3 and suffix[1] in (2, 3)
-        ):
-            return "S", lead  # [heads, k, head_dim]: interleaved per head, whole heads stay together
-        if lead == kv and len(suffix) == 3 and suffix[1] == q // kv + 2:
-            return "S", lead  # [kv groups, queries per group + 2, head_dim]: per key/value group
-        if lead == q + 2 and len(suffix) == 2:
-            return "refuse", (
-                "the projection packs the query heads with one shared key and value head (multi-query), which no S "
-                "or SS placement cuts into whole heads per rank"
-            )
-        if lead * head_dim == n or (len(suffix) == 2 and suffix[1] == head_dim and lead == n // head_dim):
-            return "S", 1
-        return "unknown", None
-    return "unknown", None
-
-
-def _flat_dims(values: Iterable[Val]) -> list[int | None]:
-    dims: list[int | None] = []
-    for value in values:
-        const = value.const
-        if isinstance(const, (tuple, list)):
-            dims.extend(c if isinstance(c, int) else None for c in const)
-        elif value.items is not None:
-            dims.extend(_flat_dims(value.items))
-        elif isinstance(const, int):
-            dims.append(const)
-        else:
-            dims.append(None)
-    return dims
-
-
-def _suffix(dims: list[int | None], n: int) -> list[int] | None:
-    """The trailing known sizes that split ``n`` features (one ``-1`` among them inferred), else None."""
-    known: list[int] = []
-    for dim in reversed(dims):
-        if dim is None:
-            break
-        known.append(dim)
-    known.reverse()
-    if known.count(-1) > 1:
-        return None
-    if -1 in known:
-        others = 1
-        for dim in known:
-            others *= dim if dim != -1 else 1
-        if others <= 0 or n % others:
-            return None
-        return [n // others if dim == -1 else dim for dim in known]
-    for start in range(len(known) - 1, -1, -1):  # the shortest suffix whose product is n
-        product = 1
-        for dim in known[start:]:
-            product *= dim
-        if product == n:
-            return known[start:]
-    return None
-
-
-def _dim_of(use: ShapeUse) -> int | None:
-    """The ``dim`` of a ``chunk``/``split`` call (keyword or second argument), when constant."""
-    if use.dim is not None:
-        return use.dim
-    if len(use.arg_vals) >= 2 and isinstance(use.arg_vals[1].const, int):
-        return use.arg_vals[1].const
-    return None
-
-
-def _last_dim(use: ShapeUse) -> Val | None:
-    """The value that sizes the last dim of a ``view``/``reshape`` (None when it is not one plain argument)."""
-    if not use.arg_vals:
-        return None
-    last = use.arg_vals[-1]
-    if last.items is not None:
-        return last.items[-1] if last.items else None
-    if len(use.arg_vals) == 1 and isinstance(last.const, (tuple, list)):
-        return None
-    return last
-
-
-def _arg_reads(use: ShapeUse) -> set[tuple[str, str]]:
-    reads: set[tuple[str, str]] = set()
-    for value in use.arg_vals:
-        reads |= value.all_reads()
-    return reads
-
-
-def _raw_weight_reads(model: Any, source: Path) -> set[str]:
-    """Attribute names ``x`` for which some ``forward`` of the file computes with ``<...>.x.weight`` itself.
-
-    Reading its metadata (``self.lm_head.weight.dtype``) is fine; using the tensor
-    (``F.linear(h, self.wte.weight)``) would compute with a shard.
-    """
-    try:
-        tree = ast.parse(source.read_text(encoding="utf-8"))
-    except (OSError, SyntaxError):
-        return set()
-    found: set[str] = set()
-    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
-        for function in cls.body:
-            if not (isinstance(function, ast.FunctionDef) and function.name == "forward"):
-                continue
-            metadata = {
-                id(node.value)
-                for node in ast.walk(function)
-                if isinstance(node, ast.Attribute) and node.attr in ("dtype", "device", "shape", "ndim", "requires_grad")
-            }
-            for node in ast.walk(function):
-                if (
-                    isinstance(node, ast.Attribute)
-                    and node.attr == "weight"
-                    and isinstance(node.value, ast.Attribute)
-                    and id(node) not in metadata
-                ):
-                    found.add(node.value.attr)
-    return found
-
-
-def _returns_addressable(cls: type) -> bool:
-    """Whether every ``return`` of the class's ``forward`` gives a value or a tuple (not a list display)."""
-    from hpgen.planner.flow import _function
-
-    function = _function(cls, "forward")
-    if function is None:
-        return False
-    for node in ast.walk(function):
-        if isinstance(node, ast.Return) and node.value is not None:
-            value = node.value
-            if isinstance(value, (ast.List, ast.ListComp)) or (
-                isinstance(value, ast.BinOp) and any(isinstance(v, ast.List) for v in (value.left, value.right))
-            ):
-                return False
-            if isinstance(value, ast.Name) and _assigned_list(function, value.id):
-                return False  # ``outputs = (out,) ...; return outputs``: the plan would move the whole tuple
-    return True
-
-
-def _assigned_list(function: ast.FunctionDef, name: str) -> bool:
-    """Whether ``name`` is ever bound to a list or tuple display (or a concatenation of them)."""
-    displays = (ast.List, ast.ListComp, ast.Tuple)
-    for node in ast.walk(function):
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
-            value = node.value
-            if isinstance(value, displays) or (
-                isinstance(value, ast.BinOp) and any(isinstance(v, displays) for v in (value.left, value.right))
-            ):
-                return True
-    return False
-
-
-# --------------------------------------------------------------------------- module helpers
-
-
-def _is_linear(module: Any) -> bool:
-    import torch.nn as nn
-
-    return isinstance(module, nn.Linear) or _is_conv1d(module)
-
-
-def _is_nn_linear(module: Any) -> bool:
-    import torch.nn as nn
-
-    return isinstance(module, nn.Linear)
-
-
-def _is_conv1d(module: Any) -> bool:
-    """transformers' ``Conv1D`` (GPT-2): a linear layer whose weight is ``[in, out]``."""
-    weight = getattr(module, "weight", None)
-    return (
-        type(module).__name__ == "Conv1D"
-        and isinstance(getattr(module, "nf", None), int)
-        and weight is not None
-        and tuple(weight.shape) == (module.nx, module.nf)
-    )
-
-
-def _out_features(module: Any) -> int:
-    return module.nf if _is_conv1d(module) else module.out_features
-
-
-def _in_features(module: Any) -> int:
-    return module.nx if _is_conv1d(module) else module.in_features
-
-
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
 def _is_head_dim_name(attr: str) -> bool:
     """``head_dim``, ``attention_head_size``: the size of one head (never divided), not ``all_head_size``."""
     leaf = attr.rpartition(".")[2].lower()
@@ -1055,48 +705,3 @@ def _is_head_dim_name(attr: str) -> bool:
 def _per_head_input(name: str) -> bool:
     lowered = name.lower()
     return any(part in lowered for part in PER_HEAD_INPUTS) and "mask" not in lowered
-
-
-def _lca(fqns: Iterable[str]) -> str:
-    parts = [f.split(".") for f in fqns]
-    if not parts:
-        return ""
-    common = []
-    for segments in zip(*parts):
-        if len(set(segments)) != 1:
-            break
-        common.append(segments[0])
-    return ".".join(common)
-
-
-def _prefixes(fqn: str) -> list[str]:
-    parts = fqn.split(".")
-    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
-
-
-def _between(cols: Iterable[str], top: str) -> list[str]:
-    """Modules from the columns' parents up to ``top``, nearest first."""
-    found: list[str] = []
-    for col in sorted(cols):
-        path = col.rpartition(".")[0]
-        while path and (path == top or path.startswith(top + ".") or not top):
-            if path not in found:
-                found.append(path)
-            if path == top:
-                break
-            path = path.rpartition(".")[0]
-    return found
-
-
-def _relative(fqn: str, base: str) -> str:
-    return fqn[len(base) + 1 :] if base and fqn.startswith(base + ".") else ("" if fqn == base else fqn)
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _generic(name: str) -> str:
-    import re
-
-    return re.sub(r"\.\d+(?=\.|$)", ".*", name)

@@ -227,7 +227,6 @@ class _Runner:
         method: str = "forward",
     ) -> Val:
         """The value a call of ``module`` (at ``fqn``) returns."""
-        import torch.nn as nn
 
         kind = leaf_kind(module, self.source) if method == "forward" else "source"
         if kind == "sequential":
@@ -560,7 +559,9 @@ class _Frame:
                 callee = self.self_attribute(path)
                 method = _method_name(callee)
                 if method is not None:
-                    return self.runner.call_module(self.fqn, self.module, args, kwargs, depth=self.depth + 1, method=method)
+                    return self.runner.call_module(
+                        self.fqn, self.module, args, kwargs, depth=self.depth + 1, method=method
+                    )
                 if callee.modules is not None:
                     return self._call_modules(callee.modules, args, kwargs)
                 if any(read.startswith("missing:") for _, read in callee.reads):
@@ -581,7 +582,9 @@ class _Frame:
         if passed:  # apply_chunking_to_forward(self.feed_forward_chunk, ..., x): the method runs on the tensors
             tensors = [a for a in args if a.whole()]
             results = [
-                self.runner.call_module(self.fqn, self.module, tensors, {}, depth=self.depth + 1, method=_method_name(m) or "")
+                self.runner.call_module(
+                    self.fqn, self.module, tensors, {}, depth=self.depth + 1, method=_method_name(m) or ""
+                )
                 for m in passed
             ]
             return union([*results, *operands])
@@ -611,10 +614,18 @@ class _Frame:
                 self.fqn,
                 method,
                 receiver.whole(),
-                tuple(node.args[skip:]) + tuple(kw.value for kw in node.keywords if kw.arg in ("split_size", "chunks", "sections")),
+                tuple(node.args[skip:])
+                + tuple(kw.value for kw in node.keywords if kw.arg in ("split_size", "chunks", "sections")),
                 tuple(args),
                 node.lineno,
-                next((self.const(kw.value) for kw in node.keywords if kw.arg == "dim" and isinstance(self.const(kw.value), int)), None),
+                next(
+                    (
+                        self.const(kw.value)
+                        for kw in node.keywords
+                        if kw.arg == "dim" and isinstance(self.const(kw.value), int)
+                    ),
+                    None,
+                ),
             )
         )
 
@@ -712,7 +723,11 @@ class _Frame:
             parts = [self._const(p) if p is not None else None for p in (node.lower, node.upper, node.step)]
             return _UNKNOWN if any(p is _UNKNOWN for p in parts) else slice(*parts)
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
-            target = self._const(node.args[0]) if _self_path(node.args[0]) or isinstance(node.args[0], ast.Name) else _UNKNOWN
+            target = (
+                self._const(node.args[0])
+                if _self_path(node.args[0]) or isinstance(node.args[0], ast.Name)
+                else _UNKNOWN
+            )
             if node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == "self":
                 target = self.module
             name = self._const(node.args[1])

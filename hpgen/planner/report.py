@@ -96,7 +96,9 @@ class SizeReport:
             "outside_layers": rows(self.outside),
             "grad_reduce_bytes_per_backward": self.grad_reduce_bytes,
             "grad_reduce_calls_per_backward": self.grad_reduce_count,
-            "per_token": {phase: {k: list(v) for k, v in self.totals(phase).items()} for phase in ("forward", "backward")},
+            "per_token": {
+                phase: {k: list(v) for k, v in self.totals(phase).items()} for phase in ("forward", "backward")
+            },
         }
 
     def text(self) -> str:
@@ -120,15 +122,22 @@ class SizeReport:
         for phase in ("forward", "backward"):
             totals = self.totals(phase)
             if totals:
-                parts = [f"{calls} {kind} ({mb(tensor)}, {mb(sent)} sent per rank)" for kind, (calls, tensor, sent) in totals.items()]
+                parts = [
+                    f"{calls} {kind} ({mb(tensor)}, {mb(sent)} sent per rank)"
+                    for kind, (calls, tensor, sent) in totals.items()
+                ]
                 lines.append(f"  total per {phase}: " + "; ".join(parts))
         if self.optional:
             lines.append(
-                "  not counted: the inputs " + ", ".join(sorted(self.optional)) + " default to None (cross-attention and "
+                "  not counted: the inputs "
+                + ", ".join(sorted(self.optional))
+                + " default to None (cross-attention and "
                 "the like) and add their collectives only when given"
             )
         if self.grad_reduce_bytes:
-            lines.append(f"  plus, once per backward: gradient all-reduces of replicated parameters, {mb(self.grad_reduce_bytes)}")
+            lines.append(
+                f"  plus, once per backward: gradient all-reduces of replicated parameters, {mb(self.grad_reduce_bytes)}"
+            )
         return "\n".join(lines)
 
 
