@@ -360,6 +360,7 @@ class Row:
     param_share: float | None = None  # the largest rank's parameter bytes / the unsharded model's
     layers_sharded: bool | None = None  # some parameter inside the decoder layers is sharded
     plan_source: str = ""  # "transformers' plan" or "derived from the source" (hpgen.planner.make)
+    replicated: str = ""  # what a derived plan left replicated in the layers, and why (its first notes)
     reason: str = ""
     seconds: float = 0.0  # planning and lowering in the parent process
 
@@ -401,6 +402,8 @@ def prepare(model_type: str, directory: Path, *, sp: bool = False) -> tuple[Row,
         except HpgenError as error:
             row.reason = f"plan: {error}"
             return row, None
+        notes = plan.get("comments", {}).get("replicated", {})
+        row.replicated = "; ".join(f"`{key}`: {text}" for key, text in list(notes.items())[:2])
         row.plan_ok = True
         source = Path(inspect.getsourcefile(cls) or "")
         try:
@@ -758,18 +761,27 @@ def render(variants: dict[str, dict[str, Row]], architectures_found: list[str]) 
         sp = sp_rows.get(name)
         sp_mark = _mark(sp.parity and sp.grads_ok) if sp is not None and sp.parity is not None else ""
         reason = _cell(row.reason) + (f" — {_cell(NOTES[name], None)}" if name in NOTES else "")
+        if row.parity and row.grads_ok and not at_target(row):
+            reason = _cell(_short_of_target(row) + (f" — {row.replicated}" if row.replicated else ""), 400)
         lines.append(
             f"| {name} | {row.model_class} | {row.plan_source} | {_mark(row.plan_ok)} | "
             f"{_mark(row.lower_ok) if row.plan_ok else ''} | "
             f"{_mark(row.parity)} | {diff} | {_mark(row.grads_ok)} | {share} | {sp_mark} | {reason} |"
         )
-    lines += ["", "## Failures by cause", ""]
-    groups: dict[str, list[str]] = {}
-    for row in ordered:
-        if row.reason and not row.reason.startswith("parity not run"):
+    lines += ["", "## Not at parity with the layers sharded, by cause", ""]
+    missing = [r for r in ordered if not at_target(r)]
+    for heading, members in (
+        ("transformers itself cannot build or run the tiny config", [r for r in missing if transformers_fails(r)]),
+        ("hpgen", [r for r in missing if not transformers_fails(r)]),
+    ):
+        groups: dict[str, list[str]] = {}
+        for row in members:
             groups.setdefault(_cause(row), []).append(row.model_type)
-    for cause, names in sorted(groups.items(), key=lambda item: (-len(item[1]), item[0])):
-        lines.append(f"- **{cause}** ({len(names)}): {', '.join(names)}")
+        lines.append(f"{heading} ({len(members)}):")
+        lines.append("")
+        for cause, names in sorted(groups.items(), key=lambda item: (-len(item[1]), item[0])):
+            lines.append(f"- **{cause}** ({len(names)}): {', '.join(names)}")
+        lines.append("")
     sp_failures = {
         name: _cell(row.reason) + (f" — {_cell(SP_NOTES[name], None)}" if name in SP_NOTES else "")
         for name, row in sorted(sp_rows.items())
@@ -787,6 +799,13 @@ def at_target(row: Row) -> bool:
         row.parity and row.grads_ok and row.layers_sharded and row.param_share is not None
         and row.param_share <= TARGET_SHARE
     )
+
+
+def _short_of_target(row: Row) -> str:
+    """Why a row at parity does not count: nothing sharded in the layers, or a rank holds too much."""
+    if not row.layers_sharded:
+        return "at parity, but nothing inside the decoder layers is sharded"
+    return f"at parity, but a rank holds {row.param_share:.2f} of the parameters (> {TARGET_SHARE})"
 
 
 def transformers_fails(row: Row) -> bool:
@@ -812,6 +831,8 @@ def _cause(row: Row) -> str:
     """A coarse failure class for grouping (the table keeps the full reason)."""
     reason = row.reason
     stage = reason.split(":", 1)[0]
+    if row.parity and row.grads_ok:
+        return _short_of_target(row).split(" of the parameters")[0].replace(f" {row.param_share:.2f}", " more")
     if row.model_type in NOTES:
         return "transformers' own plan or model does not shard this way (see the notes in the reason)"
     if stage in ("config", "plan", "lower"):

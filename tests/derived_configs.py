@@ -42,6 +42,14 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             **_TINY,
         ),
     ),
+    # transformers' plan shards the MLP and the experts, not the attention
+    "flint": (
+        "FlintConfig",
+        dict(
+            hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
+            intermediate_size=89, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, **_TINY,
+        ),
+    ),
 }
 
 

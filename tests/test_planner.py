@@ -121,6 +121,26 @@ def test_transformers_plan_is_kept_where_it_shards_the_layers() -> None:
     assert plan_source(meta_model(tiny("gpt2"))) == "derived from the source"
 
 
+def test_transformers_plan_is_completed_where_it_leaves_the_attention_replicated() -> None:
+    from hpgen.planner.make import plan_model
+    from hpgen.tp_plan import meta_model, plan_for_model
+
+    model = meta_model(tiny("flint"))
+    plan = plan_model(model, tp=2, name="flint")
+    translated = plan_for_model(model, tp=2, name="flint")
+    assert "model.layers.*.self_attn" not in translated["param_plan"]  # transformers shards the MLP only
+    for key, entry in translated["param_plan"].items():
+        assert plan["param_plan"][key] == entry  # kept as transformers wrote it
+    attention = plan["param_plan"]["model.layers.*.self_attn"]
+    assert attention["params"]["q_proj.weight"] == {"tp": "S(0)"} and attention["params"]["o_proj.weight"] == {
+        "tp": "S(1)"
+    }
+    assert plan["comments"]["plan_source"] == "transformers' plan"
+    assert list(plan["comments"]["completed_from_source"]) == ["model.layers.*.self_attn"]
+    # --sp and --ep keep transformers' plan alone
+    assert "model.layers.*.self_attn" not in plan_model(model, tp=2, sp=True, name="flint")["param_plan"]
+
+
 def test_derived_plans_load_and_lower() -> None:
     import inspect
 

@@ -4,12 +4,13 @@ For each decoder layer (an element of an ``nn.ModuleList`` whose class is in the
 file) :mod:`hpgen.planner.flow` gives the graph of its layers: which ``nn.Linear`` /
 ``Conv1D`` consumes which. From that graph:
 
-1. **Groups.** A projection whose input comes only from other projections (through the
-   attention, an activation, a gate product, a per-head norm) and not from the residual
-   stream is *row-parallel*; the projections it consumes are *column-parallel*:
-   ``o_proj`` with ``q_proj``/``k_proj``/``v_proj``, ``fc2`` with ``fc1``, ``c_proj`` with
-   ``c_fc``, ``down_proj`` with ``gate_proj``/``up_proj``. Rows deepest in the layer claim
-   their columns first, so a chain (``q_a_proj -> q_b_proj -> o_proj``) pairs at its end.
+1. **Groups.** A projection that writes the stream's width (the hidden size) from other
+   projections' outputs alone (through the attention, an activation, a gate product, a
+   per-head norm), not from the residual stream, is *row-parallel*; the projections it
+   reads are its *columns*: ``o_proj`` with ``q_proj``/``k_proj``/``v_proj``, ``fc2`` with
+   ``fc1``, ``c_proj`` with ``c_fc``, ``down_proj`` with ``gate_proj``/``up_proj`` (and
+   an adapter's second projection added to them). A norm over the whole width, a
+   convolution or any other layer on the way ends the walk: what it makes is not a shard.
 2. **Checks.** Each group is sharded only when everything between its columns and rows
    works on shards: the columns' outputs reach nothing but the rows and per-head norms;
    no norm over the full sharded width sits between them (BitNet's ``attn_sub_norm``); no
@@ -26,9 +27,9 @@ file) :mod:`hpgen.planner.flow` gives the graph of its layers: which ``nn.Linear
    whose output stays sharded (BERT's self-attention, ``S(-1) -> S(-1)``), or each column
    ``nn.Linear`` a boundary of its own, and each row ``nn.Linear`` a row-parallel boundary
    taking the sharded input (OPT's ``fc1``/``fc2`` in the decoder layer itself).
-4. The input embedding vocab-parallel and the output projection column-parallel with its
-   output gathered, where the vocabulary is at least ``--tp`` rows and no other code reads
-   their weights directly.
+4. Parameters the code between the projections reads itself (a per-feature scale, GPT-OSS's
+   per-head ``sinks``) are sharded with them or kept replicated in the block; the
+   vocabulary is placed by :mod:`hpgen.planner.vocab`.
 
 Every group or module left replicated gets a note saying why; :mod:`hpgen.planner`
 writes the notes into the plan.

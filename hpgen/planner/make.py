@@ -57,6 +57,8 @@ def plan_model(
     if plan_source(model, from_source=from_source) == TRANSFORMERS:
         plan = plan_for_model(model, tp=tp, ep=ep, sp=sp, name=name)
         plan["comments"] = {"plan_source": TRANSFORMERS}
+        if ep is None and not sp:
+            plan = _completed(model, plan, tp=tp, name=name)
         return plan
     if ep is not None:
         raise HpgenError(
@@ -76,6 +78,54 @@ def plan_model(
         "replicated": {note.target: note.text for note in derivation.notes if not note.sharded},
     }
     return plan
+
+
+def _completed(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -> dict[str, Any]:
+    """transformers' plan, plus the derived groups of the layers it leaves replicated.
+
+    Some plans shard only part of each layer (the experts but not the attention, the
+    attention but not a dense MLP). The derivation's groups that touch no module the plan
+    already matches are added; the vocabulary stays as transformers' plan has it. The
+    comments list what was added.
+    """
+    from hpgen.errors import HpgenError as _Error
+    from hpgen.plan import plan_from_dict
+    from hpgen.planner.derive import derive
+    from hpgen.planner.entries import Derivation
+    from hpgen.planner.translate import derived_plan
+
+    loaded = plan_from_dict(plan)
+    taken = [fqn for fqn, _ in model.named_modules() if fqn and loaded.entry_for(fqn) is not None]
+    derivation = derive(model, tp=tp)
+    extra = Derivation()
+    for fqn, placed in derivation.placed.items():
+        if placed.kind in ("embedding", "lm_head", "alias"):
+            continue
+        if any(fqn == t or t.startswith(fqn + ".") or fqn.startswith(t + ".") for t in taken):
+            continue
+        extra.placed[fqn] = placed
+    if not any(p.kind != "attrs" for p in extra.placed.values()):
+        return plan
+    try:
+        addition = derived_plan(model, extra, tp=tp, name=name)
+        merged = dict(plan)
+        merged["param_plan"] = {**plan["param_plan"], **addition["param_plan"]}
+        classes = {**plan.get("boundary_classes", {}), **addition.get("boundary_classes", {})}
+        if classes:
+            merged["boundary_classes"] = classes
+        plan_from_dict(merged, name=f"hpgen plan {name}")
+    except _Error:
+        return plan  # the addition does not fit transformers' plan: keep the plan as transformers wrote it
+    added = {note.target for note in derivation.notes if note.sharded} & {
+        key for key in addition["param_plan"]
+    }
+    merged["comments"] = {
+        "plan_source": TRANSFORMERS,
+        "completed_from_source": {
+            note.target: note.text for note in derivation.notes if note.sharded and note.target in added
+        },
+    }
+    return merged
 
 
 def _reasons(derivation: Any) -> str:
