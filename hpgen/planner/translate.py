@@ -109,19 +109,26 @@ class _DerivedTranslator(_Translator):
             boundary.inputs["input"] = ({"tp": "S(-1)"}, {"tp": "S(-1)"})
             boundary.outputs["output"] = ({"tp": "P(sum)"}, dict(replicated))
             return
-        # a block: every input that feeds the columns is R -> R (its gradient comes back partial)
-        assert placed is not None
+        if placed is None:  # a decoder layer or the final norm of --sp: the translator's own
+            super()._set_io(boundary)
+            return
+        # a block: every input that feeds the columns is R -> R (its gradient comes back partial);
+        # entered from the sequence-sharded stream (--sp) it gathers S(1) first and reduce-scatters after
         parameters = self._parameters(boundary.module, boundary.fqn)
         for name in placed.inputs:
             if name not in parameters and name not in self._keyword_names(boundary):
                 raise HpgenError(f"{self.name}: {boundary.fqn}: {name} is not a parameter of its forward")
-            boundary.inputs[name] = (dict(replicated), dict(replicated))
+            src = {"tp": "S(1)"} if boundary.sp_input and name == parameters[0] else dict(replicated)
+            boundary.inputs[name] = (src, dict(replicated))
         names = self._outputs(boundary.module, boundary.fqn)
         boundary.out_names = names if len(names) > 1 else None
         if kind == "col_block":
             boundary.outputs[names[0]] = ({"tp": "S(-1)"}, {"tp": "S(-1)"})
         else:
-            boundary.outputs[names[0]] = ({"tp": "P(sum)"}, dict(replicated))
+            dst = {"tp": "S(1)"} if boundary.sp_input else dict(replicated)
+            if boundary.sp_input:
+                boundary.grad_reduce.update(boundary.deferred)  # added to a sequence shard
+            boundary.outputs[names[0]] = ({"tp": "P(sum)"}, dst)
 
     def _keyword_names(self, boundary: _Boundary) -> set[str]:
         forward = self._forward_owner(boundary.module, boundary.fqn).forward
