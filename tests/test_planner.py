@@ -137,8 +137,10 @@ def test_transformers_plan_is_completed_where_it_leaves_the_attention_replicated
     }
     assert plan["comments"]["plan_source"] == "transformers' plan"
     assert list(plan["comments"]["completed_from_source"]) == ["model.layers.*.self_attn"]
-    # --sp and --ep keep transformers' plan alone
-    assert "model.layers.*.self_attn" not in plan_model(model, tp=2, sp=True, name="flint")["param_plan"]
+    # --sp keeps transformers' plan alone: the attention only gathers and splits the sequence
+    with_sp = plan_model(model, tp=2, sp=True, name="flint")
+    assert "completed_from_source" not in with_sp["comments"]
+    assert "params" not in with_sp["param_plan"]["model.layers.*.self_attn"]
 
 
 def test_derived_plans_load_and_lower() -> None:

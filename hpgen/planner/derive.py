@@ -57,6 +57,7 @@ from hpgen.planner.modules import (
     lca,
     out_features,
     positive_int,
+    prefixes,
     relative,
     returns_addressable,
 )
@@ -233,6 +234,7 @@ class _Deriver:
                 f"the attention adds {', '.join(repr(s) for s in side)}, one slice per head computed outside "
                 "it, which the plan cannot cut to this rank's heads"
             )
+        self._runtime_head_check(cols, layer)
         heads = self._heads(cols, rows, layer) if what == "attention" else None
         layouts = {col: self._column_layout(flow, col, cols, heads, layer, what) for col in sorted(cols)}
         if what == "attention" and heads is not None:
@@ -276,6 +278,23 @@ class _Deriver:
                     f"{tuple(param.shape)} directly, which does not follow the shards"
                 )
         return found
+
+    def _runtime_head_check(self, cols: set[str], layer: str) -> None:
+        """``parallelize`` refuses a row shard of a linear, in a module with a ``head_dim``, that would cut
+        a head: refuse it here, with the module named, rather than write a plan it will not install."""
+        if self.tp is None:
+            return
+        for col in cols:
+            n = out_features(self.modules[col])
+            for path in prefixes(col)[:-1]:
+                if not (path == layer or path.startswith(layer + ".")):
+                    continue
+                head_dim = positive_int(getattr(self.modules.get(path), "head_dim", None))
+                if head_dim and n % head_dim == 0 and (n // head_dim) % self.tp:
+                    raise Refused(
+                        f"{relative(col, layer)} has {n} outputs, {n // head_dim} heads of {relative(path, layer) or 'the layer'}'s "
+                        f"head_dim {head_dim}, which do not divide over --tp {self.tp}"
+                    )
 
     def _per_head(self, fqn: str) -> bool:
         """A layer of 1-D parameters of one head's size (a per-head ``q_norm``), which works on whole heads."""

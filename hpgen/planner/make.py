@@ -84,8 +84,8 @@ def _completed(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -
     """transformers' plan, plus the derived groups of the layers it leaves replicated.
 
     Some plans shard only part of each layer (the experts but not the attention, the
-    attention but not a dense MLP). The derivation's groups that touch no module the plan
-    already matches are added; the vocabulary stays as transformers' plan has it. The
+    attention but not a dense MLP). The derivation's whole blocks that touch no module the
+    plan already matches are added; the vocabulary stays as transformers' plan has it. The
     comments list what was added.
     """
     from hpgen.errors import HpgenError as _Error
@@ -99,11 +99,16 @@ def _completed(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -
     derivation = derive(model, tp=tp)
     extra = Derivation()
     for fqn, placed in derivation.placed.items():
-        if placed.kind in ("embedding", "lm_head", "alias"):
+        # whole blocks only (a module returning its row's output alone): what transformers' authors
+        # left replicated around a residual or a grouped projection stays as they left it
+        if placed.kind != "block":
             continue
         if any(fqn == t or t.startswith(fqn + ".") or fqn.startswith(t + ".") for t in taken):
             continue
         extra.placed[fqn] = placed
+    for fqn, placed in derivation.placed.items():
+        if placed.kind == "attrs" and any(fqn == b or fqn.startswith(b + ".") for b in extra.placed):
+            extra.placed[fqn] = placed
     if not any(p.kind != "attrs" for p in extra.placed.values()):
         return plan
     try:
@@ -116,9 +121,7 @@ def _completed(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -
         plan_from_dict(merged, name=f"hpgen plan {name}")
     except _Error:
         return plan  # the addition does not fit transformers' plan: keep the plan as transformers wrote it
-    added = {note.target for note in derivation.notes if note.sharded} & {
-        key for key in addition["param_plan"]
-    }
+    added = {note.target for note in derivation.notes if note.sharded} & {key for key in addition["param_plan"]}
     merged["comments"] = {
         "plan_source": TRANSFORMERS,
         "completed_from_source": {
