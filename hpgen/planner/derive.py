@@ -178,7 +178,7 @@ class _Deriver:
         """
         main = _first_marker(flow)
         found = {fqn: _sources(flow, fqn, linears, self._per_head) for fqn in linears}
-        widths = {positive_int(getattr(self.text_config, "hidden_size", None))}
+        widths = {positive_int(self._config("hidden_size"))}
         widths |= {in_features(self.modules[f]) for f, src in found.items() if not src.linears}
         rows = {
             fqn
@@ -296,10 +296,17 @@ class _Deriver:
                         f"head_dim {head_dim}, which do not divide over --tp {self.tp}"
                     )
 
+    def _config(self, name: str) -> Any:
+        """A value of the (text) config, or None where it is absent or per layer (transformers raises then)."""
+        try:
+            return getattr(self.text_config, name, None)
+        except Exception:
+            return None
+
     def _per_head(self, fqn: str) -> bool:
         """A layer of 1-D parameters of one head's size (a per-head ``q_norm``), which works on whole heads."""
         if not hasattr(self, "_head_sizes"):
-            sizes = {positive_int(getattr(self.text_config, "head_dim", None))}
+            sizes = {positive_int(self._config("head_dim"))}
             for module in self.modules.values():
                 sizes |= {positive_int(getattr(module, name, None)) for name in HEAD_DIM_ATTRS}
             self._head_sizes = {size for size in sizes if size}
@@ -309,7 +316,7 @@ class _Deriver:
     def _switched_off(self, name: str) -> bool:
         """An ``alibi`` input of a model whose config turns alibi off (Falcon's default): it arrives as None."""
         for attr in (name, f"use_{name}"):
-            value = getattr(self.text_config, attr, None)
+            value = self._config(attr)
             if value is False:
                 return True
         return False
@@ -340,11 +347,11 @@ class _Deriver:
             value = self._attr(path, HEAD_DIM_ATTRS)
             if value is not None:
                 return value
-        value = positive_int(getattr(self.text_config, "head_dim", None))
+        value = positive_int(self._config("head_dim"))
         if value:
             return value
         hidden, heads = (
-            positive_int(getattr(self.text_config, a, None)) for a in ("hidden_size", "num_attention_heads")
+            positive_int(self._config(a)) for a in ("hidden_size", "num_attention_heads")
         )
         return hidden // heads if hidden and heads else None
 
@@ -356,12 +363,12 @@ class _Deriver:
         heads = None
         for path in between(cols, lca(cols | rows)):
             heads = heads or self._attr(path, HEADS_ATTRS)
-        heads = heads or positive_int(getattr(self.text_config, "num_attention_heads", None))
+        heads = heads or positive_int(self._config("num_attention_heads"))
         kv = None
         for path in between(cols, lca(cols | rows)):
             kv = kv or self._attr(path, KV_HEADS_ATTRS)
         if kv is None:
-            kv = positive_int(getattr(self.text_config, "num_key_value_heads", None)) or heads
+            kv = positive_int(self._config("num_key_value_heads")) or heads
         if not heads:
             raise Refused("cannot tell the number of attention heads")
         return heads, kv, head_dim

@@ -170,6 +170,8 @@ def leaf_kind(module: Any, source: Path) -> str:
     own = any(True for _ in module.parameters(recurse=False))
     if isinstance(module, (nn.Linear, nn.Embedding)) or (own and not any(True for _ in module.children())):
         return "leaf"
+    if _is_norm(module) and not any(True for _ in module.children()):
+        return "leaf"  # a norm without weights (an L2 norm) still mixes what it normalises
     owner = _forward_owner(type(module), "forward")
     if owner is None or not _defined_in(owner, source):
         return "leaf"
@@ -238,7 +240,7 @@ class _Runner:
             return union([*(args or []), *(kwargs or {}).values()])
         if kind == "leaf":
             incoming = union([*(args or []), *(kwargs or {}).values()])
-            if not any(True for _ in module.parameters(recurse=True)):
+            if not any(True for _ in module.parameters(recurse=True)) and not _is_norm(module):
                 return Val(incoming.whole())  # an activation, a dropout, a rotary table: transparent
             self.flow.edges.setdefault(fqn, set()).update(incoming.whole())
             first = (args or [None])[0] if args else next(iter((kwargs or {}).values()), None)
@@ -750,6 +752,13 @@ def _size_of(value: Val) -> Val:
     """``x.shape`` / ``x.size()``: no data, but it remembers whose size it is (``bsz, len, dim = x.size()``)."""
     origins = value.whole()
     return Val(reads=frozenset({(SIZE, ",".join(sorted(origins)))})) if origins else EMPTY
+
+
+def _is_norm(module: Any) -> bool:
+    """A normalisation (with or without weights): it mixes the features it normalises, never transparent."""
+    import torch.nn as nn
+
+    return isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)) or "norm" in type(module).__name__.lower()
 
 
 def _nothing(value: Val) -> bool:

@@ -96,7 +96,11 @@ def _completed(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -
 
     loaded = plan_from_dict(plan)
     taken = [fqn for fqn, _ in model.named_modules() if fqn and loaded.entry_for(fqn) is not None]
-    derivation = derive(model, tp=tp)
+    try:
+        derivation = derive(model, tp=tp)
+    except Exception as error:  # completing is optional: transformers' plan stands, and the plan says why
+        plan["comments"]["completion_skipped"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        return plan
     extra = Derivation()
     for fqn, placed in derivation.placed.items():
         # whole blocks only (a module returning its row's output alone): what transformers' authors
