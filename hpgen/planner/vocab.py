@@ -78,6 +78,11 @@ class _Vocabulary:
             self.result.note(head_fqn, False, f"the output projection is a {type(head).__name__}, not nn.Linear")
         if tied and not (ok_emb and ok_head):
             ok_emb = ok_head = False
+        if ok_emb and not tied:
+            other = self._computing_alias(embedding.weight, emb_fqn)
+            if other:
+                ok_emb = False
+                self.result.note(emb_fqn, False, f"its weight is also {other}'s, which would compute with a shard")
         if ok_emb and emb_fqn:
             self.result.placed[emb_fqn] = Placed(
                 emb_fqn, "embedding", {"weight": "S(0)"}, why="vocab-parallel embedding"
@@ -129,6 +134,17 @@ class _Vocabulary:
         name = fqn.rpartition(".")[2]
         if name in raw:
             return f"other code reads {name}.weight directly (not through the module), which a shard would break"
+        return None
+
+    def _computing_alias(self, weight: Any, owner: str) -> str | None:
+        """Another module (not an ``nn.Embedding``) registering ``weight``: a custom head using the tied table."""
+        import torch.nn as nn
+
+        for name, module in self.model.named_modules(remove_duplicate=False):
+            if name == owner or isinstance(module, nn.Embedding):
+                continue
+            if any(param is weight for param in module._parameters.values()):
+                return f"{name} ({type(module).__name__})"
         return None
 
     def _aliases(self, owner: str, leaf: str, placement: str) -> None:
