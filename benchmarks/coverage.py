@@ -2,6 +2,7 @@
 
     python benchmarks/coverage.py                      # every architecture, resuming earlier results
     python benchmarks/coverage.py --sp                 # the --sp plans (the SP column), where TP passed
+    python benchmarks/coverage.py --ep                 # --ep 2 plans (the EP column), MoE models where TP passed
     python benchmarks/coverage.py --only llama,qwen3   # some model types (their rows are redone)
     python benchmarks/coverage.py --fresh              # forget earlier results of this variant
     python benchmarks/coverage.py --render             # only rewrite docs/coverage.md from the results
@@ -11,7 +12,8 @@ with or without a ``base_model_tp_plan``:
 
 1. **plan**: a tiny config of the architecture (:func:`tiny_config`; :data:`CONFIG_FIXES` for the
    few whose config needs one more change to be valid), the model on the meta device, and
-   :func:`hpgen.planner.make.plan_model` with ``tp=2`` (and ``sp=True`` with ``--sp``):
+   :func:`hpgen.planner.make.plan_model` with ``tp=2`` (and ``sp=True`` with ``--sp``, ``ep=2`` with
+   ``--ep``: whole experts per rank, for the models that have an expert plan):
    transformers' plan where it shards the decoder layers, otherwise the plan derived from the
    modeling source (the ``plan source`` column);
 2. **lower**: ``hpgen.lower.lower`` of the file the model class comes from, under that
@@ -28,7 +30,7 @@ with or without a ``base_model_tp_plan``:
 
 The ranks run several architectures per spawn (``--chunk``), each case bounded by
 ``--timeout`` seconds; a spawn that fails as a whole is retried one architecture at a time.
-A result line is appended to ``<--results>/hpgen-coverage-<tp|sp>.jsonl`` (default: the
+A result line is appended to ``<--results>/hpgen-coverage-<tp|sp|ep>.jsonl`` (default: the
 system temporary folder) as soon as it is known, so an interrupted run resumes where it
 stopped. The page ``docs/coverage.md`` is rendered from those files.
 """
@@ -374,7 +376,10 @@ class Case:
     plan: dict
 
 
-def prepare(model_type: str, directory: Path, *, sp: bool = False) -> tuple[Row, Case | None]:
+VARIANTS = {"tp": {}, "sp": {"sp": True}, "ep": {"ep": 2}}  # plan_for_model options beyond tp=2
+
+
+def prepare(model_type: str, directory: Path, *, variant: str = "tp") -> tuple[Row, Case | None]:
     """Plan and lower one architecture; the case to compare on ranks when it is a causal LM."""
     from hpgen.errors import HpgenError
     from hpgen.generate import infer_package
@@ -398,7 +403,7 @@ def prepare(model_type: str, directory: Path, *, sp: bool = False) -> tuple[Row,
         try:
             model = meta_model(config)
             row.plan_source = plan_source(model)
-            plan = plan_model(model, tp=2, sp=sp, name=model_type)
+            plan = plan_model(model, tp=2, name=model_type, **VARIANTS[variant])
         except HpgenError as error:
             row.reason = f"plan: {error}"
             return row, None
@@ -424,7 +429,7 @@ def prepare(model_type: str, directory: Path, *, sp: bool = False) -> tuple[Row,
         if size > MAX_PARAMS:  # two ranks, each holding the reference and the parallel copy, on a shared CPU
             row.reason = f"parity not run: the tiny config still has {size / 1e6:.0f}M parameters (sizes TINY does not reach)"
             return row, None
-        generated = directory / f"{model_type}_{'sp' if sp else 'tp'}.py"
+        generated = directory / f"{model_type}_{variant}.py"
         generated.write_text(text, encoding="utf-8")
         return row, Case(model_type, str(generated), plan)
     finally:
@@ -696,7 +701,7 @@ def render(variants: dict[str, dict[str, Row]], architectures_found: list[str]) 
 
     from hpgen.planner.make import DERIVED, TRANSFORMERS
 
-    rows, sp_rows = variants["tp"], variants.get("sp", {})
+    rows, sp_rows, ep_rows = variants["tp"], variants.get("sp", {}), variants.get("ep", {})
     ordered = [rows[name] for name in architectures_found if name in rows]
     compared = [row for row in ordered if row.parity is not None]
     runnable = [row for row in ordered if not transformers_fails(row)]
@@ -713,7 +718,8 @@ def render(variants: dict[str, dict[str, Row]], architectures_found: list[str]) 
         " the same perturbed weights: logits within 1e-5 + 1e-4 * max|logits|, and every parameter's gradient"
         " (this rank's slice) within the same tolerance of the reference gradient (a bias against the scale of"
         " its layer's gradients: a key projection's bias has a gradient that is zero but for rounding). The SP"
-        " column runs `hpgen plan --tp 2 --sp` the same way.",
+        " column runs `hpgen plan --tp 2 --sp` the same way, the EP column `hpgen plan --tp 2 --ep 2` (whole experts"
+        " per rank) for the models with an expert plan.",
         "",
         f"- causal-LM model types: **{len(architectures_found)}**; plan written: **{sum(r.plan_ok for r in ordered)}**;"
         f" lowered: **{sum(r.lower_ok for r in ordered)}**; compared on 2 ranks: **{len(compared)}**",
@@ -745,28 +751,38 @@ def render(variants: dict[str, dict[str, Row]], architectures_found: list[str]) 
             f"- with `--sp`, run where the tensor-parallel plan passes ({len(tried)}): logits and every gradient "
             f"equal for **{passed}**; plan refused for {refused}, parity failed for {failed} (listed at the end)"
         )
+    if ep_rows:
+        tried = [row for name, row in ep_rows.items() if rows.get(name) and rows[name].parity]
+        passed = sum(bool(row.parity and row.grads_ok) for row in tried)
+        lines.append(
+            f"- with `--ep 2`, run for the MoE models whose tensor-parallel plan passes ({len(tried)}): logits and "
+            f"every gradient equal for **{passed}**"
+            + "".join(f"; {row.model_type}: {_cell(row.reason, 200)}" for row in tried if not (row.parity and row.grads_ok))
+        )
     lines += [
         "",
         "| model type | model class | plan source | plan | lower | parity | max logit diff (tol) | gradients | share | SP"
-        " | reason |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        " | EP | reason |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in architectures_found:
         row = rows.get(name)
         if row is None:
-            lines.append(f"| {name} |  |  | not run |  |  |  |  |  |  |  |")
+            lines.append(f"| {name} |  |  | not run |  |  |  |  |  |  |  |  |")
             continue
         share = "" if row.param_share is None else f"{row.param_share:.2f}" + ("" if row.layers_sharded else " (emb)")
         diff = f"{row.logits_err:.1e} ({row.logits_tol:.1e})" if row.logits_err is not None else ""
         sp = sp_rows.get(name)
         sp_mark = _mark(sp.parity and sp.grads_ok) if sp is not None and sp.parity is not None else ""
+        ep = ep_rows.get(name)
+        ep_mark = _mark(ep.parity and ep.grads_ok) if ep is not None and ep.parity is not None else ""
         reason = _cell(row.reason) + (f" — {_cell(NOTES[name], None)}" if name in NOTES else "")
         if row.parity and row.grads_ok and not at_target(row):
             reason = _cell(_short_of_target(row) + (f" — {row.replicated}" if row.replicated else ""), 400)
         lines.append(
             f"| {name} | {row.model_class} | {row.plan_source} | {_mark(row.plan_ok)} | "
             f"{_mark(row.lower_ok) if row.plan_ok else ''} | "
-            f"{_mark(row.parity)} | {diff} | {_mark(row.grads_ok)} | {share} | {sp_mark} | {reason} |"
+            f"{_mark(row.parity)} | {diff} | {_mark(row.grads_ok)} | {share} | {sp_mark} | {ep_mark} | {reason} |"
         )
     lines += ["", "## Not at parity with the layers sharded, by cause", ""]
     missing = [r for r in ordered if not at_target(r)]
@@ -817,6 +833,14 @@ def transformers_fails(row: Row) -> bool:
     )
 
 
+def _has_expert_plan(model_type: str) -> bool:
+    """The config (or its text config) has transformers' ``base_model_ep_plan``."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    return any(getattr(sub, "base_model_ep_plan", None) for sub in _configs(config))
+
+
 def _mark(value: bool | None) -> str:
     return "" if value is None else "yes" if value else "**no**"
 
@@ -850,11 +874,11 @@ def _cause(row: Row) -> str:
     return reason[:80]
 
 
-def run(wanted: list[str], sp: bool, path: Path, rows: dict[str, Row], chunk: int, timeout: float) -> None:
+def run(wanted: list[str], variant: str, path: Path, rows: dict[str, Row], chunk: int, timeout: float) -> None:
     """Plan, lower and compare ``wanted``, appending each row to ``path`` as it is known."""
     with tempfile.TemporaryDirectory(prefix="hpgen-coverage-") as folder:
         for start in range(0, len(wanted), chunk):
-            prepared = [prepare(model_type, Path(folder), sp=sp) for model_type in wanted[start : start + chunk]]
+            prepared = [prepare(name, Path(folder), variant=variant) for name in wanted[start : start + chunk]]
             cases = [case for _, case in prepared if case is not None]
             outcomes = compare(cases, timeout) if cases else {}
             for row, case in prepared:
@@ -866,13 +890,14 @@ def run(wanted: list[str], sp: bool, path: Path, rows: dict[str, Row], chunk: in
                 status = (
                     "parity" if row.parity else "lowered" if row.lower_ok else "planned" if row.plan_ok else "failed"
                 )
-                print(f"{'sp ' if sp else ''}{row.model_type}: {status} {row.reason[:200]}", flush=True)
+                print(f"{'' if variant == 'tp' else variant + ' '}{row.model_type}: {status} {row.reason[:200]}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="comma-separated model types (their rows are redone)")
     parser.add_argument("--sp", action="store_true", help="run the --sp plans (the SP column) instead")
+    parser.add_argument("--ep", action="store_true", help="run the --ep 2 plans of MoE models (the EP column) instead")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per architecture on the ranks")
     parser.add_argument("--chunk", type=int, default=8, help="architectures compared per spawn of the ranks")
     parser.add_argument("--results", type=Path, default=Path(tempfile.gettempdir()), help="folder of the results files")
@@ -886,17 +911,20 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
     found = architectures()
-    variant = "sp" if args.sp else "tp"
+    variant = "sp" if args.sp else "ep" if args.ep else "tp"
+    args.results.mkdir(parents=True, exist_ok=True)
     path = results_path(args.results, variant)
     if args.fresh and path.exists():
         path.unlink()
-    variants = {name: load_results(results_path(args.results, name)) for name in ("tp", "sp")}
+    variants = {name: load_results(results_path(args.results, name)) for name in VARIANTS}
     if not args.render:
         rows = variants[variant]
         wanted = args.only.split(",") if args.only else [name for name in found if name not in rows]
-        if args.sp and not args.only:  # only where the tensor-parallel plan already matches
+        if variant != "tp" and not args.only:  # only where the tensor-parallel plan already matches
             wanted = [name for name in wanted if variants["tp"].get(name) and variants["tp"][name].parity]
-        run(wanted, args.sp, path, rows, args.chunk, args.timeout)
+        if variant == "ep" and not args.only:
+            wanted = [name for name in wanted if _has_expert_plan(name)]
+        run(wanted, variant, path, rows, args.chunk, args.timeout)
     args.table.parent.mkdir(parents=True, exist_ok=True)
     args.table.write_text(render(variants, found))
     print(f"wrote {args.table}", file=sys.stderr)

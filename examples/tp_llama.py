@@ -83,7 +83,6 @@ CONFIG = dict(
     num_attention_heads=8,
     num_key_value_heads=4,
     max_position_embeddings=256,
-    attn_implementation="eager",
 )
 
 
@@ -110,18 +109,8 @@ def param_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def main() -> None:
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
-
-    with tempfile.TemporaryDirectory(prefix=f"hpgen-rank{rank}-") as directory:
-        generated = lower_llama(Path(directory))
-
+def run(generated, mesh, device) -> tuple[float, bool, int, int, torch.Tensor]:
+    """Build the reference and the generated model, parallelize, compare logits and tokens."""
     config = LlamaConfig(**CONFIG)
     torch.manual_seed(0)  # the same reference weights on every rank
     reference = LlamaForCausalLM(config).to(device).eval()
@@ -137,6 +126,22 @@ def main() -> None:
         diff = (model(ids).logits - expected).abs().max().item()
         options = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
         same_tokens = torch.equal(model.generate(ids[:1], **options), reference.generate(ids[:1], **options))
+    return diff, same_tokens, local_bytes, full_bytes, expected
+
+
+def main() -> None:
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
+
+    # The generated file stays on disk while it runs: parallelize compares its header across ranks.
+    with tempfile.TemporaryDirectory(prefix=f"hpgen-rank{rank}-") as directory:
+        generated = lower_llama(Path(directory))
+        diff, same_tokens, local_bytes, full_bytes, expected = run(generated, mesh, device)
 
     reports = [None] * world
     dist.all_gather_object(reports, (rank, diff, same_tokens, local_bytes, full_bytes))

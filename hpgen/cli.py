@@ -246,6 +246,11 @@ def explain_command(source: str, plan: str, as_json: bool, config: str | None, t
 @click.option("--tp", type=click.IntRange(min=1), help="Tensor-parallel size the plan must divide (heads).")
 @click.option("--sp", is_flag=True, help="Keep the residual stream sequence-sharded between decoder layers.")
 @click.option("--ep", type=click.IntRange(min=1), help="Shard the experts by expert over this many ranks.")
+@click.option(
+    "--ep-axis",
+    metavar="NAME",
+    help="Put the experts on an axis of their own (mesh NAME x tp); without it they share tp.",
+)
 @click.option("--from-source", is_flag=True, help="Derive the plan from the modeling source even where transformers has one.")
 @click.option("--explain", "show_notes", is_flag=True, help="Say on stderr what was sharded and why the rest was not.")
 @click.option("--dtype", default="bfloat16", show_default=True, help="Dtype of the sizing report printed on stderr.")
@@ -255,6 +260,7 @@ def plan_command(
     tp: int | None,
     sp: bool,
     ep: int | None,
+    ep_axis: str | None,
     from_source: bool,
     show_notes: bool,
     dtype: str,
@@ -271,7 +277,9 @@ def plan_command(
     def run() -> int:
         from hpgen.planner.cli import plan_with_report
 
-        text, messages = plan_with_report(model, tp=tp, ep=ep, sp=sp, from_source=from_source, notes=show_notes, dtype=dtype)
+        text, messages = plan_with_report(
+            model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, notes=show_notes, dtype=dtype
+        )
         for message in messages:
             click.echo(message, err=True)
         if output in (None, "-"):

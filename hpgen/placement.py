@@ -1,8 +1,10 @@
 """Placements: how one tensor is laid out along one mesh axis (SPEC §2).
 
 The grammar is ``R``, ``S(d)`` (negative ``d`` counts from the end, as in PyTorch),
-``P(op)`` with op in sum/avg/max/min, and ``SS(d,k)`` (dim ``d`` holds ``k`` packed
-blocks, each sharded on its own). Placements are values: hashable, ordered, and printed
+``P(op)`` with op in sum/avg/max/min, ``SS(d,k)`` (dim ``d`` holds ``k`` packed blocks,
+each sharded on its own) and ``RS(d,r)`` (dim ``d`` cut into ``size / r`` chunks, chunk
+``i // r`` on rank ``i``: each chunk replicated on ``r`` consecutive ranks, as key/value
+heads are when the axis is larger than their number). Placements are values: hashable, ordered, and printed
 back in their canonical spelling, which is what generated comments show.
 """
 
@@ -19,17 +21,19 @@ _PATTERNS = {  # ASCII: "S(٣)" is not S(3)
     "S": re.compile(rf"S\({_INT}\)", re.ASCII),
     "P": re.compile(r"P\(\s*([a-z]+)\s*\)", re.ASCII),
     "SS": re.compile(rf"SS\({_INT},{_INT}\)", re.ASCII),
+    "RS": re.compile(rf"RS\({_INT},{_INT}\)", re.ASCII),
 }
 
 
 @dataclass(frozen=True, order=True)
 class Placement:
-    """One axis of a layout: replicated, sharded, partial or strided-sharded."""
+    """One axis of a layout: replicated, sharded, partial, strided-sharded or replicated-sharded."""
 
-    kind: str  # "R" | "S" | "P" | "SS"
+    kind: str  # "R" | "S" | "P" | "SS" | "RS"
     dim: int | None = None
     op: str | None = None
-    blocks: int | None = None
+    blocks: int | None = None  # SS: packed blocks in dim
+    replicas: int | None = None  # RS: consecutive ranks holding each chunk
 
     @staticmethod
     def parse(text: object) -> Placement:
@@ -50,11 +54,15 @@ class Placement:
                 if op not in PARTIAL_OPS:
                     raise ValueError(f"{text!r} is not a placement: partial op must be one of {', '.join(PARTIAL_OPS)}")
                 return Placement("P", op=op)
-            dim, blocks = int(match.group(1)), int(match.group(2))
-            if blocks < 1:
+            dim, count = int(match.group(1)), int(match.group(2))
+            if kind == "RS":
+                if count < 1:
+                    raise ValueError(f"{text!r} is not a placement: the replica count must be at least 1")
+                return Placement("RS", dim=dim, replicas=count)
+            if count < 1:
                 raise ValueError(f"{text!r} is not a placement: the block count must be at least 1")
-            return Placement("SS", dim=dim, blocks=blocks)
-        raise ValueError(f"{text!r} is not a placement (expected R, S(d), P(op) or SS(d,k))")
+            return Placement("SS", dim=dim, blocks=count)
+        raise ValueError(f"{text!r} is not a placement (expected R, S(d), P(op), SS(d,k) or RS(d,r))")
 
     @property
     def is_replicate(self) -> bool:
@@ -75,6 +83,8 @@ class Placement:
             return f"S({self.dim})"
         if self.kind == "P":
             return f"P({self.op})"
+        if self.kind == "RS":
+            return f"RS({self.dim},{self.replicas})"
         return f"SS({self.dim},{self.blocks})"
 
 

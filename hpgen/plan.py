@@ -32,6 +32,7 @@ _ENTRY_KEYS = {
     "deferred_bias_params",
     "grad_reduce_params",
     "tp_divide_attrs",
+    "divide_attrs",
     "is_boundary",
     "region_dispatch",
     "skip_source_lowering",
@@ -137,6 +138,7 @@ class Entry:
     deferred_bias_params: tuple[str, ...] = ()
     grad_reduce_params: tuple[str, ...] = ()
     tp_divide_attrs: tuple[str, ...] = ()
+    divide_attrs: tuple[tuple[str, int], ...] = ()  # (attribute, divisor), sorted by attribute
     is_boundary: bool = True
     region_dispatch: bool = False
     skip_source_lowering: bool = False
@@ -403,7 +405,7 @@ class _PlanReader:
             sha256=sha256,
         )
 
-    def layout(self, value: object, where: str) -> Layout:
+    def layout(self, value: object, where: str, *, params: bool = False) -> Layout:
         axes = self.expect_object(value, where)
         found = {}
         for axis, text in axes.items():
@@ -414,16 +416,36 @@ class _PlanReader:
                 found[axis] = Placement.parse(text)
             except ValueError as exc:
                 raise self.fail(axis_where, str(exc)) from None
+            if found[axis].kind == "RS" and not params:
+                # a replicated shard says where a parameter's chunks live; boundary values
+                # move by collectives, and none of them reads or makes replicated chunks
+                raise self.fail(
+                    axis_where,
+                    f"{found[axis]} is a parameter placement (params); inputs and outputs take R, S, P or SS",
+                )
         return Layout(tuple((axis, found.get(axis, REPLICATE)) for axis in self.mesh))
 
-    def layouts(self, value: object, where: str, check=is_identifier, what: str = "an identifier") -> dict[str, Layout]:
+    def layouts(
+        self, value: object, where: str, check=is_identifier, what: str = "an identifier", *, params: bool = False
+    ) -> dict[str, Layout]:
         names = self.expect_object(value, where)
         result = {}
         for name in sorted(names):
             name_where = _path_join(where, name)
             self.expect_name(name, name_where, check, what)
-            result[name] = self.layout(names[name], name_where)
+            result[name] = self.layout(names[name], name_where, params=params)
         return result
+
+    def divisors(self, value: object, where: str) -> tuple[tuple[str, int], ...]:
+        """``divide_attrs``: attribute name -> a positive integer it is divided by."""
+        found = []
+        for name, divisor in sorted(self.expect_object(value, where).items()):
+            name_where = _path_join(where, name)
+            self.expect_name(name, name_where, what="an attribute name (an identifier)")
+            if isinstance(divisor, bool) or not isinstance(divisor, int) or divisor < 1:
+                raise self.fail(name_where, f"expected a positive integer divisor, got {_json_type(divisor)}")
+            found.append((name, divisor))
+        return tuple(found)
 
     def entry(self, key: str, value: object, where: str) -> Entry:
         doc = self.expect_object(value, where)
@@ -449,7 +471,7 @@ class _PlanReader:
                     where, f"several outputs ({', '.join(outputs)}) need 'out_names' to give their order in the return"
                 )
         params_where = _path_join(where, "params")
-        params = self.layouts(doc.get("params", {}), params_where, is_param_path, "a parameter path")
+        params = self.layouts(doc.get("params", {}), params_where, is_param_path, "a parameter path", params=True)
         lists = {
             part: self.name_list(doc.get(part, []), _path_join(where, part), is_param_path, "a parameter path")
             for part in ("deferred_bias_params", "grad_reduce_params")
@@ -457,6 +479,12 @@ class _PlanReader:
         divide = self.name_list(doc.get("tp_divide_attrs", []), _path_join(where, "tp_divide_attrs"))
         if divide and "tp" not in self.mesh:
             raise self.fail(_path_join(where, "tp_divide_attrs"), "needs a 'tp' axis in mesh_dim_names")
+        divisors = self.divisors(doc.get("divide_attrs", {}), _path_join(where, "divide_attrs"))
+        for name, _ in divisors:
+            if name in divide:
+                raise self.fail(
+                    _path_join(_path_join(where, "divide_attrs"), name), f"{name!r} is in tp_divide_attrs too"
+                )
         flags = {
             part: self.expect_bool(doc[part], _path_join(where, part))
             for part in ("is_boundary", "region_dispatch", "skip_source_lowering")
@@ -474,6 +502,7 @@ class _PlanReader:
             deferred_bias_params=tuple(sorted(lists["deferred_bias_params"])),
             grad_reduce_params=tuple(sorted(lists["grad_reduce_params"])),
             tp_divide_attrs=tuple(sorted(divide)),
+            divide_attrs=divisors,
             is_boundary=flags.get("is_boundary", has_io),
             region_dispatch=flags.get("region_dispatch", False),
             skip_source_lowering=flags.get("skip_source_lowering", False),

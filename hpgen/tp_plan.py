@@ -49,7 +49,12 @@ norms on the shards get ``grad_reduce_params``, and the final norm gathers at it
 (when it is a class of the modeling file; otherwise the last layer does), before the
 causal LM slices ``logits_to_keep`` and calls ``lm_head``. ``--ep`` shards the experts by
 expert from ``base_model_ep_plan`` through ``hpgen.runtime.local.experts_parallel``: on
-the ``tp`` axis when ``--ep`` equals ``--tp``, on an ``ep`` axis of its own otherwise.
+the ``tp`` axis (``--ep`` equal to ``--tp``), or with ``--ep-axis NAME`` on an axis of
+their own (mesh ``NAME x tp``), keeping the TP plan's intermediate-dim rules on ``tp``.
+
+Key/value heads fewer than ``--tp`` (``--tp`` a multiple of them) are replicated, as vLLM
+does: the key/value projections become ``RS(0, tp / kv)`` and the attention entry divides
+``num_key_value_groups`` by the same number (``divide_attrs``).
 
 torch and transformers are imported inside the functions that need them: the generator
 (``hpgen lower``) never imports them.
@@ -124,15 +129,18 @@ def supported_styles_text() -> str:
 # --------------------------------------------------------------------------- entry points
 
 
-def make_plan(target: str, *, tp: int | None = None, ep: int | None = None, sp: bool = False) -> dict[str, Any]:
+def make_plan(
+    target: str, *, tp: int | None = None, ep: int | None = None, sp: bool = False, ep_axis: str | None = None
+) -> dict[str, Any]:
     """The frozen plan for ``target``: a transformers model type (``llama``) or a config.json path.
 
     ``tp`` and ``ep`` are the axis sizes the plan must divide (heads, experts); without
     either, a tensor-parallel plan whose divisibility is not checked. ``sp`` keeps the
-    residual stream sequence-sharded between decoder layers.
+    residual stream sequence-sharded between decoder layers. ``ep_axis`` names an axis
+    of the experts' own (mesh ``ep_axis x tp``); without it they share ``tp``.
     """
     config = load_config(target)
-    return plan_for_model(meta_model(config), tp=tp, ep=ep, sp=sp, name=target)
+    return plan_for_model(meta_model(config), tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, name=target)
 
 
 def load_config(target: str) -> Any:
@@ -268,6 +276,7 @@ class _Boundary:
     params: dict[str, dict[str, str]] = field(default_factory=dict)
     deferred: set[str] = field(default_factory=set)
     grad_reduce: set[str] = field(default_factory=set)
+    divide_attrs: dict[str, int] = field(default_factory=dict)
     axes: set[str] = field(default_factory=set)
     injection_axis: str | None = None
     wrapped_as: str | None = None  # "nn.Linear" / "nn.Embedding" for modules parallelize wraps
@@ -287,6 +296,8 @@ class _Boundary:
             entry["deferred_bias_params"] = sorted(self.deferred)
         if self.grad_reduce:
             entry["grad_reduce_params"] = sorted(self.grad_reduce)
+        if self.divide_attrs:
+            entry["divide_attrs"] = dict(self.divide_attrs)
         return entry
 
 
@@ -296,6 +307,7 @@ def plan_for_model(
     tp: int | None = None,
     ep: int | None = None,
     sp: bool = False,
+    ep_axis: str | None = None,
     name: str | None = None,
 ) -> dict[str, Any]:
     """The frozen plan for ``model`` (an instance, normally on the meta device).
@@ -303,11 +315,13 @@ def plan_for_model(
     Raises :class:`HpgenError` for a style hpgen cannot map, sizes the axes do not divide,
     or a module layout the plan cannot express.
     """
-    return _Translator(model, tp=tp, ep=ep, sp=sp, name=name or type(model).__name__).plan()
+    return _Translator(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, name=name or type(model).__name__).plan()
 
 
 class _Translator:
-    def __init__(self, model: nn.Module, *, tp: int | None, ep: int | None, sp: bool, name: str) -> None:
+    def __init__(
+        self, model: nn.Module, *, tp: int | None, ep: int | None, sp: bool, ep_axis: str | None, name: str
+    ) -> None:
         for flag, value in (("--tp", tp), ("--ep", ep)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise HpgenError(f"{flag} must be a positive integer, got {value!r}")
@@ -317,7 +331,9 @@ class _Translator:
         self.sizes: dict[str, int] = {}
         self.modules = dict(model.named_modules())
         self.config = getattr(model, "config", None)
-        self.rules, self.mesh = self._rules(tp, ep)
+        # tp rules on the experts when they have an axis of their own (their intermediate dim)
+        self.expert_tp_rules: dict[str, _Rule] = {}
+        self.rules, self.mesh = self._rules(tp, ep, self._ep_axis(ep_axis, ep))
         if sp and "tp" not in self.mesh:
             raise HpgenError(f"{name}: --sp shards the sequence on the tp axis; give --tp too")
         self.source = Path(_source_file(type(model)))
@@ -326,8 +342,27 @@ class _Translator:
 
     # -- rules
 
-    def _rules(self, tp: int | None, ep: int | None) -> tuple[dict[str, _Rule], tuple[str, ...]]:
-        """Concrete module/parameter name -> (style, axis), and the mesh axes."""
+    def _ep_axis(self, ep_axis: str | None, ep: int | None) -> str | None:
+        """The experts' own axis name, checked (``tp`` means sharing it, as no name does)."""
+        from hpgen.plan import RESERVED_AXIS_NAMES, is_identifier
+
+        if ep_axis is None:
+            return None
+        if ep is None:
+            raise HpgenError(f"{self.name}: --ep-axis names the experts' axis; give --ep too")
+        if not is_identifier(ep_axis) or ep_axis in RESERVED_AXIS_NAMES or ep_axis.startswith("__"):
+            raise HpgenError(f"{self.name}: --ep-axis {ep_axis!r} is not a usable axis name (an identifier)")
+        return None if ep_axis == "tp" else ep_axis
+
+    def _rules(
+        self, tp: int | None, ep: int | None, ep_axis: str | None
+    ) -> tuple[dict[str, _Rule], tuple[str, ...]]:
+        """Concrete module/parameter name -> (style, axis), and the mesh axes.
+
+        With ``ep_axis`` (and ``tp``) the experts get the EP plan on that axis and keep
+        the TP plan's rules on their parameters (``packed_colwise``/``rowwise``: the
+        intermediate dim) on ``tp`` (:attr:`expert_tp_rules`): a two-axis block.
+        """
         tp_plan = dict(getattr(self.model, "tp_plan", None) or {})
         ep_plan = dict(getattr(self.model, "ep_plan", None) or {})
         use_tp = tp is not None or ep is None
@@ -343,16 +378,24 @@ class _Translator:
             self.sizes = {"tp": tp} if tp is not None else {}
             return self._expand(tp_plan, "tp"), ("tp",)
         if not use_tp:
-            self.sizes = {"ep": ep}
-            return self._expand(ep_plan, "ep"), ("ep",)
+            axis = ep_axis or "ep"
+            self.sizes = {axis: ep}
+            return self._expand(ep_plan, axis), (axis,)
         # EP rules win over TP rules on the same modules and below them (as in transformers).
         experts = re.compile(rf"(?:{'|'.join(map(re.escape, ep_plan))})(?:\..+)?").fullmatch
+        expert_tp_plan = {key: style for key, style in tp_plan.items() if experts(key)}
         tp_plan = {key: style for key, style in tp_plan.items() if not experts(key)}
-        if tp == ep:  # experts parallel over the tensor-parallel group: one axis
+        if ep_axis is None:  # experts parallel over the tensor-parallel group: one axis
+            if tp != ep:
+                raise HpgenError(
+                    f"{self.name}: --ep {ep} differs from --tp {tp}, but without --ep-axis the experts share the "
+                    "tp axis; give --ep-axis ep to put them on an axis of their own (mesh ep x tp)"
+                )
             self.sizes = {"tp": tp}
             return {**self._expand(tp_plan, "tp"), **self._expand(ep_plan, "tp")}, ("tp",)
-        self.sizes = {"ep": ep, "tp": tp}
-        return {**self._expand(tp_plan, "tp"), **self._expand(ep_plan, "ep")}, ("ep", "tp")
+        self.sizes = {ep_axis: ep, "tp": tp}
+        self.expert_tp_rules = self._expand(expert_tp_plan, "tp")
+        return {**self._expand(tp_plan, "tp"), **self._expand(ep_plan, ep_axis)}, (ep_axis, "tp")
 
     def _expand(self, plan: Mapping[str, str], axis: str) -> dict[str, _Rule]:
         """transformers' ``_expand_parallel_plan``: a rule on a module covers its own parameters."""
@@ -457,6 +500,12 @@ class _Translator:
                     f"{self.name}: {boundary.fqn} is sharded on several axes ({', '.join(sorted(boundary.axes))}); "
                     "hpgen plans one axis per block"
                 )
+        # Experts on an axis of their own also shard their intermediate dim on tp, when
+        # the TP plan does: the one kind of block on two axes.
+        for fqn, rule in sorted(self.expert_tp_rules.items()):
+            boundary = self._enclosing(fqn if fqn in self.modules else fqn.rpartition(".")[0])
+            if boundary is not None and boundary.kind == "experts" and rule.style in _EXPERTS | _SHARDING:
+                boundary.axes.add(rule.axis)
 
     def _ancestors(self, fqn: str, *, include_self: bool = False) -> list[str]:
         """The modules above ``fqn`` (and ``fqn`` itself), nearest first, up to the first
@@ -510,7 +559,8 @@ class _Translator:
 
     def _place_params(self) -> None:
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        for fqn, rule in sorted(self.rules.items()):
+        expert_rules = [(fqn, rule) for fqn, rule in sorted(self.expert_tp_rules.items()) if fqn not in self.modules]
+        for fqn, rule in [*sorted(self.rules.items()), *expert_rules]:
             style = rule.style
             if fqn in self.modules:
                 if style in _GRAD_REDUCE:
@@ -535,7 +585,7 @@ class _Translator:
                 )
             relative = _relative(fqn, boundary.fqn)
             placement = _placement(style, params[fqn].ndim, leaf)
-            boundary.params[relative] = {rule.axis: placement}
+            boundary.params.setdefault(relative, {})[rule.axis] = placement
             if placement == "R":  # a row-parallel bias: added once, after the reduction
                 boundary.deferred.add(relative)
 
@@ -563,18 +613,24 @@ class _Translator:
     def _check_sizes(self) -> None:
         text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         for axis, size in self.sizes.items():
-            flag = f"--{axis}"
+            flag = "--tp" if axis == "tp" else "--ep"
             attention = [
                 b for b in self.boundaries.values() if axis in b.axes and b.kind == "block" and _is_attention(b)
             ]
             if attention:
                 for attr in ("num_attention_heads", "num_key_value_heads"):
                     value = _config_value(text, attr)
-                    if isinstance(value, int) and value % size:
-                        raise HpgenError(
-                            f"{self.name}: {attr}={value} does not divide over {flag} {size}: "
-                            f"{attention[0].fqn} is head-sharded and a rank would hold part of a head"
-                        )
+                    if not isinstance(value, int) or value % size == 0:
+                        continue
+                    if attr == "num_key_value_heads" and size % value == 0:
+                        for boundary in attention:
+                            self._replicate_kv_heads(boundary, axis, value, size // value, text)
+                        continue
+                    raise HpgenError(
+                        f"{self.name}: {attr}={value} does not divide over {flag} {size}"
+                        + (f" and {flag} {size} is not a multiple of it" if attr == "num_key_value_heads" else "")
+                        + f": {attention[0].fqn} is head-sharded and a rank would hold part of a head"
+                    )
             for boundary in self.boundaries.values():
                 if axis not in boundary.axes:
                     continue
@@ -588,6 +644,38 @@ class _Translator:
                 if boundary.kind == "embedding" and boundary.module.num_embeddings < size:
                     rows = boundary.module.num_embeddings
                     raise HpgenError(f"{self.name}: {boundary.fqn} has {rows} rows, fewer than {flag} {size}")
+
+    def _replicate_kv_heads(self, boundary: _Boundary, axis: str, kv_heads: int, replicas: int, config: Any) -> None:
+        """Fewer key/value heads than ranks: each on ``replicas`` consecutive ranks (``RS(0,r)``), as vLLM does.
+
+        The key/value projections are the sharded parameters of the attention block whose
+        dim 0 holds ``kv_heads`` heads; ``num_key_value_groups`` (query heads per key/value
+        head, what ``repeat_kv`` repeats by) is divided by ``replicas`` on each rank.
+        """
+        head_dim = getattr(boundary.module, "head_dim", None) or _config_value(config, "head_dim")
+        if not isinstance(head_dim, int):
+            hidden, heads = _config_value(config, "hidden_size"), _config_value(config, "num_attention_heads")
+            head_dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) else None
+        found = []
+        for name, layout in boundary.params.items():
+            shape = boundary.module.get_parameter(name).shape
+            if layout.get(axis) == "S(0)" and isinstance(head_dim, int) and shape[0] == kv_heads * head_dim:
+                layout[axis] = f"RS(0,{replicas})"
+                found.append(name)
+        if not any(name.endswith("weight") for name in found):
+            raise HpgenError(
+                f"{self.name}: num_key_value_heads={kv_heads} is fewer than --{axis} {replicas * kv_heads}, and "
+                f"{boundary.fqn} has no key/value projection of its own to replicate (sharded rows = "
+                f"{kv_heads} x head_dim {head_dim})"
+            )
+        if not isinstance(getattr(boundary.module, "num_key_value_groups", None), int):
+            # without it hpgen cannot say (nor parallelize check) how the local heads pair up
+            raise HpgenError(
+                f"{self.name}: num_key_value_heads={kv_heads} is fewer than --{axis} {replicas * kv_heads}; "
+                f"replicating them needs {type(boundary.module).__name__}.num_key_value_groups (what repeat_kv "
+                "repeats by), which it does not have"
+            )
+        boundary.divide_attrs["num_key_value_groups"] = replicas
 
     # -- sequence parallel
 

@@ -18,13 +18,15 @@ from hpgen.placement import REPLICATE, Placement
         ("P(min)", Placement("P", op="min")),
         ("SS(0,2)", Placement("SS", dim=0, blocks=2)),
         ("SS(-1, 3)", Placement("SS", dim=-1, blocks=3)),
+        ("RS(0,2)", Placement("RS", dim=0, replicas=2)),
+        ("RS( -1 , 4 )", Placement("RS", dim=-1, replicas=4)),
     ],
 )
 def test_parses(text, expected):
     assert Placement.parse(text) == expected
 
 
-@pytest.mark.parametrize("text", ["R", "S(0)", "S(-1)", "P(sum)", "P(max)", "SS(0,2)"])
+@pytest.mark.parametrize("text", ["R", "S(0)", "S(-1)", "P(sum)", "P(max)", "SS(0,2)", "RS(0,2)"])
 def test_canonical_spelling_round_trips(text):
     assert str(Placement.parse(text)) == text
 
@@ -37,6 +39,8 @@ def test_canonical_spelling_round_trips(text):
         ("r", "is not a placement"),
         ("P(prod)", "partial op must be one of sum, avg, max, min"),
         ("SS(0,0)", "block count must be at least 1"),
+        ("RS(0,0)", "replica count must be at least 1"),
+        ("RS(0)", "is not a placement"),
         ("S(0", "is not a placement"),
         ("S(\u0663)", "is not a placement"),  # an Arabic-Indic digit is not a dim
         ("", "is not a placement"),

@@ -32,6 +32,15 @@ def test_fixture_plans_load():
     assert len(plan.sha256) == 64
 
 
+def test_replicated_shards_and_divisors_of_an_entry():
+    plan = plan_from_dict(
+        minimal(params={"k_proj.weight": {"tp": "RS(0,2)"}}, divide_attrs={"num_key_value_groups": 2, "a": 3})
+    )
+    entry = plan.entries["model.layers.*.mlp"]
+    assert str(entry.params["k_proj.weight"].on("tp")) == "RS(0,2)"
+    assert entry.divide_attrs == (("a", 3), ("num_key_value_groups", 2))  # sorted: key order does not matter
+
+
 def test_missing_axis_means_replicated():
     plan = plan_from_dict(
         {"mesh_dim_names": ["tp", "sp"], "param_plan": {"a": {"in_src": {"x": {"sp": "S(1)"}}}}}
@@ -133,6 +142,17 @@ def test_key_order_does_not_change_the_plan_or_the_signature():
         (minimal(params={"q proj.weight": {"tp": "S(0)"}}), "'q proj.weight' is not a parameter path"),
         (minimal(is_boundary="yes"), "is_boundary: expected true or false, got the string 'yes'"),
         (minimal(tp_divide_attrs=["num heads"]), "tp_divide_attrs[0]: 'num heads' is not an identifier"),
+        (
+            minimal(out_src={"output": {"tp": "RS(0,2)"}}),
+            "out_src.output.tp: RS(0,2) is a parameter placement (params); inputs and outputs take R, S, P or SS",
+        ),
+        (minimal(divide_attrs={"num_key_value_groups": 0}), "divide_attrs.num_key_value_groups: expected a positive"),
+        (minimal(divide_attrs={"num_key_value_groups": True}), "expected a positive integer divisor, got a boolean"),
+        (minimal(divide_attrs={"a b": 2}), "'a b' is not an attribute name"),
+        (
+            minimal(tp_divide_attrs=["num_heads"], divide_attrs={"num_heads": 2}),
+            "divide_attrs.num_heads: 'num_heads' is in tp_divide_attrs too",
+        ),
         ({"mesh_dim_names": ["tp"], "param_plan": {"model.layers..mlp": {}}}, "is not a module FQN"),
         (
             {"mesh_dim_names": ["tp"], "param_plan": {"model.layers.*.mlp": {}, "model.layers.0.mlp": {}}},

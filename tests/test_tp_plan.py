@@ -180,22 +180,36 @@ def test_sequence_parallel_gathers_at_the_last_layer_when_the_final_norm_is_torc
 
 
 @pytest.mark.parametrize(
-    ("flags", "mesh"),
+    ("flags", "mesh", "experts_params"),
     [
-        (["--ep", "2"], ["ep"]),
-        (["--tp", "2", "--ep", "4"], ["ep", "tp"]),
-    ],  # experts only; EP beside a TP of another size
+        (["--ep", "2"], ["ep"], {"gate_up_proj": {"ep": "S(0)"}, "down_proj": {"ep": "S(0)"}}),
+        # an axis of their own beside tp: whole experts on ep, their intermediate dim on tp (the TP plan's rules)
+        (
+            ["--tp", "2", "--ep", "4", "--ep-axis", "ep"],
+            ["ep", "tp"],
+            {"gate_up_proj": {"ep": "S(0)", "tp": "SS(1,2)"}, "down_proj": {"ep": "S(0)", "tp": "S(2)"}},
+        ),
+        (
+            ["--tp", "2", "--ep", "2", "--ep-axis", "ep"],
+            ["ep", "tp"],
+            {"gate_up_proj": {"ep": "S(0)", "tp": "SS(1,2)"}, "down_proj": {"ep": "S(0)", "tp": "S(2)"}},
+        ),
+    ],
 )
 def test_experts_parallel_on_an_axis_of_its_own(
-    generated: Callable[..., Path], flags: list[str], mesh: list[str]
+    generated: Callable[..., Path], flags: list[str], mesh: list[str], experts_params: dict
 ) -> None:
     path = generated("qwen3_moe", *flags)
     document = json.loads(path.read_text())
     assert document["mesh_dim_names"] == mesh
     assert document["injections"][0]["local_compute_fn"]["axis"] == "ep"
     experts = document["param_plan"]["model.layers.*.mlp.experts"]
-    assert experts["params"] == {"gate_up_proj": {"ep": "S(0)"}, "down_proj": {"ep": "S(0)"}}
+    assert experts["params"] == experts_params
+    assert experts["out_src"]["output"] == {axis: "P(sum)" for axis in mesh}  # reduced on each axis's group
     assert ("model.layers.*.self_attn" in document["param_plan"]) == ("tp" in mesh)
+    if "tp" in mesh:  # attention stays on tp alone
+        attention = document["param_plan"]["model.layers.*.self_attn"]
+        assert {axis for layout in attention["params"].values() for axis in layout} == {"tp"}
     source = transformers_modeling_file("qwen3_moe")
     lower(source.read_text(), load_plan(path), source_name=source.name)
 
@@ -225,16 +239,52 @@ def test_a_style_it_cannot_map_lists_the_supported_ones(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("size", "expected"),
+    ("overrides", "size", "expected"),
     [
-        (3, "num_attention_heads=4 does not divide over --tp 3"),
-        (4, "num_key_value_heads=2 does not divide over --tp 4"),
+        ({}, 3, "num_attention_heads=4 does not divide over --tp 3"),
+        (
+            {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3},
+            2,
+            "num_key_value_heads=3 does not divide over --tp 2 and --tp 2 is not a multiple of it",
+        ),
     ],
 )
-def test_indivisible_heads_name_the_sizes(tmp_path: Path, size: int, expected: str) -> None:
-    code, out, err = run_plan(str(tiny_llama_config(tmp_path)), "--tp", str(size))
+def test_indivisible_heads_name_the_sizes(tmp_path: Path, overrides: dict, size: int, expected: str) -> None:
+    from tests.runtime.models import make_config
+
+    make_config("llama", **overrides).save_pretrained(tmp_path)
+    code, out, err = run_plan(str(tmp_path / "config.json"), "--tp", str(size))
     assert code == 2 and out == ""
     assert expected in err and len(err.strip().splitlines()) == 1
+
+
+def test_fewer_kv_heads_than_ranks_are_replicated(tmp_path: Path) -> None:
+    from tests.runtime.models import make_config
+
+    make_config("qwen2").save_pretrained(tmp_path)  # 4 heads, 2 key/value heads, q/k/v biases
+    code, out, err = run_plan(str(tmp_path / "config.json"), "--tp", "4")
+    assert code == 0, err
+    attention = json.loads(out)["param_plan"]["model.layers.*.self_attn"]
+    placements = {name: layout["tp"] for name, layout in attention["params"].items()}
+    # each key/value head on 2 consecutive ranks; its weight and bias alike; query heads still split
+    assert {name for name, p in placements.items() if p == "RS(0,2)"} == {
+        "k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias"
+    }
+    assert placements["q_proj.weight"] == placements["q_proj.bias"] == "S(0)"
+    assert attention["divide_attrs"] == {"num_key_value_groups": 2}  # 1 query head per local kv head
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--tp", "2", "--ep", "4"], "without --ep-axis the experts share the tp axis; give --ep-axis ep"),
+        (["--tp", "2", "--ep-axis", "ep"], "--ep-axis names the experts' axis; give --ep too"),
+        (["--tp", "2", "--ep", "2", "--ep-axis", "boundary"], "is not a usable axis name"),
+    ],
+)
+def test_experts_axis_flags_are_checked(flags: list[str], expected: str) -> None:
+    code, out, err = run_plan("qwen3_moe", *flags)
+    assert code == 2 and out == "" and expected in err
 
 
 def test_indivisible_experts_name_the_sizes() -> None:

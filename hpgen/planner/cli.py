@@ -20,6 +20,7 @@ def plan_with_report(
     ep: int | None,
     sp: bool,
     from_source: bool,
+    ep_axis: str | None = None,
     notes: bool,
     dtype: str,
 ) -> tuple[str, list[str]]:
@@ -29,7 +30,7 @@ def plan_with_report(
     from hpgen.tp_plan import dumps_plan, load_config, meta_model
 
     model = meta_model(load_config(target))
-    plan = plan_model(model, tp=tp, ep=ep, sp=sp, from_source=from_source, name=target)
+    plan = plan_model(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, name=target)
     comments = plan.get("comments", {})
     messages = [f"{target}: {comments.get('plan_source', 'plan')}"]
     if notes:

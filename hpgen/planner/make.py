@@ -22,12 +22,20 @@ DERIVED = "derived from the source"
 
 
 def make_plan(
-    target: str, *, tp: int | None = None, ep: int | None = None, sp: bool = False, from_source: bool = False
+    target: str,
+    *,
+    tp: int | None = None,
+    ep: int | None = None,
+    sp: bool = False,
+    ep_axis: str | None = None,
+    from_source: bool = False,
 ) -> dict[str, Any]:
     """The frozen plan for a model type or config.json (see :func:`plan_model`)."""
     from hpgen.tp_plan import load_config, meta_model
 
-    return plan_model(meta_model(load_config(target)), tp=tp, ep=ep, sp=sp, from_source=from_source, name=target)
+    return plan_model(
+        meta_model(load_config(target)), tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, name=target
+    )
 
 
 def transformers_shards_layers(model: Any) -> bool:
@@ -48,14 +56,16 @@ def plan_model(
     ep: int | None = None,
     sp: bool = False,
     from_source: bool = False,
+    ep_axis: str | None = None,
     name: str | None = None,
 ) -> dict[str, Any]:
-    """The frozen plan for ``model`` (an instance, normally on the meta device)."""
+    """The frozen plan for ``model`` (an instance, normally on the meta device); ``ep_axis`` as for
+    :func:`hpgen.tp_plan.plan_for_model` (transformers' plans only)."""
     from hpgen.tp_plan import plan_for_model
 
     name = name or type(model).__name__
     if plan_source(model, from_source=from_source) == TRANSFORMERS:
-        plan = plan_for_model(model, tp=tp, ep=ep, sp=sp, name=name)
+        plan = plan_for_model(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, name=name)
         plan["comments"] = {"plan_source": TRANSFORMERS}
         if ep is None and not sp:
             plan = _completed(model, plan, tp=tp, name=name)

@@ -55,9 +55,9 @@ class _DerivedTranslator(_Translator):
     def __init__(self, model: Any, derivation: Derivation, *, tp: int | None, sp: bool, name: str) -> None:
         self.derivation = derivation
         self.placed: dict[str, Placed] = {}
-        super().__init__(model, tp=tp, ep=None, sp=sp, name=name)
+        super().__init__(model, tp=tp, ep=None, sp=sp, ep_axis=None, name=name)
 
-    def _rules(self, tp: int | None, ep: int | None) -> tuple[dict, tuple[str, ...]]:
+    def _rules(self, tp: int | None, ep: int | None, ep_axis: str | None = None) -> tuple[dict, tuple[str, ...]]:
         self.sizes = {"tp": tp} if tp is not None else {}
         return {}, ("tp",)
 

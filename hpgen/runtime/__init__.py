@@ -1,19 +1,41 @@
 """hpgen's runtime: what generated files call, and ``parallelize``.
 
-Importable without libcst. ``parallelize`` is loaded on first use so that generated
-files, which import ``hpgen.runtime.defaults``, do not pay for it.
+Importable without libcst. ``parallelize``, ``from_pretrained`` (load a transformers
+checkpoint, each rank reading its slices), ``save_pretrained`` / ``full_state_dict``
+(the unsharded checkpoint of a parallelized model), ``local_state_dict`` (plain local
+shards) and ``optimizer_state_dict`` / ``load_optimizer_state_dict`` (optimizer state for
+DCP, sharded like the parameters) are loaded on first use so that generated files, which import
+``hpgen.runtime.defaults``, do not pay for them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["parallelize"]
+__all__ = [
+    "from_pretrained",
+    "full_state_dict",
+    "load_optimizer_state_dict",
+    "local_state_dict",
+    "optimizer_state_dict",
+    "parallelize",
+    "save_pretrained",
+]
+
+_LAZY = {
+    "parallelize": "hpgen.runtime.install",
+    "from_pretrained": "hpgen.runtime.loading",
+    "save_pretrained": "hpgen.runtime.saving",
+    "full_state_dict": "hpgen.runtime.saving",
+    "local_state_dict": "hpgen.runtime.state_dict",
+    "optimizer_state_dict": "hpgen.runtime.state_dict",
+    "load_optimizer_state_dict": "hpgen.runtime.state_dict",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name == "parallelize":
-        from hpgen.runtime.install import parallelize
+    if name in _LAZY:
+        import importlib
 
-        return parallelize
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'hpgen.runtime' has no attribute {name!r}")

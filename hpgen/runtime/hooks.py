@@ -9,11 +9,20 @@ unchanged) and a forward hook on the boundary adds the bias to the reduced outpu
 ``grad_reduce_params``: a replicated parameter used on a shard of the activations (a
 per-head ``q_norm``, a norm on a sequence-sharded residual stream) gets only this rank's
 part of its gradient. A tensor hook all-reduces that gradient over the axes on which
-the boundary's body is sharded, before it is accumulated into ``.grad``.
+the boundary's body is sharded, before it is accumulated into ``.grad``. ``RS(d,r)``
+parameters (key/value heads replicated on ``r`` ranks) are summed the same way, over
+their replica group.
+
+Because the sum happens in the tensor hook, before accumulation, the engines of the
+other mesh axes see a complete gradient and need no extra step: DDP (same Parameters)
+averages it over its axis; FSDP2, which swaps in Parameters of its own for the forward,
+is followed by :class:`FollowReducedParameters`, a pre-hook of the boundary that hooks
+whatever tensor is registered when the body runs. Apply both after ``parallelize``.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,10 +30,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from hpgen.plan import Plan, body_is_sharded
 from hpgen.runtime.collectives import AxisCollectives
 from hpgen.runtime.errors import ParallelizeError
+from hpgen.runtime.groups import replica_group
 from hpgen.runtime.ops import address_of, get_output, replace_output
 from hpgen.runtime.params import Matched
 from hpgen.runtime.wrappers import is_conv1d, subclass_with
@@ -32,6 +43,7 @@ from hpgen.runtime.wrappers import is_conv1d, subclass_with
 __all__ = [
     "BiasAdder",
     "DeferredBias",
+    "FollowReducedParameters",
     "GradAllReduce",
     "GradReduce",
     "install_grad_reduce",
@@ -147,42 +159,128 @@ def survey_deferred_biases(matched: Iterable[Matched], plan: Plan) -> list[Defer
 
 @dataclass
 class GradReduce:
-    """A replicated Parameter whose gradient is summed over ``axes`` (union over the entries naming it)."""
+    """A Parameter whose gradient is summed over whole axes and replica groups (union over entries).
+
+    ``uses`` are the boundaries that reduce it, each with the (owner module, attribute)
+    it is registered under there: where :class:`FollowReducedParameters` looks for it.
+    """
 
     param: nn.Parameter
     name: str
-    axes: list[str]
+    axes: list[str]  # grad_reduce_params: every axis its boundary's body is sharded on
+    replicas: dict[str, int]  # RS(d,r): axis -> r
+    uses: list[tuple[Matched, nn.Module, str]]
+
+    def groups(self, axes: Mapping[str, AxisCollectives], mesh: DeviceMesh) -> list[dist.ProcessGroup]:
+        """The process groups to sum over; axes of size one (and ``r`` of one) reduce nothing."""
+        found = [axes[axis].group for axis in self.axes if axes[axis].size > 1]
+        for axis, replicas in self.replicas.items():
+            if axis not in self.axes and replicas > 1 and axes[axis].size > 1:
+                found.append(replica_group(mesh, axis, replicas))
+        return found
 
 
 def survey_grad_reduce(matched: Iterable[Matched], plan: Plan) -> list[GradReduce]:
-    """Each ``grad_reduce_params`` Parameter with the axes its boundary's body is sharded on."""
+    """Each Parameter whose gradient a rank holds only part of, with what to sum it over.
+
+    ``grad_reduce_params`` sum over every axis the boundary's body is sharded on;
+    ``RS(d,r)`` parameters over the ``r`` ranks of the axis holding the same chunk (their
+    replica group, :mod:`hpgen.runtime.groups`).
+    """
     found: dict[int, GradReduce] = {}
+
+    def record(item: Matched, name: str) -> GradReduce:
+        param = item.module.get_parameter(name)
+        reduce = found.setdefault(id(param), GradReduce(param, f"{item.fqn}.{name}", [], {}, []))
+        owner_path, _, attr = name.rpartition(".")
+        owner = item.module.get_submodule(owner_path) if owner_path else item.module
+        if not any(use.module is item.module and o is owner and a == attr for use, o, a in reduce.uses):
+            reduce.uses.append((item, owner, attr))
+        return reduce
+
     for item in matched:
         entry = item.entry
-        if not entry.grad_reduce_params:
-            continue
-        axes = [axis for axis in plan.mesh_dim_names if body_is_sharded(entry, axis)]
-        if not axes:
-            raise ParallelizeError(
-                f"{item.fqn} ({type(item.module).__name__}): grad_reduce_params, but param_plan[{item.key!r}] "
-                "shards its body on no axis, so no gradient is partial and hpgen cannot tell over which axes to "
-                "reduce. Declare the layout the input arrives in, e.g. for a norm on a sequence-sharded stream "
-                '"in_src": {"<input>": {"tp": "S(1)"}}, "in_dst": {"<input>": {"tp": "S(1)"}} '
-                "(<input> is its forward's parameter: 'input' for nn.LayerNorm)"
-            )
-        for name in entry.grad_reduce_params:
-            param = item.module.get_parameter(name)
-            record = found.setdefault(id(param), GradReduce(param, f"{item.fqn}.{name}", []))
-            record.axes += [axis for axis in axes if axis not in record.axes]
+        if entry.grad_reduce_params:
+            sharded = [axis for axis in plan.mesh_dim_names if body_is_sharded(entry, axis)]
+            if not sharded:
+                raise ParallelizeError(
+                    f"{item.fqn} ({type(item.module).__name__}): grad_reduce_params, but param_plan[{item.key!r}] "
+                    "shards its body on no axis, so no gradient is partial and hpgen cannot tell over which axes to "
+                    "reduce. Declare the layout the input arrives in, e.g. for a norm on a sequence-sharded stream "
+                    '"in_src": {"<input>": {"tp": "S(1)"}}, "in_dst": {"<input>": {"tp": "S(1)"}} '
+                    "(<input> is its forward's parameter: 'input' for nn.LayerNorm)"
+                )
+            for name in entry.grad_reduce_params:
+                reduce = record(item, name)
+                reduce.axes += [axis for axis in sharded if axis not in reduce.axes]
+        for name, layout in entry.params.items():
+            replicated = {a: layout.on(a).replicas for a in plan.mesh_dim_names if layout.on(a).kind == "RS"}
+            if replicated:
+                record(item, name).replicas.update(replicated)
     return list(found.values())
 
 
+class FollowReducedParameters:
+    """Forward pre-hook of a boundary: the gradient reduction follows the Parameter object.
+
+    FSDP2 (``fully_shard``) replaces each parameter by a sharded DTensor and, for the
+    forward, registers an unsharded Parameter of its own on the module; the gradient
+    autograd computes is that one's. So before the boundary's body runs, the reduction
+    hook goes on whatever tensor is registered there now (once per tensor). Under DDP or
+    without an engine it is the Parameter ``parallelize`` made, already hooked. A DTensor
+    still in place means an FSDP2 unit smaller than the boundary holds the parameter; its
+    unsharded tensor appears only inside the body, where nothing can hook it in time, so
+    that is refused (``RuntimeError``) rather than leaving the gradient partial.
+    """
+
+    def __init__(self, fqn: str, uses: Sequence[tuple[nn.Module, str, GradAllReduce]]) -> None:
+        self.fqn = fqn
+        self.uses = tuple(uses)
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for owner, attr, reducer in self.uses:
+            tensor = owner._parameters.get(attr)
+            if tensor is None or not tensor.requires_grad or getattr(tensor, "_hp_grad_reduce", None) is reducer:
+                continue
+            if _is_dtensor(tensor):
+                raise RuntimeError(
+                    f"{reducer.where}: hpgen sums its gradient over its tensor-parallel ranks, but when {self.fqn} "
+                    "runs it is still a sharded DTensor: fully_shard was applied to a module inside that boundary. "
+                    f"Apply fully_shard to {self.fqn or 'the model'} or a module above it (torchtitan's order: each "
+                    "decoder layer, then the root)"
+                )
+            tensor.register_hook(reducer)
+            tensor._hp_grad_reduce = reducer
+
+
+def _is_dtensor(tensor: Tensor) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")  # none exists before it is imported
+    return dtensor is not None and isinstance(tensor, dtensor.DTensor)
+
+
 def install_grad_reduce(
-    records: Iterable[GradReduce], axes: Mapping[str, AxisCollectives], replaced: Mapping[int, nn.Parameter]
+    records: Iterable[GradReduce],
+    replaced: Mapping[int, nn.Parameter],
+    axes: Mapping[str, AxisCollectives],
+    mesh: DeviceMesh,
 ) -> None:
-    """Register the gradient all-reduce on each (possibly re-created) Parameter; size-1 axes skip."""
+    """Hook each (possibly re-created) Parameter, and make every boundary using it follow it.
+
+    Replica groups are made here, after every rank accepted the plan: creating a process
+    group is a collective of all ranks.
+    """
+    follows: dict[int, tuple[Matched, list[tuple[nn.Module, str, GradAllReduce]]]] = {}
     for record in records:
-        groups = [axes[axis].group for axis in record.axes if axes[axis].size > 1]
-        if groups:
-            param = replaced.get(id(record.param), record.param)
-            param.register_hook(GradAllReduce(groups, record.name))
+        groups = record.groups(axes, mesh)
+        if not groups:
+            continue
+        param = replaced.get(id(record.param), record.param)
+        reducer = GradAllReduce(groups, record.name)
+        param.register_hook(reducer)
+        param._hp_grad_reduce = reducer
+        for item, owner, attr in record.uses:
+            follows.setdefault(id(item.module), (item, []))[1].append((owner, attr, reducer))
+    for item, uses in follows.values():
+        item.module.register_forward_pre_hook(FollowReducedParameters(item.fqn, uses))

@@ -13,7 +13,9 @@ untouched:
   generated file is stale), or a wrapped ``nn.Embedding``/``nn.Linear`` whose layout is
   not vocab-, column- or row-parallel (:mod:`hpgen.runtime.targets`);
 - deferred biases without a single reduced output, grad-reduced parameters of a body
-  that is not sharded (:mod:`hpgen.runtime.hooks`); ``tp_divide_attrs`` that do not divide.
+  that is not sharded (:mod:`hpgen.runtime.hooks`); ``tp_divide_attrs`` and
+  ``divide_attrs`` that do not divide, attention whose local query and key/value heads
+  would be paired wrongly (:mod:`hpgen.runtime.attrs`).
 
 Before the survey, every rank checks that all ranks of each axis were given the same
 plan, generated file and hpgen version (:mod:`hpgen.runtime.agreement`).
@@ -21,7 +23,18 @@ plan, generated file and hpgen version (:mod:`hpgen.runtime.agreement`).
 The install then shards the parameters in place (plain ``nn.Parameter``s holding the
 local chunk), swaps classes (generated per-contract subclasses, wrappers), binds the
 axes' collectives, the region functions and the generic boundaries, adds the deferred
-biases' and the gradient reductions' hooks, and divides ``tp_divide_attrs``.
+biases' and the gradient reductions' hooks, and divides the attributes. Last, the
+state-dict hooks (:mod:`hpgen.runtime.state_dict`) and ``save_pretrained``
+(:mod:`hpgen.runtime.saving`) make checkpoints keep every shard.
+
+Other mesh axes belong to torch's engines, applied after ``parallelize``: FSDP2
+(``fully_shard`` per decoder layer and on the root, on a ``dp`` axis) or DDP. The
+gradient reductions happen in tensor hooks that follow FSDP2's parameters
+(:mod:`hpgen.runtime.hooks`), so those engines see whole gradients.
+
+A plan axis the mesh does not have is refused, except in a model whose generated
+classes are all toggle mode (``hpgen lower --mode toggle``) for that axis: there it is
+an axis of size one, switched off, so one file serves any mesh.
 
 Nothing here runs in a forward: the generated code calls the bound collectives directly.
 """
@@ -29,17 +42,22 @@ Nothing here runs in a forward: the generated code calls the bound collectives d
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
 
 from hpgen.errors import HpgenError
 from hpgen.plan import Plan, load_plan, plan_from_dict
 from hpgen.runtime.agreement import check_ranks_agree, raise_together
+from hpgen.runtime.attrs import survey_attrs
 from hpgen.runtime.collectives import AxisCollectives
+from hpgen.runtime.kernels import fit_experts_kernel
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.hooks import (
     DeferredBias,
@@ -49,6 +67,8 @@ from hpgen.runtime.hooks import (
     survey_grad_reduce,
 )
 from hpgen.runtime.params import Matched, ParamShard, shard_params, survey_params
+from hpgen.runtime.saving import bind_save_pretrained
+from hpgen.runtime.state_dict import install_state_dict_hooks
 from hpgen.runtime.targets import Target, resolve
 
 __all__ = ["ParallelizeError", "parallelize"]
@@ -67,18 +87,27 @@ def parallelize(model: nn.Module, plan: PlanLike, mesh: DeviceMesh) -> nn.Module
     the model is left unchanged.
     """
     plan = _as_plan(plan)
+    if isinstance(model, DistributedDataParallel):
+        raise ParallelizeError(
+            "the model is wrapped in DistributedDataParallel: call parallelize on the model first, then wrap it "
+            "(DDP must see the sharded parameters)"
+        )
     if getattr(model, "_hp_parallelized", False):
         raise ParallelizeError(f"{type(model).__name__} was already parallelized; build a fresh model")
-    axes = mesh_axes(plan, mesh)
+    axes = mesh_axes(plan, mesh, off=_toggle_axes(model, plan, mesh))
+    on_mesh = tuple(axis for axis in plan.mesh_dim_names if axis in (mesh.mesh_dim_names or ()))
     # First, before any rank can refuse alone: ranks given different programs would hang or be wrong.
-    check_ranks_agree(model, plan, mesh, plan.mesh_dim_names)
+    check_ranks_agree(model, plan, mesh, on_mesh)
     try:
         survey = _survey(model, plan, mesh, axes)
     except ParallelizeError as error:
-        raise_together(error, mesh, plan.mesh_dim_names)
+        raise_together(error, mesh, on_mesh)
         raise
-    raise_together(None, mesh, plan.mesh_dim_names)
+    raise_together(None, mesh, on_mesh)
     survey.install(axes, plan.mesh_dim_names)
+    # state_dict() as DTensors, load_state_dict of DTensors or full tensors, save_pretrained unsharded
+    install_state_dict_hooks(model, survey.shards, mesh, axes, plan.mesh_dim_names)
+    bind_save_pretrained(model)
     model._hp_parallelized = True
     return model
 
@@ -94,16 +123,33 @@ def _as_plan(plan: PlanLike) -> Plan:
         raise ParallelizeError(f"invalid plan: {error}") from None
 
 
-def mesh_axes(plan: Plan, mesh: DeviceMesh) -> dict[str, AxisCollectives]:
-    """The collectives of each plan axis, on the mesh dim of the same name."""
+def mesh_axes(plan: Plan, mesh: DeviceMesh, off: tuple[str, ...] = ()) -> dict[str, AxisCollectives]:
+    """The collectives of each plan axis, on the mesh dim of the same name (``off``: size one)."""
     names = tuple(mesh.mesh_dim_names or ())
-    missing = [axis for axis in plan.mesh_dim_names if axis not in names]
+    missing = [axis for axis in plan.mesh_dim_names if axis not in names and axis not in off]
     if missing:
         raise ParallelizeError(
             f"the plan's axes {', '.join(missing)} are not dims of the mesh (mesh_dim_names: "
             f"{', '.join(names) or 'none'}); build it with init_device_mesh(..., mesh_dim_names=...)"
         )
-    return {axis: AxisCollectives(mesh.get_group(axis), axis) for axis in plan.mesh_dim_names}
+    return {
+        axis: AxisCollectives(mesh.get_group(axis) if axis in names else None, axis) for axis in plan.mesh_dim_names
+    }
+
+
+def _toggle_axes(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> tuple[str, ...]:
+    """Plan axes absent from the mesh that every generated class using them guards with ``<axis>_enable``."""
+    names = tuple(mesh.mesh_dim_names or ())
+    absent = [axis for axis in plan.mesh_dim_names if axis not in names]
+    classes = {type(m) for m in model.modules() if hasattr(type(m), "_hp_boundary_form")}
+    if not absent or not classes:
+        return ()
+    return tuple(
+        axis
+        for axis in absent
+        if all(hasattr(cls, f"{axis}_enable") for cls in classes if hasattr(cls, f"_hp_{axis}"))
+        and any(hasattr(cls, f"{axis}_enable") for cls in classes)
+    )
 
 
 @dataclass
@@ -115,14 +161,23 @@ class _Survey:
     biases: list[DeferredBias]
     grad_reduces: list[GradReduce]
     divides: list[tuple[nn.Module, str, int]]
+    mesh: DeviceMesh
 
     def install(self, axes: Mapping[str, AxisCollectives], mesh_names: tuple[str, ...]) -> None:
         replaced = shard_params(self.shards)
+        switched = []
         for target in self.targets:
             target.install(axes, mesh_names)
+            why = fit_experts_kernel(target.item.module) if target.form != "identity" else None
+            if why is not None:
+                switched.append((target.item.fqn, why))
+        if switched and (not dist.is_initialized() or dist.get_rank() == 0):
+            first, why = switched[0]
+            more = f" and {len(switched) - 1} more like it" if len(switched) > 1 else ""
+            print(f"hpgen: {first}{more} run the eager experts loop: the local shard {why}", file=sys.stderr)
         for bias in self.biases:
             bias.install()
-        install_grad_reduce(self.grad_reduces, axes, replaced)
+        install_grad_reduce(self.grad_reduces, replaced, axes, self.mesh)
         for module, attr, value in self.divides:
             setattr(module, attr, value)
 
@@ -133,8 +188,8 @@ def _survey(model: nn.Module, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, A
     targets = [resolve(item, plan, mesh, axes) for item in matched]
     biases = survey_deferred_biases(matched, plan)
     grad_reduces = survey_grad_reduce(matched, plan)
-    divides = _survey_divides(matched, axes)
-    return _Survey(targets, shards, biases, grad_reduces, divides)
+    divides = survey_attrs(matched, plan, axes)
+    return _Survey(targets, shards, biases, grad_reduces, divides, mesh)
 
 
 def match_modules(model: nn.Module, plan: Plan) -> list[Matched]:
@@ -153,19 +208,3 @@ def match_modules(model: nn.Module, plan: Plan) -> list[Matched]:
             f"{type(model).__name__}; is this the plan for this model?"
         )
     return matched
-
-
-def _survey_divides(matched: list[Matched], axes: Mapping[str, AxisCollectives]) -> list[tuple[nn.Module, str, int]]:
-    """``tp_divide_attrs``: integer attributes divided by the ``tp`` axis size, checked to divide."""
-    found = []
-    for item in matched:
-        for attr in item.entry.tp_divide_attrs:
-            where = f"{item.fqn} ({type(item.module).__name__})"
-            value = getattr(item.module, attr, None)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ParallelizeError(f"{where}: tp_divide_attrs names {attr!r}, which is not an int attribute")
-            size = axes["tp"].size
-            if value % size:
-                raise ParallelizeError(f"{where}: {attr}={value} does not divide over axis 'tp' of size {size}")
-            found.append((item.module, attr, value // size))
-    return found

@@ -17,6 +17,9 @@ classes ``parallelize`` binds; an unparallelized instance computes exactly as be
 Other run-time replacements are per instance: the kernels hub's ``kernelize`` (and any
 monkeypatch) sets ``module.forward``. :func:`instance_forward_problem` reports those, so
 that ``parallelize`` refuses them rather than silently skipping the collectives.
+Where the local shards do not suit the configured kernel (``grouped_mm`` needs 16-byte
+strides), :func:`fit_experts_kernel` switches that module to its eager body, and
+``parallelize`` says so in one line.
 Attention implementations (``sdpa``, ``flash_attention_2``, ...) are chosen inside the
 attention body, on the local heads, and need nothing here.
 """
@@ -30,7 +33,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["instance_forward_problem", "route_dispatch"]
+__all__ = ["fit_experts_kernel", "instance_forward_problem", "route_dispatch"]
 
 
 def _experts_dispatch(function: Any) -> tuple[Any, Callable[..., Any]] | None:
@@ -47,11 +50,6 @@ def _experts_dispatch(function: Any) -> tuple[Any, Callable[..., Any]] | None:
     return interface, original
 
 
-def dispatches_experts(cls: type) -> bool:
-    """True when ``cls`` or a base runs ``forward`` through transformers' experts dispatcher."""
-    return any(_experts_dispatch(vars(klass).get("forward")) is not None for klass in cls.__mro__)
-
-
 def route_dispatch(cls: type[nn.Module]) -> None:
     """Make the generated ``forward`` of ``cls`` (and its bases) run, with the kernel dispatch inside it.
 
@@ -66,13 +64,42 @@ def route_dispatch(cls: type[nn.Module]) -> None:
 
         @functools.wraps(body)
         def _forward_impl(self: nn.Module, *args: Any, _body: Any = body, _interface: Any = interface, **kwargs: Any):
-            kernel = _interface.get_interface(self.config._experts_implementation, _body)
+            # An instance may have been switched to the eager body (see ``fit_experts_kernel``).
+            implementation = vars(self).get("_hp_experts_implementation") or self.config._experts_implementation
+            kernel = _interface.get_interface(implementation, _body)
             return kernel(self, *args, **kwargs)
 
         klass.forward = generated_forward
         klass._forward_impl = _forward_impl
+        klass._hp_experts_dispatch = True  # the dispatch now lives in _forward_impl
         if vars(klass).get("__hp_compute__") is body:  # a region's default compute is the body
             klass.__hp_compute__ = _forward_impl
+
+
+# Kernels whose operands need every stride to be a multiple of 16 bytes (torch's grouped_mm).
+_ALIGNED_KERNELS = ("grouped_mm",)
+
+
+def fit_experts_kernel(module: nn.Module) -> str | None:
+    """Switch ``module`` to its eager body when its local shards do not suit the configured kernel.
+
+    ``grouped_mm`` needs 16-byte strides: a shard can break that where the whole weight
+    did not (an intermediate dim of 24 floats over 4 ranks is 6 floats, 24 bytes), and the
+    kernel would fail inside transformers. Returns what was switched and why, or ``None``.
+    """
+    if not getattr(type(module), "_hp_experts_dispatch", False):
+        return None
+    implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    if implementation not in _ALIGNED_KERNELS:
+        return None
+    for name, param in module.named_parameters(recurse=False):
+        if param.dim() == 3 and any(stride * param.element_size() % 16 for stride in param.stride()[:-1]):
+            module._hp_experts_implementation = "eager"
+            return (
+                f"{name} {tuple(param.shape)} {str(param.dtype).removeprefix('torch.')}: rows of "
+                f"{param.stride()[-2] * param.element_size()} bytes, {implementation} needs multiples of 16"
+            )
+    return None
 
 
 def instance_forward_problem(module: nn.Module) -> str | None:

@@ -8,13 +8,17 @@
   ``SS(d,k)`` whose ``k`` does not divide the dim);
 - attention heads cut in the middle: in a module with a ``head_dim``, every sharded
   projection dim that holds whole heads must hold a number of heads (query or key/value)
-  that the axis divides; attention code infers local heads with ``view(..., -1,
-  head_dim)`` and would crash mid-forward or, worse, mix heads;
+  that the axis divides (``S``) or that its chunks divide (``RS(d,r)``: ``size / r``
+  chunks, so the axis size is a multiple of the key/value heads or divides them);
+  attention code infers local heads with ``view(..., -1, head_dim)`` and would crash
+  mid-forward or, worse, mix heads;
 - experts that do not divide (a module's ``num_experts`` on a sharded dim);
 - an ``nn.Linear`` whose bias does not follow its weight (a column-parallel weight with
   a replicated bias, a row-parallel bias not in ``deferred_bias_params``);
 - tied parameters (one Parameter under several names, e.g. tied word embeddings) given
-  different layouts: they are never silently untied.
+  different layouts: they are never silently untied;
+- parameters that are already DTensors: ``fully_shard`` (or another DTensor engine) ran
+  first. hpgen shards plain tensors and must run before the engines of the other axes.
 
 :func:`shard_params` then replaces each planned Parameter by a new ``nn.Parameter``
 holding a contiguous copy of the local chunk (so the full tensor can be freed), under
@@ -33,7 +37,14 @@ from hpgen.placement import REPLICATE, Placement
 from hpgen.plan import Entry, Layout, Plan
 from hpgen.runtime.collectives import AxisCollectives
 from hpgen.runtime.errors import ParallelizeError
-from hpgen.runtime.sharding import AxisShare, local_chunk, local_shape, normalize_dim, placement_problem
+from hpgen.runtime.sharding import (
+    AxisShare,
+    chunks_and_index,
+    local_chunk,
+    local_shape,
+    normalize_dim,
+    placement_problem,
+)
 from hpgen.runtime.wrappers import is_conv1d
 
 __all__ = ["Matched", "ParamShard", "shard_params", "survey_params"]
@@ -112,6 +123,7 @@ def survey_params(
     """Check every planned parameter and return what :func:`shard_params` will do."""
     matched = list(matched)
     check_param_names(matched)
+    _check_not_dtensors(model)
     registrations = _registrations(model)
     by_name = {name: key for key, (_, names, _) in registrations.items() for name in names}
     mesh = plan.mesh_dim_names
@@ -143,6 +155,22 @@ def survey_params(
     for item in matched:
         _check_linear_biases(item, planned, mesh)
     return list(shards.values())
+
+
+def _check_not_dtensors(model: nn.Module) -> None:
+    """Refuse a model whose parameters another engine has already turned into DTensors."""
+    import sys
+
+    dtensor = sys.modules.get("torch.distributed.tensor")  # nothing is a DTensor before it is imported
+    if dtensor is None:
+        return
+    for name, param in model.named_parameters():
+        if isinstance(param, dtensor.DTensor):
+            raise ParallelizeError(
+                f"{name} is already a DTensor ({param.placements} on mesh {param.device_mesh.mesh_dim_names}): "
+                "fully_shard (or another DTensor engine) ran before parallelize. Call parallelize first, then "
+                "fully_shard / DDP on the other mesh axes"
+            )
 
 
 def _layout_text(layout: Layout | None, mesh: tuple[str, ...]) -> str:
@@ -195,18 +223,15 @@ def _check_placements(
         problem = placement_problem(current, placement, size)
         if problem is not None:
             raise ParallelizeError(f"{where}: {name} {placement} on axis {axis!r}: {problem}")
-        if placement.kind == "S" and size > 1:
+        if placement.kind in ("S", "RS") and size > 1:
             dim = normalize_dim(placement.dim, len(current))
             n = current[dim]
+            chunks = chunks_and_index(placement, 0, size)[0]
             if isinstance(head_dim, int) and head_dim > 0 and isinstance(owner, nn.Linear) and n % head_dim == 0:
                 heads = n // head_dim
-                if heads % size:
-                    label = _heads_label(item.module, heads)
-                    raise ParallelizeError(
-                        f"{where}: {name} dim {dim} holds {heads} {label} of head_dim {head_dim} ({n} rows), "
-                        f"which do not divide over axis {axis!r} of size {size}: a rank would hold part of a head. "
-                        f"Use a {axis} size that divides {heads}"
-                    )
+                if heads % chunks:
+                    message = _heads_message(where, name, placement, dim, axis, size, heads, head_dim, item)
+                    raise ParallelizeError(message)
             if isinstance(num_experts, int) and len(current) == 3 and n == num_experts and n % size:
                 raise ParallelizeError(
                     f"{where}: {name} dim {dim} holds {n} experts, which do not divide over axis {axis!r} "
@@ -215,6 +240,34 @@ def _check_placements(
         # The next axis splits what this one left; rank 0's chunk stands for all, so every
         # rank reaches the same verdict (a refusal on one rank only would hang the others).
         current = local_shape(current, [(placement, 0, size)])
+
+
+def _heads_message(
+    where: str,
+    name: str,
+    placement: Placement,
+    dim: int,
+    axis: str,
+    size: int,
+    heads: int,
+    head_dim: int,
+    item: Matched,
+) -> str:
+    """Why ``placement`` would cut a head, and the placement or axis size that would not."""
+    label = _heads_label(item.module, heads)
+    held = f"{where}: {name} dim {dim} holds {heads} {label} of head_dim {head_dim} ({heads * head_dim} rows)"
+    if placement.kind == "RS":
+        return (
+            f"{held}; {placement} on axis {axis!r} of size {size} cuts it into {size // placement.replicas} "
+            f"chunks, which do not divide {heads}: a rank would hold part of a head. The axis size must be a "
+            f"multiple of the {label} (with RS(d, size / heads)) or divide them"
+        )
+    advice = f"Use a {axis} size that divides {heads}"
+    if size % heads == 0:
+        advice += f", or replicate each head on {size // heads} ranks with RS({dim},{size // heads})"
+    return (
+        f"{held}, which do not divide over axis {axis!r} of size {size}: a rank would hold part of a head. {advice}"
+    )
 
 
 def _check_linear_biases(item: Matched, planned: Mapping[str, tuple[Layout, Matched]], mesh: tuple[str, ...]) -> None:
@@ -235,9 +288,9 @@ def _check_linear_biases(item: Matched, planned: Mapping[str, tuple[Layout, Matc
             w = weight_layout.on(axis)
             b = bias_layout.on(axis) if bias_layout else REPLICATE
             w_dim = normalize_dim(w.dim, 2) if w.dim is not None else None
-            if w.kind in ("S", "SS") and w_dim == 0:
-                wanted: Placement = Placement(w.kind, dim=0, blocks=w.blocks)
-                if b.kind != w.kind or normalize_dim(b.dim, 1) != 0 or b.blocks != w.blocks:
+            if w.kind in ("S", "SS", "RS") and w_dim == 0:
+                wanted: Placement = Placement(w.kind, dim=0, blocks=w.blocks, replicas=w.replicas)
+                if b.kind != w.kind or normalize_dim(b.dim, 1) != 0 or (b.blocks, b.replicas) != (w.blocks, w.replicas):
                     raise ParallelizeError(
                         f"{item.fqn}: {weight_fqn} is {w} on axis {axis!r} (output features sharded) but its bias "
                         f"{bias_fqn} is {b}: plan the bias as {wanted} too"

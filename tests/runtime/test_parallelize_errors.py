@@ -32,6 +32,10 @@ def _with(plan: dict[str, Any], key: str, **changes: Any) -> dict[str, Any]:
     return plan
 
 
+def _kv(attention: dict[str, Any], placement: str) -> dict[str, Any]:
+    return {name: {"tp": placement} for name in attention["params"] if name[0] in "kv"}
+
+
 def _scenarios() -> dict[str, tuple[str, str, dict[str, Any], dict[str, Any], list[str]]]:
     """name -> (family, generated-file plan, plan given to parallelize, config, expected message parts)."""
     tp = load_plan_dict("llama_tp")
@@ -51,7 +55,28 @@ def _scenarios() -> dict[str, tuple[str, str, dict[str, Any], dict[str, Any], li
             "llama_tp",
             tp,
             {"num_key_value_heads": 1},
-            ["model.layers.0.self_attn", "k_proj.weight", "1 key/value heads", "head_dim 16", "axis 'tp' of size 2"],
+            [
+                "model.layers.0.self_attn",
+                "k_proj.weight",
+                "1 key/value heads",
+                "head_dim 16",
+                "axis 'tp' of size 2",
+                "replicate each head on 2 ranks with RS(0,2)",
+            ],
+        ),
+        "kv_heads_replicated_too_few": (
+            "llama",
+            "llama_tp",
+            _with(tp, "model.layers.*.self_attn", params={**attn["params"], **_kv(attn, "RS(0,1)")}),
+            {"num_key_value_heads": 1},
+            ["k_proj.weight", "RS(0,1) on axis 'tp' of size 2 cuts it into 2 chunks, which do not divide 1"],
+        ),
+        "kv_replicas_not_dividing": (
+            "llama",
+            "llama_tp",
+            _with(tp, "model.layers.*.self_attn", params={**attn["params"], **_kv(attn, "RS(0,3)")}),
+            {},
+            ["k_proj.weight", "RS(0,3) on axis 'tp'", "3 ranks, which does not divide the axis size 2"],
         ),
         "experts": (
             "qwen3_moe",

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hpgen.placement import Placement
+from hpgen.runtime.groups import replica_rank_lists
 from hpgen.runtime.sharding import local_chunk, local_range, local_shape, placement_problem, split_sizes
 
 S0, S1, R = Placement.parse("S(0)"), Placement.parse("S(-1)"), Placement.parse("R")
@@ -47,3 +48,28 @@ def test_placements_a_parameter_cannot_take() -> None:
     assert "dim 2" in placement_problem((4, 4), Placement.parse("S(2)"), 2)
     assert "3 packed blocks" in placement_problem((4, 4), Placement.parse("SS(0,3)"), 2)
     assert placement_problem((4, 4), Placement.parse("S(-2)"), 2) is None
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2, 3])
+def test_replicated_shard_puts_each_chunk_on_consecutive_ranks(rank: int) -> None:
+    full = torch.arange(2 * 3 * 5).view(6, 5)  # 2 heads of 3 rows, 4 ranks: each head on 2 of them
+    rs = Placement.parse("RS(0,2)")
+    chunk = local_chunk(full, [(rs, rank, 4)])
+    assert torch.equal(chunk, full[3 * (rank // 2) : 3 * (rank // 2) + 3])
+    assert local_shape(full.shape, [(rs, rank, 4)]) == (3, 5)
+    assert local_range(6, [(rs, rank, 4)], 0, 2) == (3 * (rank // 2), 3 * (rank // 2) + 3)
+    # after a first axis of 2 (rows [0, 3) or [3, 6)), RS(0,2) on a second axis of 2 keeps them whole
+    assert torch.equal(local_chunk(full, [(S0, rank // 2, 2), (rs, rank % 2, 2)]), chunk)
+
+
+def test_replicated_shard_needs_replicas_that_divide_the_axis() -> None:
+    assert "3 ranks, which does not divide the axis size 4" in placement_problem((6, 5), Placement.parse("RS(0,3)"), 4)
+    assert placement_problem((6, 5), Placement.parse("RS(-2,4)"), 4) is None
+
+
+def test_replica_groups_are_runs_of_consecutive_ranks_of_each_copy_of_the_axis() -> None:
+    mesh = [[0, 1, 2, 3], [4, 5, 6, 7]]  # dp x tp = 2 x 4
+    assert replica_rank_lists(mesh, 1, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # the axis need not be the last: on dp, each column is a copy of it
+    assert replica_rank_lists(mesh, 0, 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert replica_rank_lists([[0, 1, 2, 3]], 1, 4) == [[0, 1, 2, 3]]

@@ -1,0 +1,121 @@
+"""Module attributes that must follow the local shards, and the check that they do.
+
+Attention code that does not infer its local sizes from tensors (``view(..., -1,
+head_dim)``) reads them from integer attributes, which ``parallelize`` divides:
+
+- ``tp_divide_attrs`` (a list): divided by the ``tp`` axis size, e.g. ``num_heads``;
+- ``divide_attrs`` (attribute -> divisor): divided by the given number. Its use is
+  transformers' ``num_key_value_groups`` (query heads per key/value head, what
+  ``repeat_kv`` repeats by) when the key/value projections are ``RS(0,r)``: a rank then
+  holds ``H / tp`` query heads and ``kv * r / tp`` key/value heads, so its groups are
+  ``H / kv / r`` and the plan says ``{"num_key_value_groups": r}`` (``hpgen plan`` writes it).
+
+Each value must divide. Then, for every attention module whose plan entry replicates
+heads (an ``RS`` projection), the query heads of every rank must be exactly the ones
+that its key/value heads serve, in ``repeat_kv``'s order, with the module's
+``num_key_value_groups`` after the divisions: a plan that forgets to divide it (or
+replicates the wrong way) is refused, naming the module, the sizes and the axis, instead
+of attending with the wrong heads.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+
+from torch import nn
+
+from hpgen.plan import Plan
+from hpgen.runtime.collectives import AxisCollectives
+from hpgen.runtime.errors import ParallelizeError
+from hpgen.runtime.params import Matched
+from hpgen.runtime.sharding import local_range
+
+__all__ = ["survey_attrs"]
+
+
+def survey_attrs(
+    matched: list[Matched], plan: Plan, axes: Mapping[str, AxisCollectives]
+) -> list[tuple[nn.Module, str, int]]:
+    """``(module, attribute, new value)`` for every divided attribute, all checked."""
+    found = []
+    for item in matched:
+        where = f"{item.fqn} ({type(item.module).__name__})"
+        divisors = [(attr, axes["tp"].size, "axis 'tp' of size") for attr in item.entry.tp_divide_attrs]
+        divisors += [(attr, divisor, "divide_attrs divisor") for attr, divisor in item.entry.divide_attrs]
+        values = {}
+        for attr, divisor, what in divisors:
+            key = "tp_divide_attrs" if what.startswith("axis") else "divide_attrs"
+            value = getattr(item.module, attr, None)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ParallelizeError(f"{where}: {key} names {attr!r}, which is not an int attribute")
+            if value % divisor:
+                raise ParallelizeError(f"{where}: {attr}={value} does not divide over {what} {divisor}")
+            values[attr] = value // divisor
+            found.append((item.module, attr, value // divisor))
+        _check_head_groups(item, plan, axes, values, where)
+    return found
+
+
+def _check_head_groups(
+    item: Matched, plan: Plan, axes: Mapping[str, AxisCollectives], values: Mapping[str, int], where: str
+) -> None:
+    """Every rank's query heads use exactly its key/value heads, grouped as ``repeat_kv`` does."""
+    mesh = plan.mesh_dim_names
+    module = item.module
+    replicating = [a for a in mesh for layout in item.entry.params.values() if layout.on(a).kind == "RS"]
+    config = getattr(module, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    head_dim = getattr(module, "head_dim", None)
+    if not replicating or not hasattr(module, "num_key_value_groups"):
+        return
+    if not all(isinstance(n, int) and n > 0 for n in (heads, kv_heads, head_dim)):
+        return
+    query, keys = _projections(item, heads * head_dim, kv_heads * head_dim)
+    if query is None or keys is None:
+        return
+    groups = values.get("num_key_value_groups", module.num_key_value_groups)
+    per_kv = heads // kv_heads
+    sizes = [axes[a].size for a in mesh]
+    for ranks in itertools.product(*(range(size) for size in sizes)):
+        q0, q1 = (n // head_dim for n in _rows(item, query, mesh, ranks, sizes))
+        k0, k1 = (n // head_dim for n in _rows(item, keys, mesh, ranks, sizes))
+        wanted = [q // per_kv - k0 for q in range(q0, q1)]
+        got = [j // groups for j in range(q1 - q0)] if groups > 0 else []
+        if k1 - k0 < 1 or wanted != got or (q1 - q0) != groups * (k1 - k0):
+            coordinate = ", ".join(f"{a}={r}" for a, r in zip(mesh, ranks))
+            axis = replicating[0]
+            raise ParallelizeError(
+                f"{where}: at {coordinate} of axis {axis!r} (size {axes[axis].size}) a rank holds query heads "
+                f"[{q0}, {q1}) of {heads} and key/value heads [{k0}, {k1}) of {kv_heads}, but its "
+                f"num_key_value_groups would be {groups}: repeat_kv would pair them wrongly. With key/value heads "
+                f"replicated as RS(0,r), divide it by r (divide_attrs: {{\"num_key_value_groups\": r}}); the query "
+                "heads of each rank must all belong to its key/value heads"
+            )
+
+
+def _projections(item: Matched, query_rows: int, kv_rows: int) -> tuple[str | None, str | None]:
+    """The planned ``nn.Linear`` weights whose rows (output features, sharded) hold the query
+    heads and the key/value heads; a row-parallel ``o_proj`` of the same shape is not one."""
+    query = keys = None
+    for name in sorted(item.entry.params):
+        owner_path, _, leaf = name.rpartition(".")
+        owner = item.module.get_submodule(owner_path) if owner_path else item.module
+        placements = [p for _, p in item.entry.params[name].placements]
+        if leaf != "weight" or not isinstance(owner, nn.Linear):
+            continue
+        if not any(p.kind in ("S", "RS") and p.dim in (0, -2) for p in placements):
+            continue
+        rows = owner.weight.shape[0]
+        if rows == query_rows and query is None and not any(p.kind == "RS" for p in placements):
+            query = name
+        elif rows == kv_rows and keys is None and any(p.kind == "RS" for p in placements):
+            keys = name
+    return query, keys
+
+
+def _rows(item: Matched, name: str, mesh: tuple[str, ...], ranks: tuple[int, ...], sizes: list[int]) -> tuple[int, int]:
+    layout = item.entry.params[name]
+    rows = item.module.get_parameter(name).shape[0]
+    return local_range(rows, [(layout.on(a), r, s) for a, r, s in zip(mesh, ranks, sizes)], 0, 2)

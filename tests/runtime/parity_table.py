@@ -1,0 +1,112 @@
+"""Every multi-process parity case of the runtime tests, one row each.
+
+A row names a transformers family (``tests/runtime/models.FAMILIES``), the plan (a file
+of ``tests/plans`` or a function that writes one, as ``hpgen plan`` does), config
+overrides and the lowering mode. ``tests/runtime/conftest.py`` lowers every row and runs
+them all in one spawn of 2 gloo ranks; ``tests/runtime/test_parity.py`` checks logits,
+every gradient, greedy generation and state-dict keys of each row against the unsharded
+transformers model. A new family or plan is one line here (and the family's line in
+``FAMILIES``); assertions particular to a case live beside the family's other tests.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tests.runtime.models import load_plan_dict, make_config
+
+
+@dataclass(frozen=True)
+class Row:
+    """One parity case. ``plan`` is a plan name of tests/plans or a function returning a plan;
+    ``file_of`` reuses another row's generated file (a plan change that keeps the contract)."""
+
+    family: str
+    plan: str | Callable[[], dict[str, Any]]
+    config: Mapping[str, Any] = field(default_factory=dict)
+    mode: str = "default"
+    file_of: str | None = None
+
+    def plan_dict(self) -> dict[str, Any]:
+        return load_plan_dict(self.plan) if isinstance(self.plan, str) else self.plan()
+
+
+def hpgen_plan(family: str, **options: Any) -> Callable[[], dict[str, Any]]:
+    """What ``hpgen plan`` writes for the family's tiny config (``tp=2``, ``sp=True``, ...)."""
+
+    def make() -> dict[str, Any]:
+        from hpgen.tp_plan import meta_model, plan_for_model
+
+        return plan_for_model(meta_model(make_config(family)), **options)
+
+    make.__name__ = f"hpgen_plan_{family}"
+    return make
+
+
+def moe_with_inner_wrapper() -> dict[str, Any]:
+    """The MoE plan with an ``inner_wrapper`` around the experts' local compute function."""
+    plan = load_plan_dict("qwen3_moe_tp_ep")
+    plan["injections"][0]["inner_wrapper"] = {"_target_": "tests.runtime.models.recording", "label": "experts"}
+    return plan
+
+
+STARCODER2_NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+def starcoder2_norm_entries() -> dict[str, Any]:
+    """``hpgen plan starcoder2 --tp 2 --sp``, with the norms' gradient reductions declared on the
+    ``nn.LayerNorm`` modules themselves (a class outside the file) instead of the decoder layers."""
+    plan = copy.deepcopy(hpgen_plan("starcoder2", tp=2, sp=True)())
+    for key, entry in plan["param_plan"].items():
+        if key.startswith("model.layers.") and key.count(".") == 2:
+            expected = {f"{norm}.{param}" for norm in STARCODER2_NORMS for param in ("weight", "bias")}
+            assert set(entry.pop("grad_reduce_params")) == expected
+    for norm in STARCODER2_NORMS:
+        plan["param_plan"][f"model.layers.*.{norm}"] = {
+            "in_src": {"input": {"tp": "S(1)"}},
+            "in_dst": {"input": {"tp": "S(1)"}},
+            "params": {"weight": {"tp": "R"}, "bias": {"tp": "R"}},
+            "grad_reduce_params": ["weight", "bias"],
+        }
+    return plan
+
+
+PARITY: dict[str, Row] = {
+    # the contract's own example plan, as written there (no o_proj bias: Llama has none):
+    # lm_head and embed_tokens declare no input; the wrapper copies lm_head's in itself
+    "llama_spec_example": Row("llama", "llama_spec"),
+    # attention heads and MLP columns/rows sharded, one all-reduce each
+    "llama_tp": Row("llama", "llama_tp"),
+    # + vocab-parallel embed_tokens and column-parallel lm_head, sharing one tied weight
+    "llama_tp_vocab_tied": Row("llama", "llama_tp_vocab", {"tie_word_embeddings": True}),
+    # the same from a file lowered in toggle mode (``if self.tp_enable:`` blocks)
+    "llama_tp_vocab_toggle": Row("llama", "llama_tp_vocab", mode="toggle"),
+    # + sequence parallel residual stream: 2 all-gathers and 2 reduce-scatters per layer
+    "llama_tp_sp": Row("llama", "llama_tp_sp"),
+    # the gather in the last decoder layer: it gets the subclass LlamaDecoderLayer_hp1
+    "llama_tp_sp_layers": Row("llama", "llama_tp_sp_layers"),
+    # q/k/v and gate/up biases sharded, o_proj and down_proj biases deferred
+    "llama_bias": Row("llama", "llama_bias", {"attention_bias": True, "mlp_bias": True}),
+    # attention in the generic form (an input in **kwargs), lm_head through DTensor R -> P
+    "llama_generic": Row("llama", "llama_generic"),
+    # q/k/v projections with biases, sharded with their heads
+    "qwen2_tp": Row("qwen2", "qwen2_tp"),
+    # per-head q_norm/k_norm (grad_reduce_params), vocab-parallel embedding and lm_head
+    "qwen3_tp": Row("qwen3", "qwen3_tp"),
+    # attention TP and experts EP on the same two ranks (region form, experts_parallel)
+    "qwen3_moe_tp_ep": Row("qwen3_moe", "qwen3_moe_tp_ep"),
+    # the same with an inner_wrapper: the contract is unchanged, so is the generated file
+    "qwen3_moe_wrapped": Row("qwen3_moe", moe_with_inner_wrapper, file_of="qwen3_moe_tp_ep"),
+    # hpgen plan: transformers' moe_tp_experts (each expert's intermediate dim sharded)
+    "qwen3_moe_hpgen_tp": Row("qwen3_moe", hpgen_plan("qwen3_moe", tp=2)),
+    # the same where the whole experts suit grouped_mm (36 floats a row) but a rank's shard does not
+    # (18 floats, 72 bytes): parallelize runs those experts' eager loop and says so
+    "qwen3_moe_hpgen_tp_unaligned": Row("qwen3_moe", hpgen_plan("qwen3_moe", tp=2), {"moe_intermediate_size": 36}),
+    # hpgen plan --ep 2: whole experts per rank
+    "qwen3_moe_hpgen_ep": Row("qwen3_moe", hpgen_plan("qwen3_moe", tp=2, ep=2)),
+    # sequence-parallel nn.LayerNorm entries on a class outside the file
+    "starcoder2_sp_norms": Row("starcoder2", starcoder2_norm_entries),
+}

@@ -1,0 +1,605 @@
+"""Real checkpoints on 2 gloo ranks: from_pretrained, DCP, save_pretrained, load_state_dict.
+
+The parent writes transformers checkpoints of tiny models with perturbed weights (one
+file, or several with ``max_shard_size``) and lowers the modeling files; one spawn then
+runs every case on both ranks and reports numbers that the tests check:
+
+- ``hpgen.runtime.from_pretrained`` for Llama (vocab-parallel plan, untied and tied),
+  Qwen3 (q/k norms) and Qwen3-MoE (experts ``SS(1,2)`` from per-expert checkpoint keys,
+  and expert-parallel), with transformers' default attention and expert kernels: each
+  rank's parameters equal its chunk of the checkpoint bit for bit, the logits equal
+  those of transformers' unsharded ``from_pretrained`` of the same folder;
+- DCP: ``dcp.save(model.state_dict())`` at tp=2, loaded into a fresh parallelized model
+  (bit-exact), into the unsharded transformers model, and into another plan;
+- ``model.save_pretrained(dir)`` at tp=2, loaded by transformers' own class;
+- ``load_state_dict(full unsharded state dict)`` after ``parallelize``;
+- training: one AdamW step at tp=2, model and optimizer saved with DCP
+  (``optimizer_state_dict``), resumed at tp=2 and in transformers' unsharded model with its
+  own optimizer (tp=1); the next step matches the run that went on;
+- DTensor's ``_StridedShard`` against ``SS(d,k)`` on real ranks.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.dist import run_distributed
+from tests.runtime.models import FAMILIES, TINY, expected_shard, import_file, load_plan_dict, lower_family, tolerance
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A transformers checkpoint folder the parent wrote, and how to load it."""
+
+    name: str
+    family: str
+    folder: str
+    generated: str  # the modeling file lowered for ``plan``
+    plan: str
+    other_plan: str | None = None  # a second plan (its own generated file) for resharding
+    other_generated: str | None = None
+
+
+def _config(family: str, **overrides: Any) -> Any:
+    """The tiny config, with transformers' default attention and expert kernels."""
+    import transformers
+
+    spec = FAMILIES[family]
+    return getattr(transformers, spec.config)(**{**TINY, **spec.extra, **overrides})
+
+
+def _write_checkpoint(
+    family: str, folder: Path, seed: int, *, max_shard_size: str | None = None, **config: Any
+) -> None:
+    import transformers
+
+    from tests.runtime.models import perturb_
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, FAMILIES[family].model)(_config(family, **config))
+    perturb_(model, seed)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    files = {
+        plan: str(lower_family(family, plan, root))
+        for family, plan in [
+            ("llama", "llama_tp_vocab"),
+            ("llama", "llama_tp"),
+            ("qwen3", "qwen3_tp"),
+            ("qwen3_moe", "qwen3_moe_tp"),
+            ("qwen3_moe", "qwen3_moe_tp_ep"),
+        ]
+    }
+    _write_checkpoint("llama", root / "llama", 0)
+    _write_checkpoint("llama", root / "llama_tied", 1, max_shard_size="100KB", tie_word_embeddings=True)
+    _write_checkpoint("qwen3", root / "qwen3", 2)
+    _write_checkpoint("qwen3_moe", root / "qwen3_moe", 3, max_shard_size="200KB")
+    # a checkpoint that lacks a weight
+    shutil.copytree(root / "llama", root / "llama_broken")
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(root / "llama_broken" / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, root / "llama_broken" / "model.safetensors", metadata={"format": "pt"})
+
+    cases = [
+        Checkpoint(
+            "llama",
+            "llama",
+            str(root / "llama"),
+            files["llama_tp_vocab"],
+            "llama_tp_vocab",
+            "llama_tp",
+            files["llama_tp"],
+        ),
+        Checkpoint("llama_tied", "llama", str(root / "llama_tied"), files["llama_tp_vocab"], "llama_tp_vocab"),
+        Checkpoint("qwen3", "qwen3", str(root / "qwen3"), files["qwen3_tp"], "qwen3_tp"),
+        Checkpoint("qwen3_moe", "qwen3_moe", str(root / "qwen3_moe"), files["qwen3_moe_tp"], "qwen3_moe_tp"),
+        Checkpoint("qwen3_moe_ep", "qwen3_moe", str(root / "qwen3_moe"), files["qwen3_moe_tp_ep"], "qwen3_moe_tp_ep"),
+    ]
+    return run_distributed(_run_all, cases, str(root), timeout=400)
+
+
+# --------------------------------------------------------------------------- on each rank
+
+
+@dataclass
+class Loaded:
+    """What one rank saw for one checkpoint loaded with ``from_pretrained``."""
+
+    logits_err: float
+    logits_tol: float
+    forward_error: str  # the forward raised (then logits_err is inf)
+    weight_mismatches: list[str]  # params not bit-equal to this rank's chunk of the checkpoint
+    weights_checked: int
+    meta_left: list[str]
+    training: bool
+    devices: list[str]
+    tied: bool
+    inv_freq_equal: bool
+    dtensor_keys: int  # state-dict entries that are DTensors with the global shape
+    checkpoint_files: int
+    views: int  # parameters whose storage is more than their data: views of the mapped file
+
+
+@dataclass
+class RankResults:
+    loaded: dict[str, Loaded] = field(default_factory=dict)
+    dcp: dict[str, list[str]] = field(default_factory=dict)  # check -> mismatching names
+    logits: dict[str, tuple[float, float]] = field(default_factory=dict)  # check -> (err, tol)
+    saved_keys: dict[str, list[str]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    strided: list[str] = field(default_factory=list)
+
+
+def _inputs() -> torch.Tensor:
+    return torch.randint(0, TINY["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(11))
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(_inputs()).logits
+
+
+def _compare(model: torch.nn.Module, reference: torch.nn.Module, plan: dict, rank: int, size: int) -> list[str]:
+    """``model``'s parameters that are not bit-equal to the chunk of ``reference``'s the plan gives this rank."""
+    from tests.runtime.models import param_layouts
+
+    layouts = param_layouts(reference, plan)
+    axis = plan["mesh_dim_names"][0]
+    ours = dict(model.named_parameters(remove_duplicate=False))
+    bad = []
+    for name, ref_param in reference.named_parameters(remove_duplicate=False):
+        want = expected_shard(ref_param.detach(), layouts.get(name, {}).get(axis, "R"), rank, size)
+        if name not in ours or not torch.equal(ours[name].detach(), want):
+            bad.append(name)
+    return bad
+
+
+def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> RankResults:
+    import torch.distributed.checkpoint as dcp
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from hpgen.runtime import checkpoint_files, from_pretrained, parallelize
+    from hpgen.runtime.errors import ParallelizeError
+
+    transformers.utils.logging.disable_progress_bar()
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    out = RankResults()
+    models, references = {}, {}
+    for case in cases:
+        module = import_file(case.generated)
+        cls = FAMILIES[case.family].model
+        reference = getattr(transformers, cls).from_pretrained(case.folder).eval()
+        plan = load_plan_dict(case.plan)
+        # "llama" copies every slice (all are small); the others take contiguous ones as views of the file
+        checkpoint_files.VIEW_MIN_BYTES = 2**30 if case.name == "llama" else 0
+        model = from_pretrained(getattr(module, cls), case.folder, plan, mesh)
+        try:
+            err, tol, failure = (
+                (_logits(model) - _logits(reference)).abs().max().item(),
+                tolerance(_logits(reference)),
+                "",
+            )
+        except Exception as error:  # noqa: BLE001 - reported by the logits test; the other checks still run
+            err, tol, failure = float("inf"), 0.0, f"{type(error).__name__}: {error}"
+        bad = _compare(model, reference, plan, rank, world_size)
+        state = model.state_dict()
+        full_shapes = dict(reference.state_dict())
+        rotary = model.model.rotary_emb
+        out.loaded[case.name] = Loaded(
+            logits_err=err,
+            logits_tol=tol,
+            forward_error=failure,
+            weight_mismatches=bad,
+            weights_checked=len(list(reference.named_parameters(remove_duplicate=False))),
+            meta_left=[n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta],
+            training=model.training,
+            devices=sorted({str(t.device) for t in [*model.parameters(), *model.buffers()]}),
+            tied=model.lm_head.weight is model.model.embed_tokens.weight,
+            inv_freq_equal=torch.equal(rotary.inv_freq, reference.model.rotary_emb.inv_freq),
+            dtensor_keys=sum(
+                isinstance(v, DTensor) and tuple(v.shape) == tuple(full_shapes[k].shape) for k, v in state.items()
+            ),
+            checkpoint_files=len(list(Path(case.folder).glob("*.safetensors"))),
+            views=sum(p.untyped_storage().nbytes() > p.nbytes for p in model.parameters()),
+        )
+        models[case.name], references[case.name] = model, reference
+
+    # ---- DCP: save at tp=2, load into a fresh parallelized model, the unsharded model, another plan
+    for name in ("llama", "qwen3", "qwen3_moe"):
+        case = next(c for c in cases if c.name == name)
+        cls = FAMILIES[case.family].model
+        model, reference = models[name], references[name]
+        folder = f"{root}/dcp_{name}"
+        dcp.save(model.state_dict(), checkpoint_id=folder)
+
+        torch.manual_seed(100 + rank)  # a fresh model whose weights differ on every rank
+        fresh = getattr(import_file(case.generated), cls)(reference.config)
+        parallelize(fresh, load_plan_dict(case.plan), mesh)
+        state = fresh.state_dict()
+        dcp.load(state, checkpoint_id=folder)
+        fresh.load_state_dict(state)
+        out.dcp[f"{name}: round trip"] = [
+            n for (n, p), (_, q) in zip(model.named_parameters(), fresh.named_parameters()) if not torch.equal(p, q)
+        ]
+
+        plain = getattr(transformers, cls)(reference.config)
+        state = plain.state_dict()
+        dcp.load(state, checkpoint_id=folder)
+        plain.load_state_dict(state)
+        expected = reference.state_dict()
+        out.dcp[f"{name}: to unsharded"] = [n for n, t in plain.state_dict().items() if not torch.equal(t, expected[n])]
+
+        if case.other_plan:
+            other_plan = load_plan_dict(case.other_plan)
+            other = getattr(import_file(case.other_generated), cls)(reference.config).eval()
+            parallelize(other, other_plan, mesh)
+            state = other.state_dict()
+            dcp.load(state, checkpoint_id=folder)
+            other.load_state_dict(state)
+            out.dcp[f"{name}: to {case.other_plan}"] = _compare(other, reference, other_plan, rank, world_size)
+            out.logits[f"{name}: dcp to {case.other_plan}"] = (
+                (_logits(other) - _logits(reference)).abs().max().item(),
+                tolerance(_logits(reference)),
+            )
+
+    # ---- save_pretrained at tp=2 -> transformers' own class
+    for name in ("llama", "llama_tied", "qwen3_moe"):
+        case = next(c for c in cases if c.name == name)
+        cls = FAMILIES[case.family].model
+        folder = f"{root}/saved_{name}"
+        models[name].save_pretrained(folder)
+        loaded = getattr(transformers, cls).from_pretrained(folder).eval()
+        expected = references[name].state_dict()
+        out.dcp[f"{name}: save_pretrained"] = [
+            n for n, t in loaded.state_dict().items() if not torch.equal(t, expected[n])
+        ]
+        out.logits[f"{name}: save_pretrained"] = (
+            (_logits(loaded) - _logits(references[name])).abs().max().item(),
+            tolerance(_logits(references[name])),
+        )
+        from safetensors import safe_open
+
+        keys = []
+        for file in sorted(Path(folder).glob("*.safetensors")):
+            with safe_open(file, "pt") as handle:
+                keys += list(handle.keys())
+        out.saved_keys[name] = sorted(keys)
+        out.saved_keys[f"{name} (transformers)"] = sorted(
+            key for file in Path(case.folder).glob("*.safetensors") for key in safe_open(file, "pt").keys()
+        )
+
+    # ---- load_state_dict(full unsharded) after parallelize
+    case = cases[0]
+    reference = references["llama"]
+    model = import_file(case.generated).LlamaForCausalLM(reference.config).eval()
+    parallelize(model, load_plan_dict(case.plan), mesh)
+    model.load_state_dict(reference.state_dict())
+    out.dcp["llama: load_state_dict(full)"] = _compare(model, reference, load_plan_dict(case.plan), rank, world_size)
+    out.logits["llama: load_state_dict(full)"] = (
+        (_logits(model) - _logits(reference)).abs().max().item(),
+        tolerance(_logits(reference)),
+    )
+
+    # ---- refusals
+    module = import_file(case.generated)
+    for label, folder in [("missing weight", f"{root}/llama_broken"), ("not a checkpoint", f"{root}/nowhere")]:
+        try:
+            from_pretrained(module.LlamaForCausalLM, folder, load_plan_dict(case.plan), mesh, config=reference.config)
+            out.errors[label] = "no error"
+        except ParallelizeError as error:
+            out.errors[label] = str(error)
+
+    out.strided = _strided_shard_checks(mesh, rank, world_size)
+    _train_save_resume(out, cases[0], references["llama"], models["llama"], root, mesh, rank, world_size)
+    return out
+
+
+def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    """One AdamW step on a fixed loss (the logits against a seeded projection)."""
+    logits = model(_inputs()).logits
+    projection = torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed))
+    (logits * projection).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _train_save_resume(
+    out: RankResults, case: Checkpoint, reference: Any, model: Any, root: str, mesh: Any, rank: int, size: int
+) -> None:
+    """Train a step at tp=2, save model and optimizer with DCP, resume at tp=2 (fresh) and at tp=1, step again."""
+    import torch.distributed.checkpoint as dcp
+    import transformers
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    from hpgen.runtime import load_optimizer_state_dict, optimizer_state_dict, parallelize
+
+    plan = load_plan_dict(case.plan)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, optimizer, 1)
+    folder = f"{root}/dcp_train"
+    dcp.save({"model": model.state_dict(), "optim": optimizer_state_dict(model, optimizer)}, checkpoint_id=folder)
+
+    # resume at tp=2 in a fresh parallelized model
+    fresh = import_file(case.generated).LlamaForCausalLM(reference.config).train()
+    parallelize(fresh, plan, mesh)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    state = {"model": fresh.state_dict(), "optim": optimizer_state_dict(fresh, fresh_optimizer)}
+    dcp.load(state, checkpoint_id=folder)
+    fresh.load_state_dict(state["model"])
+    load_optimizer_state_dict(fresh, fresh_optimizer, state["optim"])
+
+    # resume at tp=1: transformers' own model and optimizer, no hpgen
+    plain = transformers.LlamaForCausalLM(reference.config).train()
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    state = {"model": plain.state_dict(), "optim": get_optimizer_state_dict(plain, plain_optimizer)}
+    dcp.load(state, checkpoint_id=folder)
+    plain.load_state_dict(state["model"])
+    set_optimizer_state_dict(plain, plain_optimizer, state["optim"])
+
+    layouts = _layouts(reference, plan)
+    ours = dict(model.named_parameters())
+    mismatched = []
+    for name, param in plain.named_parameters():
+        for label, value in [("exp_avg", plain_optimizer.state[param]["exp_avg"]), ("param", param.detach())]:
+            mine = (
+                fresh_optimizer.state[dict(fresh.named_parameters())[name]]["exp_avg"] if label == "exp_avg" else None
+            )
+            want = expected_shard(value, layouts.get(name, "R"), rank, size)
+            original = optimizer.state[ours[name]]["exp_avg"] if label == "exp_avg" else ours[name].detach()
+            if not torch.equal(original, want):
+                mismatched.append(f"tp=1 {label} {name}")
+            if mine is not None and not torch.equal(mine, original):
+                mismatched.append(f"tp=2 {label} {name}")
+    out.dcp["train: resumed state"] = mismatched
+
+    # one more step everywhere: the resumed runs continue the original one
+    for run, run_optimizer in [(model, optimizer), (fresh, fresh_optimizer), (plain, plain_optimizer)]:
+        _step(run, run_optimizer, 2)
+    worst = {"tp=2": 0.0, "tp=1": 0.0}
+    fresh_params = dict(fresh.named_parameters())
+    for name, param in plain.named_parameters():
+        want = ours[name].detach()
+        worst["tp=2"] = max(worst["tp=2"], (fresh_params[name].detach() - want).abs().max().item())
+        shard = expected_shard(param.detach(), layouts.get(name, "R"), rank, size)
+        worst["tp=1"] = max(worst["tp=1"], (shard - want).abs().max().item())
+    out.logits["train: tp=2 resumed, next step"] = (worst["tp=2"], 0.0)
+    out.logits["train: tp=1 resumed, next step"] = (worst["tp=1"], 1e-5)
+
+
+def _layouts(reference: Any, plan: dict) -> dict[str, str]:
+    from tests.runtime.models import param_layouts
+
+    axis = plan["mesh_dim_names"][0]
+    return {name: layout.get(axis, "R") for name, layout in param_layouts(reference, plan).items()}
+
+
+def _strided_shard_checks(mesh: Any, rank: int, size: int) -> list[str]:
+    """DTensor's ``_StridedShard(d, sf=k)`` holds exactly hpgen's ``SS(d,k)`` chunk, both ways."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from hpgen.placement import Placement
+    from hpgen.runtime.sharding import local_chunk
+
+    failures = []
+    for shape, dim, k in [((12, 3), 0, 2), ((18, 2), 0, 3), ((3, 14), 1, 2), ((2, 10, 4), 1, 2)]:
+        full = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape)
+        ours = local_chunk(full, [(Placement("SS", dim=dim, blocks=k), rank, size)])
+        placement = _StridedShard(dim, split_factor=k)
+        # src_data_rank=None: each rank splits locally (DTensor's scatter path needs even blocks)
+        theirs = distribute_tensor(full, mesh, [placement], src_data_rank=None).to_local()
+        back = DTensor.from_local(ours, mesh, [placement], run_check=False, shape=full.shape, stride=full.stride())
+        if not torch.equal(ours, theirs):
+            failures.append(f"{shape} SS({dim},{k}): distribute_tensor gives another chunk")
+        if not torch.equal(back.full_tensor(), full):
+            failures.append(f"{shape} SS({dim},{k}): full_tensor of hpgen's chunk is not the tensor")
+    return failures
+
+
+# --------------------------------------------------------------------------- checks
+
+LOADED = ["llama", "llama_tied", "qwen3", "qwen3_moe", "qwen3_moe_ep"]
+
+
+@pytest.mark.parametrize("name", LOADED)
+def test_from_pretrained_reads_each_ranks_chunk(results: list[RankResults], name: str) -> None:
+    for rank, result in enumerate(results):
+        loaded = result.loaded[name]
+        assert loaded.weights_checked > 0
+        assert not loaded.weight_mismatches, f"rank {rank}: {loaded.weight_mismatches}"
+        assert not loaded.meta_left and loaded.devices == ["cpu"] and not loaded.training
+        assert loaded.inv_freq_equal, f"rank {rank}: rotary inv_freq not initialised like transformers'"
+
+
+@pytest.mark.parametrize("name", LOADED)
+def test_from_pretrained_logits(results: list[RankResults], name: str) -> None:
+    for rank, result in enumerate(results):
+        loaded = result.loaded[name]
+        assert not loaded.forward_error, f"rank {rank}: the forward raised {loaded.forward_error}"
+        assert loaded.logits_err <= loaded.logits_tol, f"rank {rank}: {loaded.logits_err} > {loaded.logits_tol}"
+
+
+def test_multi_file_checkpoints_and_ties(results: list[RankResults]) -> None:
+    loaded = results[0].loaded
+    assert loaded["llama"].views == 0 and all(loaded[name].views > 0 for name in LOADED[1:])
+    assert loaded["llama"].checkpoint_files == 1 and loaded["llama_tied"].checkpoint_files > 1
+    assert loaded["qwen3_moe"].checkpoint_files > 1
+    assert all(r.loaded["llama_tied"].tied for r in results)
+    assert not any(r.loaded["llama"].tied for r in results)
+
+
+def test_state_dict_gives_dtensors_with_global_shapes(results: list[RankResults]) -> None:
+    # every sharded parameter is a DTensor of its full shape: embedding and lm_head, then per layer
+    # q, k, v, o and gate, up, down (Llama) or the experts' gate_up_proj (SS) and down_proj (Qwen3-MoE)
+    loaded = results[0].loaded
+    assert loaded["llama"].dtensor_keys == 2 + 7 * TINY["num_hidden_layers"]
+    assert loaded["qwen3_moe"].dtensor_keys == 2 + 6 * TINY["num_hidden_layers"]
+
+
+@pytest.mark.parametrize(
+    "check",
+    [
+        "llama: round trip",
+        "qwen3: round trip",
+        "qwen3_moe: round trip",
+        "llama: to unsharded",
+        "qwen3: to unsharded",
+        "qwen3_moe: to unsharded",
+        "llama: to llama_tp",
+        "llama: save_pretrained",
+        "llama_tied: save_pretrained",
+        "qwen3_moe: save_pretrained",
+        "llama: load_state_dict(full)",
+        "train: resumed state",
+    ],
+)
+def test_bit_exact(results: list[RankResults], check: str) -> None:
+    for rank, result in enumerate(results):
+        assert result.dcp[check] == [], f"rank {rank}: {check}: {result.dcp[check]}"
+
+
+@pytest.mark.parametrize(
+    "check",
+    [
+        "llama: dcp to llama_tp",
+        "llama: save_pretrained",
+        "llama_tied: save_pretrained",
+        "qwen3_moe: save_pretrained",
+        "llama: load_state_dict(full)",
+    ],
+)
+def test_logits_after(results: list[RankResults], check: str) -> None:
+    for rank, result in enumerate(results):
+        err, tol = result.logits[check]
+        assert err <= tol, f"rank {rank}: {check}: {err} > {tol}"
+
+
+def test_save_pretrained_writes_transformers_layout(results: list[RankResults]) -> None:
+    saved = results[0].saved_keys
+    for name in ("llama", "llama_tied", "qwen3_moe"):
+        assert saved[name] == saved[f"{name} (transformers)"]  # per-expert MoE keys, tied lm_head dropped
+    assert any(".experts.0.gate_proj.weight" in key for key in saved["qwen3_moe"])
+    assert "lm_head.weight" not in saved["llama_tied"]
+
+
+def test_refusals_are_clear(results: list[RankResults]) -> None:
+    errors = results[0].errors
+    assert "has no weights for 1 parameter(s)" in errors["missing weight"]
+    assert "model.layers.1.mlp.down_proj.weight" in errors["missing weight"]
+    assert "not a safetensors checkpoint folder" in errors["not a checkpoint"]
+
+
+def test_dtensor_strided_shard_is_hpgen_ss(results: list[RankResults]) -> None:
+    for rank, result in enumerate(results):
+        assert result.strided == [], f"rank {rank}: {result.strided}"
+
+
+# --------------------------------------------------------------------------- tp=4: RS and uneven shards
+
+
+@pytest.fixture(scope="module")
+def results4(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Llama at tp=4 on 4 ranks with ``hpgen plan``'s plan: 2 key/value heads replicated
+    (``RS(0,2)``), and sizes that split unevenly (vocab 127, intermediate 89): the state
+    dict's DTensors are copies laid out DTensor's way there."""
+    import json
+
+    from hpgen.tp_plan import make_plan
+
+    root = tmp_path_factory.mktemp("checkpoints4")
+    _write_checkpoint("llama", root / "llama", 5, max_shard_size="100KB")
+    plan = make_plan(str(root / "llama" / "config.json"), tp=4)
+    (root / "plan.json").write_text(json.dumps(plan))
+    generated = str(lower_family("llama", plan, root))
+    return run_distributed(_run_tp4, str(root), generated, plan, world_size=4, timeout=400)
+
+
+def _shard(full: torch.Tensor, placement: str, rank: int, size: int) -> torch.Tensor:
+    """``expected_shard`` and ``RS(d,r)``: chunk ``rank // r`` of ``size / r``."""
+    if placement.startswith("RS("):
+        dim, replicas = (int(part) for part in placement[3:-1].split(","))
+        return full.tensor_split(size // replicas, dim)[rank // replicas]
+    return expected_shard(full, placement, rank, size)
+
+
+def _run_tp4(rank: int, world_size: int, root: str, generated: str, plan: dict) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from hpgen.runtime import from_pretrained, parallelize
+
+    transformers.utils.logging.disable_progress_bar()
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    folder = f"{root}/llama"
+    reference = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
+    expected = reference.state_dict()
+    layouts = _layouts(reference, plan)
+    cls = import_file(generated).LlamaForCausalLM
+    model = from_pretrained(cls, folder, plan, mesh)
+    out: dict[str, Any] = {}
+
+    def mismatches(candidate: torch.nn.Module) -> list[str]:
+        ours = dict(candidate.named_parameters())
+        return [
+            n
+            for n, full in expected.items()
+            if not torch.equal(ours[n].detach(), _shard(full, layouts.get(n, "R"), rank, world_size))
+        ]
+
+    out["from_pretrained"] = mismatches(model)
+    out["logits"] = ((_logits(model) - _logits(reference)).abs().max().item(), tolerance(_logits(reference)))
+    state = model.state_dict()
+    out["placements"] = {
+        k: str(tuple(v.placements)) for k, v in state.items() if isinstance(v, DTensor) and "layers.0." in k
+    }
+    out["global shapes"] = [
+        k for k, v in state.items() if isinstance(v, DTensor) and tuple(v.shape) != tuple(expected[k].shape)
+    ]
+    dcp.save(state, checkpoint_id=f"{root}/dcp")
+
+    fresh = cls(reference.config).eval()
+    parallelize(fresh, plan, mesh)
+    fresh_state = fresh.state_dict()
+    dcp.load(fresh_state, checkpoint_id=f"{root}/dcp")
+    fresh.load_state_dict(fresh_state)
+    out["dcp round trip"] = mismatches(fresh)
+
+    plain = transformers.LlamaForCausalLM(reference.config)
+    plain_state = plain.state_dict()
+    dcp.load(plain_state, checkpoint_id=f"{root}/dcp")
+    plain.load_state_dict(plain_state)
+    out["dcp to unsharded"] = [n for n, t in plain.state_dict().items() if not torch.equal(t, expected[n])]
+
+    model.save_pretrained(f"{root}/saved")
+    saved = transformers.LlamaForCausalLM.from_pretrained(f"{root}/saved")
+    out["save_pretrained"] = [n for n, t in saved.state_dict().items() if not torch.equal(t, expected[n])]
+    return out
+
+
+def test_tp4_replicated_kv_heads_and_uneven_shards(results4: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(results4):
+        for check in ("from_pretrained", "dcp round trip", "dcp to unsharded", "save_pretrained", "global shapes"):
+            assert result[check] == [], f"rank {rank}: {check}: {result[check]}"
+        err, tol = result["logits"]
+        assert err <= tol, f"rank {rank}: logits {err} > {tol}"
+    placements = results4[0]["placements"]
+    assert placements["model.layers.0.self_attn.k_proj.weight"] == "(Shard(dim=0), Replicate())"  # RS(0,2)
+    assert placements["model.layers.0.self_attn.q_proj.weight"] == "(Shard(dim=0),)"

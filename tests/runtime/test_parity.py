@@ -1,0 +1,34 @@
+"""Every row of ``parity_table.PARITY`` against the unsharded transformers model, on 2 gloo ranks.
+
+Each test checks one property of one row on both ranks: logits, every parameter's
+gradient (the local slice of the reference gradient), 12 greedily generated tokens with
+the KV cache, and that ``parallelize`` kept the state-dict keys. Models run with
+transformers' defaults (sdpa attention, the grouped_mm experts kernel).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.runtime.models import check_generation, check_gradients, check_logits, check_state_dict_keys
+from tests.runtime.parity_table import PARITY
+
+
+@pytest.mark.parametrize("name", PARITY)
+def test_logits(parity: list[dict], name: str) -> None:
+    check_logits(parity, name)
+
+
+@pytest.mark.parametrize("name", PARITY)
+def test_state_dict_keys_unchanged(parity: list[dict], name: str) -> None:
+    check_state_dict_keys(parity, name)
+
+
+@pytest.mark.parametrize("name", PARITY)
+def test_gradients(parity: list[dict], name: str) -> None:
+    check_gradients(parity, name)
+
+
+@pytest.mark.parametrize("name", PARITY)
+def test_greedy_generation(parity: list[dict], name: str) -> None:
+    check_generation(parity, name)

@@ -1,0 +1,80 @@
+"""The boxes a rank's shard is made of, and when DTensor's placements describe it exactly.
+
+DTensor's semantics are taken from DTensor itself (``Shard._split_tensor`` and
+``_StridedShard._split_tensor`` on an index tensor), not restated, so a torch that
+changes them fails here rather than in a checkpoint.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from hpgen.placement import Placement
+from hpgen.runtime.shard_layout import boxes, dim_runs, dtensor_form, dtensor_indices, hpgen_indices
+from hpgen.runtime.sharding import local_chunk
+
+S0, SS02, SS03, R = (Placement.parse(t) for t in ("S(0)", "SS(0,2)", "SS(0,3)", "R"))
+
+
+def _dtensor_split(n: int, placement, m: int) -> list[list[int]]:
+    pieces, _ = placement._split_tensor(torch.arange(n), m, with_padding=False)
+    return [piece.tolist() for piece in pieces] + [[]] * (m - len(pieces))
+
+
+@pytest.mark.parametrize("m", [2, 3, 4])
+def test_dtensor_semantics_as_dtensor_itself_splits(m: int) -> None:
+    for n in range(0, 13):
+        assert [dtensor_indices(n, [S0], [m], [r]) for r in range(m)] == _dtensor_split(n, Shard(0), m)
+        for k in (2, 3):
+            if n % k:
+                continue
+            strided = _StridedShard(0, split_factor=k)
+            ss = Placement("SS", dim=0, blocks=k)
+            assert [dtensor_indices(n, [ss], [m], [r]) for r in range(m)] == _dtensor_split(n, strided, m)
+
+
+def test_strided_shard_is_ss_when_the_blocks_split_alike() -> None:
+    # SS(d,k): each rank takes its tensor_split chunk of each of the k packed blocks
+    for n, k, m in [(10, 2, 2), (12, 3, 2), (8, 2, 4), (18, 3, 3), (14, 2, 2)]:
+        ss = Placement("SS", dim=0, blocks=k)
+        for r in range(m):
+            ours = local_chunk(torch.arange(n), [(ss, r, m)]).tolist()
+            assert hpgen_indices(n, [ss], [m], [r]) == ours
+        assert dtensor_form((n, 3), (ss,), (m,)).placements == (_StridedShard(0, split_factor=k),)
+
+
+def test_agreement_and_refusal() -> None:
+    assert dtensor_form((5, 3), (S0,), (2,)).placements == (Shard(0),)  # 3,2 both ways
+    assert dtensor_form((8, 3), (S0,), (4,)).placements == (Shard(0),)
+    form = dtensor_form((5, 3), (S0,), (4,))  # tensor_split 2,1,1,1; chunk 2,2,1,0
+    assert not form.exact and "torch.tensor_split" in form.problem and "torch.chunk" in form.problem
+    assert form.chunked == (Shard(0),)  # the state dict holds a copy laid out this way instead
+    packed = dtensor_form((10, 3), (Placement.parse("SS(0,2)"),), (4,))  # blocks of 5 on 4
+    assert not packed.exact and packed.chunked == (Shard(0),)
+    # two axes on one dim: DTensor's nested chunks, compared on every coordinate
+    assert dtensor_form((8, 2), (S0, S0), (2, 2)).placements == (Shard(0), Shard(0))
+    assert dtensor_form((7, 2), (S0, S0), (2, 2)).placements == (Shard(0), Shard(0))  # 2 ranks always agree
+    assert not dtensor_form((10, 2), (S0, S0), (2, 4)).exact  # then 5 rows on 4 ranks
+    # RS(0,2) on 4 ranks: DTensor sees 2 chunks x 2 replicas
+    rs = dtensor_form((8, 3), (Placement.parse("RS(0,2)"),), (4,))
+    assert rs.exact and rs.placements == (Shard(0), Replicate()) and rs.split == (2,)
+    assert dtensor_form((8, 3), (Placement.parse("RS(0,4)"),), (4,)).placements == (Replicate(),)
+
+
+def test_boxes_of_a_packed_shard() -> None:
+    # gate_up [2I=10, H=3], SS(0,2) on 2 ranks: rank 1 holds rows 3-4 of gate and 8-9 of up
+    assert dim_runs((10, 3), [(SS02, 1, 2)]) == [[(3, 5), (8, 10)], [(0, 3)]]
+    found = boxes((10, 3), [(SS02, 1, 2)])
+    assert [(b.offsets, b.sizes, b.local_offsets) for b in found] == [
+        ((3, 0), (2, 3), (0, 0)),
+        ((8, 0), (2, 3), (2, 0)),
+    ]
+    # adjacent ranges merge: S(0) then S(0) on a second axis is one box
+    assert boxes((8, 2), [(S0, 1, 2), (S0, 0, 2)])[0].offsets == (4, 0)
+    full = torch.arange(30).view(10, 3)
+    local = local_chunk(full, [(SS02, 1, 2)])
+    for box in found:
+        assert torch.equal(box.local_view(local), full[box.global_index()])

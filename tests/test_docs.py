@@ -1,0 +1,71 @@
+"""The user documentation in docs/ stays true: real lowered excerpts, every plan key documented.
+
+``docs/generated-code.md`` holds excerpts between ``<!-- excerpt: SOURCE PLAN MODE CLASS -->``
+and ``<!-- end excerpt -->``: the named class as ``hpgen lower`` writes it today. This test
+regenerates each one and fails with the difference when the page is stale; to update it,
+run ``HPGEN_UPDATE_GOLDEN=1 python -m pytest tests/test_docs.py`` (as for the golden files).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from hpgen.lower import lower
+from hpgen.plan import _ENTRY_KEYS, _INJECTION_KEYS, _TOP_LEVEL_KEYS, load_plan
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs"
+EXCERPT = re.compile(r"(<!-- excerpt: (\S+) (\S+) (\S+) (\w+) -->\n)(.*?)(<!-- end excerpt -->)", re.S)
+
+
+def _class_text(source: str, name: str) -> str:
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return ast.get_source_segment(source, node)
+    raise AssertionError(f"no class {name} in the lowered file")
+
+
+def _rendered(match: re.Match) -> str:
+    opening, source, plan, mode, name = match.group(1, 2, 3, 4, 5)
+    text = lower((REPO / source).read_text(), load_plan(REPO / plan), mode=mode, source_name=Path(source).name)
+    return f"{opening}```python\n{_class_text(text, name)}\n```\n{match.group(7)}"
+
+
+@pytest.mark.parametrize("page", sorted(DOCS.glob("*.md")), ids=lambda path: path.name)
+def test_excerpts_are_what_hpgen_writes(page: Path) -> None:
+    text = page.read_text()
+    fresh = EXCERPT.sub(_rendered, text)
+    if fresh != text and os.environ.get("HPGEN_UPDATE_GOLDEN"):
+        page.write_text(fresh)
+        return
+    assert fresh == text, f"{page.name} is stale: HPGEN_UPDATE_GOLDEN=1 python -m pytest tests/test_docs.py"
+
+
+def test_the_generated_code_page_has_its_excerpts() -> None:
+    assert len(EXCERPT.findall((DOCS / "generated-code.md").read_text())) == 2
+
+
+def _documented_keys() -> set[str]:
+    """The names in backticks in the first cell of each table row of the plan format page."""
+    rows = [line for line in (DOCS / "plan-format.md").read_text().splitlines() if line.startswith("| ")]
+    return {name for row in rows for name in re.findall(r"`([^`]+)`", row.split("|")[1])}
+
+
+@pytest.mark.parametrize("key", sorted(_TOP_LEVEL_KEYS | _ENTRY_KEYS | _INJECTION_KEYS))
+def test_every_plan_key_the_loader_accepts_is_documented(key: str) -> None:
+    assert key in _documented_keys()
+
+
+@pytest.mark.parametrize("placement", ["R", "S(d)", "P(op)", "SS(d,k)", "RS(d,r)"])
+def test_every_placement_is_documented(placement: str) -> None:
+    assert placement in _documented_keys()
+
+
+def test_nothing_points_outside_the_repository() -> None:
+    for path in [REPO / "README.md", *DOCS.glob("*.md"), *(REPO / "hpgen").rglob("*.py")]:
+        assert "../shared" not in path.read_text(), path
