@@ -133,11 +133,11 @@ TINY: dict[str, Any] = {
     "embedding_rank": 32,
     "rotary_dim": 8,
     "unpadded_vocab_size": 127,
-    # the feed-forward width and heads of the encoder-decoder and GPT-style configs (even: some require it)
+    # the feed-forward width and heads of the encoder-decoder and CTRL-style configs (even: some require it);
+    # GPT-2-style configs keep n_inner None: 4 x hidden, their own default
     "ffn_dim": 90,
     "decoder_ffn_dim": 90,
     "encoder_ffn_dim": 90,
-    "n_inner": 90,
     "dff": 90,
     "decoder_attention_heads": 4,
     "encoder_attention_heads": 4,

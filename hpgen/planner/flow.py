@@ -637,6 +637,9 @@ class _Frame:
             return Val(items=left.items + _as_items(right))  # (out,) + rest: out stays item 0
         if isinstance(node.op, ast.Add) and right.items is not None and _nothing(left):
             return right
+        if isinstance(node.op, ast.Add) and right.items is not None and not left.whole():
+            # x.size()[:-1] + (heads, 3 * head_size): a shape with an unknown prefix and known last sizes
+            return Val(items=(union([left]), *right.items))
         return union((left, right))
 
     def _Lambda(self, node: ast.Lambda) -> Val:

@@ -48,6 +48,20 @@ class _Vocabulary:
             head = get_out() if callable(get_out) else None
         except Exception:
             head = None
+        raw = _raw_weight_reads(self.model, self.source)
+        # one table and one output projection per codebook (MusicGen): each pair on its own
+        embeddings = list(embedding) if _all_of(embedding, nn.Embedding) else [embedding]
+        heads = list(head) if _all_of(head, nn.Linear) else [head]
+        if len(heads) != len(embeddings):
+            heads = heads + [None] * (len(embeddings) - len(heads)) if len(heads) < len(embeddings) else heads
+            embeddings = embeddings + [None] * (len(heads) - len(embeddings))
+        self._tables_done = False
+        for one_embedding, one_head in zip(embeddings, heads):
+            self._place(one_embedding, one_head, raw)
+
+    def _place(self, embedding: Any, head: Any, raw: set[str]) -> None:
+        import torch.nn as nn
+
         emb_fqn = self.names.get(id(embedding)) if embedding is not None else None
         head_fqn = self.names.get(id(head)) if head is not None else None
         tied = (
@@ -55,7 +69,6 @@ class _Vocabulary:
             and head is not None
             and getattr(embedding, "weight", None) is getattr(head, "weight", None)
         )
-        raw = _raw_weight_reads(self.model, self.source)
         ok_emb = ok_head = False
         if emb_fqn and isinstance(embedding, nn.Embedding):
             reason = self._vocab_problem(emb_fqn, embedding.num_embeddings, raw)
@@ -89,7 +102,8 @@ class _Vocabulary:
             )
             self.result.note(emb_fqn, True, "vocab-parallel embedding: rows S(0), the partial lookups all-reduced")
             self._aliases(emb_fqn, "weight", "S(0)")
-        if ok_emb and emb_fqn:
+        if ok_emb and emb_fqn and not self._tables_done:
+            self._tables_done = True
             self._other_tables(embedding.num_embeddings, raw)
         if ok_head and head_fqn:
             placed = Placed(head_fqn, "lm_head", {"weight": "S(0)"}, why="column-parallel output projection")
@@ -169,6 +183,13 @@ class _Vocabulary:
                     self.result.placed[name] = Placed(
                         name, "alias", {attr: placement}, why=f"the same Parameter as {owner}.{leaf}"
                     )
+
+
+def _all_of(module: Any, kind: type) -> bool:
+    """A non-empty ``nn.ModuleList`` of ``kind`` modules."""
+    import torch.nn as nn
+
+    return isinstance(module, nn.ModuleList) and len(module) > 0 and all(isinstance(m, kind) for m in module)
 
 
 def _raw_weight_reads(model: Any, source: Path) -> set[str]:
