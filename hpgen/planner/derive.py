@@ -116,6 +116,7 @@ class _Deriver:
         self.text_config = text
         self.result = Derivation()
         self._flows: dict[str, Flow] = {}
+        self._pre: dict[str, set[str]] = {}  # block FQN -> replicated layers before its columns (norms)
 
     def run(self) -> Derivation:
         for layer in self._layers():
@@ -578,6 +579,15 @@ class _Deriver:
                 raise Refused(f"{relative(name, layer)} is read directly outside the block of its projections")
             if placement != "R":
                 owner.params[relative(name, owner.fqn)] = placement
+            else:
+                owner.grad_reduce.add(relative(name, owner.fqn))
+        for piece in pieces:  # replicated layers the sharded body runs through: their gradients are partial
+            if piece.kind in ("block", "col_block"):
+                for leaf in self._pre.get(piece.fqn, set()) | mids:
+                    if leaf.startswith(piece.fqn + "."):
+                        piece.grad_reduce |= {
+                            join(relative(leaf, piece.fqn), n) for n, _ in self.modules[leaf].named_parameters()
+                        }
         for piece in pieces:
             if piece.fqn in self.result.placed:
                 raise Refused(f"{relative(piece.fqn, layer) or layer} would hold two groups")
@@ -645,6 +655,7 @@ class _Deriver:
                     return None
         if not inputs:
             return None
+        self._pre[fqn] = pre
         if full and any(o.startswith("in:") for o in outputs):
             return None  # a residual (or another input) added to the output inside the module
         if not full and any(o[3:] in inputs for o in outputs if o.startswith("in:")):

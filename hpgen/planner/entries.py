@@ -18,6 +18,7 @@ class Placed:
     deferred: set[str] = field(default_factory=set)
     inputs: tuple[str, ...] = ()  # forward parameters entering a block (R -> R)
     divide: set[str] = field(default_factory=set)  # tp_divide_attrs
+    grad_reduce: set[str] = field(default_factory=set)  # replicated parameters the sharded body runs through
     why: str = ""
 
 

@@ -4,9 +4,11 @@ transformers' ``base_model_tp_plan`` is the interchange format users know, so wh
 exists and shards something inside the decoder layers it is translated
 (:mod:`hpgen.tp_plan`). Where there is none, or where it shards only the embeddings
 (bamba, diffllama, gpt_oss, lfm2, ...), the plan is derived from the modeling source
-(:mod:`hpgen.planner.derive`); ``from_source`` forces that. Either way the plan's
-top-level ``comments`` (ignored by the loader) say where it came from and, for a derived
-plan, what was sharded and why the rest was not.
+(:mod:`hpgen.planner.derive`); ``from_source`` forces that. A translated plan that leaves
+whole blocks replicated (the attention next to sharded experts) gets those blocks from the
+derivation too (without ``--sp``/``--ep``). Either way the plan's top-level ``comments``
+(ignored by the loader) say where it came from and, for a derived plan, what was sharded
+and why the rest was not.
 """
 
 from __future__ import annotations

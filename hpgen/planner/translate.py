@@ -74,12 +74,14 @@ class _DerivedTranslator(_Translator):
             boundary.deferred = set(placed.deferred)
 
     def _implicit_grad_reduce(self) -> None:
-        saved = self.boundaries
-        self.boundaries = {k: b for k, b in saved.items() if b.kind != "attrs"}
-        try:
-            super()._implicit_grad_reduce()
-        finally:
-            self.boundaries = saved
+        """The derivation says which replicated parameters the sharded body runs through (the norms
+        before the columns, per-head norms, scales read between the projections); only their
+        gradients are partial. A parameter a block merely returns (GPT-NeoX-Japanese's
+        ``dense_bias``, added by the caller) keeps its full gradient."""
+        for fqn, boundary in self.boundaries.items():
+            placed = self.placed.get(fqn)
+            if placed is not None and placed.kind in ("block", "col_block"):
+                boundary.grad_reduce.update(placed.grad_reduce)
 
     def _check_sizes(self) -> None:
         """The derivation checked heads and vocabulary against ``--tp`` already."""
