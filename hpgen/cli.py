@@ -205,8 +205,15 @@ def check_command(outputs: tuple[str, ...], full: bool, color: bool | None) -> N
 @click.argument("source")
 @click.argument("plan")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-def explain_command(source: str, plan: str, as_json: bool) -> None:
-    """Per class: FQNs, form, each op and why, and collectives per forward call."""
+@click.option("--config", "config", help="A model type or config.json: add the sizing report for that model.")
+@click.option("--tp", type=click.IntRange(min=1), help="Ranks for the sizing report (default 2).")
+@click.option("--dtype", default="bfloat16", show_default=True, help="Parameter and activation dtype for the sizing report.")
+def explain_command(source: str, plan: str, as_json: bool, config: str | None, tp: int | None, dtype: str) -> None:
+    """Per class: FQNs, form, each op and why, and collectives per forward call.
+
+    With --config, also the parameter bytes per rank and the collectives per decoder layer
+    and per token, computed on the meta device (no weights).
+    """
 
     def run() -> int:
         from hpgen.explain import explain, explain_text
@@ -214,8 +221,21 @@ def explain_command(source: str, plan: str, as_json: bool) -> None:
         from hpgen.plan import load_plan
 
         text, _ = read_source(Path(source))
-        report = explain(analyze(text, load_plan(plan), source_name=source))
-        click.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else explain_text(report), nl=as_json)
+        loaded = load_plan(plan)
+        report = explain(analyze(text, loaded, source_name=source))
+        sizing = None
+        if config is not None:
+            from hpgen.planner.cli import sizing_for
+
+            sizing = sizing_for(config, loaded, tp=tp or 2, dtype=dtype)
+        if as_json:
+            if sizing is not None:
+                report = {**report, "sizing": sizing.as_dict()}
+            click.echo(json.dumps(report, indent=2, sort_keys=True))
+        else:
+            click.echo(explain_text(report), nl=False)
+            if sizing is not None:
+                click.echo("\n" + sizing.text() + "\n", nl=False)
         return 0
 
     run_guarded(run)
@@ -231,16 +251,37 @@ def explain_command(source: str, plan: str, as_json: bool) -> None:
     metavar="NAME",
     help="Put the experts on an axis of their own (mesh NAME x tp); without it they share tp.",
 )
+@click.option("--from-source", is_flag=True, help="Derive the plan from the modeling source even where transformers has one.")
+@click.option("--explain", "show_notes", is_flag=True, help="Say on stderr what was sharded and why the rest was not.")
+@click.option("--dtype", default="bfloat16", show_default=True, help="Dtype of the sizing report printed on stderr.")
 @click.option("-o", "--output", help="Write the plan here instead of stdout ('-' is stdout).")
 def plan_command(
-    model: str, tp: int | None, sp: bool, ep: int | None, ep_axis: str | None, output: str | None
+    model: str,
+    tp: int | None,
+    sp: bool,
+    ep: int | None,
+    ep_axis: str | None,
+    from_source: bool,
+    show_notes: bool,
+    dtype: str,
+    output: str | None,
 ) -> None:
-    """Write a frozen plan for MODEL (a transformers model type or a config.json) from its own tp_plan."""
+    """Write a frozen plan for MODEL (a transformers model type or a config.json).
+
+    transformers' own tp_plan is translated where it shards the decoder layers; otherwise
+    (or with --from-source) the plan is derived from the modeling source. With --tp, a
+    sizing report (parameter bytes per rank, collectives per layer and per token) goes to
+    stderr.
+    """
 
     def run() -> int:
-        from hpgen.tp_plan import dumps_plan, make_plan
+        from hpgen.planner.cli import plan_with_report
 
-        text = dumps_plan(make_plan(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis))
+        text, messages = plan_with_report(
+            model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, notes=show_notes, dtype=dtype
+        )
+        for message in messages:
+            click.echo(message, err=True)
         if output in (None, "-"):
             write_stdout(text)
         else:

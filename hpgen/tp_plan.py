@@ -198,7 +198,9 @@ def model_class_for(config: Any) -> type:
     for value in vars(modeling).values() if modeling is not None else ():
         if isinstance(value, type) and getattr(value, "config_class", None) is config_class and value not in candidates:
             candidates.append(value)
-    # a deprecated alias is a subclass of the class it renames: keep the original
+    # a deprecated alias is a subclass of the class it renames: keep the original (every model subclasses
+    # the PreTrainedModel, which is no alias)
+    candidates = [cls for cls in candidates if not cls.__name__.endswith("PreTrainedModel")]
     candidates = [
         cls for cls in candidates if not any(other is not cls and issubclass(cls, other) for other in candidates)
     ]
@@ -219,7 +221,10 @@ def model_and_config(config: Any) -> tuple[type, Any]:
     cls = model_class_for(config)
     wanted = getattr(cls, "config_class", None)
     if wanted is not None and not isinstance(config, wanted) and hasattr(config, "get_text_config"):
-        text = config.get_text_config()
+        try:
+            text = config.get_text_config()
+        except ValueError:  # several text configs (musicgen: text_encoder and decoder): the one of the class
+            text = next((v for v in vars(config).values() if isinstance(v, wanted)), None)
         if isinstance(text, wanted):
             return cls, text
     return cls, config

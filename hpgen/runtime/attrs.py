@@ -64,12 +64,12 @@ def _check_head_groups(
     mesh = plan.mesh_dim_names
     module = item.module
     replicating = [a for a in mesh for layout in item.entry.params.values() if layout.on(a).kind == "RS"]
-    config = getattr(module, "config", None)
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None)
-    head_dim = getattr(module, "head_dim", None)
     if not replicating or not hasattr(module, "num_key_value_groups"):
         return
+    config = getattr(module, "config", None)
+    heads = _config_value(config, "num_attention_heads")
+    kv_heads = _config_value(config, "num_key_value_heads")
+    head_dim = getattr(module, "head_dim", None)
     if not all(isinstance(n, int) and n > 0 for n in (heads, kv_heads, head_dim)):
         return
     query, keys = _projections(item, heads * head_dim, kv_heads * head_dim)
@@ -119,3 +119,11 @@ def _rows(item: Matched, name: str, mesh: tuple[str, ...], ranks: tuple[int, ...
     layout = item.entry.params[name]
     rows = item.module.get_parameter(name).shape[0]
     return local_range(rows, [(layout.on(a), r, s) for a, r, s in zip(mesh, ranks, sizes)], 0, 2)
+
+
+def _config_value(config: object, name: str) -> object:
+    """A config attribute, or None where it is absent or per layer (transformers raises its own error then)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # AmbiguousGlobalPerLayerAttributeError: heads that differ per layer
+        return None

@@ -38,7 +38,7 @@ from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.groups import replica_group
 from hpgen.runtime.ops import address_of, get_output, replace_output
 from hpgen.runtime.params import Matched
-from hpgen.runtime.wrappers import subclass_with
+from hpgen.runtime.wrappers import is_conv1d, subclass_with
 
 __all__ = [
     "BiasAdder",
@@ -102,7 +102,8 @@ class DeferredBias:
         if hasattr(type(self.owner), "_hp_defer_bias"):
             self.owner._hp_defer_bias = True  # a wrapped (ParallelLinear) owner computes without it
         else:
-            self.owner.__class__ = subclass_with(type(self.owner), "deferred_bias")
+            role = "deferred_bias_conv1d" if is_conv1d(self.owner) else "deferred_bias"
+            self.owner.__class__ = subclass_with(type(self.owner), role)
         self.boundary.register_forward_hook(BiasAdder(self.owner, self.output_names, self.output))
 
 
@@ -136,12 +137,12 @@ def survey_deferred_biases(matched: Iterable[Matched], plan: Plan) -> list[Defer
         for name in entry.deferred_bias_params:
             owner_path, _, leaf = name.rpartition(".")
             owner = item.module.get_submodule(owner_path) if owner_path else item.module
-            if leaf != "bias" or not isinstance(owner, nn.Linear):
+            if leaf != "bias" or not (isinstance(owner, nn.Linear) or is_conv1d(owner)):
                 raise ParallelizeError(
-                    f"{where}: deferred bias {name!r} must be the 'bias' of an nn.Linear; "
+                    f"{where}: deferred bias {name!r} must be the 'bias' of an nn.Linear (or transformers' Conv1D); "
                     f"{owner_path or '<the module>'} is a {type(owner).__name__}"
                 )
-            if owner is not item.module and type(owner).forward is not nn.Linear.forward:
+            if owner is not item.module and isinstance(owner, nn.Linear) and type(owner).forward is not nn.Linear.forward:
                 raise ParallelizeError(
                     f"{where}: {owner_path} ({type(owner).__name__}) overrides nn.Linear.forward; its bias cannot "
                     "be deferred without changing that forward"

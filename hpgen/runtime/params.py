@@ -45,6 +45,7 @@ from hpgen.runtime.sharding import (
     normalize_dim,
     placement_problem,
 )
+from hpgen.runtime.wrappers import is_conv1d
 
 __all__ = ["Matched", "ParamShard", "shard_params", "survey_params"]
 
@@ -329,5 +330,7 @@ def _update_sizes(module: nn.Module) -> None:
     """Keep ``in_features``/``num_embeddings``... truthful for the local weight (``repr``, user code)."""
     if isinstance(module, nn.Linear):
         module.out_features, module.in_features = module.weight.shape
+    elif is_conv1d(module):  # transformers' Conv1D: weight [in, out], and forward sizes its output by nf
+        module.nx, module.nf = module.weight.shape
     elif isinstance(module, nn.Embedding):
         module.num_embeddings, module.embedding_dim = module.weight.shape

@@ -226,10 +226,13 @@ def _wrapper(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, Axi
                     f"{where}: weight {w} on axis {axis!r} needs out_src {wanted} on that axis; the plan says {out_src}"
                 )
         else:
-            if w.kind != "S":
+            out_dst = entry.output_layouts(output, mesh_axes)[1].on(axis) if output else None
+            # packed blocks (a fused gate_up_proj) are fine while the output stays sharded: no gather to reorder
+            packed_local = w.kind == "SS" and dim == 0 and out_dst is not None and str(out_dst) == "S(-1)"
+            if w.kind != "S" and not packed_local:
                 raise ParallelizeError(
                     f"{where}: weight {w} on axis {axis!r}: a wrapped nn.Linear takes S(0) (column-parallel) or "
-                    "S(1) (row-parallel) weights"
+                    "S(1) (row-parallel) weights, or SS(0,k) when its output stays sharded"
                 )
             expected_out, expected_in = {0: ("S(-1)", "R"), 1: ("P(sum)", "S(-1)")}[dim]
             if str(out_src) != expected_out or str(in_dst) != expected_in:

@@ -17,7 +17,8 @@ hpgen cannot rewrite torch's own classes, so ``parallelize`` changes the instanc
 Both run the plan's input and output ops with the same movers as the generic form
 (``hpgen.runtime.boundary``), bound at install. :class:`DeferredBiasLinear` is the inner
 ``nn.Linear`` whose bias the plan defers: it computes without it, and the boundary adds
-it once after the output reduction.
+it once after the output reduction (a transformers ``Conv1D``, GPT-2's transposed linear
+layer, gets the same treatment).
 
 Subclasses of these torch classes get a subclass of their own, made on first use, so a
 subclass's ``forward`` (a scaled embedding, say) still runs inside the wrapper.
@@ -28,10 +29,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["DeferredBiasLinear", "ParallelEmbedding", "ParallelLinear", "subclass_with"]
+__all__ = ["DeferredBiasLinear", "ParallelEmbedding", "ParallelLinear", "is_conv1d", "subclass_with"]
 
 Mover = Callable[[Any], Any]
 
@@ -84,6 +86,27 @@ class _DeferredBiasMixin:
         return F.linear(input, self.weight)  # type: ignore[attr-defined]
 
 
+class _DeferredBiasConv1DMixin:
+    """transformers' ``Conv1D`` (weight ``[in, out]``) computing without its bias, which the boundary adds."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        size_out = x.size()[:-1] + (self.nf,)  # type: ignore[attr-defined]
+        return torch.mm(x.view(-1, x.size(-1)), self.weight).view(size_out)  # type: ignore[attr-defined]
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2): ``nf`` outputs, ``nx`` inputs, weight ``[nx, nf]``, forward untouched."""
+    weight = getattr(module, "weight", None)
+    return (
+        type(module).__name__ == "Conv1D"
+        and isinstance(getattr(module, "nf", None), int)
+        and isinstance(getattr(module, "nx", None), int)
+        and isinstance(weight, Tensor)
+        and weight.dim() == 2
+        and getattr(type(module).forward, "__qualname__", "") == "Conv1D.forward"
+    )
+
+
 class ParallelEmbedding(_ParallelEmbeddingMixin, nn.Embedding):
     """``nn.Embedding`` as a vocab-parallel boundary (see the module docstring)."""
 
@@ -102,7 +125,12 @@ _PREDEFINED: dict[tuple[type, type], type] = {
     (_DeferredBiasMixin, nn.Linear): DeferredBiasLinear,
 }
 _MADE: dict[tuple[type, type], type] = {}
-MIXINS = {"embedding": _ParallelEmbeddingMixin, "linear": _ParallelLinearMixin, "deferred_bias": _DeferredBiasMixin}
+MIXINS = {
+    "embedding": _ParallelEmbeddingMixin,
+    "linear": _ParallelLinearMixin,
+    "deferred_bias": _DeferredBiasMixin,
+    "deferred_bias_conv1d": _DeferredBiasConv1DMixin,
+}
 
 
 def subclass_with(cls: type[nn.Module], role: str) -> type[nn.Module]:
@@ -116,6 +144,6 @@ def subclass_with(cls: type[nn.Module], role: str) -> type[nn.Module]:
     if key in _PREDEFINED:
         return _PREDEFINED[key]
     if key not in _MADE:
-        prefix = {"embedding": "Parallel", "linear": "Parallel", "deferred_bias": "DeferredBias"}[role]
+        prefix = {"embedding": "Parallel", "linear": "Parallel"}.get(role, "DeferredBias")
         _MADE[key] = type(f"{prefix}{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
     return _MADE[key]

@@ -1,0 +1,57 @@
+"""What a derivation decides: the plan entries it asks for and the notes explaining them."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+__all__ = ["Derivation", "Note", "Placed", "Refused"]
+
+
+@dataclass
+class Placed:
+    """One plan entry the derivation asks for (a concrete FQN)."""
+
+    fqn: str
+    kind: str  # block | col_block | col_leaf | row_leaf | lm_head | embedding | attrs | alias
+    params: dict[str, str] = field(default_factory=dict)  # relative parameter name -> placement on tp
+    deferred: set[str] = field(default_factory=set)
+    inputs: tuple[str, ...] = ()  # forward parameters entering a block (R -> R)
+    divide: set[str] = field(default_factory=set)  # tp_divide_attrs
+    grad_reduce: set[str] = field(default_factory=set)  # replicated parameters the sharded body runs through
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class Note:
+    """What the derivation did with one module (a ``*`` pattern), and why."""
+
+    target: str
+    sharded: bool
+    text: str
+
+
+@dataclass
+class Derivation:
+    """The entries to write and the notes that explain them."""
+
+    placed: dict[str, Placed] = field(default_factory=dict)
+    notes: list[Note] = field(default_factory=list)
+
+    def note(self, target: str, sharded: bool, text: str) -> None:
+        item = Note(_generic(target), sharded, text)
+        if item not in self.notes:
+            self.notes.append(item)
+
+    @property
+    def layers_sharded(self) -> bool:
+        return any(p.kind in ("block", "col_block", "col_leaf", "row_leaf") for p in self.placed.values())
+
+
+class Refused(Exception):
+    """A group (or module) the derivation leaves replicated; the message says why."""
+
+
+def _generic(name: str) -> str:
+    """``model.layers.3.mlp`` -> ``model.layers.*.mlp``."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)

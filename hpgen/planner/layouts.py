@@ -1,0 +1,157 @@
+"""A fused projection's layout, and the sizes a reshape uses, read from the reshape calls after it.
+
+:mod:`hpgen.planner.flow` records every reshape-like call (``view``, ``reshape``,
+``split``, ``chunk``) with the constant value of each size argument where module
+attributes decide it. For a projection of ``n`` output features, the first such call on
+its output says how the features are packed:
+
+- ``split(split_size)`` / ``split([a, a, a])`` / ``chunk(3)``: equal blocks, Q|K|V ->
+  ``("SS", 3)``; blocks of unequal sizes (one shared key/value head after the queries,
+  multi-query) are refused;
+- ``view(..., heads, 3, head_dim)`` or ``view(..., heads, 3 * head_dim)``: per head
+  interleaved -> ``("S", heads)``, whole heads stay together under a plain shard;
+  ``view(..., 3, heads, head_dim)``: blocks again; ``view(..., kv, q // kv + 2, head_dim)``
+  (Falcon's grouped layout): per key/value group; ``view(..., heads + 2, head_dim)``
+  (multi-query) refused;
+- an MLP's ``view(..., 2, -1)`` packs gate and up -> ``("SS", 2)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from hpgen.planner.flow import ShapeUse, Val
+
+__all__ = ["arg_reads", "dim_of", "last_dim", "layout_of"]
+
+
+def layout_of(use: ShapeUse, n: int, heads: tuple[int, int, int] | None) -> tuple[str, Any]:
+    """What the first reshape after a projection of ``n`` features says about its layout."""
+    if use.method in ("split", "tensor_split"):
+        first = use.arg_vals[0] if use.arg_vals else None
+        sizes = first.const if first is not None else None
+        if first is not None and first.items is not None:
+            sizes = tuple(item.const for item in first.items)
+        if isinstance(sizes, int) and sizes > 0 and n % sizes == 0:
+            k = n // sizes
+            return ("SS", k) if k > 1 else ("S", 1)
+        if isinstance(sizes, (tuple, list)) and sizes and all(isinstance(s, int) for s in sizes):
+            if sum(sizes) != n:
+                return "unknown", None
+            if len(set(sizes)) == 1:
+                return ("SS", len(sizes)) if len(sizes) > 1 else ("S", 1)
+            return "refuse", (
+                f"the projection packs blocks of unequal sizes {list(sizes)} (multi-query: one key/value head shared "
+                "by all query heads), which no S or SS placement cuts into whole heads per rank"
+            )
+        return "unknown", None
+    if use.method == "chunk":
+        k = use.arg_vals[0].const if use.arg_vals else None
+        if isinstance(k, int) and k > 1 and n % k == 0:
+            return "SS", k
+        return "unknown", None
+    if use.method in ("view", "reshape", "unflatten"):
+        values = use.arg_vals[1:] if use.method == "unflatten" else use.arg_vals
+        dims = flat_dims(values)
+        suffix = feature_dims(dims, n)
+        if suffix is None:
+            return "unknown", None
+        if heads is None:  # an MLP: [k, features] packs k projections (gate and up)
+            if len(suffix) >= 2 and suffix[0] in (2, 3):
+                return "SS", suffix[0]
+            return "S", 1
+        q, kv, head_dim = heads
+        if len(suffix) == 1:
+            return "S", 1
+        lead = suffix[0]
+        rest = n // lead
+        if lead in (2, 3) and rest % head_dim == 0 and lead * rest == n and len(suffix) >= 2 and lead not in (q, kv):
+            return "SS", lead  # [k, heads, head_dim]: k packed blocks
+        if (
+            lead in (q, kv)
+            and rest % head_dim == 0
+            and rest // head_dim in (2, 3)
+            or (lead in (q, kv) and len(suffix) >= 3 and suffix[1] in (2, 3))
+        ):
+            return "S", lead  # [heads, k, head_dim]: interleaved per head, whole heads stay together
+        if lead == kv and len(suffix) == 3 and suffix[1] == q // kv + 2:
+            return "S", lead  # [kv groups, queries per group + 2, head_dim]: per key/value group
+        if lead == q + 2 and len(suffix) == 2:
+            return "refuse", (
+                "the projection packs the query heads with one shared key and value head (multi-query), which no S "
+                "or SS placement cuts into whole heads per rank"
+            )
+        if lead * head_dim == n or (len(suffix) == 2 and suffix[1] == head_dim and lead == n // head_dim):
+            return "S", 1
+        return "unknown", None
+    return "unknown", None
+
+
+def flat_dims(values: Iterable[Val]) -> list[int | None]:
+    dims: list[int | None] = []
+    for value in values:
+        const = value.const
+        if isinstance(const, (tuple, list)):
+            dims.extend(c if isinstance(c, int) else None for c in const)
+        elif value.items is not None:
+            dims.extend(flat_dims(value.items))
+        elif isinstance(const, int):
+            dims.append(const)
+        else:
+            dims.append(None)
+    return dims
+
+
+def feature_dims(dims: list[int | None], n: int) -> list[int] | None:
+    """The trailing known sizes that split ``n`` features (one ``-1`` among them inferred), else None."""
+    known: list[int] = []
+    for dim in reversed(dims):
+        if dim is None:
+            break
+        known.append(dim)
+    known.reverse()
+    if known.count(-1) > 1:
+        return None
+    if -1 in known:
+        others = 1
+        for dim in known:
+            others *= dim if dim != -1 else 1
+        if others <= 0 or n % others:
+            return None
+        return [n // others if dim == -1 else dim for dim in known]
+    for start in range(len(known) - 1, -1, -1):  # the shortest suffix whose product is n
+        product = 1
+        for dim in known[start:]:
+            product *= dim
+        if product == n:
+            return known[start:]
+    return None
+
+
+def dim_of(use: ShapeUse) -> int | None:
+    """The ``dim`` of a ``chunk``/``split`` call (keyword or second argument), when constant."""
+    if use.dim is not None:
+        return use.dim
+    if len(use.arg_vals) >= 2 and isinstance(use.arg_vals[1].const, int):
+        return use.arg_vals[1].const
+    return None
+
+
+def last_dim(use: ShapeUse) -> Val | None:
+    """The value that sizes the last dim of a ``view``/``reshape`` (None when it is not one plain argument)."""
+    if not use.arg_vals:
+        return None
+    last = use.arg_vals[-1]
+    if last.items is not None:
+        return last.items[-1] if last.items else None
+    if len(use.arg_vals) == 1 and isinstance(last.const, (tuple, list)):
+        return None
+    return last
+
+
+def arg_reads(use: ShapeUse) -> set[tuple[str, str]]:
+    reads: set[tuple[str, str]] = set()
+    for value in use.arg_vals:
+        reads |= value.all_reads()
+    return reads

@@ -1,0 +1,152 @@
+"""``hpgen plan``: transformers' plan where it shards the layers, else the plan derived from the source.
+
+transformers' ``base_model_tp_plan`` is the interchange format users know, so where it
+exists and shards something inside the decoder layers it is translated
+(:mod:`hpgen.tp_plan`). Where there is none, or where it shards only the embeddings
+(bamba, diffllama, gpt_oss, lfm2, ...), the plan is derived from the modeling source
+(:mod:`hpgen.planner.derive`); ``from_source`` forces that. A translated plan that leaves
+whole blocks replicated (the attention next to sharded experts) gets those blocks from the
+derivation too (without ``--sp``/``--ep``). Either way the plan's top-level ``comments``
+(ignored by the loader) say where it came from and, for a derived plan, what was sharded
+and why the rest was not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hpgen.errors import HpgenError
+
+__all__ = ["TRANSFORMERS", "DERIVED", "make_plan", "plan_model", "plan_source", "transformers_shards_layers"]
+
+TRANSFORMERS = "transformers' plan"
+DERIVED = "derived from the source"
+
+
+def make_plan(
+    target: str,
+    *,
+    tp: int | None = None,
+    ep: int | None = None,
+    sp: bool = False,
+    ep_axis: str | None = None,
+    from_source: bool = False,
+) -> dict[str, Any]:
+    """The frozen plan for a model type or config.json (see :func:`plan_model`)."""
+    from hpgen.tp_plan import load_config, meta_model
+
+    return plan_model(
+        meta_model(load_config(target)), tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, name=target
+    )
+
+
+def transformers_shards_layers(model: Any) -> bool:
+    """Whether the model's transformers tp_plan shards something inside the layers (a ``*`` key)."""
+    plan = dict(getattr(model, "tp_plan", None) or {})
+    return any("*" in key or any(part.isdigit() for part in key.split(".")) for key in plan)
+
+
+def plan_source(model: Any, *, from_source: bool = False) -> str:
+    """:data:`TRANSFORMERS` or :data:`DERIVED`: which plan :func:`plan_model` writes for ``model``."""
+    return DERIVED if from_source or not transformers_shards_layers(model) else TRANSFORMERS
+
+
+def plan_model(
+    model: Any,
+    *,
+    tp: int | None = None,
+    ep: int | None = None,
+    sp: bool = False,
+    from_source: bool = False,
+    ep_axis: str | None = None,
+    name: str | None = None,
+) -> dict[str, Any]:
+    """The frozen plan for ``model`` (an instance, normally on the meta device); ``ep_axis`` as for
+    :func:`hpgen.tp_plan.plan_for_model` (transformers' plans only)."""
+    from hpgen.tp_plan import plan_for_model
+
+    name = name or type(model).__name__
+    if plan_source(model, from_source=from_source) == TRANSFORMERS:
+        plan = plan_for_model(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, name=name)
+        plan["comments"] = {"plan_source": TRANSFORMERS}
+        if ep is None and not sp:
+            plan = _completed(model, plan, tp=tp, name=name)
+        return plan
+    if ep is not None:
+        raise HpgenError(
+            f"{name}: --ep shards experts by transformers' base_model_ep_plan; the plan derived from the source "
+            "is tensor parallel only (its experts shard on --tp)"
+        )
+    from hpgen.planner.derive import derive
+    from hpgen.planner.translate import derived_plan
+
+    derivation = derive(model, tp=tp)
+    if not derivation.placed:
+        raise HpgenError(f"{name}: nothing to shard: {_reasons(derivation)}")
+    plan = derived_plan(model, derivation, tp=tp, sp=sp, name=name)
+    plan["comments"] = {
+        "plan_source": DERIVED,
+        "sharded": {note.target: note.text for note in derivation.notes if note.sharded},
+        "replicated": {note.target: note.text for note in derivation.notes if not note.sharded},
+    }
+    return plan
+
+
+def _completed(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -> dict[str, Any]:
+    """transformers' plan, plus the derived groups of the layers it leaves replicated.
+
+    Some plans shard only part of each layer (the experts but not the attention, the
+    attention but not a dense MLP). The derivation's whole blocks that touch no module the
+    plan already matches are added; the vocabulary stays as transformers' plan has it. The
+    comments list what was added.
+    """
+    from hpgen.errors import HpgenError as _Error
+    from hpgen.plan import plan_from_dict
+    from hpgen.planner.derive import derive
+    from hpgen.planner.entries import Derivation
+    from hpgen.planner.translate import derived_plan
+
+    loaded = plan_from_dict(plan)
+    taken = [fqn for fqn, _ in model.named_modules() if fqn and loaded.entry_for(fqn) is not None]
+    try:
+        derivation = derive(model, tp=tp)
+    except Exception as error:  # completing is optional: transformers' plan stands, and the plan says why
+        plan["comments"]["completion_skipped"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        return plan
+    extra = Derivation()
+    for fqn, placed in derivation.placed.items():
+        # whole blocks only (a module returning its row's output alone): what transformers' authors
+        # left replicated around a residual or a grouped projection stays as they left it
+        if placed.kind != "block":
+            continue
+        if any(fqn == t or t.startswith(fqn + ".") or fqn.startswith(t + ".") for t in taken):
+            continue
+        extra.placed[fqn] = placed
+    for fqn, placed in derivation.placed.items():
+        if placed.kind == "attrs" and any(fqn == b or fqn.startswith(b + ".") for b in extra.placed):
+            extra.placed[fqn] = placed
+    if not any(p.kind != "attrs" for p in extra.placed.values()):
+        return plan
+    try:
+        addition = derived_plan(model, extra, tp=tp, name=name)
+        merged = dict(plan)
+        merged["param_plan"] = {**plan["param_plan"], **addition["param_plan"]}
+        classes = {**plan.get("boundary_classes", {}), **addition.get("boundary_classes", {})}
+        if classes:
+            merged["boundary_classes"] = classes
+        plan_from_dict(merged, name=f"hpgen plan {name}")
+    except _Error:
+        return plan  # the addition does not fit transformers' plan: keep the plan as transformers wrote it
+    added = {note.target for note in derivation.notes if note.sharded} & {key for key in addition["param_plan"]}
+    merged["comments"] = {
+        "plan_source": TRANSFORMERS,
+        "completed_from_source": {
+            note.target: note.text for note in derivation.notes if note.sharded and note.target in added
+        },
+    }
+    return merged
+
+
+def _reasons(derivation: Any) -> str:
+    notes = [f"{note.target}: {note.text}" for note in derivation.notes if not note.sharded][:3]
+    return "; ".join(notes) or "no decoder layer, embedding or output projection hpgen recognises"

@@ -1,0 +1,135 @@
+"""Small questions about modules and names the planner asks: is it a linear layer, which way its weight
+points, where two module paths meet, and whether a ``forward`` returns something a plan can address."""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = [
+    "between",
+    "generic",
+    "in_features",
+    "is_conv1d",
+    "is_linear",
+    "is_nn_linear",
+    "join",
+    "lca",
+    "out_features",
+    "positive_int",
+    "prefixes",
+    "relative",
+    "returns_addressable",
+]
+
+
+def returns_addressable(cls: type) -> bool:
+    """Whether every ``return`` of the class's ``forward`` gives a value or a tuple (not a list display)."""
+    from hpgen.planner.flow import _function
+
+    function = _function(cls, "forward")
+    if function is None:
+        return False
+    for node in ast.walk(function):
+        if isinstance(node, ast.Return) and node.value is not None:
+            value = node.value
+            if isinstance(value, (ast.List, ast.ListComp)) or (
+                isinstance(value, ast.BinOp) and any(isinstance(v, ast.List) for v in (value.left, value.right))
+            ):
+                return False
+            if isinstance(value, ast.Name) and _assigned_list(function, value.id):
+                return False  # ``outputs = (out,) ...; return outputs``: the plan would move the whole tuple
+    return True
+
+
+def _assigned_list(function: ast.FunctionDef, name: str) -> bool:
+    """Whether ``name`` is ever bound to a list or tuple display (or a concatenation of them)."""
+    displays = (ast.List, ast.ListComp, ast.Tuple)
+    for node in ast.walk(function):
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            value = node.value
+            if isinstance(value, displays) or (
+                isinstance(value, ast.BinOp) and any(isinstance(v, displays) for v in (value.left, value.right))
+            ):
+                return True
+    return False
+
+
+def is_linear(module: Any) -> bool:
+    import torch.nn as nn
+
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def is_nn_linear(module: Any) -> bool:
+    import torch.nn as nn
+
+    return isinstance(module, nn.Linear)
+
+
+def is_conv1d(module: Any) -> bool:
+    """transformers' ``Conv1D`` (GPT-2): a linear layer whose weight is ``[in, out]``."""
+    weight = getattr(module, "weight", None)
+    return (
+        type(module).__name__ == "Conv1D"
+        and isinstance(getattr(module, "nf", None), int)
+        and weight is not None
+        and tuple(weight.shape) == (module.nx, module.nf)
+    )
+
+
+def out_features(module: Any) -> int:
+    return module.nf if is_conv1d(module) else module.out_features
+
+
+def in_features(module: Any) -> int:
+    return module.nx if is_conv1d(module) else module.in_features
+
+
+def positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def lca(fqns: Iterable[str]) -> str:
+    parts = [f.split(".") for f in fqns]
+    if not parts:
+        return ""
+    common = []
+    for segments in zip(*parts):
+        if len(set(segments)) != 1:
+            break
+        common.append(segments[0])
+    return ".".join(common)
+
+
+def prefixes(fqn: str) -> list[str]:
+    parts = fqn.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def between(cols: Iterable[str], top: str) -> list[str]:
+    """Modules from the columns' parents up to ``top``, nearest first."""
+    found: list[str] = []
+    for col in sorted(cols):
+        path = col.rpartition(".")[0]
+        while path and (path == top or path.startswith(top + ".") or not top):
+            if path not in found:
+                found.append(path)
+            if path == top:
+                break
+            path = path.rpartition(".")[0]
+    return found
+
+
+def relative(fqn: str, base: str) -> str:
+    return fqn[len(base) + 1 :] if base and fqn.startswith(base + ".") else ("" if fqn == base else fqn)
+
+
+def join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def generic(name: str) -> str:
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)

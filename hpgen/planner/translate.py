@@ -1,0 +1,163 @@
+"""A derived layout (:mod:`hpgen.planner.derive`) written as a frozen plan.
+
+It reuses the translator of transformers' plans (:mod:`hpgen.tp_plan`) for everything
+after the choice of boundaries: the inputs and outputs read from each class's
+``forward``, the replicated parameters of a sharded body in ``grad_reduce_params``,
+grouping of the layers into ``*`` keys, ``boundary_classes`` where static resolution
+needs them, and the check that the document loads. What differs is where the boundaries
+come from (the derivation, not the styles) and the kinds a derivation has that
+transformers' plans never produce:
+
+- ``col_block``: a module holding only column-parallel projections, whose output stays
+  sharded (``S(-1) -> S(-1)``) for the row-parallel ``nn.Linear`` after it;
+- ``col_leaf`` / ``row_leaf``: one ``nn.Linear`` that ``parallelize`` wraps, column-parallel
+  with its output left sharded, or row-parallel taking a sharded input and reducing;
+- ``attrs`` / ``alias``: entries that are not boundaries, holding only ``tp_divide_attrs``
+  or the layout of a parameter registered under a second name.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hpgen.errors import HpgenError
+from hpgen.planner.derive import Derivation, Placed
+from hpgen.tp_plan import _Boundary, _generic, _Translator
+
+__all__ = ["derived_plan"]
+
+_KINDS = {
+    "block": "block",
+    "col_block": "block",
+    "col_leaf": "linear",
+    "row_leaf": "linear",
+    "lm_head": "linear",
+    "embedding": "embedding",
+    "attrs": "attrs",
+    "alias": "attrs",
+}
+
+
+def derived_plan(model: Any, derivation: Derivation, *, tp: int | None, sp: bool = False, name: str) -> dict[str, Any]:
+    """The frozen plan document of ``derivation`` for ``model``."""
+    if sp:
+        leaves = sorted(p.fqn for p in derivation.placed.values() if p.kind in ("col_block", "col_leaf", "row_leaf"))
+        if leaves:
+            raise HpgenError(
+                f"{name}: --sp needs every sharded group in a block of its own; the derived plan shards "
+                f"{_generic(leaves[0])} on its own (the module around it adds a residual or a norm)"
+            )
+    return _DerivedTranslator(model, derivation, tp=tp, sp=sp, name=name).plan()
+
+
+class _DerivedTranslator(_Translator):
+    def __init__(self, model: Any, derivation: Derivation, *, tp: int | None, sp: bool, name: str) -> None:
+        self.derivation = derivation
+        self.placed: dict[str, Placed] = {}
+        super().__init__(model, tp=tp, ep=None, sp=sp, ep_axis=None, name=name)
+
+    def _rules(self, tp: int | None, ep: int | None, ep_axis: str | None = None) -> tuple[dict, tuple[str, ...]]:
+        self.sizes = {"tp": tp} if tp is not None else {}
+        return {}, ("tp",)
+
+    def _find_boundaries(self) -> None:
+        for fqn, placed in sorted(self.derivation.placed.items()):
+            boundary = self._boundary(fqn, _KINDS[placed.kind])
+            boundary.axes.add("tp")
+            self.placed[fqn] = placed
+
+    def _place_params(self) -> None:
+        for fqn, placed in self.placed.items():
+            boundary = self.boundaries[fqn]
+            boundary.params = {name: {"tp": text} for name, text in placed.params.items()}
+            boundary.deferred = set(placed.deferred)
+
+    def _implicit_grad_reduce(self) -> None:
+        """The derivation says which replicated parameters the sharded body runs through (the norms
+        before the columns, per-head norms, scales read between the projections); only their
+        gradients are partial. A parameter a block merely returns (GPT-NeoX-Japanese's
+        ``dense_bias``, added by the caller) keeps its full gradient."""
+        for fqn, boundary in self.boundaries.items():
+            placed = self.placed.get(fqn)
+            if placed is not None and placed.kind in ("block", "col_block"):
+                boundary.grad_reduce.update(placed.grad_reduce)
+
+    def _check_sizes(self) -> None:
+        """The derivation checked heads and vocabulary against ``--tp`` already."""
+
+    def _set_io(self, boundary: _Boundary) -> None:
+        placed = self.placed.get(boundary.fqn)
+        kind = placed.kind if placed is not None else None
+        replicated = {"tp": "R"}
+        if kind in ("attrs", "alias"):
+            return
+        if kind == "lm_head":
+            boundary.wrapped_as = "nn.Linear"
+            boundary.inputs["input"] = (dict(replicated), dict(replicated))
+            boundary.outputs["output"] = ({"tp": "S(-1)"}, dict(replicated))
+            return
+        if kind == "embedding":
+            boundary.wrapped_as = "nn.Embedding"
+            boundary.outputs["output"] = ({"tp": "P(sum)"}, dict(replicated))
+            return
+        if kind == "col_leaf":
+            boundary.wrapped_as = "nn.Linear"
+            boundary.inputs["input"] = (dict(replicated), dict(replicated))
+            boundary.outputs["output"] = ({"tp": "S(-1)"}, {"tp": "S(-1)"})
+            return
+        if kind == "row_leaf":
+            boundary.wrapped_as = "nn.Linear"
+            boundary.inputs["input"] = ({"tp": "S(-1)"}, {"tp": "S(-1)"})
+            boundary.outputs["output"] = ({"tp": "P(sum)"}, dict(replicated))
+            return
+        if placed is None:  # a decoder layer or the final norm of --sp: the translator's own
+            super()._set_io(boundary)
+            return
+        # a block: every input that feeds the columns is R -> R (its gradient comes back partial);
+        # entered from the sequence-sharded stream (--sp) it gathers S(1) first and reduce-scatters after
+        parameters = self._parameters(boundary.module, boundary.fqn)
+        for name in placed.inputs:
+            if name not in parameters and name not in self._keyword_names(boundary):
+                raise HpgenError(f"{self.name}: {boundary.fqn}: {name} is not a parameter of its forward")
+            src = {"tp": "S(1)"} if boundary.sp_input and name == parameters[0] else dict(replicated)
+            boundary.inputs[name] = (src, dict(replicated))
+        names = self._outputs(boundary.module, boundary.fqn)
+        boundary.out_names = names if len(names) > 1 else None
+        if kind == "col_block":
+            boundary.outputs[names[0]] = ({"tp": "S(-1)"}, {"tp": "S(-1)"})
+        else:
+            dst = {"tp": "S(1)"} if boundary.sp_input else dict(replicated)
+            if boundary.sp_input:
+                boundary.grad_reduce.update(boundary.deferred)  # added to a sequence shard
+            boundary.outputs[names[0]] = ({"tp": "P(sum)"}, dst)
+
+    def _keyword_names(self, boundary: _Boundary) -> set[str]:
+        forward = self._forward_owner(boundary.module, boundary.fqn).forward
+        return {p.name for p in forward.parameters} if forward is not None else set()
+
+    def _entry(self, boundary: _Boundary) -> dict[str, Any]:
+        entry = boundary.entry()
+        placed = self.placed.get(boundary.fqn)
+        if placed is not None and placed.divide:
+            entry["tp_divide_attrs"] = sorted(placed.divide)
+        return entry
+
+    def _grouped(self) -> dict[str, tuple[_Boundary, dict[str, Any]]]:
+        by_pattern: dict[str, list[_Boundary]] = {}
+        for fqn, boundary in sorted(self.boundaries.items()):
+            by_pattern.setdefault(_generic(fqn), []).append(boundary)
+        result: dict[str, tuple[_Boundary, dict[str, Any]]] = {}
+        for pattern, members in by_pattern.items():
+            matches = [fqn for fqn in self.modules if fqn and _generic(fqn) == pattern]
+            signatures = {(type(b.module).__name__, json.dumps(self._entry(b), sort_keys=True)) for b in members}
+            if len(members) == len(matches) and len(signatures) == 1:
+                result[pattern] = (members[0], self._entry(members[0]))
+            else:
+                for boundary in members:
+                    result[boundary.fqn] = (boundary, self._entry(boundary))
+        return result
+
+    def _boundary_classes(self, groups: dict[str, tuple[_Boundary, dict[str, Any]]]) -> dict[str, str]:
+        lowered = {key: value for key, value in groups.items() if value[0].kind != "attrs"}
+        return super()._boundary_classes(lowered)

@@ -1,0 +1,61 @@
+"""Tiny configs of model families transformers ships no tensor-parallel plan for (or whose plan hpgen
+re-derives with ``--from-source``), for the derived planner's tests: hidden 64, 4 heads of 16, 2 layers,
+vocabulary 127 (uneven over 2 ranks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_TINY = dict(vocab_size=127, max_position_embeddings=64)
+
+CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gpt2": ("GPT2Config", dict(n_embd=64, n_head=4, n_layer=2, n_inner=90, vocab_size=127, n_positions=64)),
+    "gpt_bigcode": (
+        "GPTBigCodeConfig",
+        # the default MLP width, 4 x hidden: the attention (multi-query, replicated) is the smaller part
+        dict(n_embd=64, n_head=4, n_layer=2, vocab_size=127, n_positions=64, multi_query=True),
+    ),
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=89, **_TINY),
+    ),
+    "opt": (
+        "OPTConfig",
+        dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, ffn_dim=90, word_embed_proj_dim=64, **_TINY),
+    ),
+    "bert": (
+        "BertConfig",
+        dict(
+            hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=89, is_decoder=True, **_TINY
+        ),
+    ),
+    "bloom": ("BloomConfig", dict(hidden_size=64, n_head=4, n_layer=2, vocab_size=127)),
+    "falcon": ("FalconConfig", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=127)),
+    "bitnet": (
+        "BitNetConfig",
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=2,
+            intermediate_size=89,
+            **_TINY,
+        ),
+    ),
+    # transformers' plan shards the MLP and the experts, not the attention
+    "flint": (
+        "FlintConfig",
+        dict(
+            hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
+            intermediate_size=89, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, **_TINY,
+        ),
+    ),
+}
+
+
+def tiny(family: str) -> Any:
+    """The tiny config of ``family`` (a key of :data:`CONFIGS`)."""
+    import transformers
+
+    name, kwargs = CONFIGS[family]
+    return getattr(transformers, name)(**kwargs)

@@ -1,0 +1,213 @@
+"""Plans derived from the modeling source, on 2 gloo ranks against the unsharded transformers model.
+
+Four layouts the derivation must get right: GPT-2 (``Conv1D`` weights transposed, the
+fused ``c_attn`` as three packed blocks, ``split_size`` divided), GPT-NeoX from its source
+(``--from-source``: the per-head interleaved ``query_key_value`` as a plain shard), OPT
+(attention as one block, ``fc1``/``fc2`` in the decoder layer as two wrapped linears), and
+GPTBigCode with multi-query attention (the attention stays replicated, the MLP shards).
+Each compares the logits and every parameter's gradient (this rank's slice) and checks the
+sizing report of :mod:`hpgen.planner.report` against the run: each rank's parameter bytes
+counted from its real parameters, and the collectives counted as they are called (each
+call of ``torch.distributed.all_reduce`` and of the single-tensor all-gather /
+reduce-scatter the runtime uses) over a forward and a backward of one sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.derived_configs import tiny
+from tests.dist import run_distributed
+
+FAMILIES = ("gpt2", "gpt_neox", "opt", "gpt_bigcode")
+SEED = 0
+BATCH, SEQ = 2, 7
+
+
+def _plan_and_generated(family: str, directory: Path) -> tuple[dict, str]:
+    from hpgen.generate import infer_package
+    from hpgen.lower import lower
+    from hpgen.plan import plan_from_dict
+    from hpgen.planner.make import plan_model
+    from hpgen.tp_plan import meta_model, model_class_for
+
+    plan = plan_model(meta_model(tiny(family)), tp=2, from_source=True, name=family)
+    source = Path(inspect.getsourcefile(model_class_for(tiny(family))) or "")
+    text = lower(source.read_text(), plan_from_dict(plan), source_name=source.name, package=infer_package(source))
+    path = directory / f"{family}_derived.py"
+    path.write_text(text)
+    return plan, str(path)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[dict]]:
+    directory = tmp_path_factory.mktemp("derived")
+    cases = {family: _plan_and_generated(family, directory) for family in FAMILIES}
+    return cases, run_distributed(_rank, cases, timeout=420)
+
+
+def _rank(rank: int, world_size: int, cases: dict[str, tuple[dict, str]]) -> dict[str, dict]:
+    """Every family on this rank: errors, gradient failures, real parameter bytes, counted collectives."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    counter = _CollectiveCounter()
+    with counter.installed():
+        return {family: _run(family, plan, generated, mesh, counter) for family, (plan, generated) in cases.items()}
+
+
+class _CollectiveCounter:
+    """Counts the process-group collectives as they are called, by phase: (calls, bytes of the tensor)."""
+
+    def __init__(self) -> None:
+        self.phase = "idle"
+        self.calls: Counter = Counter()
+        self.bytes: Counter = Counter()
+
+    def installed(self) -> Any:
+        import contextlib
+
+        import torch.distributed as dist
+
+        import hpgen.runtime.collectives as collectives
+
+        @contextlib.contextmanager
+        def patch() -> Any:
+            saved = (dist.all_reduce, collectives._all_gather_single, collectives._reduce_scatter_single)
+            dist.all_reduce = self._wrap(dist.all_reduce, "all_reduce")
+            collectives._all_gather_single = self._wrap(collectives._all_gather_single, "all_gather")
+            collectives._reduce_scatter_single = self._wrap(collectives._reduce_scatter_single, "reduce_scatter")
+            try:
+                yield
+            finally:
+                dist.all_reduce, collectives._all_gather_single, collectives._reduce_scatter_single = saved
+
+        return patch()
+
+    def _wrap(self, function: Any, kind: str) -> Any:
+        @functools.wraps(function)
+        def counted(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.phase != "idle":
+                sizes = "size exchange" if str(tensor.dtype) == "torch.int64" else "data"
+                self.calls[(self.phase, kind, sizes)] += 1
+                self.bytes[(self.phase, kind, sizes)] += tensor.numel() * tensor.element_size()
+            return function(tensor, *args, **kwargs)
+
+        return counted
+
+
+def _run(family: str, plan: dict, generated: str, mesh: Any, counter: _CollectiveCounter) -> dict:
+    import torch
+
+    from hpgen.runtime import parallelize
+    from hpgen.tp_plan import model_class_for
+    from tests.runtime.models import expected_shard, import_file, param_layouts, perturb_, tolerance
+
+    config = tiny(family)
+    cls = model_class_for(config)
+    torch.manual_seed(SEED)
+    reference = cls(config)
+    perturb_(reference, SEED)
+    reference.eval()
+    model = getattr(import_file(generated), cls.__name__)(config)
+    model.load_state_dict(reference.state_dict())
+    model.eval()
+    parallelize(model, plan, mesh)
+    rank_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    generator = torch.Generator().manual_seed(SEED + 1)
+    # the collectives of one sequence (a learned-position table moves once per position, so with
+    # one sequence per token), forward and backward; its gradients are then cleared
+    ids = torch.randint(0, config.vocab_size, (1, SEQ), generator=generator)
+    counter.calls.clear()
+    counter.bytes.clear()
+    counter.phase = "forward"
+    logits = model(input_ids=ids).logits
+    counter.phase = "backward"
+    logits.sum().backward()
+    counter.phase = "idle"
+    counted = {"calls": dict(counter.calls), "bytes": dict(counter.bytes)}
+    model.zero_grad(set_to_none=True)
+
+    ids = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=generator)
+    ref_logits = reference(input_ids=ids).logits
+    logits = model(input_ids=ids).logits
+    projection = torch.randn(ref_logits.shape, generator=generator)
+    (ref_logits * projection).sum().backward()
+    (logits * projection).sum().backward()
+
+    rank, size = mesh.get_local_rank(), mesh.size()
+    layouts = param_layouts(reference, plan)
+    failures = []
+    mine = dict(model.named_parameters())
+    for name, ref_param in reference.named_parameters():
+        if ref_param.grad is None:
+            continue
+        param = mine[name]
+        if param.grad is None:
+            failures.append(f"{name}: no gradient")
+            continue
+        want = expected_shard(ref_param.grad, layouts.get(name, {}).get("tp", "R"), rank, size)
+        err, tol = (param.grad - want).abs().max().item(), tolerance(ref_param.grad)
+        if name.endswith(".bias") and f"{name[:-4]}weight" in mine:  # a key bias: zero but for rounding
+            tol = max(tol, tolerance(dict(reference.named_parameters())[f"{name[:-4]}weight"].grad))
+        if not err <= tol:
+            failures.append(f"{name}: {err:.3g} > {tol:.3g}")
+    return {
+        "logits_err": (logits - ref_logits).abs().max().item(),
+        "logits_tol": tolerance(ref_logits),
+        "failures": failures,
+        "rank_bytes": rank_bytes,
+        "full_bytes": sum(p.numel() * p.element_size() for p in reference.parameters()),
+        **counted,
+    }
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_and_every_gradient_match(results: tuple[dict, list[dict]], family: str) -> None:
+    _, ranks = results
+    for rank, by_family in enumerate(ranks):
+        result = by_family[family]
+        assert result["logits_err"] <= result["logits_tol"], f"rank {rank}: {result['logits_err']}"
+        assert not result["failures"], f"rank {rank}: " + "; ".join(result["failures"][:5])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_rank_holds_at_most_two_thirds_of_the_parameters(results: tuple[dict, list[dict]], family: str) -> None:
+    _, ranks = results
+    share = max(by_family[family]["rank_bytes"] for by_family in ranks) / ranks[0][family]["full_bytes"]
+    assert share <= 0.65, share
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_sizing_report_matches_the_run(results: tuple[dict, list[dict]], family: str) -> None:
+    from hpgen.planner.report import size_report
+    from hpgen.tp_plan import meta_model
+
+    cases, ranks = results
+    report = size_report(meta_model(tiny(family)), cases[family][0], tp=2, dtype="float32")
+    tokens = SEQ  # the counted run is one sequence
+    for rank, by_family in enumerate(ranks):
+        result = by_family[family]
+        assert result["rank_bytes"] == report.rank_bytes[rank]  # memory: the real parameters
+        calls, sizes = result["calls"], result["bytes"]
+        for phase in ("forward", "backward"):
+            expected = report.totals(phase)
+            extra = report.grad_reduce_count if phase == "backward" else 0
+            reduce_calls, reduce_bytes, _ = expected.get("all_reduce", (0, 0, 0.0))
+            assert calls.get((phase, "all_reduce", "data"), 0) == reduce_calls + extra, (phase, calls)
+            assert sizes.get((phase, "all_reduce", "data"), 0) == reduce_bytes * tokens + (
+                report.grad_reduce_bytes if phase == "backward" else 0
+            )
+            gather_calls, gather_bytes, _ = expected.get("all_gather", (0, 0, 0.0))
+            counted = calls.get((phase, "all_gather", "data"), 0) + calls.get((phase, "all_gather", "size exchange"), 0)
+            assert counted == gather_calls, (phase, calls)
+            # an uneven shard is padded to the largest: at most one element per rank and token more
+            moved = sizes.get((phase, "all_gather", "data"), 0)
+            assert gather_bytes * tokens <= moved <= gather_bytes * tokens + 2 * tokens * report.element_size

@@ -1,0 +1,213 @@
+"""``hpgen plan`` where transformers has no plan: the layout derived from the modeling source.
+
+Each test builds a tiny model of one family on the meta device and checks the structure
+of what :mod:`hpgen.planner` derives from its modeling file: which modules become
+boundaries of which kind, the placements (GPT-2's ``Conv1D`` flips the sharded dim, its
+fused ``c_attn`` is three packed blocks, GPT-NeoX's per-head interleaved
+``query_key_value`` keeps whole heads with a plain shard), the attributes divided, and the
+notes for what stays replicated and why (BLOOM's per-head ``alibi``, multi-query key/value
+packed with the queries). The 2-rank parity of derived plans is in
+``tests/runtime/test_parity_derived.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from hpgen.cli import cli
+from tests.derived_configs import tiny
+
+
+def derived(family: str, tp: int = 2) -> dict[str, Any]:
+    from hpgen.planner.make import plan_model
+    from hpgen.tp_plan import meta_model
+
+    return plan_model(meta_model(tiny(family)), tp=tp, from_source=True, name=family)
+
+
+def entry(plan: dict[str, Any], key: str) -> dict[str, Any]:
+    assert key in plan["param_plan"], sorted(plan["param_plan"])
+    return plan["param_plan"][key]
+
+
+def test_gpt2_conv1d_and_the_fused_qkv() -> None:
+    plan = derived("gpt2")
+    attn = entry(plan, "transformer.h.*.attn")
+    # Conv1D weights are [in, out]: the column-parallel c_attn shards dim 1, in three packed Q|K|V blocks
+    assert attn["params"]["c_attn.weight"] == {"tp": "SS(1,3)"}
+    assert attn["params"]["c_attn.bias"] == {"tp": "SS(0,3)"}
+    assert attn["params"]["c_proj.weight"] == {"tp": "S(0)"}  # row-parallel: the input dim, dim 0
+    assert attn["deferred_bias_params"] == ["c_proj.bias"]
+    assert attn["tp_divide_attrs"] == ["split_size"]  # split(self.split_size) cuts the local Q|K|V
+    assert attn["out_src"] == {"attn_output": {"tp": "P(sum)"}} and attn["out_dst"] == {"attn_output": {"tp": "R"}}
+    mlp = entry(plan, "transformer.h.*.mlp")
+    assert mlp["params"]["c_fc.weight"] == {"tp": "S(1)"} and mlp["params"]["c_proj.weight"] == {"tp": "S(0)"}
+    assert entry(plan, "transformer.wte")["params"] == {"weight": {"tp": "S(0)"}}
+    assert plan["comments"]["plan_source"] == "derived from the source"
+
+
+def test_gpt_neox_interleaved_qkv_keeps_whole_heads() -> None:
+    plan = derived("gpt_neox")
+    attention = entry(plan, "gpt_neox.layers.*.attention")
+    # view(..., heads, 3 * head_dim): [h, 3, d] per head, so a plain row shard holds whole heads
+    assert attention["params"]["query_key_value.weight"] == {"tp": "S(0)"}
+    assert attention["params"]["dense.weight"] == {"tp": "S(1)"}
+    assert entry(plan, "gpt_neox.layers.*.mlp")["params"]["dense_h_to_4h.weight"] == {"tp": "S(0)"}
+
+
+def test_opt_mlp_in_the_decoder_layer_becomes_two_wrapped_linears() -> None:
+    plan = derived("opt")
+    # the attention returns out_proj's output alone: one block
+    attention = entry(plan, "model.decoder.layers.*.self_attn")
+    assert attention["in_src"] == {"hidden_states": {"tp": "R"}}
+    assert attention["tp_divide_attrs"] == ["num_heads"]
+    # fc1/fc2 sit in the decoder layer itself, between residual adds: each its own boundary
+    fc1, fc2 = entry(plan, "model.decoder.layers.*.fc1"), entry(plan, "model.decoder.layers.*.fc2")
+    assert fc1["out_src"] == fc1["out_dst"] == {"output": {"tp": "S(-1)"}}
+    assert fc2["in_src"] == fc2["in_dst"] == {"input": {"tp": "S(-1)"}}
+    assert fc2["out_src"] == {"output": {"tp": "P(sum)"}} and fc2["deferred_bias_params"] == ["bias"]
+
+
+def test_bert_self_attention_keeps_its_output_sharded_for_the_dense_after_it() -> None:
+    plan = derived("bert")
+    self_attention = entry(plan, "bert.encoder.layer.*.attention.self")
+    assert self_attention["out_src"] == self_attention["out_dst"] == {"output_0": {"tp": "S(-1)"}} or all(
+        value == {"tp": "S(-1)"} for value in self_attention["out_dst"].values()
+    )
+    assert entry(plan, "bert.encoder.layer.*.attention.output.dense")["in_dst"] == {"input": {"tp": "S(-1)"}}
+    # the output projection's bias is also registered as cls.predictions.bias: both shard alike
+    assert entry(plan, "cls.predictions")["params"] == {"bias": {"tp": "S(0)"}}
+    assert entry(plan, "cls.predictions.decoder")["params"]["bias"] == {"tp": "S(0)"}
+
+
+@pytest.mark.parametrize(
+    ("family", "module", "reason"),
+    [
+        ("bloom", "transformer.h.*.self_attention.query_key_value", "'alibi', one slice per head computed outside"),
+        ("falcon", "transformer.h.*.self_attention.query_key_value", "multi-query"),
+        ("gpt_bigcode", "transformer.h.*.attn.c_attn", "unequal sizes [64, 16, 16]"),
+    ],
+)
+def test_what_cannot_shard_stays_replicated_and_says_why(family: str, module: str, reason: str) -> None:
+    plan = derived(family)
+    assert reason in plan["comments"]["replicated"][module]
+    assert not any(key.endswith(("self_attention", ".attn")) for key in plan["param_plan"])
+    assert any(".mlp" in key for key in plan["param_plan"])  # the MLP still shards
+
+
+def test_a_norm_across_the_sharded_features_leaves_the_pair_replicated() -> None:
+    plan = derived("bitnet")  # BitNet normalises the attention output (attn_sub_norm) before o_proj
+    assert "model.layers.*.self_attn.o_proj" in plan["comments"]["replicated"]
+    assert set(plan["param_plan"]) == {"model.embed_tokens", "lm_head"}
+
+
+def test_heads_that_do_not_divide_are_refused_by_the_derivation() -> None:
+    plan = derived("opt", tp=3)
+    assert "do not divide over --tp 3" in plan["comments"]["replicated"]["model.decoder.layers.*.self_attn.q_proj"]
+
+
+def test_transformers_plan_is_kept_where_it_shards_the_layers() -> None:
+    from hpgen.planner.make import plan_source
+    from hpgen.tp_plan import meta_model
+
+    neox = meta_model(tiny("gpt_neox"))
+    assert plan_source(neox) == "transformers' plan"
+    assert plan_source(neox, from_source=True) == "derived from the source"
+    assert plan_source(meta_model(tiny("gpt2"))) == "derived from the source"
+
+
+def test_transformers_plan_is_completed_where_it_leaves_the_attention_replicated() -> None:
+    from hpgen.planner.make import plan_model
+    from hpgen.tp_plan import meta_model, plan_for_model
+
+    model = meta_model(tiny("flint"))
+    plan = plan_model(model, tp=2, name="flint")
+    translated = plan_for_model(model, tp=2, name="flint")
+    assert "model.layers.*.self_attn" not in translated["param_plan"]  # transformers shards the MLP only
+    for key, entry in translated["param_plan"].items():
+        assert plan["param_plan"][key] == entry  # kept as transformers wrote it
+    attention = plan["param_plan"]["model.layers.*.self_attn"]
+    assert attention["params"]["q_proj.weight"] == {"tp": "S(0)"} and attention["params"]["o_proj.weight"] == {
+        "tp": "S(1)"
+    }
+    assert plan["comments"]["plan_source"] == "transformers' plan"
+    assert list(plan["comments"]["completed_from_source"]) == ["model.layers.*.self_attn"]
+    # --sp keeps transformers' plan alone: the attention only gathers and splits the sequence
+    with_sp = plan_model(model, tp=2, sp=True, name="flint")
+    assert "completed_from_source" not in with_sp["comments"]
+    assert "params" not in with_sp["param_plan"]["model.layers.*.self_attn"]
+
+
+def test_derived_plans_load_and_lower() -> None:
+    import inspect
+
+    from hpgen.generate import infer_package
+    from hpgen.lower import lower
+    from hpgen.plan import plan_from_dict
+    from hpgen.tp_plan import model_class_for
+
+    for family in ("gpt2", "opt", "bert"):
+        source = Path(inspect.getsourcefile(model_class_for(tiny(family))) or "")
+        text = lower(
+            source.read_text(), plan_from_dict(derived(family)), source_name=source.name, package=infer_package(source)
+        )
+        assert "_hp_tp" in text
+
+
+def test_sizing_report_counts_bytes_and_collectives() -> None:
+    from hpgen.planner.report import size_report
+    from hpgen.tp_plan import meta_model
+
+    model = meta_model(tiny("gpt2"))
+    report = size_report(model, derived("gpt2"), tp=2, dtype="bfloat16")
+    total = sum(p.numel() for p in model.parameters()) * 2
+    assert report.total_bytes == total and report.sharded_bytes + report.replicated_bytes == total
+    assert report.rank_bytes[0] + report.rank_bytes[1] == report.sharded_bytes + 2 * report.replicated_bytes
+    assert report.layers == {"transformer.h.*": 2}
+    forward = [c for c in report.per_layer["transformer.h.*"] if c.phase == "forward"]
+    assert [(c.module, c.kind, c.tensor_bytes) for c in forward] == [
+        ("transformer.h.*.attn", "all_reduce", 128),  # 64 features at 2 bytes, per token
+        ("transformer.h.*.mlp", "all_reduce", 128),
+    ]
+    totals = report.totals("forward")
+    # two per layer, the token embedding's and the learned positions' (64 rows: as big as half the vocabulary)
+    assert totals["all_reduce"][0] == 2 * 2 + 2
+    assert totals["all_gather"][0] == 2  # the logits, after the shard sizes
+    assert "encoder_hidden_states" in report.optional
+
+
+def test_hpgen_plan_prints_the_notes_and_the_sizing_report(tmp_path: Path) -> None:
+    config = tmp_path / "gpt2"
+    tiny("gpt2").save_pretrained(config)
+    result = CliRunner().invoke(
+        cli, ["plan", str(config / "config.json"), "--tp", "2", "--explain"], catch_exceptions=False
+    )
+    assert result.exit_code == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["comments"]["plan_source"] == "derived from the source"
+    assert "sharded: transformer.h.*.attn: attention: column- and row-parallel projections" in result.stderr
+    assert "parameters at bfloat16" in result.stderr and "total per forward" in result.stderr
+
+
+def test_hpgen_explain_adds_the_sizing_report_with_config(tmp_path: Path) -> None:
+    import inspect
+
+    from hpgen.tp_plan import model_class_for
+
+    config = tmp_path / "opt"
+    tiny("opt").save_pretrained(config)
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(derived("opt")))
+    source = inspect.getsourcefile(model_class_for(tiny("opt")))
+    result = CliRunner().invoke(
+        cli, ["explain", str(source), str(plan), "--config", str(config / "config.json"), "--tp", "2", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    sizing = json.loads(result.stdout)["sizing"]
+    assert sizing["per_layer"]["model.decoder.layers.*"]["layers"] == 2
+    assert sizing["parameters"]["rank_bytes"][0] < sizing["parameters"]["total_bytes"] * 0.65
