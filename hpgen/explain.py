@@ -39,7 +39,7 @@ _MAKES_SHARD = {"split": "dim", "reduce_scatter": "dim", "all_to_all": "dst_dim"
 _RECEIVES_SHARD = {"all_gather": "dim", "all_to_all": "src_dim"}
 
 
-def _made_shards(plan: Plan) -> dict[tuple[str, object], set[str]]:
+def made_shards(plan: Plan) -> dict[tuple[str, object], set[str]]:
     """(axis, dim) -> the ops that make a shard of it somewhere in the plan."""
     made: dict[tuple[str, object], set[str]] = {}
     for key in plan.entries:
@@ -49,7 +49,7 @@ def _made_shards(plan: Plan) -> dict[tuple[str, object], set[str]]:
     return made
 
 
-def _sizes_note(op: Op, made: dict[tuple[str, object], set[str]], *, features: bool = False) -> str | None:
+def sizes_note(op: Op, made: dict[tuple[str, object], set[str]], *, features: bool = False) -> str | None:
     """How a gather learns every rank's shard size (exchanging them is a host synchronisation)."""
     if op.kind not in _RECEIVES_SHARD:
         return None
@@ -99,7 +99,7 @@ def _contract_record(
         "contract": contract.signature,
         "reasons": list(contract.reasons),
         "region": contract.region_target,
-        "ops": [_op_record(op, _sizes_note(op, made)) for op in ops],
+        "ops": [_op_record(op, sizes_note(op, made)) for op in ops],
         "collectives_per_call": contract.collectives_per_call(),
         "untouched_inputs": untouched,
     }
@@ -147,14 +147,14 @@ def _external_record(plan: Plan, key: str, class_name: str, made: dict[tuple[str
         "class": class_name,
         "handled_by": "runtime wrapper",
         "runs": _wrapper_runs(plan, key, class_name),
-        "ops": [_op_record(op, _sizes_note(op, made, features=True)) for op in ops],
+        "ops": [_op_record(op, sizes_note(op, made, features=True)) for op in ops],
     }
 
 
 def explain(analysis: Analysis) -> dict[str, Any]:
     """A JSON-ready description of what lowering does and why."""
     classes = []
-    made = _made_shards(analysis.plan)
+    made = made_shards(analysis.plan)
     for name, lowering in analysis.classes.items():
         forward = lowering.info.forward
         for contract, subclass in zip(lowering.contracts, [name, *lowering.subclass_names]):

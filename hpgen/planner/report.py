@@ -10,8 +10,9 @@ computed from the model built on the meta device (shapes only) and the plan:
   (:func:`hpgen.classify.value_ops`), forward and backward, each with the bytes of the
   tensor it moves per token (the value's feature width at that dtype) and the bytes a
   rank sends for it on a ring (all-reduce ``2 (p-1)/p``, all-gather and reduce-scatter
-  ``(p-1)/p`` of the whole tensor). An all-gather first exchanges the shard sizes (one
-  int64 per rank), as :mod:`hpgen.runtime.collectives` does. Gradient all-reduces of
+  ``(p-1)/p`` of the whole tensor). An all-gather that nothing tells its shard sizes
+  first exchanges them (one int64 per rank), as :mod:`hpgen.runtime.collectives` does;
+  one after a split of the same dim, or of a wrapped module's features, does not. Gradient all-reduces of
   ``grad_reduce_params`` run once per backward, whatever the tokens.
 
 Grouped per decoder layer (boundaries under a numbered module-list element, by layer
@@ -252,6 +253,9 @@ def _collectives(
 
     import torch.nn as nn
 
+    from hpgen.explain import made_shards, sizes_note
+
+    made = made_shards(plan)
     wrapped = isinstance(module, (nn.Linear, nn.Embedding))
     inputs, outputs = value_ops(plan, entry.key, known_inputs=("input",) if isinstance(module, nn.Linear) else ())
     try:
@@ -271,15 +275,16 @@ def _collectives(
                     continue
                 forward = op.kind if op.kind in COMMUNICATING else None
                 backward = op.backward or DEFAULT_BACKWARD.get(op.kind)
+                # A forward gather exchanges shard sizes only where nothing tells it them (hpgen explain
+                # says which); backward ops reuse what their forward learnt.
+                note = sizes_note(op, made, features=wrapped) if op.kind in ("all_gather", "all_to_all") else None
+                exchanges = note is not None and note.startswith("exchanged")
                 for phase, kind in (("forward", forward), ("backward", backward)):
                     if kind is None or kind not in COMMUNICATING:
                         continue
-                    found.append(_collective(_generic(fqn), value.name, kind, phase, width * element))
+                    calls = 2 if phase == "forward" and exchanges else 1
+                    found.append(Collective(_generic(fqn), value.name, kind, phase, width * element, 0.0, calls))
     return found
-
-
-def _collective(module: str, value: str, kind: str, phase: str, tensor: int) -> Collective:
-    return Collective(module, value, kind, phase, tensor, 0.0, 2 if kind in ("all_gather", "all_to_all") else 1)
 
 
 def _width(module: Any, name: str, side: str, entry: Any, hidden: Any, wrapped: bool) -> int:
