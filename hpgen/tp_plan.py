@@ -890,14 +890,18 @@ class _Translator:
         for pattern, members in by_pattern.items():
             matches = [fqn for fqn in self.modules if fqn and _generic(fqn) == pattern]
             signatures = {
-                (type(b.module).__name__, json.dumps(b.entry(), sort_keys=True), b.injection_axis) for b in members
+                (type(b.module).__name__, json.dumps(self._entry(b), sort_keys=True), b.injection_axis) for b in members
             }
             if len(members) == len(matches) and len(signatures) == 1:
-                result[pattern] = (members[0], members[0].entry())
+                result[pattern] = (members[0], self._entry(members[0]))
             else:
                 for boundary in members:
-                    result[boundary.fqn] = (boundary, boundary.entry())
+                    result[boundary.fqn] = (boundary, self._entry(boundary))
         return result
+
+    def _entry(self, boundary: _Boundary) -> dict[str, Any]:
+        """The plan entry of one boundary (a derived plan adds what its layouts need)."""
+        return boundary.entry()
 
     def _boundary_classes(self, groups: Mapping[str, tuple[_Boundary, dict[str, Any]]]) -> dict[str, str]:
         """``boundary_classes`` for the keys that hpgen's static resolution gets wrong or cannot get."""

@@ -18,7 +18,6 @@ transformers' plans never produce:
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from hpgen.errors import HpgenError
@@ -142,21 +141,6 @@ class _DerivedTranslator(_Translator):
         if placed is not None and placed.divide:
             entry["tp_divide_attrs"] = sorted(placed.divide)
         return entry
-
-    def _grouped(self) -> dict[str, tuple[_Boundary, dict[str, Any]]]:
-        by_pattern: dict[str, list[_Boundary]] = {}
-        for fqn, boundary in sorted(self.boundaries.items()):
-            by_pattern.setdefault(_generic(fqn), []).append(boundary)
-        result: dict[str, tuple[_Boundary, dict[str, Any]]] = {}
-        for pattern, members in by_pattern.items():
-            matches = [fqn for fqn in self.modules if fqn and _generic(fqn) == pattern]
-            signatures = {(type(b.module).__name__, json.dumps(self._entry(b), sort_keys=True)) for b in members}
-            if len(members) == len(matches) and len(signatures) == 1:
-                result[pattern] = (members[0], self._entry(members[0]))
-            else:
-                for boundary in members:
-                    result[boundary.fqn] = (boundary, self._entry(boundary))
-        return result
 
     def _boundary_classes(self, groups: dict[str, tuple[_Boundary, dict[str, Any]]]) -> dict[str, str]:
         lowered = {key: value for key, value in groups.items() if value[0].kind != "attrs"}
