@@ -766,7 +766,7 @@ class _Translator:
                 continue
             if after and _is_norm(child):
                 info = self.index.class_named(type(child).__name__)
-                if info is None or info.forward is None or not _defined_in(type(child), self.source):
+                if info is None or info.forward is None or not defined_in(type(child), self.source):
                     return None
                 if _self_calls(self.parsed, self._forward_owner(parent, parent_path).name, name) != 1:
                     return None
@@ -817,7 +817,7 @@ class _Translator:
 
     def _class_info(self, module: Any, fqn: str) -> ClassInfo:
         cls = type(module)
-        if not _defined_in(cls, self.source):
+        if not defined_in(cls, self.source):
             raise HpgenError(
                 f"{self.name}: {fqn} is a {cls.__qualname__} from {cls.__module__}, not from {self.source.name}; "
                 "hpgen lowers one modeling file"
@@ -995,7 +995,8 @@ def _source_file(cls: type) -> str:
     return path
 
 
-def _defined_in(cls: type, source: Path) -> bool:
+def defined_in(cls: type, source: Path) -> bool:
+    """True when ``cls`` is defined in the file ``source``."""
     try:
         path = inspect.getsourcefile(cls)
     except TypeError:

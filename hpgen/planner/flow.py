@@ -38,6 +38,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from hpgen.tp_plan import defined_in
+
 __all__ = ["Flow", "ShapeUse", "Val", "leaf_kind", "run_module"]
 
 # Tensor methods and torch functions that only reshape: their arguments are sizes.
@@ -173,7 +175,7 @@ def leaf_kind(module: Any, source: Path) -> str:
     if _is_norm(module) and not any(True for _ in module.children()):
         return "leaf"  # a norm without weights (an L2 norm) still mixes what it normalises
     owner = _forward_owner(type(module), "forward")
-    if owner is None or not _defined_in(owner, source):
+    if owner is None or not defined_in(owner, source):
         return "leaf"
     return "source"
 
@@ -848,14 +850,6 @@ def _forward_owner(cls: type, method: str) -> type | None:
         if method in vars(klass):
             return klass
     return None
-
-
-def _defined_in(cls: type, source: Path) -> bool:
-    try:
-        path = inspect.getsourcefile(cls)
-    except TypeError:
-        return False
-    return path is not None and Path(path).resolve() == source.resolve()
 
 
 def _function(cls: type, method: str) -> ast.FunctionDef | None:
