@@ -196,12 +196,25 @@ def valid_plans(draw) -> dict:
 
 
 def moves(entry: dict, mesh: list[str]) -> bool:
-    """Oracle, independent of hpgen's classifier: does some declared value change layout?"""
+    """Oracle, independent of hpgen's classifier: does some declared value change layout, or
+    does a declared replicated input enter a body sharded on that axis (a ``copy``: identity
+    forward, its gradient all-reduced, so the class must be rewritten for it)?"""
+    def on(layout: dict, axis: str) -> Placement:
+        return Placement.parse(layout.get(axis, "R"))
+
+    sharded = {
+        axis
+        for axis in mesh
+        for part in ("in_dst", "out_src", "params")
+        for layout in entry.get(part, {}).values()
+        if not on(layout, axis).is_replicate
+    }
     for src_part, dst_part in (("in_src", "in_dst"), ("out_src", "out_dst")):
         src, dst = entry.get(src_part, {}), entry.get(dst_part, {})
         for name in {*src, *dst}:
             for axis in mesh:
-                if Placement.parse(src.get(name, {}).get(axis, "R")) != Placement.parse(dst.get(name, {}).get(axis, "R")):
+                before, after = on(src.get(name, {}), axis), on(dst.get(name, {}), axis)
+                if before != after or (src_part == "in_src" and after.is_replicate and axis in sharded):
                     return True
     return False
 
