@@ -5,13 +5,16 @@ a forward hook, the way gpt-fast's ``tp.py`` does it. Nothing else changes: the 
 code infers its local head count from ``view(..., -1, head_dim)``, and the KV cache sizes
 itself from the first keys it sees, so the head counts follow the sliced weights.
 
-Inference only: the hooks reduce in place with ``dist.all_reduce``, which has no backward
-(gpt-fast's forward-only use too); the benchmark runs under ``torch.no_grad``.
+Inference only (the benchmark runs under ``torch.no_grad``). ``functional=False`` (eager)
+reduces in place with ``dist.all_reduce``; ``functional=True`` returns the result of
+torch's functional ``all_reduce`` from the hook, as gpt-fast's ``tp.py`` does so that
+``torch.compile`` traces the collective into the graph (``_c10d_functional``).
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 
@@ -34,7 +37,7 @@ def _keep_columns(linear: nn.Linear, rank: int, size: int) -> None:
     linear.in_features = columns
 
 
-def shard_llama_(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
+def shard_llama_(model: nn.Module, group: dist.ProcessGroup, *, functional: bool = False) -> nn.Module:
     """Shard every decoder layer of a transformers ``LlamaForCausalLM`` over ``group`` in place.
 
     Attention heads and key/value heads are split in contiguous blocks, so each rank's query
@@ -50,6 +53,11 @@ def shard_llama_(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
         # The attention returns (attn_output, attn_weights); the MLP a tensor. Reduce in place.
         dist.all_reduce(output[0] if isinstance(output, tuple) else output, group=group)
 
+    def functional_all_reduce_output(module: nn.Module, args: tuple, output):
+        if isinstance(output, tuple):
+            return (funcol.all_reduce(output[0], "sum", group), *output[1:])
+        return funcol.all_reduce(output, "sum", group)
+
     for layer in model.model.layers:
         attention, mlp = layer.self_attn, layer.mlp
         for projection in (attention.q_proj, attention.k_proj, attention.v_proj):
@@ -58,6 +66,7 @@ def shard_llama_(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
         for projection in (mlp.gate_proj, mlp.up_proj):
             _keep_rows(projection, rank, size)
         _keep_columns(mlp.down_proj, rank, size)
-        attention.register_forward_hook(all_reduce_output)
-        mlp.register_forward_hook(all_reduce_output)
+        hook = functional_all_reduce_output if functional else all_reduce_output
+        attention.register_forward_hook(hook)
+        mlp.register_forward_hook(hook)
     return model

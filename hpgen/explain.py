@@ -14,7 +14,7 @@ from hpgen.plan import Plan, body_is_sharded
 _KNOWN_INPUTS = {"Linear": ("input",), "Embedding": ()}
 
 
-def _op_record(op: Op) -> dict[str, Any]:
+def _op_record(op: Op, sizes: str | None = None) -> dict[str, Any]:
     record: dict[str, Any] = {
         "value": op.name,
         "axis": op.axis,
@@ -28,7 +28,44 @@ def _op_record(op: Op) -> dict[str, Any]:
     else:
         record["backward"] = op.backward or DEFAULT_BACKWARD[op.kind]
         record["why"] = _why(op)
+    if sizes is not None:
+        record["sizes"] = sizes
     return record
+
+
+# Ops that make a shard of a dim whose full size they know; the runtime's gathers on the
+# same axis and dim later in the same forward take their sizes (hpgen.runtime.collectives).
+_MAKES_SHARD = {"split": "dim", "reduce_scatter": "dim", "all_to_all": "dst_dim"}
+_RECEIVES_SHARD = {"all_gather": "dim", "all_to_all": "src_dim"}
+
+
+def _made_shards(plan: Plan) -> dict[tuple[str, object], set[str]]:
+    """(axis, dim) -> the ops that make a shard of it somewhere in the plan."""
+    made: dict[tuple[str, object], set[str]] = {}
+    for key in plan.entries:
+        for op in (op for values in value_ops(plan, key) for value in values for op in value.active):
+            if op.kind in _MAKES_SHARD:
+                made.setdefault((op.axis, dict(op.args).get(_MAKES_SHARD[op.kind])), set()).add(op.kind)
+    return made
+
+
+def _sizes_note(op: Op, made: dict[tuple[str, object], set[str]], *, features: bool = False) -> str | None:
+    """How a gather learns every rank's shard size (exchanging them is a host synchronisation)."""
+    if op.kind not in _RECEIVES_SHARD:
+        return None
+    dim = dict(op.args).get(_RECEIVES_SHARD[op.kind])
+    if features and op.kind == "all_gather" and dim == -1:
+        return "from the weight's shape (the module's features), no exchange"
+    makers = made.get((op.axis, dim))
+    if makers:
+        return (
+            f"recorded by the {' or '.join(sorted(makers))} of {op.axis} dim {dim} earlier in the same model "
+            "forward, no exchange (exchanged when none ran before it)"
+        )
+    return (
+        "exchanged: one all-gather of an int64 per rank before each call (a host synchronisation on CUDA; "
+        "torch.compile needs capture_scalar_outputs)"
+    )
 
 
 def _why(op: Op) -> str:
@@ -51,7 +88,9 @@ def _untouched(plan: Plan, contract: Contract, forward: ForwardInfo | None) -> l
     ]
 
 
-def _contract_record(contract: Contract, class_name: str, untouched: list[str]) -> dict[str, Any]:
+def _contract_record(
+    contract: Contract, class_name: str, untouched: list[str], made: dict[tuple[str, object], set[str]]
+) -> dict[str, Any]:
     ops = [op for value in (*contract.inputs, *contract.outputs) for op in value.active]
     return {
         "class": class_name,
@@ -60,7 +99,7 @@ def _contract_record(contract: Contract, class_name: str, untouched: list[str]) 
         "contract": contract.signature,
         "reasons": list(contract.reasons),
         "region": contract.region_target,
-        "ops": [_op_record(op) for op in ops],
+        "ops": [_op_record(op, _sizes_note(op, made)) for op in ops],
         "collectives_per_call": contract.collectives_per_call(),
         "untouched_inputs": untouched,
     }
@@ -91,7 +130,7 @@ def _wrapper_runs(plan: Plan, key: str, class_name: str) -> str:
     return "the torch forward between the input and output ops"
 
 
-def _external_record(plan: Plan, key: str, class_name: str) -> dict[str, Any]:
+def _external_record(plan: Plan, key: str, class_name: str, made: dict[tuple[str, object], set[str]]) -> dict[str, Any]:
     """An outside class: wrapped by the runtime (nn.Linear, nn.Embedding) or left as it is (identity)."""
     known = _KNOWN_INPUTS.get(class_name.rsplit(".", 1)[-1])
     if known is None or is_identity_contract(plan, key, known_inputs=known):
@@ -108,17 +147,18 @@ def _external_record(plan: Plan, key: str, class_name: str) -> dict[str, Any]:
         "class": class_name,
         "handled_by": "runtime wrapper",
         "runs": _wrapper_runs(plan, key, class_name),
-        "ops": [_op_record(op) for op in ops],
+        "ops": [_op_record(op, _sizes_note(op, made, features=True)) for op in ops],
     }
 
 
 def explain(analysis: Analysis) -> dict[str, Any]:
     """A JSON-ready description of what lowering does and why."""
     classes = []
+    made = _made_shards(analysis.plan)
     for name, lowering in analysis.classes.items():
         forward = lowering.info.forward
         for contract, subclass in zip(lowering.contracts, [name, *lowering.subclass_names]):
-            classes.append(_contract_record(contract, subclass, _untouched(analysis.plan, contract, forward)))
+            classes.append(_contract_record(contract, subclass, _untouched(analysis.plan, contract, forward), made))
         if lowering.identity_keys:
             classes.append(
                 {
@@ -133,7 +173,7 @@ def explain(analysis: Analysis) -> dict[str, Any]:
                     "untouched_inputs": [],
                 }
             )
-    wrapped = [_external_record(analysis.plan, key, found.name) for key, found in analysis.external.items()]
+    wrapped = [_external_record(analysis.plan, key, found.name, made) for key, found in analysis.external.items()]
     return {
         "mesh_dim_names": list(analysis.plan.mesh_dim_names),
         "classes": classes,
@@ -150,6 +190,8 @@ def _op_lines(ops: list[dict[str, Any]]) -> list[str]:
         call = f"{op['op']}({args})" if args else op["op"]
         lines.append(f"  {op['value']}: {op['axis']} {op['src']} -> {op['dst']} ==> {call}{backward}")
         lines.append(f"      why: {op['why']}")
+        if "sizes" in op:
+            lines.append(f"      sizes: {op['sizes']}")
     return lines
 
 

@@ -121,6 +121,22 @@ def test_explain_shows_the_copy_of_an_undeclared_wrapped_input(tmp_path):
     ]
 
 
+def test_explain_says_how_each_gather_learns_the_shard_sizes(tmp_path):
+    """A gather whose sizes nothing in the plan records exchanges them: explain says so."""
+    report = json.loads(run("explain", SOURCE, FIXTURES / "plan_tp_sp.json", "--json").stdout)
+    gathers = [op for record in report["classes"] for op in record["ops"] if op["op"] == "all_gather"]
+    assert gathers
+    assert all(op["sizes"].startswith("recorded by the reduce_scatter or split of tp dim 1") for op in gathers)
+    lm_head = next(record for record in report["wrapped"] if record["fqn"] == "lm_head")
+    assert lm_head["ops"][-1]["sizes"] == "from the weight's shape (the module's features), no exchange"
+    # a sequence shard that no op of the plan makes: its gather exchanges the sizes
+    plan = json.loads(PLAN.read_text())
+    plan["param_plan"]["model.layers.*.self_attn"]["in_src"]["hidden_states"] = {"tp": "S(1)"}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    text = run("explain", SOURCE, tmp_path / "plan.json").stdout
+    assert "sizes: exchanged: one all-gather of an int64 per rank" in text
+
+
 def test_console_script_and_module_entry_points(tmp_path):
     for command in (["hpgen"], [sys.executable, "-m", "hpgen"]):
         done = subprocess.run([*command, "--version"], capture_output=True, text=True, check=True)

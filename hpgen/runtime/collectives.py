@@ -33,9 +33,29 @@ value is the result (on a tie every tied rank gets the full gradient).
 
 Shards follow ``torch.tensor_split``: of ``n`` elements over ``k`` ranks, the first
 ``n % k`` ranks hold one more, and a rank may hold none. ``reduce_scatter``, ``split`` and
-``all_to_all`` split a dim whose full size every rank knows; ``all_gather`` and
-``all_to_all`` receive shards of sizes only their senders know, so they first exchange the
-sizes with one small all-gather (their backward reuses those sizes and exchanges nothing).
+``all_to_all`` split a dim whose full size every rank knows. ``all_gather`` and
+``all_to_all`` receive shards whose sizes, in general, only their senders know; they take
+them from the first of these that applies, the same on every rank (a rank that used a
+shortcut its peers did not would wait in a collective they never run):
+
+1. ``total=``: the caller knows the gathered dim's full size (a column-parallel
+   ``lm_head`` knows its ``out_features``);
+2. inside a forward of a parallelized model (:func:`scope_shard_sizes`), the op of this
+   axis that last made a shard on the same dim in that forward (the ``split`` of the
+   sequence at the first decoder layer, a ``reduce_scatter``) left its sizes behind, and
+   the gathers after it use them. Every rank runs the same ops in the same order, so
+   every rank finds the same record; a shard whose size is not the recorded one is an
+   error, never a silent misread;
+3. otherwise one small all-gather exchanges the sizes (a host synchronisation on CUDA;
+   under ``torch.compile`` it needs ``torch._dynamo.config.capture_scalar_outputs``).
+
+The backward reuses the forward's sizes and exchanges nothing.
+
+Under ``torch.compile`` (``torch.compiler.is_compiling()``) every op is written with
+torch's functional collectives (``torch.ops._c10d_functional``), which Dynamo traces and
+Inductor schedules, and the autograd node (one ``torch.autograd.Function``) is traced
+too, so a parallelized model compiles whole with ``fullgraph=True``, forward and
+backward. Eager calls keep the in-place ``torch.distributed`` collectives.
 
 Results are fresh contiguous tensors; inputs are never modified. An axis of size one (or
 with no process group) returns its input itself from every op, with no autograd node, and
@@ -46,15 +66,17 @@ may live on any device the group's backend accepts (CPU with gloo, CUDA with NCC
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-__all__ = ["IDENTITY_AXIS", "REDUCE_OPS", "AxisCollectives"]
+__all__ = ["IDENTITY_AXIS", "REDUCE_OPS", "AxisCollectives", "ShardScope", "scope_shard_sizes"]
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
@@ -62,13 +84,17 @@ REDUCE_OPS = ("sum", "avg", "max", "min")
 # too, and torch 2.13 renamed the single-tensor collectives that older releases also have.
 _all_gather_single = getattr(dist, "all_gather_single", getattr(dist, "all_gather_into_tensor", None))
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", getattr(dist, "reduce_scatter_tensor", None))
+_fc_all_gather = getattr(funcol, "all_gather_single", getattr(funcol, "all_gather_tensor", None))
+_fc_reduce_scatter = getattr(funcol, "reduce_scatter_single", getattr(funcol, "reduce_scatter_tensor", None))
+
+Size = Any  # an int, or a torch.SymInt while torch.compile traces
 
 
 class _Shard(NamedTuple):
     """A layout sharded on ``dim`` (non-negative): rank ``i`` holds ``sizes[i]`` of it."""
 
     dim: int
-    sizes: tuple[int, ...]
+    sizes: tuple[Size, ...]
 
 
 class _Move(NamedTuple):
@@ -103,6 +129,14 @@ _VALID_BACKWARD: dict[str, tuple[str, ...]] = {
 }
 
 
+def _tracing() -> bool:
+    """Whether Dynamo is tracing: the ops then take their functional-collective form.
+
+    (A function of its own so that the tests can run that form eagerly too.)
+    """
+    return torch.compiler.is_compiling()
+
+
 def _check(op: str, backward: str, reduce: str = "sum") -> None:
     """Reject a reduction or backward op that ``op`` cannot run, naming the valid ones."""
     if reduce not in REDUCE_OPS:
@@ -120,9 +154,13 @@ def _norm_dim(dim: int, ndim: int) -> int:
     return dim % ndim
 
 
-def _split_sizes(n: int, k: int) -> tuple[int, ...]:
-    """Sizes of ``torch.tensor_split(t, k)`` on a dim of ``n``: the first ``n % k`` get one more."""
-    return tuple(n // k + (i < n % k) for i in range(k))
+def _split_sizes(n: Size, k: int) -> tuple[Size, ...]:
+    """Sizes of ``torch.tensor_split(t, k)`` on a dim of ``n``: the first ``n % k`` get one more.
+
+    Written without a comparison, so that a symbolic ``n`` (torch.compile with dynamic
+    shapes) gives symbolic sizes instead of a guard on ``n % k``.
+    """
+    return tuple((n + k - 1 - i) // k for i in range(k))
 
 
 def _pad_to(x: Tensor, dim: int, size: int) -> Tensor:
@@ -165,6 +203,9 @@ class AxisCollectives:
         if self.size < 1 or self.rank < 0:
             raise ValueError(f"axis {name!r}: this process is not a member of the group given for it")
         self.backend = "" if group is None else str(dist.get_backend(group))
+        # dim -> every rank's size of the shard last made on that dim; None outside a
+        # model forward (see ShardScope), where nothing is recorded and nothing is used
+        self._known: dict[int, tuple[Size, ...]] | None = None
 
     def __repr__(self) -> str:
         return f"AxisCollectives({self.name!r}, rank={self.rank}, size={self.size})"
@@ -179,22 +220,26 @@ class AxisCollectives:
         _check("all_reduce", backward, op)
         if x is None or self.size == 1:
             return x
-        if op == "sum" and not (torch.is_grad_enabled() and x.requires_grad):
-            # The decode hot path: no autograd node, one clone, one in-place all-reduce.
+        if op == "sum" and not (torch.is_grad_enabled() and x.requires_grad) and not _tracing():
+            # The eager decode hot path: no autograd node, one clone, one in-place all-reduce.
             out = x.clone(memory_format=torch.contiguous_format)
             dist.all_reduce(out, group=self.group)
             return out
         return self._run(x, _Move("all_reduce", None, None, op), backward)
 
-    def all_gather(self, x: Tensor | None, dim: int, *, backward: str = "reduce_scatter") -> Tensor | None:
-        """``S(dim) -> R``: concatenate the ranks' shards along ``dim``, whatever their sizes."""
+    def all_gather(
+        self, x: Tensor | None, dim: int, *, backward: str = "reduce_scatter", total: Size | None = None
+    ) -> Tensor | None:
+        """``S(dim) -> R``: concatenate the ranks' shards along ``dim``, whatever their sizes.
+
+        ``total``: the full size of ``dim``, when the caller knows it (no size exchange).
+        """
         _check("all_gather", backward)
         if x is None or self.size == 1:
             return x
         d = _norm_dim(dim, x.dim())
-        return self._run(
-            x, _Move("all_gather", _Shard(d, self._gather_sizes(x.size(d), x.device)), None), backward
-        )
+        sizes = self._shard_sizes(x, d, total, "all_gather")
+        return self._run(x, _Move("all_gather", _Shard(d, sizes), None), backward)
 
     def reduce_scatter(self, x: Tensor | None, dim: int, *, backward: str = "all_gather") -> Tensor | None:
         """``P(sum) -> S(dim)``: sum the ranks' partial values, keep this rank's chunk of ``dim``."""
@@ -202,9 +247,8 @@ class AxisCollectives:
         if x is None or self.size == 1:
             return x
         d = _norm_dim(dim, x.dim())
-        return self._run(
-            x, _Move("reduce_scatter", None, _Shard(d, _split_sizes(x.size(d), self.size))), backward
-        )
+        dst = self._made(d, x.size(d))
+        return self._run(x, _Move("reduce_scatter", None, dst), backward)
 
     def split(self, x: Tensor | None, dim: int, *, backward: str = "all_gather") -> Tensor | None:
         """``R -> S(dim)``: keep this rank's chunk of ``dim``; no communication."""
@@ -212,23 +256,29 @@ class AxisCollectives:
         if x is None or self.size == 1:
             return x
         d = _norm_dim(dim, x.dim())
-        return self._run(x, _Move("split", None, _Shard(d, _split_sizes(x.size(d), self.size))), backward)
+        return self._run(x, _Move("split", None, self._made(d, x.size(d))), backward)
 
     def all_to_all(
-        self, x: Tensor | None, src_dim: int, dst_dim: int, *, backward: str = "all_to_all"
+        self,
+        x: Tensor | None,
+        src_dim: int,
+        dst_dim: int,
+        *,
+        backward: str = "all_to_all",
+        total: Size | None = None,
     ) -> Tensor | None:
-        """``S(src_dim) -> S(dst_dim)``: trade chunks of ``dst_dim`` for the others' shards of ``src_dim``."""
+        """``S(src_dim) -> S(dst_dim)``: trade chunks of ``dst_dim`` for the others' shards of ``src_dim``.
+
+        ``total``: the full size of ``src_dim``, when the caller knows it (no size exchange).
+        """
         _check("all_to_all", backward)
         if x is None or self.size == 1:
             return x
         src, dst = _norm_dim(src_dim, x.dim()), _norm_dim(dst_dim, x.dim())
         if src == dst:
             raise ValueError(f"all_to_all needs two different dims, got src_dim={src_dim}, dst_dim={dst_dim}")
-        move = _Move(
-            "all_to_all",
-            _Shard(src, self._gather_sizes(x.size(src), x.device)),
-            _Shard(dst, _split_sizes(x.size(dst), self.size)),
-        )
+        src_shard = _Shard(src, self._shard_sizes(x, src, total, "all_to_all"))
+        move = _Move("all_to_all", src_shard, self._made(dst, x.size(dst)))
         return self._run(x, move, backward)
 
     def copy(self, x: Tensor | None, *, backward: str = "all_reduce") -> Tensor | None:
@@ -241,19 +291,59 @@ class AxisCollectives:
             return x  # nothing flows back: the forward is the identity, no copy needed
         return self._run(x, _Move("identity", None, None), backward)
 
+    # ---- shard sizes ------------------------------------------------------------------
+
+    def _made(self, dim: int, n: Size) -> _Shard:
+        """The shard an op makes of a dim of ``n``, recorded for the gathers after it."""
+        shard = _Shard(dim, _split_sizes(n, self.size))
+        if self._known is not None:
+            self._known[dim] = shard.sizes
+        return shard
+
+    def _shard_sizes(self, x: Tensor, dim: int, total: Size | None, what: str) -> tuple[Size, ...]:
+        """Every rank's size of ``x`` along ``dim``: from ``total``, a record, or an exchange."""
+        if total is not None:
+            sizes, origin = _split_sizes(total, self.size), f"total={total}"
+        elif self._known is not None and dim in self._known:
+            sizes, origin = self._known[dim], "the shard last made on that dim in this forward"
+        else:
+            return self._exchange_sizes(x.size(dim), x.device)
+        mine = x.size(dim)
+        if _tracing():
+            torch._check(mine == sizes[self.rank])  # (Dynamo takes no message built from locals)
+        elif mine != sizes[self.rank]:
+            raise RuntimeError(
+                f"axis {self.name!r}: {what} on dim {dim}: rank {self.rank} holds {mine}, but {origin} gives "
+                f"it {sizes[self.rank]} (sizes {sizes}); pass the right total, or shard the tensor on this dim "
+                "with this axis's split or reduce_scatter first"
+            )
+        return sizes
+
+    def _exchange_sizes(self, n: Size, device: torch.device) -> tuple[Size, ...]:
+        """Every rank's ``n``, by one all-gather of one int64 per rank (a host sync on CUDA).
+
+        Under torch.compile the sizes become unbacked symbolic ints, which needs
+        ``torch._dynamo.config.capture_scalar_outputs = True`` (else the graph breaks here).
+        """
+        mine = torch.full((1,), n, dtype=torch.int64, device=device)
+        if _tracing():
+            sizes = tuple(_fc_all_gather(mine, 0, self.group).tolist())
+            for size in sizes:
+                torch._check(size >= 0)
+            torch._check(sizes[self.rank] == n)
+            return sizes
+        every = torch.empty(self.size, dtype=torch.int64, device=device)
+        self._gather_into(every, mine)
+        return tuple(every.tolist())
+
     # ---- machinery --------------------------------------------------------------------
 
     def _run(self, x: Tensor, move: _Move, backward: str) -> Tensor:
         if torch.is_grad_enabled() and x.requires_grad:
             return _Collective.apply(x, self, move, move.reversed(backward))
+        if _tracing():
+            return _TRACED[move.op](self, x, move)
         return _owned(_OPS[move.op](self, x, move), x)  # no gradient: skip the autograd node
-
-    def _gather_sizes(self, n: int, device: torch.device) -> tuple[int, ...]:
-        """Every rank's ``n``, by one all-gather of one int64 per rank (a host sync on CUDA)."""
-        mine = torch.tensor([n], dtype=torch.int64, device=device)
-        sizes = torch.empty(self.size, dtype=torch.int64, device=device)
-        self._gather_into(sizes, mine)
-        return tuple(sizes.tolist())
 
     def _native(self, collective: Callable[..., object], out: Tensor, *args: object) -> bool:
         """Run ``collective(out, *args)`` on this group; False if the backend does not support it."""
@@ -284,7 +374,41 @@ class AxisCollectives:
             out.copy_(total[self.rank])
 
 
+class ShardScope:
+    """Forward pre-hook and hook of a parallelized model: shard sizes recorded by its
+    collectives (see the module docstring) live from the start of one forward to its end.
+
+    Outside a model forward nothing is recorded, so a record never outlives the tensors
+    it describes: a later forward, or a submodule called on its own, exchanges sizes
+    rather than trusting a stale record.
+    """
+
+    def __init__(self, axes: Iterable[AxisCollectives]) -> None:
+        self.axes = tuple(ax for ax in axes if ax.size > 1)
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        for ax in self.axes:
+            ax._known = {}
+
+    def exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        for ax in self.axes:
+            ax._known = None
+
+    def __deepcopy__(self, memo: dict) -> ShardScope:
+        return self  # holds process-group handles, shared by copies of a model
+
+
+def scope_shard_sizes(model: nn.Module, axes: Iterable[AxisCollectives]) -> ShardScope:
+    """Let ``axes``' gathers use the sizes of shards made earlier in the same ``model`` forward."""
+    scope = ShardScope(axes)
+    if scope.axes:
+        model.register_forward_pre_hook(scope.enter)
+        model.register_forward_hook(scope.exit, always_call=True)
+    return scope
+
+
 # ---- one function per collective: (axis, tensor, move) -> tensor, never in place -------
+# Eager: torch.distributed's in-place collectives into buffers allocated here.
 
 
 def _identity(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
@@ -343,11 +467,7 @@ def _split(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
 def _all_to_all(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
     (src, src_sizes), (dst, dst_sizes) = move.src, move.dst
     sends = [chunk.reshape(-1) for chunk in x.split(dst_sizes, dim=dst)]  # chunk i goes to rank i
-    shapes = []  # what rank i sends us: its shard of src, our chunk of dst
-    for n in src_sizes:
-        shape = list(x.shape)
-        shape[src], shape[dst] = n, dst_sizes[ax.rank]
-        shapes.append(shape)
+    shapes = _received_shapes(ax, x, move)
     out_splits = [math.prod(shape) for shape in shapes]
     received = x.new_empty(sum(out_splits))
     in_splits = [t.numel() for t in sends]
@@ -358,6 +478,17 @@ def _all_to_all(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
     return torch.cat(
         [flat.view(shape) for flat, shape in zip(received.split(out_splits), shapes, strict=True)], dim=src
     )
+
+
+def _received_shapes(ax: AxisCollectives, x: Tensor, move: _Move) -> list[list[Size]]:
+    """What rank ``i`` sends this rank in an all-to-all: its shard of src, our chunk of dst."""
+    (src, src_sizes), (dst, dst_sizes) = move.src, move.dst
+    shapes = []
+    for n in src_sizes:
+        shape = list(x.shape)
+        shape[src], shape[dst] = n, dst_sizes[ax.rank]
+        shapes.append(shape)
+    return shapes
 
 
 _OPS: dict[str, Callable[[AxisCollectives, Tensor, _Move], Tensor]] = {
@@ -371,13 +502,97 @@ _OPS: dict[str, Callable[[AxisCollectives, Tensor, _Move], Tensor]] = {
 assert _OPS.keys() == _KIND.keys()
 
 
+# Traced (under torch.compile): functional collectives, which return new tensors and which
+# Dynamo and Inductor understand. Written without branches on sizes, which may be symbolic:
+# the uneven path (pad every shard to the largest, cut each block back) also serves even
+# shards, where the padding and the cuts are empty.
+
+
+def _padded(x: Tensor, dim: int, size: Size) -> Tensor:
+    """``x`` grown with zeros to ``size`` along ``dim`` (a no-op pad when it already is)."""
+    return F.pad(x, [0, 0] * (x.dim() - 1 - dim) + [0, size - x.size(dim)])
+
+
+def _chunks(x: Tensor, dim: int, sizes: Sequence[Size]) -> list[Tensor]:
+    """``x`` cut along ``dim`` into consecutive pieces of ``sizes``."""
+    pieces, start = [], 0
+    for n in sizes:
+        pieces.append(x.narrow(dim, start, n))
+        start = start + n
+    return pieces
+
+
+def _largest(sizes: Sequence[Size]) -> Size:
+    most = sizes[0]
+    for n in sizes[1:]:
+        most = torch.sym_max(most, n)
+    return most
+
+
+def _traced_identity(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def _traced_all_reduce(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
+    op = "sum" if move.reduce == "avg" else move.reduce  # avg: sum then divide, as gloo lacks AVG
+    out = funcol.all_reduce(x.contiguous(), op, ax.group)
+    return out / ax.size if move.reduce == "avg" else out
+
+
+def _traced_all_gather(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
+    d, sizes = move.src
+    local = _padded(x, d, _largest(sizes)).unsqueeze(0).contiguous()
+    blocks = _fc_all_gather(local, 0, ax.group)  # [k, *local.shape[1:]]
+    return torch.cat([blocks[i].narrow(d, 0, n) for i, n in enumerate(sizes)], dim=d)
+
+
+def _traced_reduce_scatter(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
+    d, sizes = move.dst
+    most = _largest(sizes)  # (a gather's backward scatters the gather's sizes, whatever they are)
+    blocks = torch.stack([_padded(chunk, d, most) for chunk in _chunks(x, d, sizes)])
+    out = _fc_reduce_scatter(blocks, "sum", 0, ax.group)[0]  # a view: cloned, like every result
+    return out.narrow(d, 0, sizes[ax.rank]).clone(memory_format=torch.contiguous_format)
+
+
+def _traced_split(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
+    d, sizes = move.dst
+    return _chunks(x, d, sizes)[ax.rank].clone(memory_format=torch.contiguous_format)
+
+
+def _traced_all_to_all(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
+    (src, _), (dst, dst_sizes) = move.src, move.dst
+    sends = [chunk.reshape(-1) for chunk in _chunks(x, dst, dst_sizes)]  # chunk i goes to rank i
+    shapes = _received_shapes(ax, x, move)
+    out_splits = [math.prod(shape) for shape in shapes]
+    received = funcol.all_to_all_single(torch.cat(sends), out_splits, [t.numel() for t in sends], ax.group)
+    flats = _chunks(received, 0, out_splits)
+    return torch.cat([flat.view(shape) for flat, shape in zip(flats, shapes, strict=True)], dim=src)
+
+
+_TRACED: dict[str, Callable[[AxisCollectives, Tensor, _Move], Tensor]] = {
+    "identity": _traced_identity,
+    "all_reduce": _traced_all_reduce,
+    "all_gather": _traced_all_gather,
+    "reduce_scatter": _traced_reduce_scatter,
+    "split": _traced_split,
+    "all_to_all": _traced_all_to_all,
+}
+assert _TRACED.keys() == _KIND.keys()
+
+
 class _Collective(torch.autograd.Function):
     """Runs the forward move; in backward, runs the reversed move on the gradient, then the
-    reduction's own derivative (1/size for avg, the argmax/argmin mask for max/min)."""
+    reduction's own derivative (1/size for avg, the argmax/argmin mask for max/min).
+
+    Dynamo traces it (forward and backward) when it is compiling; the traced ops run then.
+    """
 
     @staticmethod
     def forward(ctx, x: Tensor, ax: AxisCollectives, move: _Move, back: _Move) -> Tensor:  # type: ignore[override]
-        y = _owned(_OPS[move.op](ax, x, move), x)
+        if _tracing():
+            y = _TRACED[move.op](ax, x, move)
+        else:
+            y = _owned(_OPS[move.op](ax, x, move), x)
         ctx.ax, ctx.back = ax, back
         ctx.scale = 1.0 / ax.size if move.reduce == "avg" else None
         ctx.masked = move.reduce in ("max", "min")
@@ -388,7 +603,9 @@ class _Collective(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
-        grad = _OPS[ctx.back.op](ctx.ax, grad, ctx.back)
+        if ctx.back.op != "identity":  # (the traced identity copies; a gradient need not)
+            ops = _TRACED if _tracing() else _OPS
+            grad = ops[ctx.back.op](ctx.ax, grad, ctx.back)
         if ctx.scale is not None:
             grad = grad * ctx.scale
         if ctx.masked:

@@ -56,7 +56,7 @@ from hpgen.errors import HpgenError
 from hpgen.plan import Plan, load_plan, plan_from_dict
 from hpgen.runtime.agreement import check_ranks_agree, raise_together
 from hpgen.runtime.attrs import survey_attrs
-from hpgen.runtime.collectives import AxisCollectives
+from hpgen.runtime.collectives import AxisCollectives, scope_shard_sizes
 from hpgen.runtime.kernels import fit_experts_kernel
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.hooks import (
@@ -108,6 +108,7 @@ def parallelize(model: nn.Module, plan: PlanLike, mesh: DeviceMesh) -> nn.Module
     # state_dict() as DTensors, load_state_dict of DTensors or full tensors, save_pretrained unsharded
     install_state_dict_hooks(model, survey.shards, mesh, axes, plan.mesh_dim_names)
     bind_save_pretrained(model)
+    scope_shard_sizes(model, axes.values())  # gathers reuse the sizes of shards made in the same forward
     model._hp_parallelized = True
     return model
 

@@ -245,12 +245,37 @@ def _wrapper(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, Axi
     movers_in, movers_out = boundary_movers(plan, item.key, mesh, axes, item.fqn, known_inputs=known)
     target = Target(item, role, cls=subclass_with(type(item.module), role))
     target.bind["_hp_in"] = _unless_empty(movers_in.get("input"))
-    target.bind["_hp_out"] = _unless_empty(movers_out.get(output)) if output else None
+    out_mover = movers_out.get(output) if output else None
+    if weight is not None and isinstance(out_mover, StaticMove):
+        feature_dim = 0 if role == "linear" else 1  # the weight dim that is the output's last dim
+        out_mover = _known_totals(out_mover, weight, item.module.weight.shape[feature_dim], feature_dim, axes)
+    target.bind["_hp_out"] = _unless_empty(out_mover)
     if role == "embedding" and weight is not None:
         shares = [(weight.on(axis), axes[axis].rank, axes[axis].size) for axis in mesh_axes]
         if any(p.kind == "S" and normalize_dim(p.dim, 2) == 0 for p, _, _ in shares):
             target.bind["_hp_vocab"] = local_range(item.module.weight.shape[0], shares, 0, 2)
     return target
+
+
+def _known_totals(
+    mover: StaticMove, weight: Any, features: int, feature_dim: int, axes: Mapping[str, AxisCollectives]
+) -> StaticMove:
+    """``mover`` with each gather of the output's last dim told its full size (no size exchange).
+
+    A wrapper's output features are its weight's ``feature_dim`` rows or columns. Outputs
+    undo the axes in reverse mesh order, so when axis ``a`` gathers, the axes before it in
+    the mesh still shard the dim: the size after the gather is the chunk they leave.
+    """
+    steps = []
+    for method, kwargs in mover.steps:
+        ax = getattr(method, "__self__", None)
+        if isinstance(ax, AxisCollectives) and method.__name__ == "all_gather" and kwargs.get("dim") == -1:
+            names = list(axes)  # in mesh order
+            before = [(weight.on(axis), axes[axis].rank, axes[axis].size) for axis in names[: names.index(ax.name)]]
+            start, stop = local_range(features, before, feature_dim, 2)
+            kwargs = {**kwargs, "total": stop - start}
+        steps.append((method, kwargs))
+    return StaticMove(tuple(steps))
 
 
 def _unless_empty(mover: Any) -> Any:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hpgen.runtime import collectives
-from hpgen.runtime.collectives import IDENTITY_AXIS, AxisCollectives
+from hpgen.runtime.collectives import IDENTITY_AXIS, AxisCollectives, ShardScope
 from tests.dist import RankFailed, run_distributed
 
 REDUCE = {
@@ -121,11 +121,16 @@ def _check(ax: AxisCollectives, case: tuple, shape: tuple[int, ...], seed: int, 
 SHAPES = [(4, 6, 2), (7, 5, 3), (1, 3, 1), (5, 7)]
 
 
-def _battery(rank: int, world_size: int, groups: list[tuple[list[int], list[tuple]]], fallbacks=False) -> int:
+def _battery(
+    rank: int, world_size: int, groups: list[tuple[list[int], list[tuple]]], fallbacks=False, traced=False
+) -> int:
     """Every case on each of the shapes, for each (group ranks, shapes) this rank is in.
 
     ``fallbacks``: act as if gloo lacked its single-tensor collectives, as some backends do.
+    ``traced``: run the form the ops take under torch.compile (functional collectives), eagerly.
     """
+    if traced:
+        collectives._tracing = lambda: True  # this spawned process only
     if fallbacks:
         for name in ("all_gather_single", "reduce_scatter_single", "all_to_all_single"):
             collectives._UNSUPPORTED.add(("gloo", "cpu", name))
@@ -191,6 +196,83 @@ def test_three_ranks_a_subgroup_and_the_fallbacks():
     groups = [([0, 1, 2], SHAPES), ([1, 2], SHAPES[1:2])]
     checks = run_distributed(_battery, groups, True, world_size=3, timeout=180)
     assert checks[1] == checks[2] > checks[0] >= 100
+
+
+def _int64_gathers(graphs) -> int:
+    """All-gathers of int64 values (size exchanges) in Dynamo's graphs."""
+    return sum(
+        1
+        for graph in graphs
+        for node in graph.graph.nodes
+        if str(node.target).startswith("_c10d_functional.all_gather")
+        and node.args[0].meta["example_value"].dtype == torch.int64
+    )
+
+
+def _known_sizes(rank: int, world_size: int) -> list[int]:
+    """Where a gather takes its shard sizes from, eagerly and compiled; returns the exchanges seen."""
+    ax = AxisCollectives(dist.group.WORLD, "tp")
+    exchanges = []
+    exchange = ax._exchange_sizes
+    ax._exchange_sizes = lambda n, device: exchanges.append(n) or exchange(n, device)
+    full = torch.arange(14.0).reshape(2, 7)
+    mine = full.tensor_split(world_size, 1)[rank]
+    assert torch.equal(ax.all_gather(mine, 1), full)  # outside a forward: exchanged
+    assert torch.equal(ax.all_gather(mine, 1, total=7), full)  # the caller knows the total
+    with pytest.raises(RuntimeError, match=r"holds \d, but total=9 gives it"):  # 5 + 4: wrong on both ranks
+        ax.all_gather(mine, 1, total=9)
+    assert len(exchanges) == 1
+
+    scope = ShardScope([ax])
+    scope.enter(None, ())  # a model forward starts
+    piece = ax.split(full, 1)
+    assert torch.equal(ax.all_gather(piece * 2, 1), full * 2)  # the split's sizes: no exchange
+    assert torch.equal(ax.all_gather(ax.reduce_scatter(full, 1), 1), full * world_size)
+    with pytest.raises(RuntimeError, match="holds 5, but the shard last made on that dim in this forward"):
+        ax.all_gather(torch.zeros(2, 5), 1)
+    assert len(exchanges) == 1
+    # compiled: the split's sizes are symbolic ints of the graph, and no size exchange is traced
+    report = torch._dynamo.explain(lambda x: ax.all_gather(ax.split(x, 1) + 1, 1))(full)
+    assert report.graph_count == 1 and report.graph_break_count == 0
+    assert _int64_gathers(report.graphs) == 0
+    scope.exit(None, (), None)  # the forward ends: nothing is known any more
+    assert ax._known is None
+    assert torch.equal(ax.all_gather(mine, 1), full) and len(exchanges) == 2
+    eager_exchanges = list(exchanges)
+
+    # a size only the ranks know, compiled: exchanged as a tensor, read as unbacked ints
+    torch._dynamo.reset()
+    report = torch._dynamo.explain(lambda x: ax.all_gather(x, 1) + 1)(mine)
+    assert report.graph_break_count >= 1  # without capture_scalar_outputs, reading the sizes breaks the graph
+    assert "capture_scalar_outputs" in str(report.break_reasons[0].reason)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        torch._dynamo.reset()
+        x = mine.clone().requires_grad_()
+        out = torch.compile(lambda x: ax.all_gather(x, 1) * 3, fullgraph=True, backend="eager")(x)
+        assert torch.equal(out, full * 3)
+        out.sum().backward()  # reduce_scatter of a gradient of 3s: 2 ranks' worth
+        assert torch.equal(x.grad, torch.full_like(mine, 3.0 * world_size))
+    return eager_exchanges
+
+
+def _compile_forms(rank: int, world_size: int) -> tuple[list[int], int]:
+    """Where shard sizes come from; then the battery in the form the ops take under torch.compile."""
+    exchanges = _known_sizes(rank, world_size)
+    return exchanges, _battery(rank, world_size, [([0, 1], SHAPES)], traced=True)
+
+
+@pytest.fixture(scope="module")
+def compile_forms() -> list[tuple[list[int], int]]:
+    return run_distributed(_compile_forms, world_size=2, timeout=240)
+
+
+def test_shard_sizes_from_total_a_record_or_an_exchange(compile_forms):
+    assert [exchanges for exchanges, _ in compile_forms] == [[4, 4], [3, 3]]  # each rank's own size, twice
+
+
+def test_functional_collectives_give_the_same_values_and_gradients(compile_forms):
+    # the form every op takes under torch.compile (functional collectives), run eagerly
+    assert compile_forms[0][1] == compile_forms[1][1] >= 100
 
 
 def test_identity_axis_needs_no_process_group():
