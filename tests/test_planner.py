@@ -177,7 +177,7 @@ def test_sizing_report_counts_bytes_and_collectives() -> None:
     totals = report.totals("forward")
     # two per layer, the token embedding's and the learned positions' (64 rows: as big as half the vocabulary)
     assert totals["all_reduce"][0] == 2 * 2 + 2
-    assert totals["all_gather"][0] == 2  # the logits, after the shard sizes
+    assert totals["all_gather"][0] == 1  # the logits (the wrapped lm_head knows its shard sizes)
     assert "encoder_hidden_states" in report.optional
 
 

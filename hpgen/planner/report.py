@@ -10,8 +10,9 @@ computed from the model built on the meta device (shapes only) and the plan:
   (:func:`hpgen.classify.value_ops`), forward and backward, each with the bytes of the
   tensor it moves per token (the value's feature width at that dtype) and the bytes a
   rank sends for it on a ring (all-reduce ``2 (p-1)/p``, all-gather and reduce-scatter
-  ``(p-1)/p`` of the whole tensor). An all-gather first exchanges the shard sizes (one
-  int64 per rank), as :mod:`hpgen.runtime.collectives` does. Gradient all-reduces of
+  ``(p-1)/p`` of the whole tensor). An all-gather whose shard sizes the runtime cannot
+  know exchanges them first (one int64 per rank, :mod:`hpgen.runtime.collectives`); a
+  wrapped ``lm_head`` knows them. Gradient all-reduces of
   ``grad_reduce_params`` run once per backward, whatever the tokens.
 
 Grouped per decoder layer (boundaries under a numbered module-list element, by layer
@@ -44,7 +45,7 @@ class Collective:
     phase: str  # forward | backward
     tensor_bytes: int  # the whole tensor it produces or reduces, per token
     sent_bytes: float  # what one rank sends for it, per token (ring algorithm)
-    calls: int  # collective calls per use (an all-gather adds its size exchange)
+    calls: int  # collective calls per use
 
 
 @dataclass
@@ -127,6 +128,11 @@ class SizeReport:
                     for kind, (calls, tensor, sent) in totals.items()
                 ]
                 lines.append(f"  total per {phase}: " + "; ".join(parts))
+        if any(c.kind in ("all_gather", "all_to_all") for cs in (*self.per_layer.values(), self.outside) for c in cs):
+            lines.append(
+                "  an all-gather whose shard sizes the runtime does not know (none of: a wrapped layer's full size, a "
+                "split earlier in the forward) first exchanges them: one more all-gather of one int64 per rank"
+            )
         if self.optional:
             lines.append(
                 "  not counted: the inputs "
@@ -144,9 +150,8 @@ class SizeReport:
 def _describe(collectives: Iterable[Collective], indent: str) -> list[str]:
     lines = []
     for c in collectives:
-        extra = " (+ its shard-size exchange)" if c.calls > 1 else ""
         lines.append(
-            f"{indent}{c.phase:8} {c.kind}{extra} of {c.value} at {c.module}: {format_bytes(c.tensor_bytes)} per token, "
+            f"{indent}{c.phase:8} {c.kind} of {c.value} at {c.module}: {format_bytes(c.tensor_bytes)} per token, "
             f"{format_bytes(c.sent_bytes)} sent per rank"
         )
     return lines
@@ -279,7 +284,7 @@ def _collectives(
 
 
 def _collective(module: str, value: str, kind: str, phase: str, tensor: int) -> Collective:
-    return Collective(module, value, kind, phase, tensor, 0.0, 2 if kind in ("all_gather", "all_to_all") else 1)
+    return Collective(module, value, kind, phase, tensor, 0.0, 1)
 
 
 def _width(module: Any, name: str, side: str, entry: Any, hidden: Any, wrapped: bool) -> int:
