@@ -678,7 +678,23 @@ NOTES: dict[str, str] = {
     "no block boundary (nor transformers' hooks) slices the mask back to the local heads.",
     "longcat_flash": "`moe_identity_expert` (identity experts inside the expert sum, whose input transformers "
     "divides by the TP size) has no plan equivalent: it needs a local compute function.",
+    "gemma3": "the model builds its language model with `AutoModel.from_config(config.text_config)`, which gives "
+    "transformers' own class, not the lowered one, and `parallelize` refuses a boundary whose class was not lowered: "
+    "hpgen lowers one modeling file and does not rewrite the auto-class lookup.",
+    "gemma4": "as gemma3: the language model comes from `AutoModel`, not from the lowered file.",
+    "gemma4_unified": "as gemma3: the language model comes from `AutoModel`, not from the lowered file.",
+    "got_ocr2": "its decoder layers are Qwen2's classes, from another modeling file; hpgen lowers one file.",
+    "moss_transcribe_diarize": "its decoder layers are Qwen3's classes, from another modeling file.",
+    "gemma4_unified_assistant": "its decoder layers are Gemma4Unified's classes, from another modeling file.",
+    "fuyu": "the language model is Persimmon's, built through `AutoModel` from another modeling file; "
+    "modeling_fuyu.py holds only the vision projection.",
+    "reformer": "the backward of its reversible layers runs only in train mode (transformers asserts it); the "
+    "comparison runs in eval mode, and in train mode LSH attention draws random rotations per forward.",
 }
+
+
+# Models whose decoder layers hpgen does not lower: they come from another file, or AutoModel builds them.
+COMPOSITE = {"gemma3", "gemma4", "gemma4_unified", "got_ocr2", "moss_transcribe_diarize", "gemma4_unified_assistant", "fuyu"}
 
 
 # Sequence-parallel failures whose cause was found by reading the model's forward.
@@ -857,7 +873,9 @@ def _cause(row: Row) -> str:
     stage = reason.split(":", 1)[0]
     if row.parity and row.grads_ok:
         return _short_of_target(row).split(" of the parameters")[0].replace(f" {row.param_share:.2f}", " more")
-    if row.model_type in NOTES:
+    if row.model_type in COMPOSITE:
+        return "the layers come from another modeling file or through AutoModel (hpgen lowers one file; see the notes)"
+    if row.model_type in NOTES and row.model_type != "reformer":
         return "transformers' own plan or model does not shard this way (see the notes in the reason)"
     if stage in ("config", "plan", "lower"):
         if "cannot build" in reason or stage == "config":

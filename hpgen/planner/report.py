@@ -45,7 +45,7 @@ class Collective:
     phase: str  # forward | backward
     tensor_bytes: int  # the whole tensor it produces or reduces, per token
     sent_bytes: float  # what one rank sends for it, per token (ring algorithm)
-    calls: int  # collective calls per use (an all-gather adds its size exchange)
+    calls: int  # collective calls per use
 
 
 @dataclass
@@ -128,6 +128,11 @@ class SizeReport:
                     for kind, (calls, tensor, sent) in totals.items()
                 ]
                 lines.append(f"  total per {phase}: " + "; ".join(parts))
+        if any(c.kind in ("all_gather", "all_to_all") for cs in (*self.per_layer.values(), self.outside) for c in cs):
+            lines.append(
+                "  an all-gather whose shard sizes the runtime does not know (none of: a wrapped layer's full size, a "
+                "split earlier in the forward) first exchanges them: one more all-gather of one int64 per rank"
+            )
         if self.optional:
             lines.append(
                 "  not counted: the inputs "
@@ -145,9 +150,8 @@ class SizeReport:
 def _describe(collectives: Iterable[Collective], indent: str) -> list[str]:
     lines = []
     for c in collectives:
-        extra = " (+ its shard-size exchange)" if c.calls > 1 else ""
         lines.append(
-            f"{indent}{c.phase:8} {c.kind}{extra} of {c.value} at {c.module}: {format_bytes(c.tensor_bytes)} per token, "
+            f"{indent}{c.phase:8} {c.kind} of {c.value} at {c.module}: {format_bytes(c.tensor_bytes)} per token, "
             f"{format_bytes(c.sent_bytes)} sent per rank"
         )
     return lines
