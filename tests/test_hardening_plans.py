@@ -448,10 +448,16 @@ def all_paths(value, path=()):
 
 @st.composite
 def mutated_plan_bytes(draw) -> bytes:
-    """A valid plan with 1-3 random mutations, as the bytes of a plan file."""
+    """A valid plan with 0-3 random mutations, as the bytes of a plan file.
+
+    Zero mutations (the plan re-encoded, perhaps damaged as text) keeps valid plans in the
+    stream, so the property sees both outcomes whatever Hypothesis draws first.
+    """
     holder = {"plan": copy.deepcopy(draw(st.one_of(st.sampled_from(BASE_PLANS), valid_plans())))}
-    for _ in range(draw(st.integers(1, 3))):
-        path = draw(st.sampled_from(list(all_paths(holder))[1:]))
+    for _ in range(draw(st.sampled_from([1, 2, 3, 0]))):
+        # Not the root and not the whole plan: Hypothesis favours the first element of a
+        # sample, and replacing the plan itself would make most examples one trivial error.
+        path = draw(st.sampled_from(list(all_paths(holder))[2:] or [("plan",)]))
         action = draw(st.sampled_from(["replace", "delete", "rename", "insert", "wrap", "suffix"]))
         parent = holder
         for part in path[:-1]:
@@ -534,7 +540,7 @@ def test_the_mutation_strategy_reaches_both_outcomes():
                 messages.add(result.stderr.replace(str(folder), "")[:60])
 
     collect()
-    assert outcomes == {"ok", "error"}
+    assert outcomes == {"ok", "error"}, sorted(messages)
     assert len(messages) >= 8, messages
 
 
