@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Callable, Mapping
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -35,6 +37,7 @@ from hpgen.plan import Plan, contract_signature
 from hpgen.plan import Target as PlanTarget
 from hpgen.runtime.boundary import StaticMove, boundary_movers, generic_boundary
 from hpgen.runtime.collectives import AxisCollectives
+from hpgen.runtime.counterparts import GeneratedModule, counterpart
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.kernels import instance_forward_problem, route_dispatch
 from hpgen.runtime.params import Matched
@@ -81,20 +84,40 @@ class Target:
             self.prepare()
 
 
-def resolve(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, AxisCollectives]) -> Target:
-    """Decide what ``item.module`` becomes; raise :class:`ParallelizeError` if it cannot."""
-    target = _resolve(item, plan, mesh, axes)
+def resolve(
+    item: Matched,
+    plan: Plan,
+    mesh: DeviceMesh,
+    axes: Mapping[str, AxisCollectives],
+    generated: Sequence[GeneratedModule] = (),
+) -> Target:
+    """Decide what ``item.module`` becomes; raise :class:`ParallelizeError` if it cannot.
+
+    A module of a class with no generated forward (transformers' own class, built through
+    ``AutoModel``) takes the generated class lowered from its source, found in ``generated``.
+    """
+    target = _resolve(item, plan, mesh, axes, generated)
     problem = instance_forward_problem(item.module) if target.form != "identity" else None
     if problem is not None:
         raise ParallelizeError(f"{item.fqn} ({type(item.module).__name__}), a boundary of param_plan[{item.key!r}]: {problem}")
     return target
 
 
-def _resolve(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, AxisCollectives]) -> Target:
+def _resolve(
+    item: Matched,
+    plan: Plan,
+    mesh: DeviceMesh,
+    axes: Mapping[str, AxisCollectives],
+    generated: Sequence[GeneratedModule],
+) -> Target:
     if not item.entry.is_boundary:
         return Target(item, "identity")
     cls = type(item.module)
     lowered = hasattr(cls, "_hp_boundary_form")
+    if not lowered and not isinstance(item.module, (nn.Embedding, nn.Linear)):
+        found = counterpart(cls, generated)
+        if found is not None:
+            cls, lowered = found, True
     if not lowered and isinstance(item.module, (nn.Embedding, nn.Linear)):
         role = "embedding" if isinstance(item.module, nn.Embedding) else "linear"
         if is_identity_contract(plan, item.key, known_inputs=KNOWN_INPUTS[role]) and not (
@@ -108,8 +131,17 @@ def _resolve(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, Axi
         return _generated(item, plan, mesh, axes, cls)
     raise ParallelizeError(
         f"{item.fqn} ({cls.__qualname__} from {cls.__module__}) is a boundary of param_plan[{item.key!r}] but its "
-        f"class has no generated forward: the file defining it was not lowered with this plan; {_REGENERATE}"
+        f"class has no generated forward: the file defining it was not lowered with this plan; {_REGENERATE}, "
+        f"and pass the generated module of {_file_of(cls)} to parallelize(..., generated=[...]) when the model "
+        "builds this class from transformers' file (through AutoModel) or from another model's file"
     )
+
+
+def _file_of(cls: type) -> str:
+    try:
+        return Path(inspect.getsourcefile(cls) or "").name or cls.__module__
+    except TypeError:
+        return cls.__module__
 
 
 def _vocab_sharded(item: Matched, plan: Plan) -> bool:
