@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import inspect
 import json
 import os
@@ -374,6 +375,7 @@ class Case:
     model_type: str
     generated: str
     plan: dict
+    others: tuple[str, ...] = ()  # the generated files of the other modeling files the boundaries live in
 
 
 VARIANTS = {"tp": {}, "sp": {"sp": True}, "ep": {"ep": 2}}  # plan_for_model options beyond tp=2
@@ -411,16 +413,27 @@ def prepare(model_type: str, directory: Path, *, variant: str = "tp") -> tuple[R
         row.replicated = "; ".join(f"`{key}`: {text}" for key, text in list(notes.items())[:2])
         row.plan_ok = True
         source = Path(inspect.getsourcefile(cls) or "")
+        # `hpgen lower` is one file in, one file out: each modeling file the boundaries live in is lowered
+        others = [
+            Path(importlib.util.find_spec(name).origin)
+            for name in plan.get("comments", {}).get("modeling_files", [])
+            if Path(importlib.util.find_spec(name).origin).resolve() != source.resolve()
+        ]
+        texts = []
         try:
-            text = lower(
-                source.read_text(encoding="utf-8"),
-                plan_from_dict(plan, name=f"{model_type}.json"),
-                source_name=source.name,
-                package=infer_package(source),
-            )
+            for path in (source, *others):
+                texts.append(
+                    lower(
+                        path.read_text(encoding="utf-8"),
+                        plan_from_dict(plan, name=f"{model_type}.json"),
+                        source_name=path.name,
+                        package=infer_package(path),
+                    )
+                )
         except HpgenError as error:
             row.reason = f"lower: {error}"
             return row, None
+        text = texts[0]
         row.lower_ok = True
         if not is_decoder_only_causal_lm(cls, getattr(model, "config", config)):  # BartForCausalLM: a decoder
             row.reason = "parity not run: not a decoder-only causal LM"
@@ -431,7 +444,11 @@ def prepare(model_type: str, directory: Path, *, variant: str = "tp") -> tuple[R
             return row, None
         generated = directory / f"{model_type}_{variant}.py"
         generated.write_text(text, encoding="utf-8")
-        return row, Case(model_type, str(generated), plan)
+        written = []
+        for path, other in zip(others, texts[1:]):
+            written.append(directory / f"{model_type}_{variant}_{path.stem}.py")
+            written[-1].write_text(other, encoding="utf-8")
+        return row, Case(model_type, str(generated), plan, tuple(map(str, written)))
     finally:
         row.seconds = round(time.monotonic() - started, 1)
 
@@ -496,17 +513,23 @@ def _rank_cases(rank: int, world_size: int, cases: list[Case], seed: int) -> dic
     found: dict[str, dict | str] = {}
     for case in cases:
         try:
-            found[case.model_type] = _parity_rank(rank, world_size, case.model_type, case.generated, case.plan, seed)
+            found[case.model_type] = _parity_rank(
+                rank, world_size, case.model_type, case.generated, case.plan, seed, case.others
+            )
         except Exception:  # recorded per case; the next case still runs
             found[case.model_type] = _last_line(traceback.format_exc())
         dist.barrier()
     return found
 
 
-def _parity_rank(_rank: int, world_size: int, model_type: str, generated: str, plan: dict, seed: int) -> dict:
+def _parity_rank(
+    _rank: int, world_size: int, model_type: str, generated: str, plan: dict, seed: int, others: tuple[str, ...] = ()
+) -> dict:
     """One rank: the reference and the parallelized generated model, their logits and gradients.
 
     This rank's place on each mesh axis comes from the mesh (``_rank`` is its global rank).
+    ``others`` are the generated files of the other modeling files the plan's boundaries live
+    in (a language model built through ``AutoModel``): ``parallelize`` takes its classes from them.
     """
     import torch
     import transformers
@@ -550,7 +573,7 @@ def _parity_rank(_rank: int, world_size: int, model_type: str, generated: str, p
     model.eval()
     full_shapes = {name: param.shape for name, param in model.named_parameters()}
     full_bytes = sum(param.numel() * param.element_size() for param in model.parameters())
-    parallelize(model, plan, mesh)
+    parallelize(model, plan, mesh, generated=[import_file(path) for path in others])
     local_bytes = sum(param.numel() * param.element_size() for param in model.parameters())
     # a parameter of a decoder layer (a numbered segment: model.layers.3.mlp...) got smaller
     layers_sharded = any(

@@ -179,6 +179,7 @@ def explain(analysis: Analysis) -> dict[str, Any]:
         "classes": classes,
         "wrapped": wrapped,
         "skipped": list(analysis.skipped),
+        "elsewhere": {key: found.name for key, found in analysis.elsewhere.items()},
     }
 
 
@@ -224,4 +225,7 @@ def explain_text(report: dict[str, Any]) -> str:
     for key in report["skipped"]:
         lines.append("")
         lines.append(f"{key}: skip_source_lowering")
+    for key, name in report.get("elsewhere", {}).items():
+        lines.append("")
+        lines.append(f"{key}: {name}, a class of another modeling file: lowered with that file")
     return "\n".join(lines) + "\n"

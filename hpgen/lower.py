@@ -8,7 +8,7 @@ proves it compiles before handing it back. Nothing here touches the file system.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import libcst as cst
 
@@ -55,6 +55,7 @@ class Analysis:
     classes: dict[str, ClassLowering]  # in source order
     external: dict[str, ResolvedClass]  # boundaries wrapped by the runtime (nn.Linear, ...)
     skipped: tuple[str, ...]  # skip_source_lowering entries
+    elsewhere: dict[str, ResolvedClass] = field(default_factory=dict)  # classes of other files, lowered there
 
 
 def analyze(source_text: str, plan: Plan, *, source_name: str = "<source>") -> Analysis:
@@ -69,9 +70,11 @@ def analyze(source_text: str, plan: Plan, *, source_name: str = "<source>") -> A
         )
     resolved = resolve_boundaries(plan, index, source_name=source_name)
     keys_by_class: dict[str, list[str]] = defaultdict(list)
-    external = {}
+    external, elsewhere = {}, {}
     for key, found in resolved.items():
-        if found.external:
+        if found.elsewhere:
+            elsewhere[key] = found
+        elif found.external:
             external[key] = found
         else:
             keys_by_class[found.name].append(key)
@@ -80,7 +83,7 @@ def analyze(source_text: str, plan: Plan, *, source_name: str = "<source>") -> A
         if name in keys_by_class:
             classes[name] = _lower_class(plan, index, info, sorted(keys_by_class[name]), source_name)
     skipped = tuple(key for key, entry in plan.entries.items() if entry.skip_source_lowering)
-    return Analysis(parsed, index, plan, classes, external, skipped)
+    return Analysis(parsed, index, plan, classes, external, skipped, elsewhere)
 
 
 def _lower_class(plan: Plan, index: ModuleIndex, info: ClassInfo, keys: list[str], source_name: str) -> ClassLowering:

@@ -4,11 +4,19 @@
 the single ``*ForCausalLM`` / top-level PreTrainedModel subclass) and follows
 ``self.<attr> = Class(...)`` and ``nn.ModuleList([Class(...) ...])`` one FQN segment at
 a time, looking through base classes defined in the same file.
+
+A plan whose boundaries live in several modeling files (a multimodal model whose language
+model is another model's: GOT-OCR2's decoder layers are Qwen2's) names each boundary's
+class by its qualified name, ``transformers.models.qwen2.modeling_qwen2.Qwen2Attention``.
+Lowering a file takes the keys whose module is that file (the last module segment is the
+file's stem) and leaves the others to the lowering of their own file (``elsewhere``).
+Names under ``torch``/``nn`` are torch's classes, which no file lowers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import PurePath
 
 from hpgen.classify import is_identity_contract
 from hpgen.errors import HpgenError
@@ -17,6 +25,7 @@ from hpgen.plan import Plan
 
 # Classes not defined in the source that the runtime wraps (SPEC §4).
 WRAPPED_EXTERNAL = ("Embedding", "Linear")
+TORCH_MODULES = ("torch", "nn")  # prefixes of torch's own classes: there is no source to lower
 
 
 @dataclass(frozen=True)
@@ -25,6 +34,7 @@ class ResolvedClass:
 
     name: str
     external: bool
+    elsewhere: bool = False  # a class of another modeling file, lowered from that file
 
 
 def resolve_boundaries(plan: Plan, index: ModuleIndex, *, source_name: str) -> dict[str, ResolvedClass]:
@@ -85,6 +95,11 @@ class _Resolver:
                     where=f'boundary_classes["{key}"]',
                 )
             return ResolvedClass(name, external=False)
+        module, _, short = name.rpartition(".")
+        if module.rpartition(".")[2] == PurePath(self.source_name).stem:
+            return self.named_class(key, short)  # this file's class, by its qualified name
+        if module.split(".", 1)[0] not in TORCH_MODULES and short not in WRAPPED_EXTERNAL:
+            return ResolvedClass(name, external=True, elsewhere=True)
         return self.external(key, name)
 
     def external(self, key: str, name: str) -> ResolvedClass:

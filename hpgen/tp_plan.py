@@ -338,6 +338,9 @@ class _Translator:
             raise HpgenError(f"{name}: --sp shards the sequence on the tp axis; give --tp too")
         self.source = Path(_source_file(type(model)))
         self.parsed, self.index = _index_source(self.source)
+        # the modeling files the boundaries' classes come from (a language model built through
+        # AutoModel from another model's file), each indexed once
+        self._sources: dict[Path, tuple[ParsedSource, ModuleIndex]] = {self.source.resolve(): (self.parsed, self.index)}
         self.boundaries: dict[str, _Boundary] = {}
 
     # -- rules
@@ -815,20 +818,25 @@ class _Translator:
             boundary.grad_reduce.update(boundary.deferred)
         boundary.outputs[names[0]] = ({axis: "P(sum)" for axis in axes}, dst)
 
+    def _source_of(self, cls: type) -> tuple[Path, ParsedSource, ModuleIndex]:
+        """The modeling file defining ``cls``, parsed and indexed (once per file)."""
+        path = Path(_source_file(cls)).resolve()
+        if path not in self._sources:
+            self._sources[path] = _index_source(path)
+        return (path, *self._sources[path])
+
     def _class_info(self, module: Any, fqn: str) -> ClassInfo:
         cls = type(module)
-        if not defined_in(cls, self.source):
-            raise HpgenError(
-                f"{self.name}: {fqn} is a {cls.__qualname__} from {cls.__module__}, not from {self.source.name}; "
-                "hpgen lowers one modeling file"
-            )
-        info = self.index.class_named(cls.__name__)
-        assert info is not None  # the class is defined in the indexed file
+        path, _, index = self._source_of(cls)
+        info = index.class_named(cls.__name__)
+        if info is None:
+            raise HpgenError(f"{self.name}: {fqn}: {cls.__qualname__} is not a top-level class of {path.name}")
         return info
 
     def _forward_owner(self, module: Any, fqn: str) -> ClassInfo:
-        """The class (in the source) whose ``forward`` the module runs."""
+        """The class (in the module's modeling file) whose ``forward`` the module runs."""
         info = self._class_info(module, fqn)
+        path, _, index = self._source_of(type(module))
         pending, seen = [info], set()
         while pending:
             current = pending.pop(0)
@@ -837,8 +845,8 @@ class _Translator:
             seen.add(current.name)
             if current.forward is not None:
                 return current
-            pending.extend(self.index.classes[base] for base in current.bases if base in self.index.classes)
-        raise HpgenError(f"{self.name}: {fqn} ({info.name}) has no forward in {self.source.name}")
+            pending.extend(index.classes[base] for base in current.bases if base in index.classes)
+        raise HpgenError(f"{self.name}: {fqn} ({info.name}) has no forward in {path.name}")
 
     def _parameters(self, module: Any, fqn: str) -> list[str]:
         """The positional parameters of the module's ``forward`` after ``self``."""
@@ -855,7 +863,7 @@ class _Translator:
     def _outputs(self, module: Any, fqn: str) -> tuple[str, ...]:
         """Output names in return order: the tuple's element names, or ``output``."""
         owner = self._forward_owner(module, fqn)
-        return _return_names(self.parsed, owner.name)
+        return _return_names(self._source_of(type(module))[1], owner.name)
 
     # -- the document
 

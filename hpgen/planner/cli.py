@@ -33,6 +33,9 @@ def plan_with_report(
     plan = plan_model(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, name=target)
     comments = plan.get("comments", {})
     messages = [f"{target}: {comments.get('plan_source', 'plan')}"]
+    if comments.get("modeling_files"):  # one `hpgen lower` per file; parallelize(..., generated=[...]) takes them
+        messages.append(f"  the boundaries live in {len(comments['modeling_files'])} modeling files; lower each with this plan:")
+        messages += [f"    hpgen lower {_file_of(name)} PLAN" for name in comments["modeling_files"]]
     if notes:
         for heading, key in (("sharded", "sharded"), ("kept replicated", "replicated")):
             for pattern, text in sorted(comments.get(key, {}).items()):
@@ -43,6 +46,17 @@ def plan_with_report(
         except ValueError as error:
             raise HpgenError(f"--dtype: {error}") from None
     return dumps_plan(plan), messages
+
+
+def _file_of(module_name: str) -> str:
+    """The file of an importable module (its name when it cannot be found)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):
+        spec = None
+    return spec.origin if spec is not None and spec.origin else module_name
 
 
 def sizing_for(config: str, plan: Any, *, tp: int, dtype: str) -> Any:

@@ -62,10 +62,20 @@ def plan_model(
     name: str | None = None,
 ) -> dict[str, Any]:
     """The frozen plan for ``model`` (an instance, normally on the meta device); ``ep_axis`` as for
-    :func:`hpgen.tp_plan.plan_for_model` (transformers' plans only)."""
-    from hpgen.tp_plan import plan_for_model
+    :func:`hpgen.tp_plan.plan_for_model` (transformers' plans only). A plan whose boundaries live in
+    several modeling files names each class by file (:func:`hpgen.planner.files.name_files`)."""
+    from hpgen.planner.files import name_files
 
     name = name or type(model).__name__
+    plan = _plan_model(model, tp=tp, ep=ep, sp=sp, from_source=from_source, ep_axis=ep_axis, name=name)
+    return name_files(model, plan)
+
+
+def _plan_model(
+    model: Any, *, tp: int | None, ep: int | None, sp: bool, from_source: bool, ep_axis: str | None, name: str
+) -> dict[str, Any]:
+    from hpgen.tp_plan import plan_for_model
+
     if plan_source(model, from_source=from_source) == TRANSFORMERS:
         plan = plan_for_model(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, name=name)
         plan["comments"] = {"plan_source": TRANSFORMERS}
