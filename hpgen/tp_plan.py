@@ -341,9 +341,38 @@ class _Translator:
         # the modeling files the boundaries' classes come from (a language model built through
         # AutoModel from another model's file), each indexed once
         self._sources: dict[Path, tuple[ParsedSource, ModuleIndex]] = {self.source.resolve(): (self.parsed, self.index)}
+        self.corrected: dict[str, str] = {}  # rule -> why transformers' style was changed
+        self._correct_packed_chunks()
         self.boundaries: dict[str, _Boundary] = {}
 
     # -- rules
+
+    def _correct_packed_chunks(self) -> None:
+        """``colwise`` on a fused projection whose output ``forward`` splits with ``chunk(2)``
+        becomes ``packed_colwise`` (:mod:`hpgen.planner.corrections`)."""
+        from hpgen.planner.corrections import chunked_attributes
+
+        for fqn, rule in sorted(self.rules.items()):
+            if rule.style != "colwise" or rule.via_module:
+                continue
+            owner_fqn, _, attr = fqn.rpartition(".")
+            owner = self.modules.get(owner_fqn)
+            if owner is None:
+                continue
+            try:
+                info = self._forward_owner(owner, owner_fqn)
+                parsed = self._source_of(type(owner))[1]
+            except HpgenError:  # a class with no source here (torch's): nothing to read
+                continue
+            if attr not in chunked_attributes(parsed.tree, info.name):
+                continue
+            for name, other in list(self.rules.items()):
+                if name == fqn or (name.startswith(fqn + ".") and other.via_module and other.style == "colwise"):
+                    self.rules[name] = _Rule("packed_colwise", other.axis, other.via_module)
+            self.corrected[_generic(fqn)] = (
+                f"transformers' plan says colwise, but {info.name}.forward splits the output of {attr} with "
+                "chunk(2): two packed blocks, so packed_colwise (each rank takes its chunk of both)"
+            )
 
     def _ep_axis(self, ep_axis: str | None, ep: int | None) -> str | None:
         """The experts' own axis name, checked (``tp`` means sharing it, as no name does)."""
@@ -883,6 +912,8 @@ class _Translator:
         }
         if injections:
             document["injections"] = injections
+        if self.corrected:
+            document["comments"] = {"corrected": dict(sorted(self.corrected.items()))}
         classes = self._boundary_classes(groups)
         if classes:
             document["boundary_classes"] = classes

@@ -37,7 +37,12 @@ def plan_with_report(
         messages.append(f"  the boundaries live in {len(comments['modeling_files'])} modeling files; lower each with this plan:")
         messages += [f"    hpgen lower {_file_of(name)} PLAN" for name in comments["modeling_files"]]
     if notes:
-        for heading, key in (("sharded", "sharded"), ("kept replicated", "replicated")):
+        for heading, key in (
+            ("sharded", "sharded"),
+            ("kept replicated", "replicated"),
+            ("transformers' plan corrected", "corrected"),
+            ("derived in place of transformers' plan", "replaced"),
+        ):
             for pattern, text in sorted(comments.get(key, {}).items()):
                 messages.append(f"  {heading}: {pattern}: {text}")
     if tp is not None and ep is None:

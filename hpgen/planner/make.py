@@ -78,7 +78,7 @@ def _plan_model(
 
     if plan_source(model, from_source=from_source) == TRANSFORMERS:
         plan = plan_for_model(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, name=name)
-        plan["comments"] = {"plan_source": TRANSFORMERS}
+        plan["comments"] = {"plan_source": TRANSFORMERS, **plan.get("comments", {})}
         if ep is None and not sp:
             plan = _completed(model, plan, tp=tp, name=name)
         return plan
@@ -149,6 +149,7 @@ def _completed(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -
         return plan  # the addition does not fit transformers' plan: keep the plan as transformers wrote it
     added = {note.target for note in derivation.notes if note.sharded} & {key for key in addition["param_plan"]}
     merged["comments"] = {
+        **plan.get("comments", {}),
         "plan_source": TRANSFORMERS,
         "completed_from_source": {
             note.target: note.text for note in derivation.notes if note.sharded and note.target in added
