@@ -176,6 +176,17 @@ CONFIG_FIXES: dict[str, dict[str, Any]] = {
     # the causal LM takes one row of ids per codebook: two codebooks for the batch of two sequences
     "musicgen_decoder": {"num_codebooks": 2},
     "musicgen_melody_decoder": {"num_codebooks": 2},
+    # BLT's nested configs: the byte-group hash embeddings have 500002 rows per group size (192M
+    # parameters, a vocabulary TINY does not reach); the global transformer's hidden size must be the
+    # local encoder's times cross_attn_k (default 1024 x 2 = 2048), and BltConfig computes the global
+    # input size from the encoder config it is given (before the sub-configs are made tiny): every
+    # hidden size 64, one cross-attention repeat, the local decoder reading the global size 64
+    "blt": {
+        "encoder_hash_byte_group_vocab": 127,
+        "cross_attn_k": 1,
+        "encoder_config": {"hidden_size": 64, "hidden_size_global": 64, "cross_attn_k": 1},
+        "decoder_config": {"hidden_size_global": 64, "cross_attn_k": 1},
+    },
     # rope parameters are per layer type (transformers' own default has none)
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
 }
