@@ -211,3 +211,82 @@ def test_hpgen_explain_adds_the_sizing_report_with_config(tmp_path: Path) -> Non
     sizing = json.loads(result.stdout)["sizing"]
     assert sizing["per_layer"]["model.decoder.layers.*"]["layers"] == 2
     assert sizing["parameters"]["rank_bytes"][0] < sizing["parameters"]["total_bytes"] * 0.65
+
+
+def _translated(model_type: str) -> tuple[Any, dict[str, Any]]:
+    """transformers' plan of ``model_type``'s tiny coverage config, on the meta device."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from coverage import tiny_config
+
+    from hpgen.planner.make import plan_model
+    from hpgen.tp_plan import meta_model
+
+    model = meta_model(tiny_config(model_type))
+    return model, plan_model(model, tp=2, name=model_type)
+
+
+def test_a_language_model_from_another_file_names_each_class_by_file() -> None:
+    # GOT-OCR2 builds Qwen2's decoder layers through AutoModel: the plan names the two files and
+    # every boundary's class by qualified name, so that each file's lowering takes its own keys
+    from hpgen.lower import analyze
+    from hpgen.plan import plan_from_dict
+    from hpgen.tp_plan import _source_file
+
+    model, plan = _translated("got_ocr2")
+    files = plan["comments"]["modeling_files"]
+    assert files == ["transformers.models.got_ocr2.modeling_got_ocr2", "transformers.models.qwen2.modeling_qwen2"]
+    classes = plan["boundary_classes"]
+    assert classes["model.language_model.layers.*.self_attn"] == "transformers.models.qwen2.modeling_qwen2.Qwen2Attention"
+    assert classes["lm_head"] == "nn.Linear"
+    loaded = plan_from_dict(plan)
+    qwen2 = Path(_source_file(type(model.model.language_model.layers[0].self_attn)))
+    own = analyze(qwen2.read_text(encoding="utf-8"), loaded, source_name=qwen2.name)
+    assert sorted(own.classes) == ["Qwen2Attention", "Qwen2MLP"] and not own.elsewhere.keys() & {
+        "model.language_model.layers.*.mlp"
+    }
+    root = Path(_source_file(type(model)))
+    theirs = analyze(root.read_text(encoding="utf-8"), loaded, source_name=root.name)
+    assert "model.language_model.layers.*.self_attn" in theirs.elsewhere
+    assert "Qwen2Attention" not in theirs.classes
+
+
+def test_one_file_plans_keep_their_boundary_classes() -> None:
+    model, plan = _translated("qwen2")
+    assert "modeling_files" not in plan.get("comments", {})
+    assert all("." not in name or name.startswith("nn.") for name in plan.get("boundary_classes", {}).values())
+
+
+def test_a_packed_gate_up_split_by_chunk_is_corrected_to_packed_colwise() -> None:
+    # transformers' inkling plan says colwise for experts.gate_up_proj, which forward splits with
+    # chunk(2) (inkling2 through self._apply_gate): each rank needs its chunk of both blocks
+    for model_type in ("inkling_text", "inkling2_text"):
+        _, plan = _translated(model_type)
+        experts = entry(plan, "model.layers.*.mlp.experts")
+        assert experts["params"]["gate_up_proj"] == {"tp": "SS(1,2)"}, model_type
+        assert "chunk(2)" in plan["comments"]["corrected"]["model.layers.*.mlp.experts.gate_up_proj"]
+    _, qwen3_moe = _translated("qwen3_moe")  # packed_colwise already: nothing to correct
+    assert "corrected" not in qwen3_moe["comments"]
+
+
+def test_chunked_attributes_reads_forward_and_the_methods_it_calls() -> None:
+    import ast
+    import textwrap
+
+    from hpgen.planner.corrections import chunked_attributes
+
+    source = textwrap.dedent(
+        """
+        class E:
+            def forward(self, x):
+                a, b = linear(x, self.w[0]).chunk(2, dim=-1)
+                y = self._gate(linear(x, self.v))
+                z = self.u(x).chunk(3, dim=-1)
+                return self.d(a * b + y)
+            def _gate(self, h):
+                g, u = h.chunk(2, dim=-1)
+                return g * u
+        """
+    )
+    assert chunked_attributes(ast.parse(source), "E") == {"w", "v"}

@@ -107,3 +107,24 @@ def test_resolves_the_installed_llama():
         "lm_head": "nn.Linear",
         "model.norm": "LlamaRMSNorm",
     }
+
+
+def test_qualified_names_split_a_plan_between_its_modeling_files():
+    # a plan whose boundaries live in two files: this file (m.py) takes its own keys by qualified
+    # name and leaves the other file's to that file's lowering; torch's classes stay external
+    found = resolve(
+        MODEL,
+        ["model.layers.*.attn", "other.attn", "lm_head"],
+        boundary_classes={
+            "model.layers.*.attn": "pkg.m.Attn",
+            "other.attn": "transformers.models.qwen2.modeling_qwen2.Qwen2Attention",
+            "lm_head": "nn.Linear",
+        },
+    )
+    assert found["model.layers.*.attn"].name == "Attn" and not found["model.layers.*.attn"].external
+    assert found["other.attn"].elsewhere and found["other.attn"].external
+    assert found["lm_head"].external and not found["lm_head"].elsewhere
+    with pytest.raises(HpgenError, match="its class torch.nn.LayerNorm is not defined in m.py"):
+        resolve(MODEL, ["a"], boundary_classes={"a": "torch.nn.LayerNorm"})
+    with pytest.raises(HpgenError, match="class 'Missing' is not defined in m.py"):
+        resolve(MODEL, ["a"], boundary_classes={"a": "pkg.m.Missing"})
