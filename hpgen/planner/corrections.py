@@ -2,7 +2,7 @@
 
 transformers' plans are written by hand, and a few give a style that the modeling code
 does not follow; translating them as written gives wrong numbers. This module finds
-such places in a class's ``forward`` so that the translator (:mod:`hpgen.tp_plan`)
+such places in a class's ``forward`` so that the translator (:mod:`hpgen.planner.translator`)
 corrects the style and says so in the plan's ``comments`` (``corrected``):
 
 - a fused projection sharded ``colwise`` whose output the ``forward`` splits with
@@ -14,8 +14,46 @@ corrects the style and says so in the plan's ``comments`` (``corrected``):
 from __future__ import annotations
 
 import ast
+from typing import Any
 
-__all__ = ["chunked_attributes"]
+from hpgen.errors import HpgenError
+from hpgen.planner.boundary import generic
+from hpgen.planner.styles import Rule
+
+__all__ = ["PackedChunks", "chunked_attributes"]
+
+
+class PackedChunks:
+    """The correction step of a :class:`~hpgen.planner.translator.Translator`, run on its rules."""
+
+    rules: dict[str, Rule]
+    modules: dict[str, Any]
+    corrected: dict[str, str]
+
+    def _correct_packed_chunks(self) -> None:
+        """``colwise`` on a fused projection whose output ``forward`` splits with ``chunk(2)``
+        becomes ``packed_colwise``, noted in :attr:`corrected`."""
+        for fqn, rule in sorted(self.rules.items()):
+            if rule.style != "colwise" or rule.via_module:
+                continue
+            owner_fqn, _, attr = fqn.rpartition(".")
+            owner = self.modules.get(owner_fqn)
+            if owner is None:
+                continue
+            try:
+                info = self._forward_owner(owner, owner_fqn)  # type: ignore[attr-defined]
+                parsed = self._source_of(type(owner))[1]  # type: ignore[attr-defined]
+            except HpgenError:  # a class with no source to read (torch's own)
+                continue
+            if attr not in chunked_attributes(parsed.tree, info.name):
+                continue
+            for name, other in list(self.rules.items()):
+                if name == fqn or (name.startswith(fqn + ".") and other.via_module and other.style == "colwise"):
+                    self.rules[name] = Rule("packed_colwise", other.axis, other.via_module)
+            self.corrected[generic(fqn)] = (
+                f"transformers' plan says colwise, but {info.name}.forward splits the output of {attr} with "
+                "chunk(2): two packed blocks, so packed_colwise (each rank takes its chunk of both)"
+            )
 
 
 def _class_of(tree: ast.Module, class_name: str) -> ast.ClassDef | None:
