@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpgen.planner.entries import Derivation, Note, Placed, Refused
+from hpgen.planner.entries import Contradicted, Derivation, Note, Placed, Refused
 from hpgen.planner.flow import SIZE, Flow, leaf_kind, module_names, run_module
 from hpgen.planner.layouts import arg_reads, dim_of, last_dim, layout_of
 from hpgen.planner.modules import (
@@ -153,7 +153,9 @@ class _Deriver:
                 self._place_group(layer, flow, linears, cols, rows, mids)
             except Refused as refused:
                 for fqn in sorted(cols | rows):
-                    self.result.note(fqn, False, str(refused))
+                    self.result.note(
+                        fqn, False, str(refused), needs_whole=refused.consumer if isinstance(refused, Contradicted) else ""
+                    )
         placed = set(self.result.placed)
         for fqn in sorted(linears):
             if not any(fqn == p or fqn.startswith(p + ".") for p in placed) and not any(
@@ -216,9 +218,10 @@ class _Deriver:
         sharded = cols | mids
         for consumer, origins in flow.edges.items():
             if origins & sharded and consumer not in rows and consumer not in mids:
-                raise Refused(
+                raise Contradicted(
                     f"the output of {', '.join(relative(c, layer) for c in sorted(origins & cols)) or 'a column'} "
-                    f"also reaches {relative(consumer, layer)}, which needs it whole"
+                    f"also reaches {relative(consumer, layer)}, which needs it whole",
+                    consumer,
                 )
         if flow.result.item(0).whole() & sharded:
             raise Refused("the layer returns a value computed from the sharded projections")

@@ -29,6 +29,7 @@ class Note:
     target: str
     sharded: bool
     text: str
+    needs_whole: str = ""  # the module that needs the group's sharded value whole (see Contradicted)
 
 
 @dataclass
@@ -38,8 +39,8 @@ class Derivation:
     placed: dict[str, Placed] = field(default_factory=dict)
     notes: list[Note] = field(default_factory=list)
 
-    def note(self, target: str, sharded: bool, text: str) -> None:
-        item = Note(_generic(target), sharded, text)
+    def note(self, target: str, sharded: bool, text: str, *, needs_whole: str = "") -> None:
+        item = Note(_generic(target), sharded, text, _generic(needs_whole) if needs_whole else "")
         if item not in self.notes:
             self.notes.append(item)
 
@@ -50,6 +51,16 @@ class Derivation:
 
 class Refused(Exception):
     """A group (or module) the derivation leaves replicated; the message says why."""
+
+
+class Contradicted(Refused):
+    """A group whose sharding the source contradicts: a value computed from the sharded
+    projections reaches a module that needs it whole (``consumer``, an FQN), not merely a
+    layout the derivation does not recognise."""
+
+    def __init__(self, message: str, consumer: str) -> None:
+        super().__init__(message)
+        self.consumer = consumer
 
 
 def _generic(name: str) -> str:

@@ -108,21 +108,24 @@ def _completed(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -
     Some plans shard only part of each layer (the experts but not the attention, the
     attention but not a dense MLP). The derivation's whole blocks that touch no module the
     plan already matches are added; the vocabulary stays as transformers' plan has it. The
-    comments list what was added.
+    comments list what was added. First, blocks of transformers' plan that the source
+    contradicts are dropped (:mod:`hpgen.planner.crosscheck`).
     """
     from hpgen.errors import HpgenError as _Error
     from hpgen.plan import plan_from_dict
+    from hpgen.planner.crosscheck import drop_contradicted
     from hpgen.planner.derive import derive
     from hpgen.planner.entries import Derivation
     from hpgen.planner.translate import derived_plan
 
-    loaded = plan_from_dict(plan)
-    taken = [fqn for fqn, _ in model.named_modules() if fqn and loaded.entry_for(fqn) is not None]
     try:
         derivation = derive(model, tp=tp)
     except Exception as error:  # completing is optional: transformers' plan stands, and the plan says why
         plan["comments"]["completion_skipped"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
         return plan
+    plan = drop_contradicted(plan, derivation)  # blocks of transformers' plan that the source contradicts
+    loaded = plan_from_dict(plan)
+    taken = [fqn for fqn, _ in model.named_modules() if fqn and loaded.entry_for(fqn) is not None]
     extra = Derivation()
     for fqn, placed in derivation.placed.items():
         # whole blocks only (a module returning its row's output alone): what transformers' authors
