@@ -291,3 +291,16 @@ def test_chunked_attributes_reads_forward_and_the_methods_it_calls() -> None:
         """
     )
     assert chunked_attributes(ast.parse(source), "E") == {"w", "v"}
+
+
+def test_a_block_the_source_contradicts_falls_back_to_replicated() -> None:
+    # Doge: transformers' rowwise dt_proj reads the value projection's output whole (its reduced
+    # output builds the mask for all heads); the attention stays replicated and the plan says why.
+    # MLA plans (deepseek_v2) keep their attention: what needs a value whole there is kv_a_layernorm,
+    # which transformers' plan leaves replicated too.
+    _, doge = _translated("doge")
+    assert "model.layers.*.self_attn" not in doge["param_plan"] and "model.layers.*.mlp" in doge["param_plan"]
+    assert "dt_proj" in doge["comments"]["replaced"]["model.layers.*.self_attn"]
+    _, deepseek = _translated("deepseek_v2")
+    assert "model.layers.*.self_attn" in deepseek["param_plan"]
+    assert "replaced" not in deepseek["comments"]

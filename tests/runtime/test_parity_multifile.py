@@ -4,7 +4,8 @@ GOT-OCR2's language model is Qwen2's, built through ``AutoModel``: its plan name
 files, each is lowered on its own, and ``parallelize(..., generated=[...])`` gives the Qwen2
 modules the generated classes of the lowered ``modeling_qwen2.py``. Inkling2's plan shards its
 experts' packed ``gate_up_proj`` with plain ``colwise``; the translator reads the ``chunk(2)`` in
-the source and writes ``SS(1,2)``. Both run the coverage harness's own comparison
+the source and writes ``SS(1,2)``. Doge's plan shards the attention whose ``dt_proj`` needs the
+value projection's output whole: the block falls back to replicated. All run the coverage harness's own comparison
 (``benchmarks/coverage.py``): transformers' unsharded model against the generated one on 2 gloo
 ranks, logits and every gradient.
 """
@@ -21,7 +22,7 @@ def test_multifile_and_corrected_plans_match_the_unsharded_model(tmp_path: Path)
     sys.path.insert(0, str(BENCHMARKS))
     import coverage
 
-    prepared = [coverage.prepare(name, tmp_path) for name in ("got_ocr2", "inkling2_text")]
+    prepared = [coverage.prepare(name, tmp_path) for name in ("got_ocr2", "inkling2_text", "doge")]
     for row, case in prepared:
         assert case is not None, row.reason
     got_ocr2 = prepared[0][1]
