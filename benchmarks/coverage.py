@@ -190,6 +190,22 @@ CONFIG_FIXES: dict[str, dict[str, Any]] = {
     # rope parameters are per layer type (transformers' own default has none)
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
 }
+# Models compared in train mode, with these config changes: Reformer's reversible layers run their
+# backward only in train mode (transformers asserts it). There its dropout is off, and transformers
+# requires the axial position shape to multiply to the sequence length (7 tokens) and the sequence to be
+# a multiple of the attention chunks. Its LSH attention draws random rotations in every forward; both
+# forwards start from the same seed, and the plan keeps the attention replicated (the rotations have the
+# same shapes on every rank), so the draws match.
+TRAIN_MODE: dict[str, dict[str, Any]] = {
+    "reformer": {
+        "hidden_dropout_prob": 0.0,
+        "local_attention_probs_dropout_prob": 0.0,
+        "lsh_attention_probs_dropout_prob": 0.0,
+        "axial_pos_shape": (7, 1),
+        "lsh_attn_chunk_length": 7,
+        "local_attn_chunk_length": 7,
+    },
+}
 LAYERS = 2
 MAX_LAYERS = 4
 MAX_PARAMS = 60_000_000
@@ -557,14 +573,17 @@ def _parity_rank(
     ids = None
     for shape in (None, KERNEL_SHAPE):
         cls, config = model_and_config(tiny_config(model_type, shape))
+        for key, value in TRAIN_MODE.get(model_type, {}).items():
+            setattr(config, key, value)
         torch.manual_seed(seed)
         reference = cls(config)
         perturb_(reference, seed)
-        reference.eval()
+        reference.train(model_type in TRAIN_MODE)
         _default_language(reference, config)
         if ids is None:
             ids = torch.randint(0, config.get_text_config().vocab_size, (2, 7), generator=generator)
         try:
+            torch.manual_seed(seed + 2)  # the same random draws in both forwards (train mode: LSH rotations)
             ref_logits = reference(input_ids=ids).logits
             break
         except RuntimeError as error:  # grouped_mm's 16-byte strides: the odd tiny sizes, not the model
@@ -581,7 +600,7 @@ def _parity_rank(
     missing, unexpected = model.load_state_dict(reference.state_dict(), strict=False)
     if missing or unexpected:
         raise AssertionError(f"state_dict keys differ: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    model.eval()
+    model.train(model_type in TRAIN_MODE)
     full_shapes = {name: param.shape for name, param in model.named_parameters()}
     full_bytes = sum(param.numel() * param.element_size() for param in model.parameters())
     parallelize(model, plan, mesh, generated=[import_file(path) for path in others])
@@ -592,6 +611,7 @@ def _parity_rank(
         for name, param in model.named_parameters()
     )
 
+    torch.manual_seed(seed + 2)
     logits = model(input_ids=ids).logits
     projection = torch.randn(ref_logits.shape, generator=generator)
     (ref_logits * projection).sum().backward()
