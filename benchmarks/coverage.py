@@ -732,8 +732,6 @@ NOTES: dict[str, str] = {
     "doge": "transformers' attention plan is dropped: its `rowwise` `self_attn.dt_proj` reads the value "
     "projection's output whole (its reduced output builds the mask for every head, while the scores hold this "
     "rank's heads only); the attention stays replicated, as the plan derived from the source leaves it.",
-    "longcat_flash": "`moe_identity_expert` (identity experts inside the expert sum, whose input transformers "
-    "divides by the TP size) has no plan equivalent: it needs a local compute function.",
     "gemma3": "the language model, built through `AutoModel`, takes the generated classes; transformers' plan "
     "shards only the language model: the SigLIP vision tower (from modeling_siglip.py through `AutoModel`, 147k of "
     "the tiny model's 219k parameters) and the projector stay replicated, and the derivation that completes "
@@ -757,7 +755,7 @@ NOTES: dict[str, str] = {
 # plan derived from the source reads the model's own file only.
 COMPOSITE = {"fuyu"}
 # Failures that transformers' own plan causes (see NOTES).
-PLAN_CAUSED = {"gemma3n_text", "longcat_flash"}
+PLAN_CAUSED = {"gemma3n_text"}
 
 
 # Sequence-parallel failures whose cause was found by reading the model's forward.

@@ -11,7 +11,7 @@ from hpgen.plan import Plan, body_is_sharded
 
 # Inputs the runtime's wrappers know (hpgen.runtime.targets.KNOWN_INPUTS, kept apart
 # because the generator never imports the runtime).
-_KNOWN_INPUTS = {"Linear": ("input",), "Embedding": ()}
+_KNOWN_INPUTS = {"Linear": ("input",), "Embedding": (), "Identity": ()}
 
 
 def _op_record(op: Op, sizes: str | None = None) -> dict[str, Any]:
@@ -127,6 +127,11 @@ def _wrapper_runs(plan: Plan, key: str, class_name: str) -> str:
             )
         if 1 in dims:
             return "row-parallel matmul: each rank multiplies its input features, giving a partial sum (P(sum))"
+    if kind == "Identity":
+        return (
+            "identity expert: its output, the same on every rank, is divided by the axis size (R -> P(sum)), so "
+            "the enclosing experts' all-reduce counts it once"
+        )
     return "the torch forward between the input and output ops"
 
 
@@ -142,6 +147,8 @@ def _external_record(plan: Plan, key: str, class_name: str, made: dict[tuple[str
         return {"fqn": key, "class": class_name, "handled_by": "identity", "runs": runs, "ops": []}
     inputs, outputs = value_ops(plan, key, known_inputs=known)
     ops = [op for value in (*inputs, *outputs) for op in value.active]
+    if class_name.rsplit(".", 1)[-1] == "Identity":
+        ops = []  # the wrapper divides by the axis size itself; no collective, no DTensor
     return {
         "fqn": key,
         "class": class_name,

@@ -24,7 +24,7 @@ from hpgen.index import ClassInfo, ModuleIndex
 from hpgen.plan import Plan
 
 # Classes not defined in the source that the runtime wraps (SPEC §4).
-WRAPPED_EXTERNAL = ("Embedding", "Linear")
+WRAPPED_EXTERNAL = ("Embedding", "Linear", "Identity")
 TORCH_MODULES = ("torch", "nn")  # prefixes of torch's own classes: there is no source to lower
 
 

@@ -304,3 +304,12 @@ def test_a_block_the_source_contradicts_falls_back_to_replicated() -> None:
     _, deepseek = _translated("deepseek_v2")
     assert "model.layers.*.self_attn" in deepseek["param_plan"]
     assert "replaced" not in deepseek["comments"]
+
+
+def test_identity_experts_become_partial_inside_the_experts_sum() -> None:
+    # transformers' moe_identity_expert: LongCat-Flash's zero-compute experts (nn.Identity) return the same
+    # value on every rank, inside an experts module whose output is all-reduced: R -> P(sum)
+    _, plan = _translated("longcat_flash")
+    identity = entry(plan, "model.layers.*.mlp.experts.identity_expert")
+    assert identity["out_src"] == {"output": {"tp": "R"}} and identity["out_dst"] == {"output": {"tp": "P(sum)"}}
+    assert entry(plan, "model.layers.*.mlp.experts")["out_src"] == {"output": {"tp": "P(sum)"}}

@@ -88,6 +88,13 @@ class BoundaryFinding:
                 boundary.axes.add(rule.axis)
                 if style == "ep_dispatch_experts":
                     boundary.injection_axis = rule.axis
+            elif style == "moe_identity_expert":
+                if not isinstance(module, nn.Identity) or self._enclosing(fqn) is None:
+                    raise HpgenError(
+                        f"{self.name}: {style} on {fqn} ({type(module).__name__}): hpgen maps it on an nn.Identity "
+                        "inside an experts module"
+                    )
+                self._boundary(fqn, "identity").axes.add(rule.axis)
             elif style in LINEAR_LEAVES:
                 if not isinstance(module, nn.Linear):
                     raise HpgenError(

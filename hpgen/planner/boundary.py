@@ -23,7 +23,7 @@ class Boundary:
 
     fqn: str
     module: Any
-    kind: str  # block | experts | linear | embedding | sp
+    kind: str  # block | experts | linear | embedding | identity | sp
     inputs: dict[str, tuple[dict[str, str], dict[str, str]]] = field(default_factory=dict)  # name -> (src, dst)
     outputs: dict[str, tuple[dict[str, str], dict[str, str]]] = field(default_factory=dict)
     out_names: tuple[str, ...] | None = None

@@ -38,7 +38,7 @@ def name_files(model: Any, plan: dict[str, Any]) -> dict[str, Any]:
         if entry is not None and entry.is_boundary and not entry.skip_source_lowering:
             by_key.setdefault(entry.key, []).append(module)
     named = dict(plan.get("boundary_classes", {}))
-    wrapped = {key for key, name in named.items() if name in ("nn.Linear", "nn.Embedding")}
+    wrapped = {key for key, name in named.items() if name in ("nn.Linear", "nn.Embedding", "nn.Identity")}
     files: dict[str, str] = {}  # module name -> file, of the source classes that get a generated forward
     classes: dict[str, str] = {}
     for key, modules in by_key.items():

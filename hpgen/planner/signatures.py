@@ -52,6 +52,10 @@ class ForwardSignatures:
                 boundary.inputs["input"] = (dict(replicated), {axis: "S(-1)" for axis in axes})
                 boundary.outputs["output"] = ({axis: "P(sum)" for axis in axes}, dict(replicated))
             return
+        if boundary.kind == "identity":  # an identity expert: its replicated output counts once in the sum
+            boundary.wrapped_as = "nn.Identity"
+            boundary.outputs["output"] = (dict(replicated), {axis: "P(sum)" for axis in axes})
+            return
         if boundary.kind == "embedding":
             style = self.rules[boundary.fqn].style
             boundary.wrapped_as = "nn.Embedding"

@@ -52,6 +52,8 @@ SUPPORTED_STYLES: dict[str, str] = {
     "mla_kv_a_proj": "replicated MLA projection: grad_reduce_params of the enclosing attention boundary",
     "moe_tp_experts": "experts boundary: inputs and routing weights R -> R, output P(sum) -> R",
     "all_reduce": "boundary whose output is reduced: P(sum) -> R",
+    "moe_identity_expert": "nn.Identity expert inside an experts boundary: output R -> P(sum) (divided by the axis "
+    "size, so the experts' reduction counts it once)",
     "grouped_gemm": "expert parameters S(0): whole experts per rank",
     "ep_dispatch_experts": "experts boundary running hpgen.runtime.local.experts_parallel, output P(sum) -> R",
     "ep_router": "nothing: experts_parallel remaps routed expert ids itself (older transformers plans)",

@@ -59,7 +59,7 @@ class Target:
     """The resolved install of one planned module (see the module docstring)."""
 
     item: Matched
-    form: str  # identity | tp_collective | generic | region | embedding | linear
+    form: str  # identity | tp_collective | generic | region | embedding | linear | identity_expert
     cls: type[nn.Module] | None = None  # the class to give the instance; None keeps it
     bind: dict[str, Any] = field(default_factory=dict)  # instance attributes set after the swap
     prepare: Callable[[], None] | None = None  # a region function's one-time set-up, run last
@@ -114,6 +114,8 @@ def _resolve(
         return Target(item, "identity")
     cls = type(item.module)
     lowered = hasattr(cls, "_hp_boundary_form")
+    if not lowered and isinstance(item.module, nn.Identity) and not is_identity_contract(plan, item.key, known_inputs=()):
+        return _identity_expert(item, plan, axes)
     if not lowered and not isinstance(item.module, (nn.Embedding, nn.Linear)):
         found = counterpart(cls, generated)
         if found is not None:
@@ -286,6 +288,28 @@ def _wrapper(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, Axi
         shares = [(weight.on(axis), axes[axis].rank, axes[axis].size) for axis in mesh_axes]
         if any(p.kind == "S" and normalize_dim(p.dim, 2) == 0 for p, _, _ in shares):
             target.bind["_hp_vocab"] = local_range(item.module.weight.shape[0], shares, 0, 2)
+    return target
+
+
+def _identity_expert(item: Matched, plan: Plan, axes: Mapping[str, AxisCollectives]) -> Target:
+    """An ``nn.Identity`` whose output goes ``R -> P(sum)`` (an identity expert inside an experts sum)."""
+    entry = item.entry
+    where = f"{item.fqn} (nn.Identity, wrapped by parallelize)"
+    if entry.input_names or len(entry.output_names) != 1 or entry.params:
+        raise ParallelizeError(f"{where}: takes only an output layout (R -> P(sum)), no inputs or parameters")
+    divisor = 1
+    for axis in plan.mesh_dim_names:
+        src, dst = (layout.on(axis) for layout in entry.output_layouts(entry.output_names[0], plan.mesh_dim_names))
+        if str(src) == str(dst):
+            continue
+        if str(src) != "R" or str(dst) != "P(sum)":
+            raise ParallelizeError(
+                f"{where}: on axis {axis!r} the plan moves its output {src} -> {dst}; an identity expert takes only "
+                "R -> P(sum) (its output divided by the axis size)"
+            )
+        divisor *= axes[axis].size
+    target = Target(item, "identity_expert", cls=subclass_with(type(item.module), "identity_expert"))
+    target.bind["_hp_divisor"] = divisor
     return target
 
 

@@ -1,4 +1,4 @@
-"""Boundaries whose class is not in the lowered file: ``nn.Embedding`` and ``nn.Linear``.
+"""Boundaries whose class is not in the lowered file: ``nn.Embedding``, ``nn.Linear``, ``nn.Identity``.
 
 hpgen cannot rewrite torch's own classes, so ``parallelize`` changes the instance's
 ``__class__`` to a small subclass defined here. Parameters, buffers and therefore
@@ -14,7 +14,10 @@ hpgen cannot rewrite torch's own classes, so ``parallelize`` changes the instanc
   ``S(-1)``, gathered when the plan says ``-> R``) or row-parallel (weight ``S(1)``:
   input features sharded, output ``P(sum)``).
 
-Both run the plan's input and output ops with the same movers as the generic form
+:class:`PartialIdentity` is an identity expert (transformers' ``moe_identity_expert``):
+its output, ``R -> P(sum)``, is divided by the axis size inside the experts' sum.
+
+The first two run the plan's input and output ops with the same movers as the generic form
 (``hpgen.runtime.boundary``), bound at install. :class:`DeferredBiasLinear` is the inner
 ``nn.Linear`` whose bias the plan defers: it computes without it, and the boundary adds
 it once after the output reduction (a transformers ``Conv1D``, GPT-2's transposed linear
@@ -33,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["DeferredBiasLinear", "ParallelEmbedding", "ParallelLinear", "is_conv1d", "subclass_with"]
+__all__ = ["DeferredBiasLinear", "ParallelEmbedding", "ParallelLinear", "PartialIdentity", "is_conv1d", "subclass_with"]
 
 Mover = Callable[[Any], Any]
 
@@ -107,6 +110,25 @@ def is_conv1d(module: nn.Module) -> bool:
     )
 
 
+class _PartialIdentityMixin:
+    """An identity expert inside an experts boundary: its replicated output is made partial.
+
+    The experts boundary all-reduces the sum of the experts' outputs; an identity expert's
+    output is the same on every rank, so it is divided by the axis size (``R -> P(sum)``,
+    the inverse of the sum), and autograd divides its gradient alike. Its input needs no
+    op: the enclosing experts boundary already reduces the input's gradient.
+    """
+
+    _hp_divisor = 1
+
+    def forward(self, input: Tensor) -> Tensor:
+        return input / self._hp_divisor if self._hp_divisor != 1 else input
+
+
+class PartialIdentity(_PartialIdentityMixin, nn.Identity):
+    """``nn.Identity`` as an identity expert (see :class:`_PartialIdentityMixin`)."""
+
+
 class ParallelEmbedding(_ParallelEmbeddingMixin, nn.Embedding):
     """``nn.Embedding`` as a vocab-parallel boundary (see the module docstring)."""
 
@@ -123,6 +145,7 @@ _PREDEFINED: dict[tuple[type, type], type] = {
     (_ParallelEmbeddingMixin, nn.Embedding): ParallelEmbedding,
     (_ParallelLinearMixin, nn.Linear): ParallelLinear,
     (_DeferredBiasMixin, nn.Linear): DeferredBiasLinear,
+    (_PartialIdentityMixin, nn.Identity): PartialIdentity,
 }
 _MADE: dict[tuple[type, type], type] = {}
 MIXINS = {
@@ -130,6 +153,7 @@ MIXINS = {
     "linear": _ParallelLinearMixin,
     "deferred_bias": _DeferredBiasMixin,
     "deferred_bias_conv1d": _DeferredBiasConv1DMixin,
+    "identity_expert": _PartialIdentityMixin,
 }
 
 
@@ -144,6 +168,6 @@ def subclass_with(cls: type[nn.Module], role: str) -> type[nn.Module]:
     if key in _PREDEFINED:
         return _PREDEFINED[key]
     if key not in _MADE:
-        prefix = {"embedding": "Parallel", "linear": "Parallel"}.get(role, "DeferredBias")
+        prefix = {"embedding": "Parallel", "linear": "Parallel", "identity_expert": "Partial"}.get(role, "DeferredBias")
         _MADE[key] = type(f"{prefix}{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
     return _MADE[key]

@@ -4,8 +4,9 @@ GOT-OCR2's language model is Qwen2's, built through ``AutoModel``: its plan name
 files, each is lowered on its own, and ``parallelize(..., generated=[...])`` gives the Qwen2
 modules the generated classes of the lowered ``modeling_qwen2.py``. Inkling2's plan shards its
 experts' packed ``gate_up_proj`` with plain ``colwise``; the translator reads the ``chunk(2)`` in
-the source and writes ``SS(1,2)``. Doge's plan shards the attention whose ``dt_proj`` needs the
-value projection's output whole: the block falls back to replicated. All run the coverage harness's own comparison
+the source and writes ``SS(1,2)``. LongCat-Flash's identity experts (``moe_identity_expert``) sit in
+the experts' sum, which is all-reduced: their output goes ``R -> P(sum)``, divided by the axis
+size. All run the coverage harness's own comparison
 (``benchmarks/coverage.py``): transformers' unsharded model against the generated one on 2 gloo
 ranks, logits and every gradient.
 """
@@ -22,7 +23,7 @@ def test_multifile_and_corrected_plans_match_the_unsharded_model(tmp_path: Path)
     sys.path.insert(0, str(BENCHMARKS))
     import coverage
 
-    prepared = [coverage.prepare(name, tmp_path) for name in ("got_ocr2", "inkling2_text", "doge")]
+    prepared = [coverage.prepare(name, tmp_path) for name in ("got_ocr2", "inkling2_text", "longcat_flash")]
     for row, case in prepared:
         assert case is not None, row.reason
     got_ocr2 = prepared[0][1]
