@@ -726,9 +726,9 @@ NOTES: dict[str, str] = {
     "convolutions on q/k/v, per-head norms, a gated output) stays replicated.",
     "inkling2_loop_text": "as inkling2_text: only the experts are sharded; the attention stays replicated.",
     "gemma3n_text": "the MLP's activation sparsity (`_gaussian_topk`: mean and std over the intermediate "
-    "features) runs on the colwise-sharded intermediate, so each rank thresholds with its own statistics "
-    "(transformers' hooks hand it the same local shard); with `activation_sparsity_pattern` all 0 the "
-    "logits and gradients match.",
+    "features) would run on the colwise-sharded intermediate, so hpgen keeps the MLPs of the sparse layers "
+    "(`activation_sparsity` > 0: two of the tiny config's four) replicated and shards the others; with the "
+    "per-layer input embeddings and AltUp projections replicated too, a rank holds more than 0.65.",
     "doge": "transformers' attention plan is dropped: its `rowwise` `self_attn.dt_proj` reads the value "
     "projection's output whole (its reduced output builds the mask for every head, while the scores hold this "
     "rank's heads only); the attention stays replicated, as the plan derived from the source leaves it.",
@@ -754,8 +754,6 @@ NOTES: dict[str, str] = {
 # Models whose decoder layers hpgen does not shard: they come from another file through AutoModel, and the
 # plan derived from the source reads the model's own file only.
 COMPOSITE = {"fuyu"}
-# Failures that transformers' own plan causes (see NOTES).
-PLAN_CAUSED = {"gemma3n_text"}
 
 
 # Sequence-parallel failures whose cause was found by reading the model's forward.
@@ -937,8 +935,6 @@ def _cause(row: Row) -> str:
         return _short_of_target(row).split(" of the parameters")[0].replace(f" {row.param_share:.2f}", " more")
     if row.model_type in COMPOSITE:
         return "the layers come from another modeling file or through AutoModel (hpgen lowers one file; see the notes)"
-    if row.model_type in PLAN_CAUSED:
-        return "transformers' own plan or model does not shard this way (see the notes in the reason)"
     if stage in ("config", "plan", "lower"):
         if "cannot build" in reason or stage == "config":
             return "config: transformers cannot build the tiny config or its model"

@@ -10,16 +10,18 @@ module that needs the value whole. A block of transformers' plan that shards tha
 module is dropped (an MLA ``kv_a_layernorm``, which transformers keeps replicated, leaves
 the plan as it is): the group stays
 replicated, as the plan derived from the source leaves it, and the plan's comments say so
-(``replaced``, printed by ``hpgen plan --explain``).
+(``replaced``, printed by ``hpgen plan --explain``). Likewise a block instance whose
+``forward`` reduces the features of a column-sharded value (:func:`drop_feature_statistics`).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from hpgen.planner.entries import Derivation
 
-__all__ = ["drop_contradicted"]
+__all__ = ["drop_contradicted", "drop_feature_statistics"]
 
 
 def drop_contradicted(plan: dict[str, Any], derivation: Derivation) -> dict[str, Any]:
@@ -50,4 +52,73 @@ def drop_contradicted(plan: dict[str, Any], derivation: Derivation) -> dict[str,
     if not result["injections"]:
         result.pop("injections")
     result["comments"] = {**plan.get("comments", {}), "replaced": dict(sorted(dropped.items()))}
+    return result
+
+
+def drop_feature_statistics(model: Any, plan: dict[str, Any]) -> dict[str, Any]:
+    """``plan`` without the block instances that reduce the features of a column-sharded value.
+
+    Gemma3n's MLP thresholds its gate projection by the mean and standard deviation of its
+    features (``_gaussian_topk``, in the layers whose ``activation_sparsity`` is above 0): with
+    the gate column-parallel each rank would use its own shard's statistics. Those instances
+    stay replicated; a ``*`` key whose other instances still shard is written per instance.
+    """
+    from hpgen.plan import plan_from_dict
+    from hpgen.planner.corrections import feature_statistics
+    from hpgen.planner.load import index_source, source_file
+
+    loaded = plan_from_dict(plan)
+    trees: dict[str, Any] = {}
+    why: dict[str, str] = {}  # concrete FQN -> reason
+    members: dict[str, list[str]] = {}
+    for fqn, module in model.named_modules():
+        entry = loaded.entry_for(fqn) if fqn else None
+        if entry is None or not entry.is_boundary:
+            continue
+        members.setdefault(entry.key, []).append(fqn)
+        columns = {
+            name.rpartition(".")[0]
+            for name, layout in entry.params.items()
+            if name.endswith(".weight") and any(p.kind == "S" and p.dim in (0, -2) for _, p in layout.placements)
+        }
+        columns = {c for c in columns if c and "." not in c}
+        if not columns or "forward" not in vars(type(module)):
+            continue
+        try:
+            path = source_file(type(module))
+            if path not in trees:
+                trees[path] = index_source(Path(path))[0].tree
+        except Exception:  # torch's own classes, files that do not parse: nothing to read
+            continue
+        found = feature_statistics(trees[path], type(module).__name__, columns, module)
+        if found is not None:
+            why[fqn] = found
+    if not why:
+        return plan
+    result = dict(plan)
+    param_plan: dict[str, Any] = {}
+    classes = dict(plan.get("boundary_classes", {}))
+    replaced: dict[str, str] = {}
+    for key, entry in plan["param_plan"].items():
+        bad = [fqn for fqn in members.get(key, []) if fqn in why]
+        if not bad:
+            param_plan[key] = entry
+            continue
+        for fqn in members[key]:
+            if fqn in why:
+                replaced[fqn] = (
+                    f"transformers' plan shards it column-parallel, but {why[fqn]}: each rank would compute "
+                    "statistics of its own shard; kept replicated"
+                )
+            else:
+                param_plan[fqn] = entry
+                if key in classes:
+                    classes[fqn] = classes[key]
+        classes.pop(key, None)
+    result["param_plan"] = param_plan
+    result.pop("boundary_classes", None)
+    if classes:
+        result["boundary_classes"] = classes
+    result["comments"] = {**plan.get("comments", {}), "replaced": {**plan.get("comments", {}).get("replaced", {}), **replaced}}
+    plan_from_dict(result, name="hpgen plan")  # what we write must load
     return result

@@ -113,11 +113,12 @@ def _completed(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -
     """
     from hpgen.errors import HpgenError as _Error
     from hpgen.plan import plan_from_dict
-    from hpgen.planner.crosscheck import drop_contradicted
+    from hpgen.planner.crosscheck import drop_contradicted, drop_feature_statistics
     from hpgen.planner.derive import derive
     from hpgen.planner.entries import Derivation
     from hpgen.planner.translate import derived_plan
 
+    plan = drop_feature_statistics(model, plan)  # block instances reducing a sharded value's features
     try:
         derivation = derive(model, tp=tp)
     except Exception as error:  # completing is optional: transformers' plan stands, and the plan says why
@@ -126,6 +127,8 @@ def _completed(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -
     plan = drop_contradicted(plan, derivation)  # blocks of transformers' plan that the source contradicts
     loaded = plan_from_dict(plan)
     taken = [fqn for fqn, _ in model.named_modules() if fqn and loaded.entry_for(fqn) is not None]
+    # what the cross-checks kept replicated is not completed back either
+    taken += [fqn for fqn, _ in model.named_modules() if fqn and _matches_any(fqn, plan["comments"].get("replaced", {}))]
     extra = Derivation()
     for fqn, placed in derivation.placed.items():
         # whole blocks only (a module returning its row's output alone): what transformers' authors
@@ -159,6 +162,15 @@ def _completed(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -
         },
     }
     return merged
+
+
+def _matches_any(fqn: str, patterns: Any) -> bool:
+    """Whether a plan key (``*`` for one segment) of ``patterns`` matches ``fqn``."""
+    parts = fqn.split(".")
+    return any(
+        len(key.split(".")) == len(parts) and all(k in ("*", p) for k, p in zip(key.split("."), parts))
+        for key in patterns
+    )
 
 
 def _reasons(derivation: Any) -> str:
