@@ -716,11 +716,9 @@ def load_results(path: Path) -> dict[str, Row]:
 
 # Failures whose cause was found by hand, each checked by changing exactly that one thing.
 NOTES: dict[str, str] = {
-    "inkling_text": "with transformers' `colwise` on the packed `experts.gate_up_proj` corrected to SS(1,2) (the "
-    "experts split it with `chunk(2)`) the logits match, but not the gradients: `InklingMoE` calls "
-    "`shared_experts(residuals, gammas=shared_gammas)`, and the router's `gammas` enter the sharded shared-experts "
-    "block as a second input the plan does not declare, so its gradient stays partial on each rank (the router's "
-    "and every gradient before it differ).",
+    "inkling_text": "transformers' `colwise` on the packed `experts.gate_up_proj` is corrected to SS(1,2) (the "
+    "experts split it with `chunk(2)`), and the shared experts' gating weights (`gammas`, a second input of the "
+    "sharded block) are declared R -> R so their gradient is reduced; the attention stays replicated.",
     "inkling2_text": "transformers' `colwise` on the packed `experts.gate_up_proj` is corrected to SS(1,2) "
     "(`_apply_gate` splits it with `chunk(2)`); transformers' plan shards only the experts: the attention (short "
     "convolutions on q/k/v, per-head norms, a gated output) stays replicated.",

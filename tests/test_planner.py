@@ -267,6 +267,12 @@ def test_a_packed_gate_up_split_by_chunk_is_corrected_to_packed_colwise() -> Non
         experts = entry(plan, "model.layers.*.mlp.experts")
         assert experts["params"]["gate_up_proj"] == {"tp": "SS(1,2)"}, model_type
         assert "chunk(2)" in plan["comments"]["corrected"]["model.layers.*.mlp.experts.gate_up_proj"]
+    # the shared experts' gating weights, a second input of a sharded MLP-like block, get R -> R too
+    _, inkling = _translated("inkling_text")
+    assert entry(inkling, "model.layers.*.mlp.shared_experts")["in_src"] == {
+        "hidden_states": {"tp": "R"},
+        "gammas": {"tp": "R"},
+    }
     _, qwen3_moe = _translated("qwen3_moe")  # packed_colwise already: nothing to correct
     assert "corrected" not in qwen3_moe["comments"]
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpgen.errors import HpgenError
 from hpgen.planner.boundary import Boundary
+from hpgen.planner.checks import is_attention
 from hpgen.planner.load import index_source, source_file
 from hpgen.planner.styles import EMBEDDING_LEAVES, LINEAR_LEAVES, Rule
 
@@ -66,6 +67,10 @@ class ForwardSignatures:
         inputs = [parameters[0]]
         if boundary.kind == "experts" and len(parameters) >= 3:
             inputs.append(parameters[2])  # the routing weights: their gradient is partial too
+        elif boundary.kind == "block" and not is_attention(boundary):
+            # a required input of an MLP-like block (shared experts' gating weights) meets the sharded
+            # features too, so its gradient is partial on each rank: R -> R reduces it
+            inputs += self._required_after_first(boundary.module, boundary.fqn)
         for position, name in enumerate(inputs):
             src = dict(replicated)
             if sp_input and position == 0:
@@ -119,6 +124,13 @@ class ForwardSignatures:
         if not names:
             raise HpgenError(f"{self.name}: {fqn} ({type(module).__name__}).forward takes no tensor input")
         return names
+
+    def _required_after_first(self, module: Any, fqn: str) -> list[str]:
+        """The positional ``forward`` parameters after the first that have no default."""
+        forward = self._forward_owner(module, fqn).forward
+        assert forward is not None
+        positional = [p for p in forward.parameters if p.kind in ("positional_only", "positional")][2:]
+        return [p.name for p in positional if not p.has_default]
 
     def _input(self, module: Any, fqn: str) -> str:
         return self._parameters(module, fqn)[0]
