@@ -126,11 +126,14 @@ class ForwardSignatures:
         return names
 
     def _required_after_first(self, module: Any, fqn: str) -> list[str]:
-        """The positional ``forward`` parameters after the first that have no default."""
-        forward = self._forward_owner(module, fqn).forward
+        """The positional ``forward`` parameters after the first that have no default and that the
+        body multiplies into its values (gating weights); not position embeddings or masks."""
+        owner = self._forward_owner(module, fqn)
+        forward = owner.forward
         assert forward is not None
         positional = [p for p in forward.parameters if p.kind in ("positional_only", "positional")][2:]
-        return [p.name for p in positional if not p.has_default]
+        scaled = _multiplied_names(self._source_of(type(module))[1], owner.name)
+        return [p.name for p in positional if not p.has_default and p.name in scaled]
 
     def _input(self, module: Any, fqn: str) -> str:
         return self._parameters(module, fqn)[0]
@@ -139,6 +142,20 @@ class ForwardSignatures:
         """Output names in return order: the tuple's element names, or ``output``."""
         owner = self._forward_owner(module, fqn)
         return return_names(self._source_of(type(module))[1], owner.name)
+
+
+def _multiplied_names(parsed: ParsedSource, class_name: str) -> set[str]:
+    """Names that ``<class_name>.forward`` uses as an operand of ``*``."""
+    node = next((n for n in parsed.tree.body if isinstance(n, ast.ClassDef) and n.name == class_name), None)
+    forward = next(
+        (s for s in (node.body if node is not None else ()) if isinstance(s, ast.FunctionDef) and s.name == "forward"),
+        None,
+    )
+    found: set[str] = set()
+    for item in ast.walk(forward) if forward is not None else ():
+        if isinstance(item, ast.BinOp) and isinstance(item.op, ast.Mult):
+            found |= {side.id for side in (item.left, item.right) if isinstance(side, ast.Name)}
+    return found
 
 
 def return_names(parsed: ParsedSource, class_name: str) -> tuple[str, ...]:
