@@ -230,20 +230,16 @@ class _Deriver:
                 if _per_head_input(m) and not self._switched_off(m)
             }
         )
-        if side and what == "attention":
-            raise Refused(
-                f"the attention adds {', '.join(repr(s) for s in side)}, one slice per head computed outside "
-                "it, which the plan cannot cut to this rank's heads"
-            )
         self._runtime_head_check(cols, layer)
         heads = self._heads(cols, rows, layer) if what == "attention" else None
+        head_inputs = self._head_inputs(flow, linears, cols, rows, layer, heads) if side and heads else {}
         layouts = {col: self._column_layout(flow, col, cols, heads, layer, what) for col in sorted(cols)}
         if what == "attention" and heads is not None:
             self._check_heads(cols, layouts, heads, layer)
         counts = self._sharded_counts(cols, rows, layouts, heads)
         divide = self._divided_attrs(flow, sharded, counts, layer)
         direct = self._direct_params(raw, cols, layouts, heads, layer)
-        self._boundaries(layer, cols, rows, mids, layouts, divide, what, direct)
+        self._boundaries(layer, cols, rows, mids, layouts, divide, what, direct, head_inputs)
 
     def _direct_params(
         self,
@@ -525,14 +521,21 @@ class _Deriver:
         divide: Mapping[str, set[str]],
         what: str,
         direct: Mapping[str, str],
+        head_inputs: Mapping[str, str] | None = None,
     ) -> None:
-        common = lca(cols | rows)
-        if not (common == layer or common.startswith(layer + ".")):
-            common = layer
+        common = self._common(cols, rows, layer)
         pieces: list[Placed] = []
         block = self._clean(common, cols, rows, mids, full=True)
+        if head_inputs and block is None:
+            raise Refused(
+                f"the attention takes {', '.join(repr(n) for n in sorted(head_inputs))} (one slice per head, made "
+                "outside it), which needs a block around the attention to cut, and none returns only its output"
+            )
         if block is not None:
             placed = Placed(common, "block", inputs=block, why=f"{what}: column- and row-parallel projections")
+            for name, placement in sorted((head_inputs or {}).items()):
+                placed.head_inputs[name] = placement
+                placed.why += f"; its per-head input {name!r} cut to this rank's heads ({placement})"
             self._params(placed, cols, rows, layouts)
             pieces.append(placed)
         else:
@@ -599,6 +602,59 @@ class _Deriver:
             if owner is None:
                 owner = self.result.placed[module] = Placed(module, "attrs", why="sizes of the sharded heads")
             owner.divide |= attrs
+
+    def _common(self, cols: set[str], rows: set[str], layer: str) -> str:
+        """The group's lowest common module inside the layer: where a whole block would be."""
+        common = lca(cols | rows)
+        return common if common == layer or common.startswith(layer + ".") else layer
+
+    def _head_inputs(
+        self,
+        flow: Flow,
+        linears: set[str],
+        cols: set[str],
+        rows: set[str],
+        layer: str,
+        heads: tuple[int, int, int],
+    ) -> dict[str, str]:
+        """Arguments of the attention block that carry one slice per head (made outside it) -> their cut.
+
+        ``S(d)`` where the head dim is a dim of its own; ``batch_major`` where it is fused with
+        the batch (see :mod:`hpgen.planner.head_inputs`); arguments without a head dim are
+        not per head and stay replicated.
+        """
+        from hpgen.planner.head_inputs import head_layouts
+
+        common = self._common(cols, rows, layer)
+        inner = self._flow(common)
+        inner_linears = {f for f in inner.edges if is_linear(self.modules.get(f))}
+        names = sorted(
+            {
+                m
+                for row in rows
+                for m in _sources(inner, row, inner_linears, self._per_head).markers
+                if _per_head_input(m) and not self._switched_off(m)
+            }
+        )
+        if not names:
+            return {}
+        listed = ", ".join(repr(n) for n in names)
+        try:
+            layouts = head_layouts(self.model, {common: tuple(names)}, heads[0])
+        except RuntimeError as error:
+            raise Refused(
+                f"the attention adds {listed}, made outside it, and hpgen cannot tell its head dim: {error}"
+            ) from None
+        found: dict[str, str] = {}
+        for name in names:
+            layout = layouts[(common, name)]
+            if layout.kind == "dim":
+                found[name] = f"S({layout.dim})"
+            elif layout.kind == "batch_major":
+                found[name] = "batch_major"
+        if any(p == "batch_major" for p in found.values()) and self.tp is None:
+            raise Refused(f"the attention adds {listed} with the heads fused into the batch dim, which needs --tp")
+        return found
 
     def _params(self, placed: Placed, cols: set[str], rows: set[str], layouts: Mapping[str, tuple[str, int]]) -> None:
         for col in sorted(cols):

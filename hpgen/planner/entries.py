@@ -19,6 +19,7 @@ class Placed:
     inputs: tuple[str, ...] = ()  # forward parameters entering a block (R -> R)
     divide: set[str] = field(default_factory=set)  # tp_divide_attrs
     grad_reduce: set[str] = field(default_factory=set)  # replicated parameters the sharded body runs through
+    head_inputs: dict[str, str] = field(default_factory=dict)  # per-head inputs made outside: name -> S(d) | batch_major
     why: str = ""
 
 

@@ -121,6 +121,12 @@ class _DerivedTranslator(_Translator):
                 raise HpgenError(f"{self.name}: {boundary.fqn}: {name} is not a parameter of its forward")
             src = {"tp": "S(1)"} if boundary.sp_input and name == parameters[0] else dict(replicated)
             boundary.inputs[name] = (src, dict(replicated))
+        for name, placement in sorted(placed.head_inputs.items()):
+            # a per-head tensor made outside the block (MPT's position_bias): each rank keeps its heads' slice
+            if name not in parameters and name not in self._keyword_names(boundary):
+                raise HpgenError(f"{self.name}: {boundary.fqn}: {name} is not a parameter of its forward")
+            if placement.startswith("S("):
+                boundary.inputs[name] = (dict(replicated), {"tp": placement})
         names = self._outputs(boundary.module, boundary.fqn)
         boundary.out_names = names if len(names) > 1 else None
         if kind == "col_block":
