@@ -526,16 +526,14 @@ class _Deriver:
         common = self._common(cols, rows, layer)
         pieces: list[Placed] = []
         block = self._clean(common, cols, rows, mids, full=True)
-        if head_inputs and block is None:
+        if head_inputs and block is None and common in cols | rows:
             raise Refused(
                 f"the attention takes {', '.join(repr(n) for n in sorted(head_inputs))} (one slice per head, made "
-                "outside it), which needs a block around the attention to cut, and none returns only its output"
+                "outside it), and no module around the projections takes it to cut"
             )
         if block is not None:
             placed = Placed(common, "block", inputs=block, why=f"{what}: column- and row-parallel projections")
-            for name, placement in sorted((head_inputs or {}).items()):
-                placed.head_inputs[name] = placement
-                placed.why += f"; its per-head input {name!r} cut to this rank's heads ({placement})"
+            self._cut_heads(placed, head_inputs, cols, rows, layer)
             self._params(placed, cols, rows, layouts)
             pieces.append(placed)
         else:
@@ -576,6 +574,10 @@ class _Deriver:
                 placed = Placed(row, "row_leaf", why=f"{what}: row-parallel nn.Linear (input arrives sharded)")
                 self._params(placed, set(), {row}, layouts)
                 pieces.append(placed)
+            if head_inputs:  # the attention around the leaves still gets its per-head input cut
+                placed = Placed(common, "heads", why=f"{what}: the body between the sharded projections")
+                self._cut_heads(placed, head_inputs, cols, rows, layer)
+                pieces.append(placed)
         for name, placement in direct.items():
             owner = next((p for p in pieces if p.kind in ("block", "col_block") and name.startswith(p.fqn + ".")), None)
             if owner is None:
@@ -602,6 +604,20 @@ class _Deriver:
             if owner is None:
                 owner = self.result.placed[module] = Placed(module, "attrs", why="sizes of the sharded heads")
             owner.divide |= attrs
+
+    def _cut_heads(
+        self, placed: Placed, head_inputs: Mapping[str, str] | None, cols: set[str], rows: set[str], layer: str
+    ) -> None:
+        for name, placement in sorted((head_inputs or {}).items()):
+            placed.head_inputs[name] = placement
+            if placement == "batch_major":
+                placed.global_heads = self._heads(cols, rows, layer)[0]
+                placed.why += (
+                    f"; its per-head input {name!r} ([batch * heads, ...], made outside it) cut to this rank's "
+                    "heads by the region's local compute"
+                )
+            else:
+                placed.why += f"; its per-head input {name!r} cut to this rank's heads ({placement})"
 
     def _common(self, cols: set[str], rows: set[str], layer: str) -> str:
         """The group's lowest common module inside the layer: where a whole block would be."""

@@ -26,6 +26,8 @@ from hpgen.tp_plan import _Boundary, _generic, _Translator
 
 __all__ = ["derived_plan"]
 
+BATCH_MAJOR_HEADS = "hpgen.runtime.local_heads.batch_major_heads"
+
 _KINDS = {
     "block": "block",
     "col_block": "block",
@@ -35,6 +37,7 @@ _KINDS = {
     "embedding": "embedding",
     "attrs": "attrs",
     "alias": "attrs",
+    "heads": "block",
 }
 
 
@@ -110,6 +113,11 @@ class _DerivedTranslator(_Translator):
             boundary.inputs["input"] = ({"tp": "S(-1)"}, {"tp": "S(-1)"})
             boundary.outputs["output"] = ({"tp": "P(sum)"}, dict(replicated))
             return
+        if kind == "heads":  # only the per-head inputs move; the leaves inside do the rest
+            for name, placement in sorted(placed.head_inputs.items()):
+                dst = {"tp": placement} if placement.startswith("S(") else dict(replicated)
+                boundary.inputs[name] = (dict(replicated), dst)
+            return
         if placed is None:  # a decoder layer or the final norm of --sp: the translator's own
             super()._set_io(boundary)
             return
@@ -136,6 +144,21 @@ class _DerivedTranslator(_Translator):
             if boundary.sp_input:
                 boundary.grad_reduce.update(boundary.deferred)  # added to a sequence shard
             boundary.outputs[names[0]] = ({"tp": "P(sum)"}, dst)
+
+    def _document(self) -> dict[str, Any]:
+        """The translator's document, plus the region injections of blocks whose per-head input fuses
+        the heads into the batch dim (BLOOM's ``alibi``): see :mod:`hpgen.runtime.local_heads`."""
+        document = super()._document()
+        injections = list(document.get("injections", []))
+        for key, (boundary, _) in sorted(self._grouped().items()):
+            placed = self.placed.get(boundary.fqn)
+            names = sorted(n for n, p in placed.head_inputs.items() if p == "batch_major") if placed else []
+            if names:
+                target = {"_target_": BATCH_MAJOR_HEADS, "head_inputs": names, "global_heads": placed.global_heads}
+                injections.append({"match": key, "local_compute_fn": {**target, "axis": "tp"}})
+        if injections:
+            document["injections"] = injections
+        return document
 
     def _keyword_names(self, boundary: _Boundary) -> set[str]:
         forward = self._forward_owner(boundary.module, boundary.fqn).forward
