@@ -69,11 +69,7 @@ def head_layouts(model: Any, wanted: dict[str, tuple[str, ...]], heads: int) -> 
 
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     try:
-        ids = torch.zeros(batch, length, dtype=torch.long, device="meta")
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=False)
-    except Exception as error:
-        raise RuntimeError(f"the model does not run on the meta device ({type(error).__name__}: {error})") from None
+        _meta_forward(model, batch, length)
     finally:
         for handle in handles:
             handle.remove()
@@ -94,3 +90,26 @@ def head_layouts(model: Any, wanted: dict[str, tuple[str, ...]], heads: int) -> 
             else:
                 found[(fqn, name)] = HeadLayout("none", shape=shape)
     return found
+
+
+def _meta_forward(model: Any, batch: int, length: int) -> None:
+    """One forward of ``model`` on meta tensors; ``RuntimeError`` with the cause where it cannot run.
+
+    With a mask of ones transformers does not look for packed sequences in the positions (a
+    data-dependent test the meta device cannot answer), and a ready 4-D causal mask, which it
+    passes on as it is, needs no data at all; a model that refuses a mask runs without one.
+    """
+    import torch
+
+    ids = torch.zeros(batch, length, dtype=torch.long, device="meta")
+    mask = torch.ones(batch, length, dtype=torch.long, device="meta")
+    causal = torch.ones(batch, 1, length, length, dtype=torch.bool, device="meta")
+    error: Exception | None = None
+    for extra in ({"attention_mask": mask}, {"attention_mask": causal}, {}):
+        try:
+            with torch.no_grad():
+                model(input_ids=ids, use_cache=False, **extra)
+            return
+        except Exception as failure:
+            error = error or failure
+    raise RuntimeError(f"the model does not run on the meta device ({type(error).__name__}: {error})") from None
