@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from hpgen.planner.entries import Derivation, Note, Placed, Refused
-from hpgen.planner.flow import SIZE, Flow, leaf_kind, module_names, run_module
+from hpgen.planner.flow import SIZE, Flow, leaf_kind, module_names, run_module, top_level_class
 from hpgen.planner.layouts import arg_reads, dim_of, last_dim, layout_of
 from hpgen.planner.modules import (
     between,
@@ -574,6 +574,11 @@ class _Deriver:
                 placed = Placed(row, "row_leaf", why=f"{what}: row-parallel nn.Linear (input arrives sharded)")
                 self._params(placed, set(), {row}, layouts)
                 pieces.append(placed)
+            if head_inputs and not top_level_class(type(self.modules[common])):
+                raise Refused(
+                    f"{relative(common, layer) or 'the layer'} takes a per-head input to cut, but its class is not "
+                    "at the top level of the file, where hpgen lower rewrites classes"
+                )
             if head_inputs:  # the attention around the leaves still gets its per-head input cut
                 placed = Placed(common, "heads", why=f"{what}: the body between the sharded projections")
                 self._cut_heads(placed, head_inputs, cols, rows, layer)
@@ -699,6 +704,8 @@ class _Deriver:
         module = self.modules.get(fqn)
         if module is None or leaf_kind(module, self.source) != "source" or not fqn:
             return None
+        if not top_level_class(type(module)):
+            return None  # a class under a module-level if: hpgen lower does not rewrite it
         if not returns_addressable(type(module)):
             return None  # returns a list: the plan addresses a value or the first item of a tuple
         flow = self._flow(fqn)

@@ -40,7 +40,7 @@ from typing import Any
 
 from hpgen.tp_plan import defined_in
 
-__all__ = ["Flow", "ShapeUse", "Val", "leaf_kind", "run_module"]
+__all__ = ["Flow", "ShapeUse", "Val", "leaf_kind", "run_module", "top_level_class"]
 
 # Tensor methods and torch functions that only reshape: their arguments are sizes.
 SHAPE_METHODS = frozenset(
@@ -878,9 +878,41 @@ def _function(cls: type, method: str) -> ast.FunctionDef | None:
 
 @lru_cache(maxsize=64)
 def _class_nodes(path: str) -> dict[str, tuple[ast.ClassDef, ...]]:
+    """Module-level classes by name, those defined under a module-level ``if``/``try`` too
+    (xLSTM defines its layers under ``if is_xlstm_available(): ... else:``)."""
     tree = ast.parse(Path(path).read_text(encoding="utf-8"))
     found: dict[str, list[ast.ClassDef]] = {}
-    for node in tree.body:
+    for node in _module_level(tree.body):
         if isinstance(node, ast.ClassDef):
             found.setdefault(node.name, []).append(node)
     return {name: tuple(nodes[-1:]) for name, nodes in found.items()}  # the last definition wins
+
+
+def _module_level(statements: list[ast.stmt]) -> Iterable[ast.stmt]:
+    """The statements that run at module level: the top-level ones and those inside ``if``/``try`` blocks."""
+    for statement in statements:
+        yield statement
+        if isinstance(statement, ast.If):
+            yield from _module_level(statement.body)
+            yield from _module_level(statement.orelse)
+        elif isinstance(statement, ast.Try):
+            for block in (statement.body, *(h.body for h in statement.handlers), statement.orelse, statement.finalbody):
+                yield from _module_level(block)
+
+
+def top_level_class(cls: type) -> bool:
+    """Whether ``cls`` is a class statement at the top level of its file: the only classes
+    ``hpgen lower`` rewrites (a class under a module-level ``if`` is interpreted, not rewritten)."""
+    try:
+        path = inspect.getsourcefile(cls)
+    except TypeError:
+        return False
+    if path is None:
+        return False
+    return cls.__qualname__ in _top_level_names(path)
+
+
+@lru_cache(maxsize=64)
+def _top_level_names(path: str) -> frozenset[str]:
+    tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+    return frozenset(node.name for node in tree.body if isinstance(node, ast.ClassDef))
