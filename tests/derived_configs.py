@@ -40,6 +40,8 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             **_TINY,
         ),
     ),
+    # the layers are classes under a module-level ``if is_xlstm_available(): ... else:``
+    "xlstm": ("xLSTMConfig", dict(hidden_size=64, num_heads=8, num_blocks=2, vocab_size=127, use_cache=False)),
     "falcon": ("FalconConfig", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=127)),
     "bitnet": (
         "BitNetConfig",

@@ -159,6 +159,14 @@ def test_a_chunked_feed_forward_returns_only_its_result() -> None:
     assert entry(plan, "roberta.encoder.layer.*.output.dense")["params"]["weight"] == {"tp": "S(1)"}
 
 
+def test_classes_under_a_module_level_if_are_read_and_left_to_wrapped_leaves() -> None:
+    plan = derived("xlstm")  # hpgen lower rewrites top-level classes only: no block on xLSTMFeedForward
+    assert "backbone.blocks.*.ffn" not in plan["param_plan"]
+    for name in ("proj_up", "proj_up_gate"):
+        assert entry(plan, f"backbone.blocks.*.ffn.{name}")["out_dst"] == {"output": {"tp": "S(-1)"}}
+    assert entry(plan, "backbone.blocks.*.ffn.proj_down")["params"]["weight"] == {"tp": "S(1)"}
+
+
 def test_a_norm_across_the_sharded_features_leaves_the_pair_replicated() -> None:
     plan = derived("bitnet")  # BitNet normalises the attention output (attn_sub_norm) before o_proj
     assert "model.layers.*.self_attn.o_proj" in plan["comments"]["replicated"]

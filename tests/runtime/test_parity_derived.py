@@ -1,13 +1,15 @@
 """Plans derived from the modeling source, on 2 gloo ranks against the unsharded transformers model.
 
-Six layouts the derivation must get right: GPT-2 (``Conv1D`` weights transposed, the
+Seven layouts the derivation must get right: GPT-2 (``Conv1D`` weights transposed, the
 fused ``c_attn`` as three packed blocks, ``split_size`` divided), GPT-NeoX from its source
 (``--from-source``: the per-head interleaved ``query_key_value`` as a plain shard), OPT
 (attention as one block, ``fc1``/``fc2`` in the decoder layer as two wrapped linears), and
 GPTBigCode with multi-query attention (the attention stays replicated, the MLP shards), and
 two ALiBi models whose per-head bias is made outside the attention: MPT's ``[heads, 1, L]``
 enters the attention block ``R -> S(0)``, BLOOM's batch-major ``[batch * heads, 1, L]`` is cut
-by the region's local compute (:mod:`hpgen.runtime.local_heads`), on a batch of 2.
+by the region's local compute (:mod:`hpgen.runtime.local_heads`), on a batch of 2; and xLSTM,
+whose layers are classes under a module-level ``if`` (read by the derivation, not rewritten:
+its feed-forward shards as wrapped leaves).
 Each compares the logits and every parameter's gradient (this rank's slice) and checks the
 sizing report of :mod:`hpgen.planner.report` against the run: each rank's parameter bytes
 counted from its real parameters, and the collectives counted as they are called (each
@@ -28,7 +30,7 @@ import pytest
 from tests.derived_configs import tiny
 from tests.dist import run_distributed
 
-FAMILIES = ("gpt2", "gpt_neox", "opt", "gpt_bigcode", "bloom", "mpt")
+FAMILIES = ("gpt2", "gpt_neox", "opt", "gpt_bigcode", "bloom", "mpt", "xlstm")
 SEED = 0
 BATCH, SEQ = 2, 7
 
