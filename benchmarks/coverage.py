@@ -686,8 +686,11 @@ NOTES: dict[str, str] = {
     "got_ocr2": "its decoder layers are Qwen2's classes, from another modeling file; hpgen lowers one file.",
     "moss_transcribe_diarize": "its decoder layers are Qwen3's classes, from another modeling file.",
     "gemma4_unified_assistant": "its decoder layers are Gemma4Unified's classes, from another modeling file.",
-    "fuyu": "the language model is Persimmon's, built through `AutoModel` from another modeling file; "
-    "modeling_fuyu.py holds only the vision projection.",
+    "fuyu": "the language model is Persimmon's, built through `AutoModel` from another modeling file: the "
+    "derivation reads that file and shards its MLP as wrapped `nn.Linear`s, but the attention's per-head "
+    "`q_layernorm`/`k_layernorm` need a block (a class of the lowered file) to reduce their gradients in; most "
+    "of the parameters at the tiny config are the vision patch projection `vision_embed_tokens` (64 x 2700), "
+    "which the text-only causal LM never runs.",
     "reformer": "the backward of its reversible layers runs only in train mode (transformers asserts it); the "
     "comparison runs in eval mode, and in train mode LSH attention draws random rotations per forward.",
 }

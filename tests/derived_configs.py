@@ -42,6 +42,16 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     # the layers are classes under a module-level ``if is_xlstm_available(): ... else:``
     "xlstm": ("xLSTMConfig", dict(hidden_size=64, num_heads=8, num_blocks=2, vocab_size=127, use_cache=False)),
+    # the language model is Persimmon's, from another modeling file than FuyuForCausalLM's
+    "fuyu": (
+        "FuyuConfig",
+        dict(
+            text_config=dict(
+                model_type="persimmon", hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                intermediate_size=89, vocab_size=127, max_position_embeddings=64,
+            ),
+        ),
+    ),
     "falcon": ("FalconConfig", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=127)),
     "bitnet": (
         "BitNetConfig",

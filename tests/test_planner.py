@@ -167,6 +167,16 @@ def test_classes_under_a_module_level_if_are_read_and_left_to_wrapped_leaves() -
     assert entry(plan, "backbone.blocks.*.ffn.proj_down")["params"]["weight"] == {"tp": "S(1)"}
 
 
+def test_layers_from_another_modeling_file_shard_as_wrapped_leaves() -> None:
+    plan = derived("fuyu")  # FuyuForCausalLM's file has no layers: Persimmon's file is read, not rewritten
+    mlp = "model.language_model.layers.*.mlp"
+    assert mlp not in plan["param_plan"]
+    assert entry(plan, f"{mlp}.dense_h_to_4h")["out_dst"] == {"output": {"tp": "S(-1)"}}
+    assert entry(plan, f"{mlp}.dense_4h_to_h")["params"]["weight"] == {"tp": "S(1)"}
+    # the attention's per-head q/k layernorms need a block to reduce their gradients in: not in this file
+    assert "needs a block" in plan["comments"]["replicated"]["model.language_model.layers.*.self_attn.dense"]
+
+
 def test_a_norm_across_the_sharded_features_leaves_the_pair_replicated() -> None:
     plan = derived("bitnet")  # BitNet normalises the attention output (attn_sub_norm) before o_proj
     assert "model.layers.*.self_attn.o_proj" in plan["comments"]["replicated"]

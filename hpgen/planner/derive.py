@@ -62,6 +62,7 @@ from hpgen.planner.modules import (
     returns_addressable,
 )
 from hpgen.planner.vocab import place_vocabulary
+from hpgen.tp_plan import defined_in
 
 __all__ = ["Derivation", "Note", "Placed", "derive"]
 
@@ -109,6 +110,7 @@ class _Deriver:
         self.model = model
         self.tp = tp
         self.source = source
+        self.read: Path | tuple[Path, ...] = source  # the files whose forwards are interpreted (see _layers)
         self.names = module_names(model)
         self.modules = dict(model.named_modules())
         self.config = getattr(model, "config", None)
@@ -130,13 +132,33 @@ class _Deriver:
         """Elements of module lists whose class is in the file, outermost first (not nested in another)."""
         import torch.nn as nn
 
+        found = self._elements(self.source)
+        if not found:
+            # a composite model whose decoder layers are in another modeling file (Fuyu's language model
+            # is a PersimmonModel): read that file's forwards too; only the lowered file's classes become
+            # blocks (_clean), so its groups shard as wrapped leaves
+            others = {
+                Path(path)
+                for module in self.modules.values()
+                if isinstance(module, nn.ModuleList)
+                for child in module.children()
+                if (path := _source_file(type(child))) is not None and "/transformers/models/" in path
+            }
+            if others:
+                self.read = (self.source, *sorted(others))
+                found = self._elements(self.read)
+        return found
+
+    def _elements(self, read: Path | tuple[Path, ...]) -> list[str]:
+        import torch.nn as nn
+
         found: list[str] = []
         for fqn, module in self.modules.items():
             if not isinstance(module, nn.ModuleList):
                 continue
             for name, child in module.named_children():
                 element = f"{fqn}.{name}" if fqn else name
-                if leaf_kind(child, self.source) != "source":
+                if leaf_kind(child, read) != "source":
                     continue
                 if any(element.startswith(other + ".") for other in found):
                     continue
@@ -163,7 +185,7 @@ class _Deriver:
 
     def _flow(self, fqn: str) -> Flow:
         if fqn not in self._flows:
-            self._flows[fqn] = run_module(self.model, fqn, self.source, names=self.names)
+            self._flows[fqn] = run_module(self.model, fqn, self.read, names=self.names)
         return self._flows[fqn]
 
     def _groups(
@@ -574,7 +596,9 @@ class _Deriver:
                 placed = Placed(row, "row_leaf", why=f"{what}: row-parallel nn.Linear (input arrives sharded)")
                 self._params(placed, set(), {row}, layouts)
                 pieces.append(placed)
-            if head_inputs and not top_level_class(type(self.modules[common])):
+            if head_inputs and not (
+                top_level_class(type(self.modules[common])) and defined_in(type(self.modules[common]), self.source)
+            ):
                 raise Refused(
                     f"{relative(common, layer) or 'the layer'} takes a per-head input to cut, but its class is not "
                     "at the top level of the file, where hpgen lower rewrites classes"
@@ -702,8 +726,10 @@ class _Deriver:
         only the columns and returns their (sharded) output alone.
         """
         module = self.modules.get(fqn)
-        if module is None or leaf_kind(module, self.source) != "source" or not fqn:
+        if module is None or leaf_kind(module, self.read) != "source" or not fqn:
             return None
+        if not defined_in(type(module), self.source):
+            return None  # read from another file: hpgen lower rewrites only the lowered file's classes
         if not top_level_class(type(module)):
             return None  # a class under a module-level if: hpgen lower does not rewrite it
         if not returns_addressable(type(module)):
@@ -809,6 +835,13 @@ def _depths(flow: Flow) -> dict[str, int]:
 
 def _linear_origins(origins: frozenset[str], flow: Flow) -> set[str]:
     return {o for o in origins if o in flow.edges}
+
+
+def _source_file(cls: type) -> str | None:
+    try:
+        return inspect.getsourcefile(cls)
+    except TypeError:
+        return None
 
 
 def _is_head_dim_name(attr: str) -> bool:

@@ -156,7 +156,7 @@ class Flow:
     unsupported: list[str] = field(default_factory=list)
 
 
-def leaf_kind(module: Any, source: Path) -> str:
+def leaf_kind(module: Any, source: Path | tuple[Path, ...]) -> str:
     """``source`` when the module's ``forward`` is interpreted, ``sequential``, ``container`` or ``leaf``.
 
     A leaf is a layer: an ``nn.Linear`` or ``nn.Embedding`` (whatever its forward, as
@@ -164,7 +164,8 @@ def leaf_kind(module: Any, source: Path) -> str:
     experts module with its 3-D weights), or one whose ``forward`` is not in the file. A
     module with parameters *and* children (an attention with per-head scales, a Mamba
     mixer with ``A_log``) is interpreted; its code's direct reads of those parameters show
-    up as ``param:<fqn>`` origins.
+    up as ``param:<fqn>`` origins. ``source`` may be several files (a composite model's
+    language model in a file of its own).
     """
     import torch.nn as nn
 
@@ -178,7 +179,8 @@ def leaf_kind(module: Any, source: Path) -> str:
     if _is_norm(module) and not any(True for _ in module.children()):
         return "leaf"  # a norm without weights (an L2 norm) still mixes what it normalises
     owner = _forward_owner(type(module), "forward")
-    if owner is None or not defined_in(owner, source):
+    sources = source if isinstance(source, tuple) else (source,)
+    if owner is None or not any(defined_in(owner, path) for path in sources):
         return "leaf"
     return "source"
 
