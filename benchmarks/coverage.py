@@ -713,8 +713,9 @@ NOTES: dict[str, str] = {
     "trocr": "`TrOCRAttention` reshapes its output to `embed_dim` read from `hidden_states.size()`, not from an "
     "attribute hpgen could divide, so a shard of the heads cannot be reshaped.",
     "prophetnet": "its relative position buckets are not per head (no cut needed), but `relative_pos_embeddings` "
-    "packs [buckets, heads] with the heads last, which the derivation does not recognise, and the cross-attention "
-    "(unused by the causal LM) reshapes to a width read from a tensor's size, so both stay replicated.",
+    "packs [buckets, heads] with the heads last, which the derivation does not recognise (SS(0, buckets) would "
+    "cut it), and, as in trocr, both attentions reshape their output to `hidden_size` read from "
+    "`hidden_states.size()`, which a shard of the heads does not have.",
     "diffllama": "the weightless `groupnorm` over each head pair ends the walk from `o_proj`; underneath, the "
     "differential attention pairs heads i and i + H/2 (`chunk(2)` over the heads) and splits the value heads in "
     "halves, so a rank's contiguous heads are not whole pairs (a strided cut with the 2 key/value heads "
