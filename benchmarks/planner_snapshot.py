@@ -11,8 +11,8 @@ ones only where the config has an expert plan), and the default config once thro
 ``hpgen plan``'s own path (:func:`hpgen.planner.cli.plan_with_report`, ``--tp 2
 --explain``). One JSON line per (model type, variant) holds the plan's JSON text, the
 ``--explain`` notes, the sizing report's text, or the error message. Two runs on the same
-transformers, with the same ``PYTHONHASHSEED`` (a few refusal messages of the derivation
-name whichever projection a set yields first), give byte-identical files when the
+transformers, with the same ``PYTHONHASHSEED`` (so that output depending on set order, as a
+refusal message of the derivation did until fixed, does not pass for a change), give byte-identical files when the
 planner's behaviour is the same; ``--compare`` counts the records and lists the ones that
 differ. It takes ~13 minutes on 2 CPU cores.
 """
