@@ -598,6 +598,8 @@ class _Frame:
                 return self._call_modules(callee.modules, args, kwargs)
             if func.id in ("len", "isinstance", "hasattr", "getattr", "type", "id", "range"):
                 return Val(reads=union(operands).all_reads())
+            if func.id not in self.env and _returns_none(self.module, func.id):
+                return EMPTY  # a kernel stub whose torch fallback is ``return None`` (Mamba's mamba_inner_fn)
             return union(operands)
         callee = self.expr(func)  # self.layers[i](x), a call's result called
         if callee.modules is not None:
@@ -842,6 +844,32 @@ def _binop(op: ast.operator, left: Any, right: Any) -> Any:
         ast.Mod: lambda: left % right,
     }
     return table[type(op)]() if type(op) in table else _UNKNOWN
+
+
+def _returns_none(module: Any, name: str) -> bool:
+    """Whether ``name``, as the module's own file binds it now, is a plain function that returns ``None`` only.
+
+    The live object is checked, not the text: where an installed package (mamba_ssm) has
+    replaced the stub with a real kernel, the call mixes its operands as any other call.
+    """
+    import sys
+
+    function = getattr(sys.modules.get(type(module).__module__), name, None)
+    code = getattr(function, "__code__", None)
+    if code is None or not inspect.isfunction(function):
+        return False
+    try:
+        tree = ast.parse(inspect.getsource(function).strip())
+    except (OSError, TypeError, SyntaxError):
+        return False
+    definition = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
+    if definition is None:
+        return False
+    returns = [n for n in ast.walk(definition) if isinstance(n, ast.Return)]
+    body = [n for n in definition.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+    if not returns or any(r.value is not None and not (isinstance(r.value, ast.Constant) and r.value.value is None) for r in returns):
+        return False
+    return all(isinstance(n, (ast.Return, ast.Pass)) for n in body)
 
 
 def _forward_owner(cls: type, method: str) -> type | None:

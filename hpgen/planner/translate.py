@@ -12,6 +12,9 @@ transformers' plans never produce:
   sharded (``S(-1) -> S(-1)``) for the row-parallel ``nn.Linear`` after it;
 - ``col_leaf`` / ``row_leaf``: one ``nn.Linear`` that ``parallelize`` wraps, column-parallel
   with its output left sharded, or row-parallel taking a sharded input and reducing;
+- ``reduce_leaf``: a row-parallel ``nn.Linear`` inside a block (Mamba's ``x_proj``) whose reduced
+  output the block's channel-sharded code consumes: its gradient arrives partial and is
+  reduced too (``out_grad_partial``);
 - ``attrs`` / ``alias``: entries that are not boundaries, holding only ``tp_divide_attrs``
   or the layout of a parameter registered under a second name.
 """
@@ -31,6 +34,7 @@ _KINDS = {
     "col_block": "block",
     "col_leaf": "linear",
     "row_leaf": "linear",
+    "reduce_leaf": "linear",
     "lm_head": "linear",
     "embedding": "embedding",
     "attrs": "attrs",
@@ -105,7 +109,7 @@ class _DerivedTranslator(_Translator):
             boundary.inputs["input"] = (dict(replicated), dict(replicated))
             boundary.outputs["output"] = ({"tp": "S(-1)"}, {"tp": "S(-1)"})
             return
-        if kind == "row_leaf":
+        if kind in ("row_leaf", "reduce_leaf"):
             boundary.wrapped_as = "nn.Linear"
             boundary.inputs["input"] = ({"tp": "S(-1)"}, {"tp": "S(-1)"})
             boundary.outputs["output"] = ({"tp": "P(sum)"}, dict(replicated))
@@ -140,6 +144,8 @@ class _DerivedTranslator(_Translator):
         placed = self.placed.get(boundary.fqn)
         if placed is not None and placed.divide:
             entry["tp_divide_attrs"] = sorted(placed.divide)
+        if placed is not None and placed.kind == "reduce_leaf":
+            entry["out_grad_partial"] = ["output"]
         return entry
 
     def _boundary_classes(self, groups: dict[str, tuple[_Boundary, dict[str, Any]]]) -> dict[str, str]:
