@@ -46,6 +46,7 @@ class ChannelMixer:
     block: Placed
     reduced: list[Placed] = field(default_factory=list)
     linears: set[str] = field(default_factory=set)  # every projection the mixer holds
+    heads: set[int] = field(default_factory=set)  # head counts of per-head parameters ([heads, C // heads, ...])
 
 
 def find_channel_mixer(
@@ -79,7 +80,7 @@ def find_channel_mixer(
     channels = in_features(modules[out])
     if not all(out_features(modules[c]) % channels == 0 for c in cols):
         return None
-    if not any(p.dim() >= 1 and p.shape[0] == channels for p in own.values()):
+    if not any(_heads_of(p, channels) is not None for p in own.values()):
         return None
     if not any(_depthwise(child) for child in module.modules()):
         return None  # the mark of a state-space mixer: a convolution along the sequence, channel by channel
@@ -111,14 +112,16 @@ def find_channel_mixer(
             piece.deferred.add("bias")
         mixer.reduced.append(piece)
         handled.add(row)
-    # every other parameter follows the channels (first dim C) or lies on the reduced path
+    # every other parameter follows the channels (first dim C, or heads of C // heads channels each)
+    # or lies on the reduced path
     for name, param in module.named_parameters():
         owner = name.rpartition(".")[0]
         owner_fqn = join(fqn, owner) if owner else fqn
         if owner_fqn in handled:
             continue
-        if param.dim() >= 1 and param.shape[0] == channels:
-            sub = modules[owner_fqn]
+        sub = modules[owner_fqn]
+        heads = _heads_of(param, channels)
+        if heads is not None:
             groups = getattr(sub, "groups", None)
             if groups is not None and groups != getattr(sub, "in_channels", groups):
                 raise Refused(f"{relative(owner_fqn, fqn)} is a convolution that mixes channels (groups={groups})")
@@ -126,6 +129,13 @@ def find_channel_mixer(
                 raise Refused(
                     f"{relative(owner_fqn, fqn)} ({type(sub).__name__}) normalises across the {channels} channels"
                 )
+            if heads < channels:
+                mixer.heads.add(heads)
+                if deriver.tp is not None and heads % deriver.tp:
+                    raise Refused(
+                        f"{name} {tuple(param.shape)} holds {heads} heads of {channels // heads} channels, which do "
+                        f"not divide over --tp {deriver.tp}"
+                    )
             block.params[name] = "S(0)"
         elif owner_fqn != fqn and _fed_only_by(flow, owner_fqn, set(mixer_rows(mixer))):
             block.grad_reduce.add(name)  # a replicated layer on the reduced values (Jamba's B/C norms)
@@ -146,7 +156,7 @@ def channel_attrs(deriver: Any, mixer: ChannelMixer) -> dict[str, set[str]]:
     """
     from hpgen.planner.layouts import arg_reads
 
-    counts = {mixer.channels} | {int(out_features(deriver.modules[c])) for c in mixer.linears}
+    counts = {mixer.channels, *mixer.heads} | {int(out_features(deriver.modules[c])) for c in mixer.linears}
     hidden = deriver._config("hidden_size")
     counts.discard(hidden)
     wanted: dict[str, set[str]] = {}
@@ -181,11 +191,23 @@ def _column_placement(deriver: Any, flow: Flow, col: str, channels: int, where: 
     k = n // channels
     if k == 1:
         return "S(0)"
-    use = next((u for u in flow.shapes if col in u.receiver and u.method in ("chunk", "split", "tensor_split")), None)
+    use = next((u for u in flow.shapes if col in u.receiver), None)
     if use is None:
         raise Refused(f"{relative(col, deriver_layer(deriver, col))} packs {k} blocks and no split of it shows their layout")
-    from hpgen.planner.layouts import layout_of
+    from hpgen.planner.layouts import flat_dims, layout_of
 
+    if use.method in ("view", "reshape"):
+        dims = flat_dims(use.arg_vals)
+        for a, b in zip(dims, dims[1:]):
+            if a in (-1, channels) and b == k:  # [..., C, k, ...]: each channel's k values side by side
+                if deriver.tp is not None and channels % deriver.tp:
+                    raise Refused(
+                        f"{relative(col, deriver_layer(deriver, col))} interleaves {k} values per channel and its "
+                        f"{channels} channels do not divide over --tp {deriver.tp}"
+                    )
+                return "S(0)"
+            if a == k and b in (-1, channels):  # [..., k, C, ...]: k packed blocks
+                return f"SS(0,{k})"
     kind, count = layout_of(use, n, None)
     if kind == "SS" and count == k:
         return f"SS(0,{k})"
@@ -193,6 +215,19 @@ def _column_placement(deriver: Any, flow: Flow, col: str, channels: int, where: 
         f"{relative(col, deriver_layer(deriver, col))} ({n} outputs) is split at line {use.line} into blocks other "
         f"than {k} equal ones of the {channels} channels"
     )
+
+
+def _heads_of(param: Any, channels: int) -> int | None:
+    """How many channel groups the parameter's first dim holds: ``C`` (one per channel), ``H`` for a
+    per-head ``[H, C // H, ...]`` (or ``[H, n, C // H]``, Zamba's per-head ``x_proj``), else None."""
+    if param.dim() < 1:
+        return None
+    first = int(param.shape[0])
+    if first == channels:
+        return channels
+    if first > 1 and channels % first == 0 and channels // first in tuple(param.shape[1:]):
+        return first
+    return None
 
 
 def _depthwise(module: Any) -> bool:

@@ -572,6 +572,10 @@ class _Frame:
                     return EMPTY  # self.q_attn(...) on an instance without q_attn: a branch it never takes
                 return union(operands)
             receiver = self.expr(func.value)
+            if func.attr in ("append", "extend", "insert") and isinstance(func.value, ast.Name) and receiver.modules is None:
+                # scan_outputs.append(y): the list now holds y too (torch.cat(scan_outputs) reads it)
+                self.env[func.value.id] = union([receiver, *operands])
+                return EMPTY
             if receiver.modules is not None:  # layer.forward(x) on a module reference
                 return self._call_modules(receiver.modules, args, kwargs) if func.attr == "forward" else union(operands)
             if func.attr in METADATA_CALLS:

@@ -123,7 +123,7 @@ def _completed(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -
             continue
         extra.placed[fqn] = placed
     for fqn, placed in derivation.placed.items():
-        if placed.kind == "attrs" and any(fqn == b or fqn.startswith(b + ".") for b in extra.placed):
+        if placed.kind in ("attrs", "reduce_leaf") and any(fqn == b or fqn.startswith(b + ".") for b in extra.placed):
             extra.placed[fqn] = placed
     if not any(p.kind != "attrs" for p in extra.placed.values()):
         return plan
