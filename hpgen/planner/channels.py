@@ -43,8 +43,8 @@ class ChannelMixer:
 
     fqn: str
     channels: int
-    block: Placed
-    reduced: list[Placed] = field(default_factory=list)
+    block: Placed | None  # None: the mixer's body runs replicated between a gathered and a split projection
+    reduced: list[Placed] = field(default_factory=list)  # the projections that are boundaries of their own
     linears: set[str] = field(default_factory=set)  # every projection the mixer holds
     heads: set[int] = field(default_factory=set)  # head counts of per-head parameters ([heads, C // heads, ...])
 
@@ -68,28 +68,79 @@ def find_channel_mixer(
     linears = {f for f in flow.edges if is_nn_linear(modules.get(f)) and f.startswith(fqn + ".")}
     first = flow.first_input
     stream = f"in:{first}"
+    cols = sorted(f for f in linears if stream in flow.edges[f] and in_features(modules[f]) == hidden)
     outs = [
         f
         for f in linears
-        if out_features(modules[f]) == hidden and stream not in flow.edges[f] and flow.edges[f] & linears
+        if out_features(modules[f]) == hidden and stream not in flow.edges[f] and f not in cols and flow.edges[f]
     ]
-    cols = sorted(f for f in linears if stream in flow.edges[f] and in_features(modules[f]) == hidden)
     if len(outs) != 1 or not cols:
         return None
     out = outs[0]
     channels = in_features(modules[out])
-    if not all(out_features(modules[c]) % channels == 0 for c in cols):
-        return None
-    if not any(_heads_of(p, channels) is not None for p in own.values()):
-        return None
     if not any(_depthwise(child) for child in module.modules()):
         return None  # the mark of a state-space mixer: a convolution along the sequence, channel by channel
-    # from here on it is a channel mixer: what does not fit is a reason, not a silent replica
+    # from here on it is a state-space mixer: what does not fit is a reason, not a silent replica
     if flow.result.item(0).whole() != {out}:
         raise Refused(f"{relative(fqn, deriver_layer(deriver, fqn))} returns more than its back projection's output")
     if deriver.tp is not None and channels < deriver.tp:
         raise Refused(f"{channels} channels do not spread over --tp {deriver.tp}")
     where = relative(fqn, deriver_layer(deriver, fqn)) or fqn
+    unequal = [c for c in cols if out_features(modules[c]) % channels]
+    if unequal:
+        sizes = out_features(modules[unequal[0]])
+        return _gathered(
+            deriver,
+            fqn,
+            channels,
+            cols,
+            out,
+            linears,
+            f"{relative(unequal[0], fqn)} packs blocks of unequal sizes ({sizes} outputs for {channels} channels), "
+            "which no S or SS placement cuts per rank",
+        )
+    try:
+        return _channel_parallel(deriver, fqn, flow, channels, cols, out, linears, where)
+    except Refused as refused:
+        return _gathered(deriver, fqn, channels, cols, out, linears, str(refused))
+
+
+def _gathered(
+    deriver: Any, fqn: str, channels: int, cols: list[str], out: str, linears: set[str], reason: str
+) -> ChannelMixer:
+    """The honest fallback: the stream-fed projections column-parallel with their outputs gathered, the body
+    replicated (every parameter in it whole), and the back projection row-parallel from a local split."""
+    modules = deriver.modules
+    mixer = ChannelMixer(fqn, channels, None, linears=set(linears))
+    for col in cols:
+        piece = Placed(
+            col,
+            "col_gather",
+            why=f"state-space mixer: column-parallel, its output gathered for the replicated scan ({reason})",
+        )
+        piece.params["weight"] = "S(0)"
+        if modules[col].bias is not None:
+            piece.params["bias"] = "S(0)"
+        mixer.reduced.append(piece)
+    piece = Placed(out, "split_row", why="state-space mixer: row-parallel on this rank's split of the scan's output")
+    piece.params["weight"] = "S(1)"
+    if modules[out].bias is not None:
+        piece.params["bias"] = "R"
+        piece.deferred.add("bias")
+    mixer.reduced.append(piece)
+    return mixer
+
+
+def _channel_parallel(
+    deriver: Any, fqn: str, flow: Flow, channels: int, cols: list[str], out: str, linears: set[str], where: str
+) -> ChannelMixer:
+    """The Megatron layout: every per-channel weight sharded with the channels (see the module docstring)."""
+    modules = deriver.modules
+    module = modules[fqn]
+    first = flow.first_input
+    own = dict(module.named_parameters(recurse=False))
+    if not any(_heads_of(p, channels) is not None for p in own.values()):
+        raise Refused(f"none of the parameters of {where} follows its {channels} channels")
     block = Placed(fqn, "block", inputs=(first,), why="state-space mixer: channel-parallel projections and scan")
     mixer = ChannelMixer(fqn, channels, block, linears=set(linears))
     for col in cols:

@@ -174,7 +174,7 @@ class _Deriver:
                 continue
             try:
                 mixer = find_channel_mixer(self, fqn, hidden)
-                divide = channel_attrs(self, mixer) if mixer is not None else {}
+                divide = channel_attrs(self, mixer) if mixer is not None and mixer.block is not None else {}
             except Refused as refused:
                 self.result.note(fqn, False, str(refused))
                 taken.add(fqn)
@@ -182,7 +182,7 @@ class _Deriver:
             if mixer is None:
                 continue
             taken.add(fqn)
-            for piece in (mixer.block, *mixer.reduced):
+            for piece in ([mixer.block] if mixer.block is not None else []) + mixer.reduced:
                 self.result.placed[piece.fqn] = piece
                 self.result.note(piece.fqn, True, piece.why)
             for module, attrs in divide.items():

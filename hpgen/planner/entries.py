@@ -45,7 +45,7 @@ class Derivation:
 
     @property
     def layers_sharded(self) -> bool:
-        return any(p.kind in ("block", "col_block", "col_leaf", "row_leaf", "reduce_leaf") for p in self.placed.values())
+        return any(p.kind in ("block", "col_block", "col_leaf", "row_leaf", "reduce_leaf", "col_gather", "split_row") for p in self.placed.values())
 
 
 class Refused(Exception):

@@ -15,6 +15,10 @@ transformers' plans never produce:
 - ``reduce_leaf``: a row-parallel ``nn.Linear`` inside a block (Mamba's ``x_proj``) whose reduced
   output the block's channel-sharded code consumes: its gradient arrives partial and is
   reduced too (``out_grad_partial``);
+- ``col_gather`` / ``split_row``: a column-parallel ``nn.Linear`` whose output is gathered
+  (``S(-1) -> R``) and a row-parallel one that splits its replicated input (``R -> S(-1)``),
+  around a body that runs replicated (a state-space mixer whose packed projection no
+  placement cuts);
 - ``attrs`` / ``alias``: entries that are not boundaries, holding only ``tp_divide_attrs``
   or the layout of a parameter registered under a second name.
 """
@@ -35,6 +39,8 @@ _KINDS = {
     "col_leaf": "linear",
     "row_leaf": "linear",
     "reduce_leaf": "linear",
+    "col_gather": "linear",
+    "split_row": "linear",
     "lm_head": "linear",
     "embedding": "embedding",
     "attrs": "attrs",
@@ -99,6 +105,16 @@ class _DerivedTranslator(_Translator):
             boundary.wrapped_as = "nn.Linear"
             boundary.inputs["input"] = (dict(replicated), dict(replicated))
             boundary.outputs["output"] = ({"tp": "S(-1)"}, dict(replicated))
+            return
+        if kind == "col_gather":
+            boundary.wrapped_as = "nn.Linear"
+            boundary.inputs["input"] = (dict(replicated), dict(replicated))
+            boundary.outputs["output"] = ({"tp": "S(-1)"}, dict(replicated))
+            return
+        if kind == "split_row":
+            boundary.wrapped_as = "nn.Linear"
+            boundary.inputs["input"] = (dict(replicated), {"tp": "S(-1)"})
+            boundary.outputs["output"] = ({"tp": "P(sum)"}, dict(replicated))
             return
         if kind == "embedding":
             boundary.wrapped_as = "nn.Embedding"
