@@ -25,7 +25,7 @@ import pytest
 from tests.derived_configs import tiny
 from tests.dist import run_distributed
 
-FAMILIES = ("gpt2", "gpt_neox", "opt", "gpt_bigcode")
+FAMILIES = ("gpt2", "gpt_neox", "opt", "gpt_bigcode", "mamba", "zamba", "mamba2")
 SEED = 0
 BATCH, SEQ = 2, 7
 
