@@ -49,13 +49,17 @@ class ChannelMixer:
     heads: set[int] = field(default_factory=set)  # head counts of per-head parameters ([heads, C // heads, ...])
 
 
-def find_channel_mixer(
-    deriver: Any, fqn: str, hidden: int | None
-) -> ChannelMixer | None:
-    """The channel-parallel placement of the module at ``fqn``, None when it is not such a mixer.
+def find_channel_mixer(deriver: Any, fqn: str, hidden: int | None) -> ChannelMixer | None:
+    """The placement of the state-space mixer at ``fqn``, None when it is not one.
 
-    Raises :class:`Refused` when it is one (a stream-fed packed projection, per-channel
-    parameters, a back projection to the stream) that cannot be sharded, saying why.
+    A mixer is a module of the file with parameters of its own, a depthwise convolution,
+    stream-fed projections and one projection back to the stream's width, whose ``forward``
+    returns that projection's output alone. It is channel-parallel where every parameter
+    follows the channels (see the module docstring); otherwise (a packed projection of
+    unequal blocks, heads that do not divide, a norm across the channels) the honest
+    fallback gathers the stream-fed projections' outputs and splits the back projection's
+    input around a replicated body, and the notes say why. Raises :class:`Refused` when the
+    mixer cannot be sharded at all (it returns more than the back projection's output).
     """
     modules = deriver.modules
     module = modules[fqn]
@@ -64,6 +68,8 @@ def find_channel_mixer(
     own = dict(module.named_parameters(recurse=False))
     if not own:
         return None  # a mixer holds per-channel state parameters of its own (A_log, D)
+    if not any(_depthwise(child) for child in module.modules()):
+        return None  # the mark of a state-space mixer: a convolution along the sequence, channel by channel
     flow: Flow = deriver._flow(fqn)
     linears = {f for f in flow.edges if is_nn_linear(modules.get(f)) and f.startswith(fqn + ".")}
     first = flow.first_input
@@ -78,8 +84,6 @@ def find_channel_mixer(
         return None
     out = outs[0]
     channels = in_features(modules[out])
-    if not any(_depthwise(child) for child in module.modules()):
-        return None  # the mark of a state-space mixer: a convolution along the sequence, channel by channel
     # from here on it is a state-space mixer: what does not fit is a reason, not a silent replica
     if flow.result.item(0).whole() != {out}:
         raise Refused(f"{relative(fqn, deriver_layer(deriver, fqn))} returns more than its back projection's output")
@@ -172,6 +176,8 @@ def _channel_parallel(
             continue
         sub = modules[owner_fqn]
         heads = _heads_of(param, channels)
+        if heads is not None and is_nn_linear(sub) and in_features(sub) == channels:
+            raise Refused(f"{relative(owner_fqn, fqn)} maps the {channels} channels onto themselves: it mixes them")
         if heads is not None:
             groups = getattr(sub, "groups", None)
             if groups is not None and groups != getattr(sub, "in_channels", groups):

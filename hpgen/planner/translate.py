@@ -51,7 +51,7 @@ _KINDS = {
 def derived_plan(model: Any, derivation: Derivation, *, tp: int | None, sp: bool = False, name: str) -> dict[str, Any]:
     """The frozen plan document of ``derivation`` for ``model``."""
     if sp:
-        leaves = sorted(p.fqn for p in derivation.placed.values() if p.kind in ("col_block", "col_leaf", "row_leaf"))
+        leaves = sorted(p.fqn for p in derivation.placed.values() if p.kind in ("col_block", "col_leaf", "row_leaf", "col_gather", "split_row"))
         if leaves:
             raise HpgenError(
                 f"{name}: --sp needs every sharded group in a block of its own; the derived plan shards "
