@@ -250,7 +250,8 @@ def _column_placement(deriver: Any, flow: Flow, col: str, channels: int, where: 
         return "S(0)"
     use = next((u for u in flow.shapes if col in u.receiver), None)
     if use is None:
-        raise Refused(f"{relative(col, deriver_layer(deriver, col))} packs {k} blocks and no split of it shows their layout")
+        name = relative(col, deriver_layer(deriver, col))
+        raise Refused(f"{name} packs {k} blocks and no split of it shows their layout")
     from hpgen.planner.layouts import flat_dims, layout_of
 
     if use.method in ("view", "reshape"):
@@ -293,9 +294,9 @@ def _depthwise(module: Any) -> bool:
 
 
 def _is_norm_across(module: Any, owner: str, mixer: str) -> bool:
-    from hpgen.planner.flow import _is_norm
+    from hpgen.planner.flow.runner import is_norm
 
-    return owner != mixer and _is_norm(module)
+    return owner != mixer and is_norm(module)
 
 
 def _fed_only_by(flow: Flow, fqn: str, rows: set[str]) -> bool:
