@@ -121,6 +121,9 @@ def _completed(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -
             continue
         if any(fqn == t or t.startswith(fqn + ".") or fqn.startswith(t + ".") for t in taken):
             continue
+        mixer = fqn.rpartition(".")[0]
+        if placed.kind != "block" and any(t.startswith(mixer + ".") for t in taken):
+            continue  # a mixer's gathered pair goes in whole or not at all (Lara keeps in_proj_* replicated)
         extra.placed[fqn] = placed
     for fqn, placed in derivation.placed.items():
         inside = any(fqn == b or fqn.startswith(b + ".") for b in extra.placed)
