@@ -50,7 +50,8 @@ def test_parallelize_refuses_a_stub_bound_to_a_fused_kernel(tmp_path: Path, mesh
     plan = plan_model(meta_model(config), tp=2, from_source=True, name="mamba")
     source = Path(inspect.getsourcefile(model_class_for(config)) or "")
     path = tmp_path / "mamba_derived.py"
-    path.write_text(lower(source.read_text(), plan_from_dict(plan), source_name=source.name, package=infer_package(source)))
+    text = lower(source.read_text(), plan_from_dict(plan), source_name=source.name, package=infer_package(source))
+    path.write_text(text)
     generated = import_file(str(path))
 
     parallelize(generated.MambaForCausalLM(config), plan, mesh)  # the file's stub: the torch path runs
