@@ -30,6 +30,28 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
     "bloom": ("BloomConfig", dict(hidden_size=64, n_head=4, n_layer=2, vocab_size=127)),
+    # ALiBi as a per-head input made outside the attention: [heads, 1, max_seq_len]
+    "mpt": ("MptConfig", dict(d_model=64, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=64, vocab_size=127)),
+    # the feed-forward of the layer runs through apply_chunking_to_forward
+    "xmod": (
+        "XmodConfig",
+        dict(
+            hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=89, is_decoder=True,
+            **_TINY,
+        ),
+    ),
+    # the layers are classes under a module-level ``if is_xlstm_available(): ... else:``
+    "xlstm": ("xLSTMConfig", dict(hidden_size=64, num_heads=8, num_blocks=2, vocab_size=127, use_cache=False)),
+    # the language model is Persimmon's, from another modeling file than FuyuForCausalLM's
+    "fuyu": (
+        "FuyuConfig",
+        dict(
+            text_config=dict(
+                model_type="persimmon", hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                intermediate_size=89, vocab_size=127, max_position_embeddings=64,
+            ),
+        ),
+    ),
     "falcon": ("FalconConfig", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=127)),
     "bitnet": (
         "BitNetConfig",

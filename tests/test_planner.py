@@ -5,8 +5,9 @@ of what :mod:`hpgen.planner` derives from its modeling file: which modules becom
 boundaries of which kind, the placements (GPT-2's ``Conv1D`` flips the sharded dim, its
 fused ``c_attn`` is three packed blocks, GPT-NeoX's per-head interleaved
 ``query_key_value`` keeps whole heads with a plain shard), the attributes divided, and the
-notes for what stays replicated and why (BLOOM's per-head ``alibi``, multi-query key/value
-packed with the queries). The 2-rank parity of derived plans is in
+notes for what stays replicated and why (multi-query key/value packed with the queries), and
+the per-head ALiBi inputs made outside the attention (MPT's cut ``R -> S(0)``, BLOOM's
+batch-major one by a region's local compute). The 2-rank parity of derived plans is in
 ``tests/runtime/test_parity_derived.py``.
 """
 
@@ -88,7 +89,6 @@ def test_bert_self_attention_keeps_its_output_sharded_for_the_dense_after_it() -
 @pytest.mark.parametrize(
     ("family", "module", "reason"),
     [
-        ("bloom", "transformer.h.*.self_attention.query_key_value", "'alibi', one slice per head computed outside"),
         ("falcon", "transformer.h.*.self_attention.query_key_value", "multi-query"),
         ("gpt_bigcode", "transformer.h.*.attn.c_attn", "unequal sizes [64, 16, 16]"),
     ],
@@ -98,6 +98,83 @@ def test_what_cannot_shard_stays_replicated_and_says_why(family: str, module: st
     assert reason in plan["comments"]["replicated"][module]
     assert not any(key.endswith(("self_attention", ".attn")) for key in plan["param_plan"])
     assert any(".mlp" in key for key in plan["param_plan"])  # the MLP still shards
+
+
+def test_a_per_head_input_with_its_own_head_dim_is_cut_on_entry() -> None:
+    plan = derived("mpt")  # position_bias is [heads, 1, max_seq_len], made once by MptModel
+    attn = entry(plan, "transformer.blocks.*.attn")
+    assert attn["in_src"]["position_bias"] == {"tp": "R"} and attn["in_dst"]["position_bias"] == {"tp": "S(0)"}
+    assert attn["params"]["Wqkv.weight"] == {"tp": "SS(0,3)"} and attn["params"]["out_proj.weight"] == {"tp": "S(1)"}
+    assert attn["tp_divide_attrs"] == ["n_heads"]
+    assert "position_bias" in plan["comments"]["sharded"]["transformer.blocks.*.attn"]
+    assert "injections" not in plan
+
+
+def test_a_batch_major_per_head_input_is_cut_by_a_region() -> None:
+    plan = derived("bloom")  # alibi is [batch * heads, 1, L]: no S placement holds a rank's heads of every batch
+    attention = entry(plan, "transformer.h.*.self_attention")
+    assert attention["in_src"] == {"alibi": {"tp": "R"}} and attention["in_dst"] == {"alibi": {"tp": "R"}}
+    assert attention["tp_divide_attrs"] == ["num_heads"]
+    assert plan["injections"] == [
+        {
+            "match": "transformer.h.*.self_attention",
+            "local_compute_fn": {
+                "_target_": "hpgen.runtime.local_heads.batch_major_heads",
+                "head_inputs": ["alibi"],
+                "global_heads": 4,
+                "axis": "tp",
+            },
+        }
+    ]
+    # the attention adds the residual inside: its projections are the wrapped leaves
+    assert entry(plan, "transformer.h.*.self_attention.query_key_value")["params"]["weight"] == {"tp": "S(0)"}
+    assert entry(plan, "transformer.h.*.self_attention.dense")["params"]["weight"] == {"tp": "S(1)"}
+
+
+def test_batch_major_heads_keeps_this_ranks_heads_of_every_batch() -> None:
+    import types
+
+    import torch
+
+    from hpgen.runtime.local_heads import batch_major_heads
+
+    class Body(torch.nn.Module):
+        def _forward_impl(self, hidden_states: torch.Tensor, alibi: torch.Tensor, mask: Any = None) -> torch.Tensor:
+            return alibi
+
+    body = Body()
+    alibi = torch.arange(2 * 4 * 3.0).reshape(2 * 4, 1, 3)  # batch 2, heads 4, row b * 4 + h
+    for rank in (0, 1):
+        body._hp_tp = types.SimpleNamespace(size=2, rank=rank)
+        got = batch_major_heads(body, None, alibi, head_inputs=["alibi"], global_heads=4)
+        want = alibi.view(2, 4, 1, 3)[:, 2 * rank : 2 * rank + 2].reshape(4, 1, 3)
+        assert torch.equal(got, want)
+    body._hp_tp = types.SimpleNamespace(size=1, rank=0)  # unparallelized: the body as it is
+    assert batch_major_heads(body, None, alibi, head_inputs=["alibi"], global_heads=4) is alibi
+
+
+def test_a_chunked_feed_forward_returns_only_its_result() -> None:
+    plan = derived("xmod")  # apply_chunking_to_forward(self.feed_forward_chunk, ..., attention_output)
+    assert entry(plan, "roberta.encoder.layer.*.intermediate.dense")["out_dst"] == {"output": {"tp": "S(-1)"}}
+    assert entry(plan, "roberta.encoder.layer.*.output.dense")["params"]["weight"] == {"tp": "S(1)"}
+
+
+def test_classes_under_a_module_level_if_are_read_and_left_to_wrapped_leaves() -> None:
+    plan = derived("xlstm")  # hpgen lower rewrites top-level classes only: no block on xLSTMFeedForward
+    assert "backbone.blocks.*.ffn" not in plan["param_plan"]
+    for name in ("proj_up", "proj_up_gate"):
+        assert entry(plan, f"backbone.blocks.*.ffn.{name}")["out_dst"] == {"output": {"tp": "S(-1)"}}
+    assert entry(plan, "backbone.blocks.*.ffn.proj_down")["params"]["weight"] == {"tp": "S(1)"}
+
+
+def test_layers_from_another_modeling_file_shard_as_wrapped_leaves() -> None:
+    plan = derived("fuyu")  # FuyuForCausalLM's file has no layers: Persimmon's file is read, not rewritten
+    mlp = "model.language_model.layers.*.mlp"
+    assert mlp not in plan["param_plan"]
+    assert entry(plan, f"{mlp}.dense_h_to_4h")["out_dst"] == {"output": {"tp": "S(-1)"}}
+    assert entry(plan, f"{mlp}.dense_4h_to_h")["params"]["weight"] == {"tp": "S(1)"}
+    # the attention's per-head q/k layernorms need a block to reduce their gradients in: not in this file
+    assert "needs a block" in plan["comments"]["replicated"]["model.language_model.layers.*.self_attn.dense"]
 
 
 def test_a_norm_across_the_sharded_features_leaves_the_pair_replicated() -> None:

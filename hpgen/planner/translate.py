@@ -34,6 +34,8 @@ from hpgen.planner.translator import Translator
 
 __all__ = ["derived_plan"]
 
+BATCH_MAJOR_HEADS = "hpgen.runtime.local_heads.batch_major_heads"
+
 _KINDS = {
     "block": "block",
     "col_block": "block",
@@ -46,6 +48,7 @@ _KINDS = {
     "embedding": "embedding",
     "attrs": "attrs",
     "alias": "attrs",
+    "heads": "block",
 }
 
 
@@ -132,6 +135,11 @@ class _DerivedTranslator(Translator):
             boundary.inputs["input"] = ({"tp": "S(-1)"}, {"tp": "S(-1)"})
             boundary.outputs["output"] = ({"tp": "P(sum)"}, dict(replicated))
             return
+        if kind == "heads":  # only the per-head inputs move; the leaves inside do the rest
+            for name, placement in sorted(placed.head_inputs.items()):
+                dst = {"tp": placement} if placement.startswith("S(") else dict(replicated)
+                boundary.inputs[name] = (dict(replicated), dst)
+            return
         if placed is None:  # a decoder layer or the final norm of --sp: the translator's own
             super()._set_io(boundary)
             return
@@ -143,6 +151,12 @@ class _DerivedTranslator(Translator):
                 raise HpgenError(f"{self.name}: {boundary.fqn}: {name} is not a parameter of its forward")
             src = {"tp": "S(1)"} if boundary.sp_input and name == parameters[0] else dict(replicated)
             boundary.inputs[name] = (src, dict(replicated))
+        for name, placement in sorted(placed.head_inputs.items()):
+            # a per-head tensor made outside the block (MPT's position_bias): each rank keeps its heads' slice
+            if name not in parameters and name not in self._keyword_names(boundary):
+                raise HpgenError(f"{self.name}: {boundary.fqn}: {name} is not a parameter of its forward")
+            if placement.startswith("S("):
+                boundary.inputs[name] = (dict(replicated), {"tp": placement})
         names = self._outputs(boundary.module, boundary.fqn)
         boundary.out_names = names if len(names) > 1 else None
         if kind == "col_block":
@@ -152,6 +166,21 @@ class _DerivedTranslator(Translator):
             if boundary.sp_input:
                 boundary.grad_reduce.update(boundary.deferred)  # added to a sequence shard
             boundary.outputs[names[0]] = ({"tp": "P(sum)"}, dst)
+
+    def _document(self) -> dict[str, Any]:
+        """The translator's document, plus the region injections of blocks whose per-head input fuses
+        the heads into the batch dim (BLOOM's ``alibi``): see :mod:`hpgen.runtime.local_heads`."""
+        document = super()._document()
+        injections = list(document.get("injections", []))
+        for key, (boundary, _) in sorted(self._grouped().items()):
+            placed = self.placed.get(boundary.fqn)
+            names = sorted(n for n, p in placed.head_inputs.items() if p == "batch_major") if placed else []
+            if names:
+                target = {"_target_": BATCH_MAJOR_HEADS, "head_inputs": names, "global_heads": placed.global_heads}
+                injections.append({"match": key, "local_compute_fn": {**target, "axis": "tp"}})
+        if injections:
+            document["injections"] = injections
+        return document
 
     def _keyword_names(self, boundary: Boundary) -> set[str]:
         forward = self._forward_owner(boundary.module, boundary.fqn).forward

@@ -40,6 +40,9 @@ SHAPE_METHODS = frozenset(
 )
 # Attribute reads that give metadata, not data: their value has no origin.
 METADATA_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout", "T_"})
+# Functions that call the method passed to them on chunks of the tensors after it and return
+# only that method's (concatenated) result: transformers' ``apply_chunking_to_forward``.
+CHUNKING_CALLS = frozenset({"apply_chunking_to_forward"})
 METADATA_CALLS = frozenset({"size", "dim", "numel", "get_seq_length", "element_size", "stride", "is_contiguous"})
 
 
@@ -206,6 +209,9 @@ class Expressions:
                 )
                 for m in passed
             ]
+            if isinstance(func, ast.Name) and func.id in CHUNKING_CALLS:
+                # it returns the method's result on chunks of the tensors, nothing of the tensors themselves
+                return union([*results, *(Val(reads=a.all_reads()) for a in operands)])
             return union([*results, *operands])
         if isinstance(func, ast.Name):
             callee = self.env.get(func.id)
