@@ -72,6 +72,27 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             intermediate_size=89, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, **_TINY,
         ),
     ),
+    # state-space mixers: 89 channels (uneven over 2 ranks) of Mamba1; Mamba2's packed z|x|B|C|dt in_proj
+    "mamba": (
+        "MambaConfig",
+        dict(hidden_size=64, intermediate_size=89, state_size=16, num_hidden_layers=2, **_TINY),
+    ),
+    "zamba": (
+        "ZambaConfig",
+        # two Mamba heads per mixer (per-head x_proj, dt_proj, A_log), in two hybrid layers sharing one attention block
+        dict(
+            hidden_size=64, num_attention_heads=4, num_key_value_heads=4, attention_head_dim=32,
+            intermediate_size=89, num_hidden_layers=2, layers_block_type=["hybrid", "hybrid"], n_mamba_heads=2,
+            mamba_d_state=16, mamba_dt_rank=4, use_cache=False, **_TINY,
+        ),
+    ),
+    "mamba2": (
+        "Mamba2Config",
+        dict(
+            hidden_size=64, num_heads=8, head_dim=16, expand=2, n_groups=1, state_size=16, chunk_size=16,
+            num_hidden_layers=2, **_TINY,
+        ),
+    ),
 }
 
 

@@ -55,7 +55,7 @@ from hpgen.planner.flow import Flow, leaf_kind, module_names, run_module
 from hpgen.planner.groups import GroupFinding, depths, sources
 from hpgen.planner.head_cuts import HeadCuts
 from hpgen.planner.heads import HeadRules, per_head_input
-from hpgen.planner.modules import generic, is_linear, relative
+from hpgen.planner.modules import generic, is_linear, positive_int, relative
 from hpgen.planner.reshapes import ReshapeRules
 from hpgen.planner.vocab import place_vocabulary
 
@@ -134,6 +134,7 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, ReshapeRules, BlockChoice):
     def _layer(self, layer: str) -> None:
         flow = self._flow(layer)
         linears = {fqn for fqn in flow.edges if is_linear(self.modules.get(fqn))}
+        linears -= self._channel_mixers(layer)
         depth = depths(flow)
         groups = self._groups(flow, linears, depth)
         for cols, rows, mids in groups:
@@ -150,6 +151,39 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, ReshapeRules, BlockChoice):
                 n.target == generic(fqn) for n in self.result.notes
             ):
                 self.result.note(fqn, False, "not part of a column -> row pair: kept replicated")
+
+    def _channel_mixers(self, layer: str) -> set[str]:
+        """Place the state-space mixers of ``layer`` (:mod:`hpgen.planner.channels`); the projections they hold."""
+        from hpgen.planner.channels import channel_attrs, find_channel_mixer
+
+        taken: set[str] = set()
+        self._current_layer = layer
+        hidden = positive_int(self._config("hidden_size"))
+        for fqn in sorted(self.modules):
+            if not (fqn == layer or fqn.startswith(layer + ".")) or any(fqn.startswith(t + ".") for t in taken):
+                continue
+            try:
+                mixer = find_channel_mixer(self, fqn, hidden)
+                divide = channel_attrs(self, mixer) if mixer is not None and mixer.block is not None else {}
+            except Refused as refused:
+                self.result.note(fqn, False, str(refused))
+                taken.add(fqn)
+                continue
+            if mixer is None:
+                continue
+            taken.add(fqn)
+            for piece in ([mixer.block] if mixer.block is not None else []) + mixer.reduced:
+                self.result.placed[piece.fqn] = piece
+                self.result.note(piece.fqn, True, piece.why)
+            for module, attrs in divide.items():
+                owner = self.result.placed.get(module) or self.result.placed.setdefault(
+                    module, Placed(module, "attrs", why="sizes of the sharded channels")
+                )
+                owner.divide |= attrs
+        return {f for f in self._linears_under(taken)}
+
+    def _linears_under(self, roots: set[str]) -> set[str]:
+        return {f for f, m in self.modules.items() if is_linear(m) and any(f.startswith(r + ".") for r in roots)}
 
     def _flow(self, fqn: str) -> Flow:
         if fqn not in self._flows:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-__all__ = ["Derivation", "Note", "Placed", "Refused"]
+__all__ = ["SHARDING_KINDS", "Derivation", "Note", "Placed", "Refused"]
+
+# Kinds of entries that shard something inside the decoder layers (not attrs, aliases, the vocabulary).
+SHARDING_KINDS = ("block", "col_block", "col_leaf", "row_leaf", "reduce_leaf", "col_gather", "split_row")
 
 
 @dataclass
@@ -48,7 +51,7 @@ class Derivation:
 
     @property
     def layers_sharded(self) -> bool:
-        return any(p.kind in ("block", "col_block", "col_leaf", "row_leaf") for p in self.placed.values())
+        return any(p.kind in SHARDING_KINDS for p in self.placed.values())
 
 
 class Refused(Exception):

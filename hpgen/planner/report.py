@@ -299,7 +299,9 @@ def _width(module: Any, name: str, side: str, entry: Any, hidden: Any, wrapped: 
         return module.in_features if side == "in" else module.out_features
     if isinstance(module, nn.Embedding):
         return module.embedding_dim
-    # a block: inputs come in at the width the column weights read, outputs at the rows' width
+    # a block: inputs come in at the width the column weights read, outputs at the rows' width; the
+    # stream's width first where a weight reads it (a Mamba mixer's dt_proj reads a few values, not the stream)
+    widths: list[int] = []
     for param_name, layout in sorted(entry.params.items()):
         placement = layout.on("tp")
         try:
@@ -313,10 +315,16 @@ def _width(module: Any, name: str, side: str, entry: Any, hidden: Any, wrapped: 
         rows, cols = (param.shape[1], param.shape[0]) if transposed else (param.shape[0], param.shape[1])
         dim = placement.dim % 2
         column = (dim == 0) != transposed  # output features sharded
+        if not isinstance(owner, nn.Linear) and not transposed:
+            continue  # a parameter the body reads itself (A_log), not a projection
         if side == "in" and column:
-            return int(cols)
+            widths.append(int(cols))
         if side == "out" and not column:
-            return int(rows)
+            widths.append(int(rows))
+    if isinstance(hidden, int) and hidden in widths:
+        return hidden
+    if widths:
+        return widths[0]
     return int(hidden) if isinstance(hidden, int) else 0
 
 

@@ -12,6 +12,13 @@ transformers' plans never produce:
   sharded (``S(-1) -> S(-1)``) for the row-parallel ``nn.Linear`` after it;
 - ``col_leaf`` / ``row_leaf``: one ``nn.Linear`` that ``parallelize`` wraps, column-parallel
   with its output left sharded, or row-parallel taking a sharded input and reducing;
+- ``reduce_leaf``: a row-parallel ``nn.Linear`` inside a block (Mamba's ``x_proj``) whose reduced
+  output the block's channel-sharded code consumes: its gradient arrives partial and is
+  reduced too (``out_grad_partial``);
+- ``col_gather`` / ``split_row``: a column-parallel ``nn.Linear`` whose output is gathered
+  (``S(-1) -> R``) and a row-parallel one that splits its replicated input (``R -> S(-1)``),
+  around a body that runs replicated (a state-space mixer whose packed projection no
+  placement cuts);
 - ``attrs`` / ``alias``: entries that are not boundaries, holding only ``tp_divide_attrs``
   or the layout of a parameter registered under a second name.
 """
@@ -34,6 +41,9 @@ _KINDS = {
     "col_block": "block",
     "col_leaf": "linear",
     "row_leaf": "linear",
+    "reduce_leaf": "linear",
+    "col_gather": "linear",
+    "split_row": "linear",
     "lm_head": "linear",
     "embedding": "embedding",
     "attrs": "attrs",
@@ -45,7 +55,8 @@ _KINDS = {
 def derived_plan(model: Any, derivation: Derivation, *, tp: int | None, sp: bool = False, name: str) -> dict[str, Any]:
     """The frozen plan document of ``derivation`` for ``model``."""
     if sp:
-        leaves = sorted(p.fqn for p in derivation.placed.values() if p.kind in ("col_block", "col_leaf", "row_leaf"))
+        leaf_kinds = ("col_block", "col_leaf", "row_leaf", "col_gather", "split_row")
+        leaves = sorted(p.fqn for p in derivation.placed.values() if p.kind in leaf_kinds)
         if leaves:
             raise HpgenError(
                 f"{name}: --sp needs every sharded group in a block of its own; the derived plan shards "
@@ -100,6 +111,16 @@ class _DerivedTranslator(Translator):
             boundary.inputs["input"] = (dict(replicated), dict(replicated))
             boundary.outputs["output"] = ({"tp": "S(-1)"}, dict(replicated))
             return
+        if kind == "col_gather":
+            boundary.wrapped_as = "nn.Linear"
+            boundary.inputs["input"] = (dict(replicated), dict(replicated))
+            boundary.outputs["output"] = ({"tp": "S(-1)"}, dict(replicated))
+            return
+        if kind == "split_row":
+            boundary.wrapped_as = "nn.Linear"
+            boundary.inputs["input"] = (dict(replicated), {"tp": "S(-1)"})
+            boundary.outputs["output"] = ({"tp": "P(sum)"}, dict(replicated))
+            return
         if kind == "embedding":
             boundary.wrapped_as = "nn.Embedding"
             boundary.outputs["output"] = ({"tp": "P(sum)"}, dict(replicated))
@@ -109,7 +130,7 @@ class _DerivedTranslator(Translator):
             boundary.inputs["input"] = (dict(replicated), dict(replicated))
             boundary.outputs["output"] = ({"tp": "S(-1)"}, {"tp": "S(-1)"})
             return
-        if kind == "row_leaf":
+        if kind in ("row_leaf", "reduce_leaf"):
             boundary.wrapped_as = "nn.Linear"
             boundary.inputs["input"] = ({"tp": "S(-1)"}, {"tp": "S(-1)"})
             boundary.outputs["output"] = ({"tp": "P(sum)"}, dict(replicated))
@@ -170,6 +191,8 @@ class _DerivedTranslator(Translator):
         placed = self.placed.get(boundary.fqn)
         if placed is not None and placed.divide:
             entry["tp_divide_attrs"] = sorted(placed.divide)
+        if placed is not None and placed.kind == "reduce_leaf":
+            entry["out_grad_partial"] = ["output"]
         return entry
 
     def _boundary_classes(self, groups: dict[str, tuple[Boundary, dict[str, Any]]]) -> dict[str, str]:

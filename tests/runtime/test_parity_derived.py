@@ -31,7 +31,7 @@ import pytest
 from tests.derived_configs import tiny
 from tests.dist import run_distributed
 
-FAMILIES = ("gpt2", "gpt_neox", "opt", "gpt_bigcode", "bloom", "mpt", "xlstm", "fuyu")
+FAMILIES = ("gpt2", "gpt_neox", "opt", "gpt_bigcode", "bloom", "mpt", "xlstm", "fuyu", "mamba", "zamba", "mamba2")
 SEED = 0
 BATCH, SEQ = 2, 7
 

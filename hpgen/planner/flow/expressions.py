@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from hpgen.planner.flow.constants import self_path
+from hpgen.planner.flow.stubs import returns_none
 from hpgen.planner.flow.values import (
     EMPTY,
     UNKNOWN,
@@ -184,6 +185,11 @@ class Expressions:
                     return EMPTY  # self.q_attn(...) on an instance without q_attn: a branch it never takes
                 return union(operands)
             receiver = self.expr(func.value)
+            appends = func.attr in ("append", "extend", "insert") and isinstance(func.value, ast.Name)
+            if appends and receiver.modules is None:
+                # scan_outputs.append(y): the list now holds y too (torch.cat(scan_outputs) reads it)
+                self.env[func.value.id] = union([receiver, *operands])
+                return EMPTY
             if receiver.modules is not None:  # layer.forward(x) on a module reference
                 return self._call_modules(receiver.modules, args, kwargs) if func.attr == "forward" else union(operands)
             if func.attr in METADATA_CALLS:
@@ -213,6 +219,8 @@ class Expressions:
                 return self._call_modules(callee.modules, args, kwargs)
             if func.id in ("len", "isinstance", "hasattr", "getattr", "type", "id", "range"):
                 return Val(reads=union(operands).all_reads())
+            if func.id not in self.env and returns_none(self.module, func.id):
+                return EMPTY  # a kernel stub whose torch fallback is ``return None`` (Mamba's mamba_inner_fn)
             return union(operands)
         callee = self.expr(func)  # self.layers[i](x), a call's result called
         if callee.modules is not None:
