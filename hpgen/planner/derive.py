@@ -45,6 +45,7 @@ from typing import Any
 
 from hpgen.planner.entries import Derivation, Note, Placed, Refused
 from hpgen.planner.flow import SIZE, Flow, leaf_kind, module_names, run_module
+from hpgen.planner.latent import check_broadcast, pre_projections, replicated_closure
 from hpgen.planner.layouts import arg_reads, dim_of, last_dim, layout_of
 from hpgen.planner.modules import (
     between,
@@ -117,6 +118,7 @@ class _Deriver:
         self.result = Derivation()
         self._flows: dict[str, Flow] = {}
         self._pre: dict[str, set[str]] = {}  # block FQN -> replicated layers before its columns (norms)
+        self._latent: dict[str, set[str]] = {}  # row FQN -> replicated down-projections of its group (MLA)
 
     def run(self) -> Derivation:
         for layer in self._layers():
@@ -184,7 +186,10 @@ class _Deriver:
         rows = {
             fqn
             for fqn, src in found.items()
-            if src.linears and main not in src.markers and not src.stops and out_features(self.modules[fqn]) in widths
+            if src.linears
+            and main not in src.markers
+            and not src.stops - replicated_closure(flow, pre_projections(flow, src.linears, linears), set())
+            and out_features(self.modules[fqn]) in widths
         }
         groups: list[tuple[set[str], set[str], set[str]]] = []
         for row in sorted(rows, key=lambda f: (depth.get(f, 0), f)):
@@ -192,6 +197,10 @@ class _Deriver:
             cols = src.linears - rows
             if not cols or src.linears & rows:  # nothing to pair, or a sharded value mixed with a reduced one
                 continue
+            latent = pre_projections(flow, cols, linears)  # MLA's down-projections: replicated, not columns
+            if latent and cols - latent:
+                cols -= latent
+                self._latent[row] = latent
             merged = next((g for g in groups if g[0] & cols), None)
             if merged is None:
                 groups.append((set(cols), {row}, set(src.mids)))
@@ -206,6 +215,7 @@ class _Deriver:
     def _place_group(
         self, layer: str, flow: Flow, linears: set[str], cols: set[str], rows: set[str], mids: set[str]
     ) -> None:
+        self._group_latent: set[str] = set()
         what = "attention" if self._is_attention(cols, rows) else "MLP"
         for fqn in sorted(cols | rows):
             if not is_linear(self.modules[fqn]):
@@ -222,6 +232,11 @@ class _Deriver:
                 )
         if flow.result.item(0).whole() & sharded:
             raise Refused("the layer returns a value computed from the sharded projections")
+        latent = set().union(*(self._latent.get(row, set()) for row in rows))
+        if latent:
+            replicated = replicated_closure(flow, latent, sharded)
+            check_broadcast(flow, replicated, self._head_counts(cols, rows), layer)
+        self._group_latent = latent
         side = sorted(
             {
                 m
@@ -279,6 +294,20 @@ class _Deriver:
                     f"{tuple(param.shape)} directly, which does not follow the shards"
                 )
         return found
+
+    def _head_counts(self, cols: set[str], rows: set[str]) -> dict[str, int]:
+        """Head counts the modules between the projections hold (``num_heads``...), by attribute name."""
+        counts: dict[str, int] = {}
+        for path in between(cols, lca(cols | rows)):
+            for name in (*HEADS_ATTRS, *KV_HEADS_ATTRS):
+                value = self._attr(path, (name,))
+                if value:
+                    counts[name] = value
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            value = positive_int(self._config(name))
+            if value:
+                counts.setdefault(name, value)
+        return counts
 
     def _runtime_head_check(self, cols: set[str], layer: str) -> None:
         """``parallelize`` refuses a row shard of a linear, in a module with a ``head_dim``, that would cut
@@ -416,7 +445,7 @@ class _Deriver:
             per_block = n // k if kind == "SS" else n
             if kind == "S" and k == 1 and n in (q, kv) and n % head_dim:
                 units = n  # one value per head (a per-head gate)
-            elif per_block % head_dim:
+            elif per_block % head_dim and not (kind == "S" and k > 1 and per_block % k == 0):
                 raise Refused(f"{relative(col, layer)} has {n} features, not a whole number of heads of {head_dim}")
             else:
                 units = per_block // head_dim
@@ -618,6 +647,18 @@ class _Deriver:
                 placed.params[name] = "R"
                 placed.deferred.add(name)
 
+    def _pre_chain(self, flow: Flow, start: Iterable[str], pre: set[str]) -> set[str]:
+        """The replicated layers before the columns reached from ``start``, walking back."""
+        found: set[str] = set()
+        pending = [o for o in start if o in pre]
+        while pending:
+            origin = pending.pop()
+            if origin in found:
+                continue
+            found.add(origin)
+            pending.extend(o for o in flow.inputs.get(origin, ()) if o in pre)
+        return found
+
     def _clean(self, fqn: str, cols: set[str], rows: set[str], mids: set[str], *, full: bool) -> tuple[str, ...] | None:
         """The inputs of ``fqn`` feeding the columns when it can be the group's block, else None.
 
@@ -632,12 +673,17 @@ class _Deriver:
         flow = self._flow(fqn)
         group = cols | rows | mids
         pre = set()
+        latent = self._group_latent if full else set()
+        before = replicated_closure(flow, latent, group) | _fed_columns(flow, cols, group) if full else set()
         for leaf, origins in flow.edges.items():
             if leaf in group:
                 continue
             params = [p for p in self.modules[leaf].parameters()]
             if origins and all(o.startswith("in:") for o in origins) and all(p.dim() == 1 for p in params):
                 pre.add(leaf)  # a norm of the replicated input before the columns
+                continue
+            if leaf in before:
+                pre.add(leaf)  # a latent down-projection (and its norm), replicated in the block
                 continue
             return None
         outputs = flow.result.item(0).whole()
@@ -646,11 +692,20 @@ class _Deriver:
             return None
         inputs: set[str] = set()
         for col in cols:
-            for origin in flow.inputs.get(col, ()):
+            pending, seen = list(flow.inputs.get(col, ())), set()
+            if any(o in pre for o in pending) and any(o in latent for o in self._pre_chain(flow, pending, pre)):
+                # an up-projection of a latent (MLA's kv_b_proj): its data comes through the latent; the
+                # other markers mixed in come from the latent cache's update (cache, kwargs), not data
+                pending = [o for o in pending if not o.startswith("in:")]
+            while pending:  # through the replicated layers before the columns, to the block's inputs
+                origin = pending.pop()
+                if origin in seen:
+                    continue
+                seen.add(origin)
                 if origin.startswith("in:"):
                     inputs.add(origin[3:])
                 elif origin in pre:
-                    inputs |= {o[3:] for o in flow.inputs[origin] if o.startswith("in:")}
+                    pending.extend(flow.inputs.get(origin, ()))
                 else:
                     return None
         if not inputs:
@@ -704,6 +759,35 @@ def _sources(flow: Flow, fqn: str, linears: set[str], per_head: Any = None) -> _
             found.mids.add(origin)
             pending.extend(flow.edges[origin])
     return found
+
+
+def _fed_columns(flow: Flow, cols: set[str], group: set[str]) -> set[str]:
+    """Layers computed from the inputs alone whose outputs reach only the columns (and each other):
+    MLA's ``q_a_proj`` and ``q_a_layernorm`` before ``q_b_proj``, replicated in the block."""
+    found: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        for leaf, origins in flow.edges.items():
+            if leaf in found or leaf in group or not origins:
+                continue
+            if not all(o.startswith("in:") or o in found for o in origins):
+                continue
+            consumers = {c for c, o in flow.edges.items() if leaf in o}
+            if consumers and consumers <= cols | found | {c for c in consumers if c not in group and c not in cols}:
+                found.add(leaf)
+                changed = True
+    # keep only those whose outputs end in the columns
+    useful: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        for leaf in found - useful:
+            consumers = {c for c, o in flow.edges.items() if leaf in o}
+            if consumers and consumers <= cols | useful:
+                useful.add(leaf)
+                changed = True
+    return useful
 
 
 def _first_marker(flow: Flow) -> str | None:

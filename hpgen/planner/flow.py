@@ -577,6 +577,8 @@ class _Frame:
             if func.attr in METADATA_CALLS:
                 return _size_of(receiver)
             torch_name = _torch_call(func)
+            if torch_name is None and func.attr.endswith("_") and not func.attr.startswith("_") and operands:
+                self._in_place(func.value, operands)  # key_states[..., :d].copy_(k_nope): key_states now holds it
             if func.attr in SHAPE_METHODS and torch_name is None:
                 self._shape(func.attr, receiver, node, args)
             elif torch_name in SHAPE_METHODS and args:
@@ -598,11 +600,54 @@ class _Frame:
                 return self._call_modules(callee.modules, args, kwargs)
             if func.id in ("len", "isinstance", "hasattr", "getattr", "type", "id", "range"):
                 return Val(reads=union(operands).all_reads())
+            if callee is None:
+                paired = self._tuple_function(func.id, args, kwargs)
+                if paired is not None:
+                    return paired
             return union(operands)
         callee = self.expr(func)  # self.layers[i](x), a call's result called
         if callee.modules is not None:
             return self._call_modules(callee.modules, args, kwargs)
         return union([callee, *operands])
+
+    def _in_place(self, target: ast.expr, operands: list[Val]) -> None:
+        """An in-place tensor method (``x[..., :d].copy_(y)``, ``x.add_(y)``): the variable it writes into
+        depends on the operands from now on."""
+        while isinstance(target, (ast.Subscript, ast.Attribute)) and not _self_path(target):
+            target = target.value
+        if isinstance(target, ast.Name) and target.id in self.env:
+            self.env[target.id] = union((self.env[target.id], *operands))
+
+    def _tuple_function(self, name: str, args: list[Val], kwargs: Mapping[str, Val]) -> Val | None:
+        """A call of a function of the module's file that returns a tuple (``apply_rotary_pos_emb(q, k, ...)``):
+        interpreted, so that each item keeps its own origins (``k_embed`` does not depend on ``q``).
+        Other functions mix their operands, as any unknown call."""
+        try:
+            path = inspect.getsourcefile(type(self.module))
+        except TypeError:
+            return None
+        function = _module_functions(path).get(name) if path else None
+        if function is None or self.depth > _MAX_DEPTH or ("", name) in self.runner.stack:
+            return None
+        spec = function.args
+        names = [a.arg for a in (*spec.posonlyargs, *spec.args)]
+        if spec.vararg is not None or len(args) > len(names):
+            return None
+        env = dict(zip(names, args))
+        known = set(names) | {a.arg for a in spec.kwonlyargs}
+        env.update({key: value for key, value in kwargs.items() if key in known})
+        if spec.kwarg is not None:
+            env[spec.kwarg.arg] = union(value for key, value in kwargs.items() if key not in known)
+        shapes = len(self.runner.flow.shapes)
+        self.runner.stack.append(("", name))
+        try:
+            frame = _Frame(self.runner, self.fqn, self.module, env, self.depth + 1)
+            frame.block(function.body)
+            value = frame.returned()
+        finally:
+            self.runner.stack.pop()
+            del self.runner.flow.shapes[shapes:]  # its reshapes are of its own locals, not of the caller's values
+        return value if value.items is not None else None
 
     def _call_modules(self, modules: tuple[str, ...], args: list[Val], kwargs: Mapping[str, Val]) -> Val:
         result: Val | None = None
@@ -868,6 +913,19 @@ def _function(cls: type, method: str) -> ast.FunctionDef | None:
             if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)) and statement.name == method:
                 return statement  # type: ignore[return-value]
     return None
+
+
+@lru_cache(maxsize=64)
+def _module_functions(path: str) -> dict[str, ast.FunctionDef]:
+    """Top-level functions of ``path`` every ``return`` of which returns a tuple display."""
+    tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+    found: dict[str, ast.FunctionDef] = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            returns = [n for n in ast.walk(node) if isinstance(n, ast.Return)]
+            if returns and all(isinstance(r.value, ast.Tuple) for r in returns):
+                found[node.name] = node
+    return found
 
 
 @lru_cache(maxsize=64)
