@@ -260,7 +260,7 @@ def tiny_config(model_type: str, shape: dict[str, Any] | None = None) -> Any:
     """
     from transformers import AutoConfig
 
-    from hpgen.tp_plan import model_and_config
+    from hpgen.planner.load import model_and_config
 
     default = AutoConfig.for_model(model_type)
     overrides = _overrides(default.to_dict(), getattr(default, "attribute_map", {}) or {}, shape)
@@ -385,8 +385,8 @@ def prepare(model_type: str, directory: Path, *, variant: str = "tp") -> tuple[R
     from hpgen.generate import infer_package
     from hpgen.lower import lower
     from hpgen.plan import plan_from_dict
+    from hpgen.planner.load import meta_model, model_and_config
     from hpgen.planner.make import plan_model, plan_source
-    from hpgen.tp_plan import meta_model, model_and_config
 
     row = Row(model_type)
     started = time.monotonic()
@@ -512,8 +512,8 @@ def _parity_rank(_rank: int, world_size: int, model_type: str, generated: str, p
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
 
+    from hpgen.planner.load import model_and_config
     from hpgen.runtime import parallelize
-    from hpgen.tp_plan import model_and_config
     from tests.runtime.models import expected_shard, import_file, param_layouts, perturb_, tolerance
 
     warnings.filterwarnings("ignore")

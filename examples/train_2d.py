@@ -35,8 +35,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hpgen.lower import lower
 from hpgen.plan import plan_from_dict
+from hpgen.planner.load import meta_model
+from hpgen.planner.translator import plan_for_model
 from hpgen.runtime import parallelize
-from hpgen.tp_plan import meta_model, plan_for_model
 
 CONFIG = dict(
     vocab_size=512,

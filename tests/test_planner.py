@@ -24,8 +24,8 @@ from tests.derived_configs import tiny
 
 
 def derived(family: str, tp: int = 2) -> dict[str, Any]:
+    from hpgen.planner.load import meta_model
     from hpgen.planner.make import plan_model
-    from hpgen.tp_plan import meta_model
 
     return plan_model(meta_model(tiny(family)), tp=tp, from_source=True, name=family)
 
@@ -112,8 +112,8 @@ def test_heads_that_do_not_divide_are_refused_by_the_derivation() -> None:
 
 
 def test_transformers_plan_is_kept_where_it_shards_the_layers() -> None:
+    from hpgen.planner.load import meta_model
     from hpgen.planner.make import plan_source
-    from hpgen.tp_plan import meta_model
 
     neox = meta_model(tiny("gpt_neox"))
     assert plan_source(neox) == "transformers' plan"
@@ -122,8 +122,9 @@ def test_transformers_plan_is_kept_where_it_shards_the_layers() -> None:
 
 
 def test_transformers_plan_is_completed_where_it_leaves_the_attention_replicated() -> None:
+    from hpgen.planner.load import meta_model
     from hpgen.planner.make import plan_model
-    from hpgen.tp_plan import meta_model, plan_for_model
+    from hpgen.planner.translator import plan_for_model
 
     model = meta_model(tiny("flint"))
     plan = plan_model(model, tp=2, name="flint")
@@ -149,7 +150,7 @@ def test_derived_plans_load_and_lower() -> None:
     from hpgen.generate import infer_package
     from hpgen.lower import lower
     from hpgen.plan import plan_from_dict
-    from hpgen.tp_plan import model_class_for
+    from hpgen.planner.load import model_class_for
 
     for family in ("gpt2", "opt", "bert"):
         source = Path(inspect.getsourcefile(model_class_for(tiny(family))) or "")
@@ -160,8 +161,8 @@ def test_derived_plans_load_and_lower() -> None:
 
 
 def test_sizing_report_counts_bytes_and_collectives() -> None:
+    from hpgen.planner.load import meta_model
     from hpgen.planner.report import size_report
-    from hpgen.tp_plan import meta_model
 
     model = meta_model(tiny("gpt2"))
     report = size_report(model, derived("gpt2"), tp=2, dtype="bfloat16")
@@ -197,7 +198,7 @@ def test_hpgen_plan_prints_the_notes_and_the_sizing_report(tmp_path: Path) -> No
 def test_hpgen_explain_adds_the_sizing_report_with_config(tmp_path: Path) -> None:
     import inspect
 
-    from hpgen.tp_plan import model_class_for
+    from hpgen.planner.load import model_class_for
 
     config = tmp_path / "opt"
     tiny("opt").save_pretrained(config)

@@ -308,7 +308,7 @@ def test_bad_targets_exit_2(args: list[str], expected: str) -> None:
 
 def test_generating_plans_keeps_torch_out_of_the_generator() -> None:
     probe = (
-        "import sys, hpgen.tp_plan, hpgen.cli, hpgen.lower; "
+        "import sys, hpgen.planner.translator, hpgen.planner.make, hpgen.cli, hpgen.lower; "
         "print('torch' in sys.modules, 'transformers' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
@@ -319,7 +319,8 @@ def test_generating_plans_keeps_torch_out_of_the_generator() -> None:
 
 
 def test_generated_plans_match_the_unsharded_llama_on_two_ranks(tmp_path: Path) -> None:
-    from hpgen.tp_plan import meta_model, plan_for_model
+    from hpgen.planner.load import meta_model
+    from hpgen.planner.translator import plan_for_model
     from tests.dist import run_distributed
     from tests.runtime.models import (
         Case,

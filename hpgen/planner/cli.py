@@ -25,9 +25,10 @@ def plan_with_report(
     dtype: str,
 ) -> tuple[str, list[str]]:
     """The plan's JSON text and the messages for stderr (notes with ``notes``, the sizing report with ``tp``)."""
+    from hpgen.planner.document import dumps_plan
+    from hpgen.planner.load import load_config, meta_model
     from hpgen.planner.make import plan_model
     from hpgen.planner.report import size_report
-    from hpgen.tp_plan import dumps_plan, load_config, meta_model
 
     model = meta_model(load_config(target))
     plan = plan_model(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, name=target)
@@ -47,8 +48,8 @@ def plan_with_report(
 
 def sizing_for(config: str, plan: Any, *, tp: int, dtype: str) -> Any:
     """The sizing report of a loaded ``plan`` for the model of ``config`` (a model type or config.json)."""
+    from hpgen.planner.load import load_config, meta_model
     from hpgen.planner.report import size_report
-    from hpgen.tp_plan import load_config, meta_model
 
     model = meta_model(load_config(config))
     try:

@@ -38,7 +38,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from hpgen.tp_plan import defined_in
+from hpgen.planner.load import defined_in
 
 __all__ = ["Flow", "ShapeUse", "Val", "leaf_kind", "run_module"]
 

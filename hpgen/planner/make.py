@@ -2,7 +2,7 @@
 
 transformers' ``base_model_tp_plan`` is the interchange format users know, so where it
 exists and shards something inside the decoder layers it is translated
-(:mod:`hpgen.tp_plan`). Where there is none, or where it shards only the embeddings
+(:mod:`hpgen.planner.translator`). Where there is none, or where it shards only the embeddings
 (bamba, diffllama, gpt_oss, lfm2, ...), the plan is derived from the modeling source
 (:mod:`hpgen.planner.derive`); ``from_source`` forces that. A translated plan that leaves
 whole blocks replicated (the attention next to sharded experts) gets those blocks from the
@@ -33,7 +33,7 @@ def make_plan(
     from_source: bool = False,
 ) -> dict[str, Any]:
     """The frozen plan for a model type or config.json (see :func:`plan_model`)."""
-    from hpgen.tp_plan import load_config, meta_model
+    from hpgen.planner.load import load_config, meta_model
 
     return plan_model(
         meta_model(load_config(target)), tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, name=target
@@ -62,8 +62,8 @@ def plan_model(
     name: str | None = None,
 ) -> dict[str, Any]:
     """The frozen plan for ``model`` (an instance, normally on the meta device); ``ep_axis`` as for
-    :func:`hpgen.tp_plan.plan_for_model` (transformers' plans only)."""
-    from hpgen.tp_plan import plan_for_model
+    :func:`hpgen.planner.translator.plan_for_model` (transformers' plans only)."""
+    from hpgen.planner.translator import plan_for_model
 
     name = name or type(model).__name__
     if plan_source(model, from_source=from_source) == TRANSFORMERS:

@@ -1,10 +1,10 @@
 """A derived layout (:mod:`hpgen.planner.derive`) written as a frozen plan.
 
-It reuses the translator of transformers' plans (:mod:`hpgen.tp_plan`) for everything
-after the choice of boundaries: the inputs and outputs read from each class's
-``forward``, the replicated parameters of a sharded body in ``grad_reduce_params``,
-grouping of the layers into ``*`` keys, ``boundary_classes`` where static resolution
-needs them, and the check that the document loads. What differs is where the boundaries
+It reuses the translator of transformers' plans (:mod:`hpgen.planner.translator`) for
+everything after the choice of boundaries: the inputs and outputs read from each
+class's ``forward``, the replicated parameters of a sharded body in
+``grad_reduce_params``, grouping of the layers into ``*`` keys, ``boundary_classes``
+where static resolution needs them, and the check that the document loads. What differs is where the boundaries
 come from (the derivation, not the styles) and the kinds a derivation has that
 transformers' plans never produce:
 
@@ -21,8 +21,9 @@ from __future__ import annotations
 from typing import Any
 
 from hpgen.errors import HpgenError
+from hpgen.planner.boundary import Boundary, generic
 from hpgen.planner.derive import Derivation, Placed
-from hpgen.tp_plan import _Boundary, _generic, _Translator
+from hpgen.planner.translator import Translator
 
 __all__ = ["derived_plan"]
 
@@ -45,12 +46,12 @@ def derived_plan(model: Any, derivation: Derivation, *, tp: int | None, sp: bool
         if leaves:
             raise HpgenError(
                 f"{name}: --sp needs every sharded group in a block of its own; the derived plan shards "
-                f"{_generic(leaves[0])} on its own (the module around it adds a residual or a norm)"
+                f"{generic(leaves[0])} on its own (the module around it adds a residual or a norm)"
             )
     return _DerivedTranslator(model, derivation, tp=tp, sp=sp, name=name).plan()
 
 
-class _DerivedTranslator(_Translator):
+class _DerivedTranslator(Translator):
     def __init__(self, model: Any, derivation: Derivation, *, tp: int | None, sp: bool, name: str) -> None:
         self.derivation = derivation
         self.placed: dict[str, Placed] = {}
@@ -85,7 +86,7 @@ class _DerivedTranslator(_Translator):
     def _check_sizes(self) -> None:
         """The derivation checked heads and vocabulary against ``--tp`` already."""
 
-    def _set_io(self, boundary: _Boundary) -> None:
+    def _set_io(self, boundary: Boundary) -> None:
         placed = self.placed.get(boundary.fqn)
         kind = placed.kind if placed is not None else None
         replicated = {"tp": "R"}
@@ -131,17 +132,17 @@ class _DerivedTranslator(_Translator):
                 boundary.grad_reduce.update(boundary.deferred)  # added to a sequence shard
             boundary.outputs[names[0]] = ({"tp": "P(sum)"}, dst)
 
-    def _keyword_names(self, boundary: _Boundary) -> set[str]:
+    def _keyword_names(self, boundary: Boundary) -> set[str]:
         forward = self._forward_owner(boundary.module, boundary.fqn).forward
         return {p.name for p in forward.parameters} if forward is not None else set()
 
-    def _entry(self, boundary: _Boundary) -> dict[str, Any]:
+    def _entry(self, boundary: Boundary) -> dict[str, Any]:
         entry = boundary.entry()
         placed = self.placed.get(boundary.fqn)
         if placed is not None and placed.divide:
             entry["tp_divide_attrs"] = sorted(placed.divide)
         return entry
 
-    def _boundary_classes(self, groups: dict[str, tuple[_Boundary, dict[str, Any]]]) -> dict[str, str]:
+    def _boundary_classes(self, groups: dict[str, tuple[Boundary, dict[str, Any]]]) -> dict[str, str]:
         lowered = {key: value for key, value in groups.items() if value[0].kind != "attrs"}
         return super()._boundary_classes(lowered)

@@ -101,7 +101,8 @@ FAMILIES = {
 def generated_plan(family: str, config: Mapping[str, Any] | None = None, **flags: Any) -> dict[str, Any]:
     """What ``hpgen plan`` writes for the tiny config of ``family`` (with ``config`` overrides),
     for ``flags`` ``tp=``, ``ep=``, ``ep_axis=``, ``sp=``."""
-    from hpgen.tp_plan import meta_model, plan_for_model
+    from hpgen.planner.load import meta_model
+    from hpgen.planner.translator import plan_for_model
 
     return plan_for_model(meta_model(make_config(family, **(config or {}))), name=family, **flags)
 

@@ -38,7 +38,8 @@ def hpgen_plan(family: str, **options: Any) -> Callable[[], dict[str, Any]]:
     """What ``hpgen plan`` writes for the family's tiny config (``tp=2``, ``sp=True``, ...)."""
 
     def make() -> dict[str, Any]:
-        from hpgen.tp_plan import meta_model, plan_for_model
+        from hpgen.planner.load import meta_model
+        from hpgen.planner.translator import plan_for_model
 
         return plan_for_model(meta_model(make_config(family)), **options)
 

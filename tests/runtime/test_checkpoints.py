@@ -520,7 +520,7 @@ def results4(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     dict's DTensors are copies laid out DTensor's way there."""
     import json
 
-    from hpgen.tp_plan import make_plan
+    from hpgen.planner.translator import make_plan
 
     root = tmp_path_factory.mktemp("checkpoints4")
     _write_checkpoint("llama", root / "llama", 5, max_shard_size="100KB")

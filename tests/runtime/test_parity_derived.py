@@ -34,8 +34,8 @@ def _plan_and_generated(family: str, directory: Path) -> tuple[dict, str]:
     from hpgen.generate import infer_package
     from hpgen.lower import lower
     from hpgen.plan import plan_from_dict
+    from hpgen.planner.load import meta_model, model_class_for
     from hpgen.planner.make import plan_model
-    from hpgen.tp_plan import meta_model, model_class_for
 
     plan = plan_model(meta_model(tiny(family)), tp=2, from_source=True, name=family)
     source = Path(inspect.getsourcefile(model_class_for(tiny(family))) or "")
@@ -105,8 +105,8 @@ class _CollectiveCounter:
 def _run(family: str, plan: dict, generated: str, mesh: Any, counter: _CollectiveCounter) -> dict:
     import torch
 
+    from hpgen.planner.load import model_class_for
     from hpgen.runtime import parallelize
-    from hpgen.tp_plan import model_class_for
     from tests.runtime.models import expected_shard, import_file, param_layouts, perturb_, tolerance
 
     config = tiny(family)
@@ -187,8 +187,8 @@ def test_each_rank_holds_at_most_two_thirds_of_the_parameters(results: tuple[dic
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_sizing_report_matches_the_run(results: tuple[dict, list[dict]], family: str) -> None:
+    from hpgen.planner.load import meta_model
     from hpgen.planner.report import size_report
-    from hpgen.tp_plan import meta_model
 
     cases, ranks = results
     report = size_report(meta_model(tiny(family)), cases[family][0], tp=2, dtype="float32")

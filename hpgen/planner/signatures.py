@@ -1,0 +1,183 @@
+"""Inputs and outputs: each boundary's, read from its class's ``forward`` in the modeling file.
+
+The modeling file the model class comes from is indexed with :mod:`hpgen.index`: a
+boundary's input is the first parameter of its class's ``forward`` (and the routing
+weights of an experts module), its outputs follow the ``return`` (``attn_output,
+attn_weights``). A block's input is ``R -> R`` and its output ``P(sum) -> R`` (from the
+sequence shards with ``--sp``); a wrapped ``nn.Linear`` / ``nn.Embedding`` gets the
+placements of its style.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpgen.errors import HpgenError
+from hpgen.planner.boundary import Boundary
+from hpgen.planner.load import defined_in
+from hpgen.planner.styles import EMBEDDING_LEAVES, LINEAR_LEAVES, Rule
+
+if TYPE_CHECKING:
+    from hpgen.index import ClassInfo, ModuleIndex, ParsedSource
+
+__all__ = ["ForwardSignatures", "return_names", "self_calls"]
+
+
+class ForwardSignatures:
+    """The inputs and outputs of a :class:`~hpgen.planner.translator.Translator`'s boundaries."""
+
+    rules: dict[str, Rule]
+    source: Path
+    parsed: ParsedSource
+    index: ModuleIndex
+    name: str
+
+    def _set_io(self, boundary: Boundary) -> None:
+        if boundary.kind == "sp":
+            return
+        sp_input = boundary.sp_input
+        axes = sorted(boundary.axes)
+        replicated = {axis: "R" for axis in axes}
+        if boundary.kind == "linear":
+            style = self.rules[boundary.fqn].style
+            boundary.wrapped_as = "nn.Linear"
+            if LINEAR_LEAVES[style] == "col":
+                boundary.inputs["input"] = (dict(replicated), dict(replicated))
+                boundary.outputs["output"] = ({axis: "S(-1)" for axis in axes}, dict(replicated))
+            else:
+                boundary.inputs["input"] = (dict(replicated), {axis: "S(-1)" for axis in axes})
+                boundary.outputs["output"] = ({axis: "P(sum)" for axis in axes}, dict(replicated))
+            return
+        if boundary.kind == "embedding":
+            style = self.rules[boundary.fqn].style
+            boundary.wrapped_as = "nn.Embedding"
+            partial = "P(sum)" if EMBEDDING_LEAVES[style] == 0 else "S(-1)"
+            boundary.outputs["output"] = ({axis: partial for axis in axes}, dict(replicated))
+            return
+        parameters = self._parameters(boundary.module, boundary.fqn)
+        inputs = [parameters[0]]
+        if boundary.kind == "experts" and len(parameters) >= 3:
+            inputs.append(parameters[2])  # the routing weights: their gradient is partial too
+        for position, name in enumerate(inputs):
+            src = dict(replicated)
+            if sp_input and position == 0:
+                src["tp"] = "S(1)"
+            boundary.inputs[name] = (src, dict(replicated))
+        names = self._outputs(boundary.module, boundary.fqn)
+        boundary.out_names = names if len(names) > 1 else None
+        dst = dict(replicated)
+        if sp_input:
+            dst["tp"] = "S(1)"
+            # a deferred bias added to a sequence shard gets only that shard's gradient
+            boundary.grad_reduce.update(boundary.deferred)
+        boundary.outputs[names[0]] = ({axis: "P(sum)" for axis in axes}, dst)
+
+    def _class_info(self, module: Any, fqn: str) -> ClassInfo:
+        cls = type(module)
+        if not defined_in(cls, self.source):
+            raise HpgenError(
+                f"{self.name}: {fqn} is a {cls.__qualname__} from {cls.__module__}, not from {self.source.name}; "
+                "hpgen lowers one modeling file"
+            )
+        info = self.index.class_named(cls.__name__)
+        assert info is not None  # the class is defined in the indexed file
+        return info
+
+    def _forward_owner(self, module: Any, fqn: str) -> ClassInfo:
+        """The class (in the source) whose ``forward`` the module runs."""
+        info = self._class_info(module, fqn)
+        pending, seen = [info], set()
+        while pending:
+            current = pending.pop(0)
+            if current.name in seen:
+                continue
+            seen.add(current.name)
+            if current.forward is not None:
+                return current
+            pending.extend(self.index.classes[base] for base in current.bases if base in self.index.classes)
+        raise HpgenError(f"{self.name}: {fqn} ({info.name}) has no forward in {self.source.name}")
+
+    def _parameters(self, module: Any, fqn: str) -> list[str]:
+        """The positional parameters of the module's ``forward`` after ``self``."""
+        forward = self._forward_owner(module, fqn).forward
+        assert forward is not None
+        names = [p.name for p in forward.parameters if p.kind in ("positional_only", "positional")][1:]
+        if not names:
+            raise HpgenError(f"{self.name}: {fqn} ({type(module).__name__}).forward takes no tensor input")
+        return names
+
+    def _input(self, module: Any, fqn: str) -> str:
+        return self._parameters(module, fqn)[0]
+
+    def _outputs(self, module: Any, fqn: str) -> tuple[str, ...]:
+        """Output names in return order: the tuple's element names, or ``output``."""
+        owner = self._forward_owner(module, fqn)
+        return return_names(self.parsed, owner.name)
+
+
+def return_names(parsed: ParsedSource, class_name: str) -> tuple[str, ...]:
+    """Names of what ``<class_name>.forward`` returns: tuple items in order, else ``("output",)``.
+
+    An item that is a plain name keeps it (``attn_output``); others are ``output_<i>``.
+    Returns of different tuple lengths or kinds leave the single name ``output`` (the
+    classifier then picks the generic form if it must).
+    """
+    node = next((n for n in parsed.tree.body if isinstance(n, ast.ClassDef) and n.name == class_name), None)
+    forward = None
+    for statement in node.body if node is not None else ():
+        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)) and statement.name == "forward":
+            forward = statement
+    if forward is None:
+        return ("output",)
+    returns = [r for r in _own_returns(forward) if r.value is not None and not _is_none(r.value)]
+    tuples = [r.value for r in returns if isinstance(r.value, ast.Tuple)]
+    if not returns or len(tuples) != len(returns):
+        records = [r.value for r in returns if isinstance(r.value, ast.Call) and r.value.keywords and not r.value.args]
+        if records and len(records) == len(returns) and records[0].keywords[0].arg:
+            return (records[0].keywords[0].arg,)
+        return ("output",)
+    lengths = {len(t.elts) for t in tuples}
+    if len(lengths) != 1 or any(isinstance(e, ast.Starred) for t in tuples for e in t.elts):
+        return ("output",)
+    names: list[str] = []
+    for position in range(lengths.pop()):
+        found = {t.elts[position].id for t in tuples if isinstance(t.elts[position], ast.Name)}
+        name = found.pop() if len(found) == 1 else f"output_{position}"
+        names.append(name if name not in names else f"output_{position}")
+    return tuple(names) if names else ("output",)
+
+
+def self_calls(parsed: ParsedSource, class_name: str, attr: str) -> int:
+    """How many times ``<class_name>.forward`` calls ``self.<attr>(...)``."""
+    node = next((n for n in parsed.tree.body if isinstance(n, ast.ClassDef) and n.name == class_name), None)
+    forward = next(
+        (n for n in (node.body if node else ()) if isinstance(n, ast.FunctionDef) and n.name == "forward"), None
+    )
+    if forward is None:
+        return 0
+    return sum(
+        1
+        for call in ast.walk(forward)
+        if isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Attribute)
+        and call.func.attr == attr
+        and isinstance(call.func.value, ast.Name)
+        and call.func.value.id == "self"
+    )
+
+
+def _own_returns(function: ast.AST) -> Iterable[ast.Return]:
+    """The ``return`` statements of ``function`` itself (nested functions and classes skipped)."""
+    for child in ast.iter_child_nodes(function):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            continue
+        if isinstance(child, ast.Return):
+            yield child
+        yield from _own_returns(child)
+
+
+def _is_none(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and node.value is None
