@@ -561,7 +561,11 @@ class _Deriver:
         pieces: list[Placed] = []
         block = self._clean(common, cols, rows, mids, full=True)
         if block is not None:
-            placed = Placed(common, "block", inputs=block, why=f"{what}: column- and row-parallel projections")
+            why = f"{what}: column- and row-parallel projections"
+            if self._group_latent:
+                names = ", ".join(sorted(relative(p, common) for p in self._group_latent))
+                why += f"; the latent down-projection {names} (shared by the heads) replicated in the block"
+            placed = Placed(common, "block", inputs=block, why=why)
             self._params(placed, cols, rows, layouts)
             pieces.append(placed)
         else:

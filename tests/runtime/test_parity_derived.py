@@ -1,10 +1,12 @@
 """Plans derived from the modeling source, on 2 gloo ranks against the unsharded transformers model.
 
-Four layouts the derivation must get right: GPT-2 (``Conv1D`` weights transposed, the
+Five layouts the derivation must get right: GPT-2 (``Conv1D`` weights transposed, the
 fused ``c_attn`` as three packed blocks, ``split_size`` divided), GPT-NeoX from its source
 (``--from-source``: the per-head interleaved ``query_key_value`` as a plain shard), OPT
 (attention as one block, ``fc1``/``fc2`` in the decoder layer as two wrapped linears), and
-GPTBigCode with multi-query attention (the attention stays replicated, the MLP shards).
+GPTBigCode with multi-query attention (the attention stays replicated, the MLP shards), and
+DeepSeek-V3's multi-head latent attention (the low-rank down-projections replicated in the
+block, the head-sized up-projections column-parallel).
 Each compares the logits and every parameter's gradient (this rank's slice) and checks the
 sizing report of :mod:`hpgen.planner.report` against the run: each rank's parameter bytes
 counted from its real parameters, and the collectives counted as they are called (each
@@ -25,7 +27,7 @@ import pytest
 from tests.derived_configs import tiny
 from tests.dist import run_distributed
 
-FAMILIES = ("gpt2", "gpt_neox", "opt", "gpt_bigcode")
+FAMILIES = ("gpt2", "gpt_neox", "opt", "gpt_bigcode", "deepseek_v3")
 SEED = 0
 BATCH, SEQ = 2, 7
 
