@@ -154,6 +154,14 @@ class _Deriver:
             try:
                 self._place_group(layer, flow, linears, cols, rows, mids)
             except Refused as refused:
+                latent = set().union(*(self._latent.pop(row, set()) for row in rows))
+                if latent:  # the group with its latent projections as columns: the reason it had before
+                    cols = cols | latent
+                    try:
+                        self._place_group(layer, flow, linears, cols, rows, mids)
+                        continue
+                    except Refused as plain:
+                        refused = plain
                 for fqn in sorted(cols | rows):
                     self.result.note(fqn, False, str(refused))
         placed = set(self.result.placed)
