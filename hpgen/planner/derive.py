@@ -46,6 +46,7 @@ from typing import Any
 from hpgen.planner.entries import Derivation, Note, Placed, Refused
 from hpgen.planner.flow import SIZE, Flow, leaf_kind, module_names, run_module
 from hpgen.planner.latent import check_broadcast, pre_projections, replicated_closure
+from hpgen.planner.split_rows import place_split_rows, reshapes_weight
 from hpgen.planner.layouts import arg_reads, dim_of, last_dim, layout_of
 from hpgen.planner.modules import (
     between,
@@ -164,6 +165,7 @@ class _Deriver:
                         refused = plain
                 for fqn in sorted(cols | rows):
                     self.result.note(fqn, False, str(refused))
+        place_split_rows(self.result, self.modules, linears, positive_int(self._config("hidden_size")), layer)
         placed = set(self.result.placed)
         for fqn in sorted(linears):
             if not any(fqn == p or fqn.startswith(p + ".") for p in placed) and not any(
@@ -228,6 +230,11 @@ class _Deriver:
         for fqn in sorted(cols | rows):
             if not is_linear(self.modules[fqn]):
                 raise Refused(f"{relative(fqn, layer)} is a {type(self.modules[fqn]).__name__}, not a linear layer")
+            if is_nn_linear(self.modules[fqn]) and reshapes_weight(self.modules[fqn]):
+                raise Refused(
+                    f"{relative(fqn, layer)} is a {type(self.modules[fqn]).__name__}, whose forward reshapes its weight "
+                    "(a grouped projection): a slice of its rows is not a linear layer's shard"
+                )
         for fqn in sorted(mids):
             self._check_mid(fqn, cols, layer)
         raw = sorted({p for row in rows for p in _sources(flow, row, linears, self._per_head).raw})

@@ -117,7 +117,7 @@ def _completed(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -
     for fqn, placed in derivation.placed.items():
         # whole blocks only (a module returning its row's output alone): what transformers' authors
         # left replicated around a residual or a grouped projection stays as they left it
-        if placed.kind != "block":
+        if placed.kind not in ("block", "split_row_leaf"):  # self-contained: replicated in, replicated out
             continue
         if any(fqn == t or t.startswith(fqn + ".") or fqn.startswith(t + ".") for t in taken):
             continue

@@ -12,6 +12,8 @@ transformers' plans never produce:
   sharded (``S(-1) -> S(-1)``) for the row-parallel ``nn.Linear`` after it;
 - ``col_leaf`` / ``row_leaf``: one ``nn.Linear`` that ``parallelize`` wraps, column-parallel
   with its output left sharded, or row-parallel taking a sharded input and reducing;
+- ``split_row_leaf``: a row-parallel ``nn.Linear`` whose replicated input it splits on entry
+  (:mod:`hpgen.planner.split_rows`);
 - ``attrs`` / ``alias``: entries that are not boundaries, holding only ``tp_divide_attrs``
   or the layout of a parameter registered under a second name.
 """
@@ -32,6 +34,7 @@ _KINDS = {
     "col_block": "block",
     "col_leaf": "linear",
     "row_leaf": "linear",
+    "split_row_leaf": "linear",
     "lm_head": "linear",
     "embedding": "embedding",
     "attrs": "attrs",
@@ -41,6 +44,10 @@ _KINDS = {
 
 def derived_plan(model: Any, derivation: Derivation, *, tp: int | None, sp: bool = False, name: str) -> dict[str, Any]:
     """The frozen plan document of ``derivation`` for ``model``."""
+    if sp and any(p.kind == "split_row_leaf" for p in derivation.placed.values()):
+        # a split row reduces to the replicated stream, which --sp keeps sequence-sharded: left replicated
+        kept = {fqn: p for fqn, p in derivation.placed.items() if p.kind != "split_row_leaf"}
+        derivation = type(derivation)(placed=kept, notes=list(derivation.notes))
     if sp:
         leaves = sorted(p.fqn for p in derivation.placed.values() if p.kind in ("col_block", "col_leaf", "row_leaf"))
         if leaves:
@@ -105,6 +112,11 @@ class _DerivedTranslator(Translator):
             boundary.wrapped_as = "nn.Linear"
             boundary.inputs["input"] = (dict(replicated), dict(replicated))
             boundary.outputs["output"] = ({"tp": "S(-1)"}, {"tp": "S(-1)"})
+            return
+        if kind == "split_row_leaf":  # a replicated input, split on entry (no communication)
+            boundary.wrapped_as = "nn.Linear"
+            boundary.inputs["input"] = (dict(replicated), {"tp": "S(-1)"})
+            boundary.outputs["output"] = ({"tp": "P(sum)"}, dict(replicated))
             return
         if kind == "row_leaf":
             boundary.wrapped_as = "nn.Linear"
