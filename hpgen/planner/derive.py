@@ -46,6 +46,7 @@ from typing import Any
 from hpgen.planner.entries import Derivation, Note, Placed, Refused
 from hpgen.planner.flow import SIZE, Flow, leaf_kind, module_names, run_module
 from hpgen.planner.latent import check_broadcast, pre_projections, replicated_closure
+from hpgen.planner.mixers import absent, conv_placement, per_head_placement
 from hpgen.planner.split_rows import place_split_rows, reshapes_weight
 from hpgen.planner.layouts import arg_reads, dim_of, last_dim, layout_of
 from hpgen.planner.modules import (
@@ -201,6 +202,9 @@ class _Deriver:
             and not src.stops - replicated_closure(flow, pre_projections(flow, src.linears, linears), set())
             and out_features(self.modules[fqn]) in widths
         }
+        for fqn in sorted(rows):  # a "row" whose output another row mixes with columns is a column of that row
+            if fqn in rows and found[fqn].linears - rows:  # (Kimi's f_b_proj: qkv_dim == hidden_size, into o_proj)
+                rows -= found[fqn].linears & rows
         groups: list[tuple[set[str], set[str], set[str]]] = []
         for row in sorted(rows, key=lambda f: (depth.get(f, 0), f)):
             src = found[row]
@@ -292,14 +296,22 @@ class _Deriver:
         found: dict[str, str] = {}
         head_dim = heads[2] if heads is not None else None
         widths = {out_features(self.modules[c]) for c in cols if layouts[c] == ("S", 1)}
+        col_widths = [out_features(self.modules[c]) for c in cols if layouts[c] == ("S", 1)]
         for name in raw:
+            if absent(self.model, name):
+                continue  # a bias the layer was built without: read as None
             try:
                 param = self.model.get_parameter(name)
             except AttributeError:
                 raise Refused(
                     f"the code between the projections reads a parameter hpgen cannot place ({name})"
                 ) from None
-            if param.dim() == 1 and (param.numel() in widths or (heads is not None and param.numel() == heads[0])):
+            special = conv_placement(self.model, name, param, col_widths) or per_head_placement(
+                param, heads[0] if heads is not None else None
+            )
+            if special is not None:
+                found[name] = special  # a depthwise conv over the columns, or one value per head (A_log)
+            elif param.dim() == 1 and (param.numel() in widths or (heads is not None and param.numel() == heads[0])):
                 found[name] = "S(0)"  # one value per feature of a column, or one per query head (GPT-OSS sinks)
             elif param.numel() == 1 or (param.dim() == 1 and param.numel() == head_dim):
                 found[name] = "R"

@@ -570,6 +570,8 @@ class _Frame:
                     return self._call_modules(callee.modules, args, kwargs)
                 if any(read.startswith("missing:") for _, read in callee.reads):
                     return EMPTY  # self.q_attn(...) on an instance without q_attn: a branch it never takes
+                if callee.origins:  # a method of a parameter read directly: self.conv1d.weight.squeeze(1)
+                    return union([callee, *operands])
                 return union(operands)
             receiver = self.expr(func.value)
             if receiver.modules is not None:  # layer.forward(x) on a module reference
