@@ -275,8 +275,9 @@ class _Deriver:
         if what == "attention" and heads is not None:
             self._check_heads(cols, layouts, heads, layer)
         counts = self._sharded_counts(cols, rows, layouts, heads)
-        divide = self._divided_attrs(flow, sharded, counts, layer)
         direct = self._direct_params(raw, cols, layouts, heads, layer)
+        # reshapes of the parameters sharded with the heads (dt_bias.view(1, 1, num_heads, head_dim)) size shards too
+        divide = self._divided_attrs(flow, sharded | {f"param:{n}" for n, p in direct.items() if p != "R"}, counts, layer)
         self._boundaries(layer, cols, rows, mids, layouts, divide, what, direct)
 
     def _direct_params(
