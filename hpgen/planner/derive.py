@@ -230,6 +230,7 @@ class _Deriver:
         self, layer: str, flow: Flow, linears: set[str], cols: set[str], rows: set[str], mids: set[str]
     ) -> None:
         self._group_latent: set[str] = set()
+        self._group_flow = flow
         what = "attention" if self._is_attention(cols, rows) else "MLP"
         for fqn in sorted(cols | rows):
             if not is_linear(self.modules[fqn]):
@@ -307,7 +308,7 @@ class _Deriver:
                 raise Refused(
                     f"the code between the projections reads a parameter hpgen cannot place ({name})"
                 ) from None
-            special = conv_placement(self.model, name, param, col_widths) or per_head_placement(
+            special = conv_placement(self.model, name, param, col_widths, self._group_flow.shapes) or per_head_placement(
                 param, heads[0] if heads is not None else None
             )
             if special is not None:

@@ -35,8 +35,13 @@ def absent(model: Any, name: str) -> bool:
     return leaf in getattr(module, "_parameters", {}) and module._parameters[leaf] is None
 
 
-def conv_placement(model: Any, name: str, param: Any, col_widths: list[int]) -> str | None:
-    """``SS(0,k)`` / ``S(0)`` for the weight of a depthwise ``nn.Conv1d`` over ``k`` equal sharded columns."""
+def conv_placement(model: Any, name: str, param: Any, col_widths: list[int], shapes: Any = ()) -> str | None:
+    """``SS(0,k)`` / ``S(0)`` for the weight of a depthwise ``nn.Conv1d`` over ``k`` equal sharded columns.
+
+    The blocks are read from the ``split`` of the convolution's output (``[self.qkv_dim] * 3``):
+    equal constant sizes adding up to the channels; blocks of unequal sizes (queries and keys
+    narrower than values) have no packed placement.
+    """
     import torch.nn as nn
 
     owner, _, leaf = name.rpartition(".")
@@ -46,10 +51,25 @@ def conv_placement(model: Any, name: str, param: Any, col_widths: list[int]) -> 
     channels = param.shape[0]
     if not (module.groups == module.in_channels == module.out_channels == channels):
         return None  # mixes channels: a shard of them is not this rank's share of the convolution
-    for width, count in sorted(Counter(col_widths).items()):
-        if width and channels % width == 0 and 1 <= channels // width <= count:
-            k = channels // width
-            return f"SS(0,{k})" if k > 1 else "S(0)"
+    blocks = _split_blocks(shapes, f"param:{name}", channels)
+    if blocks is None or len(set(blocks)) != 1 or Counter(col_widths)[blocks[0]] < len(blocks):
+        return None
+    return f"SS(0,{len(blocks)})" if len(blocks) > 1 else "S(0)"
+
+
+def _split_blocks(shapes: Any, origin: str, channels: int) -> list[int] | None:
+    """The constant sizes of the split of a value computed with ``origin``, when they add up to ``channels``."""
+    for use in shapes:
+        if use.method not in ("split", "tensor_split") or origin not in use.receiver or not use.arg_vals:
+            continue
+        first = use.arg_vals[0]
+        sizes = first.const
+        if first.items is not None:
+            sizes = [item.const for item in first.items]
+        if isinstance(sizes, (list, tuple)) and all(isinstance(x, int) for x in sizes) and sum(sizes) == channels:
+            return list(sizes)
+        if isinstance(sizes, int) and sizes > 0 and channels % sizes == 0:
+            return [sizes] * (channels // sizes)
     return None
 
 
