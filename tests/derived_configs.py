@@ -60,6 +60,21 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             n_group=1, topk_group=1, **_TINY,
         ),
     ),
+    # a linear-attention (KDA) mixer with a depthwise conv over cat(q, k, v) and per-head A_log, then MLA;
+    # dense MLPs only
+    "kimi_linear": (
+        "KimiLinearConfig",
+        dict(
+            hidden_size=64, num_hidden_layers=2, intermediate_size=89, linear_num_heads=4, linear_head_dim=16,
+            layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "dense"],
+            num_attention_heads=4, num_key_value_heads=4, head_dim=8, q_lora_rank=32, kv_lora_rank=32,
+            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_experts=4, moe_intermediate_size=24,
+            pad_token_id=0, bos_token_id=0, eos_token_id=0, **_TINY,
+        ),
+    ),
+    # a Mamba mixer: nothing pairs its columns (x_proj packs blocks of unequal sizes), so out_proj
+    # (intermediate 128 -> hidden 64) is a row on its split replicated input
+    "mamba": ("MambaConfig", dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, state_size=16, **_TINY)),
 }
 
 

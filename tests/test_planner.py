@@ -320,3 +320,82 @@ def test_a_replicated_latent_is_shared_by_the_heads_or_the_group_stays_replicate
         block = derivation.placed["layers.0.attn"]
         assert block.params == {"q_proj.weight": "S(0)", "kv_b.weight": "S(0)", "o_proj.weight": "S(1)"}
         assert block.grad_reduce == {"kv_a.weight", "kv_norm.weight", "kv_norm.bias"}
+
+
+def test_a_linear_attention_mixer_shards_its_conv_and_per_head_tensors_with_the_heads() -> None:
+    """Kimi Linear's KDA: q/k/v, the gates' up-projections and b_proj are columns; the depthwise conv over
+    ``cat([q, k, v])`` is three packed blocks; ``A_log`` ``[1, 1, heads, 1]`` is cut on its head dim; the
+    gates' down-projections stay replicated; ``qkv_dim`` (the split sizes) is divided."""
+    plan = derived("kimi_linear")
+    mixer = entry(plan, "model.layers.0.self_attn")
+    params = {name: layout["tp"] for name, layout in mixer["params"].items()}
+    assert params["conv1d.weight"] == "SS(0,3)"
+    assert params["forget_gate.A_log"] == "S(2)" and params["forget_gate.dt_bias"] == "S(0)"
+    assert params["forget_gate.f_b_proj.weight"] == params["b_proj.weight"] == "S(0)"
+    assert params["o_proj.weight"] == "S(1)"
+    assert {"forget_gate.f_a_proj.weight", "g_a_proj.weight", "o_norm.weight"} <= set(mixer["grad_reduce_params"])
+    assert mixer["tp_divide_attrs"] == ["qkv_dim"]
+
+
+def test_a_conv_over_blocks_of_unequal_sizes_has_no_packed_placement() -> None:
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    from hpgen.planner.flow import Val
+    from hpgen.planner.mixers import conv_placement
+
+    model = nn.Module()
+    model.conv = nn.Conv1d(256, 256, 4, groups=256, device="meta")
+    name = "conv.weight"
+
+    def split(sizes: list[int]) -> SimpleNamespace:
+        value = Val(items=tuple(Val(const=size) for size in sizes))
+        return SimpleNamespace(method="split", receiver=frozenset({f"param:{name}"}), arg_vals=(value,))
+
+    weight = model.conv.weight
+    assert conv_placement(model, name, weight, [64, 64, 128], [split([64, 64, 128])]) is None
+    assert conv_placement(model, name, weight, [128, 128], [split([128, 128])]) == "SS(0,2)"
+    assert conv_placement(model, name, weight, [128, 128], []) is None  # blocks unknown
+    model.conv = nn.Conv1d(256, 256, 4, device="meta")  # mixes channels
+    assert conv_placement(model, name, model.conv.weight, [128, 128], [split([128, 128])]) is None
+    assert torch.Size([256, 1, 4]) == weight.shape
+
+
+def test_a_row_whose_columns_cannot_shard_splits_its_replicated_input() -> None:
+    """Mamba's mixer pairs nothing (x_proj packs unequal blocks), so out_proj, wider in than out, is a row
+    on its split input: R -> S(-1), weight S(1), P(sum) -> R."""
+    plan = derived("mamba")
+    out_proj = entry(plan, "backbone.layers.*.mixer.out_proj")
+    assert out_proj["in_src"] == {"input": {"tp": "R"}} and out_proj["in_dst"] == {"input": {"tp": "S(-1)"}}
+    assert out_proj["params"] == {"weight": {"tp": "S(1)"}}
+    assert out_proj["out_src"] == {"output": {"tp": "P(sum)"}} and out_proj["out_dst"] == {"output": {"tp": "R"}}
+    assert "split on entry" in plan["comments"]["sharded"]["backbone.layers.*.mixer.out_proj"]
+    assert "backbone.layers.*.mixer.in_proj" in plan["comments"]["replicated"]
+    # --sp keeps the stream sequence-sharded: the split row is left replicated there
+    from hpgen.planner.load import meta_model
+    from hpgen.planner.make import plan_model
+
+    with pytest.raises(Exception, match="no decoder layer holds a sharded block"):
+        plan_model(meta_model(tiny("mamba")), tp=2, sp=True, from_source=True, name="mamba")
+
+
+def test_a_grouped_linear_is_not_sharded_as_a_linear() -> None:
+    """A ``nn.Linear`` subclass whose forward reshapes its weight (DeepSeek-V4's block-diagonal o_a_proj)."""
+    import torch
+    from torch import nn
+
+    from hpgen.planner.split_rows import reshapes_weight
+
+    class Grouped(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            w = self.weight.view(2, -1, x.shape[-1]).transpose(1, 2)
+            return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
+
+    class Scaled(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    assert reshapes_weight(Grouped(4, 4, device="meta"))
+    assert not reshapes_weight(Scaled(4, 4, device="meta")) and not reshapes_weight(nn.Linear(4, 4, device="meta"))

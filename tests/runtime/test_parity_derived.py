@@ -1,12 +1,14 @@
 """Plans derived from the modeling source, on 2 gloo ranks against the unsharded transformers model.
 
-Five layouts the derivation must get right: GPT-2 (``Conv1D`` weights transposed, the
+Seven layouts the derivation must get right: GPT-2 (``Conv1D`` weights transposed, the
 fused ``c_attn`` as three packed blocks, ``split_size`` divided), GPT-NeoX from its source
 (``--from-source``: the per-head interleaved ``query_key_value`` as a plain shard), OPT
 (attention as one block, ``fc1``/``fc2`` in the decoder layer as two wrapped linears), and
 GPTBigCode with multi-query attention (the attention stays replicated, the MLP shards), and
 DeepSeek-V3's multi-head latent attention (the low-rank down-projections replicated in the
-block, the head-sized up-projections column-parallel).
+block, the head-sized up-projections column-parallel), Kimi Linear's KDA mixer (its depthwise
+convolution over the concatenated q/k/v as packed blocks, per-head ``A_log``), and Mamba's
+``out_proj`` as a row on its split replicated input.
 Each compares the logits and every parameter's gradient (this rank's slice) and checks the
 sizing report of :mod:`hpgen.planner.report` against the run: each rank's parameter bytes
 counted from its real parameters, and the collectives counted as they are called (each
@@ -27,8 +29,11 @@ import pytest
 from tests.derived_configs import tiny
 from tests.dist import run_distributed
 
-FAMILIES = ("gpt2", "gpt_neox", "opt", "gpt_bigcode", "deepseek_v3")
+FAMILIES = ("gpt2", "gpt_neox", "opt", "gpt_bigcode", "deepseek_v3", "kimi_linear", "mamba")
 SEED = 0
+# Mamba's mixer keeps in_proj, x_proj and dt_proj replicated (x_proj packs unequal blocks): only out_proj,
+# a split row, halves (0.83 of the parameters per rank, from 0.92)
+SHARE_LIMIT = {"mamba": 0.85}
 BATCH, SEQ = 2, 7
 
 
@@ -184,7 +189,7 @@ def test_logits_and_every_gradient_match(results: tuple[dict, list[dict]], famil
 def test_each_rank_holds_at_most_two_thirds_of_the_parameters(results: tuple[dict, list[dict]], family: str) -> None:
     _, ranks = results
     share = max(by_family[family]["rank_bytes"] for by_family in ranks) / ranks[0][family]["full_bytes"]
-    assert share <= 0.65, share
+    assert share <= SHARE_LIMIT.get(family, 0.65), share
 
 
 @pytest.mark.parametrize("family", FAMILIES)
