@@ -688,6 +688,21 @@ NOTES: dict[str, str] = {
     "gemma4_unified_assistant": "its decoder layers are Gemma4Unified's classes, from another modeling file.",
     "fuyu": "the language model is Persimmon's, built through `AutoModel` from another modeling file; "
     "modeling_fuyu.py holds only the vision projection.",
+    "gpt_oss": "the experts stay replicated (0.76 of the tiny model): `GptOssExperts` adds `down_proj_bias[e]` to each "
+    "expert's output before the routing weight multiplies it (`(h @ down_proj[e] + down_proj_bias[e]) * w`), so a "
+    "row split of `down_proj` needs that bias on one rank only; no placement says so (`R` adds it on every rank, a "
+    "deferred bias adds it after the reduction without the routing weights). The interleaved gate/up columns "
+    "(`gate_up[..., ::2]`, `[..., 1::2]`) also keep their pairs whole under `S(2)` only when 2 x intermediate / tp is "
+    "even (the tiny 89 splits 178 columns 89 + 89, cutting a pair).",
+    "phi4_multimodal": "0.97 of the tiny model is the audio encoder (24 conformer blocks whose `ext_pw_out_channel` and "
+    "`nemo_conv_channels`, 1024, the common tiny shape does not reach): chains of `nn.Conv1d` (pointwise, GLU, "
+    "depthwise) that the planner does not pair (it pairs `nn.Linear`/`Conv1D`), and the causal LM's text forward does "
+    "not run the audio encoder, so no parity check would see their shards. The text layers (0.5%) and the encoders' "
+    "attention and feed-forward blocks are sharded.",
+    "dory": "the plan splits each layer's replicated `mlp.down_proj` input (a row-parallel split, 89 -> 64): in "
+    "float64 the logits and every gradient match exactly (max error 0), in float32 the two partial sums round "
+    "differently from the single matmul and the model amplifies that past the tolerance (its gradients reach ~1e4: "
+    "an L2-normalised residual stream run through recurrent loops).",
     "reformer": "the backward of its reversible layers runs only in train mode (transformers asserts it); the "
     "comparison runs in eval mode, and in train mode LSH attention draws random rotations per forward.",
 }
@@ -795,6 +810,7 @@ def render(variants: dict[str, dict[str, Row]], architectures_found: list[str]) 
         reason = _cell(row.reason) + (f" — {_cell(NOTES[name], None)}" if name in NOTES else "")
         if row.parity and row.grads_ok and not at_target(row):
             reason = _cell(_short_of_target(row) + (f" — {row.replicated}" if row.replicated else ""), 400)
+            reason += f" — {_cell(NOTES[name], None)}" if name in NOTES else ""  # why it cannot get under the target
         lines.append(
             f"| {name} | {row.model_class} | {row.plan_source} | {_mark(row.plan_ok)} | "
             f"{_mark(row.lower_ok) if row.plan_ok else ''} | "
