@@ -103,7 +103,9 @@ def test_what_cannot_shard_stays_replicated_and_says_why(family: str, module: st
 def test_a_norm_across_the_sharded_features_leaves_the_pair_replicated() -> None:
     plan = derived("bitnet")  # BitNet normalises the attention output (attn_sub_norm) before o_proj
     assert "model.layers.*.self_attn.o_proj" in plan["comments"]["replicated"]
-    assert set(plan["param_plan"]) == {"model.embed_tokens", "lm_head"}
+    # only the MLP's down_proj (89 -> 64, wider in than out) is sharded: a row on its split replicated input
+    assert set(plan["param_plan"]) == {"model.embed_tokens", "lm_head", "model.layers.*.mlp.down_proj"}
+    assert plan["param_plan"]["model.layers.*.mlp.down_proj"]["in_dst"] == {"input": {"tp": "S(-1)"}}
 
 
 def test_heads_that_do_not_divide_are_refused_by_the_derivation() -> None:

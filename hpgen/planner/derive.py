@@ -45,7 +45,7 @@ from typing import Any
 
 from hpgen.planner.entries import Derivation, Note, Placed, Refused
 from hpgen.planner.flow import SIZE, Flow, leaf_kind, module_names, run_module
-from hpgen.planner.latent import check_broadcast, pre_projections, replicated_closure
+from hpgen.planner.latent import LatentRefused, check_broadcast, pre_projections, replicated_closure
 from hpgen.planner.mixers import absent, conv_placement, per_head_placement
 from hpgen.planner.split_rows import place_split_rows, reshapes_weight
 from hpgen.planner.layouts import arg_reads, dim_of, last_dim, layout_of
@@ -163,7 +163,8 @@ class _Deriver:
                         self._place_group(layer, flow, linears, cols, rows, mids)
                         continue
                     except Refused as plain:
-                        refused = plain
+                        if not isinstance(refused, LatentRefused):  # a latent's own refusal says more
+                            refused = plain
                 for fqn in sorted(cols | rows):
                     self.result.note(fqn, False, str(refused))
         place_split_rows(self.result, self.modules, linears, positive_int(self._config("hidden_size")), layer)

@@ -21,9 +21,13 @@ from hpgen.planner.entries import Refused
 from hpgen.planner.flow import Flow
 from hpgen.planner.modules import relative
 
-__all__ = ["pre_projections", "replicated_closure", "check_broadcast"]
+__all__ = ["LatentRefused", "pre_projections", "replicated_closure", "check_broadcast"]
 
 _RESHAPES = ("view", "reshape", "unflatten")
+
+
+class LatentRefused(Refused):
+    """The group's latent projections cannot stay replicated next to its sharded heads."""
 
 
 def _upstream(flow: Flow, start: str, linears: set[str]) -> set[str]:
@@ -75,7 +79,7 @@ def check_broadcast(flow: Flow, replicated: set[str], heads: Mapping[str, int], 
             continue
         for value in _size_args(use):
             if value.const == -1 or (isinstance(value.const, int) and value.const in counts):
-                raise Refused(
+                raise LatentRefused(
                     f"{relative(use.module, layer) or 'the layer'} cuts the replicated output of "
                     f"{', '.join(relative(r, layer) for r in sorted(use.receiver))} into heads (line {use.line}); "
                     "only a value shared by every head (one head, expanded) can stay replicated next to sharded heads"
