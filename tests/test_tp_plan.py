@@ -308,7 +308,8 @@ def test_bad_targets_exit_2(args: list[str], expected: str) -> None:
 
 def test_generating_plans_keeps_torch_out_of_the_generator() -> None:
     probe = (
-        "import sys, hpgen.planner.translator, hpgen.planner.make, hpgen.cli, hpgen.lower; "
+        "import sys, hpgen.planner.make, hpgen.planner.translator, hpgen.planner.derive, hpgen.planner.translate, "
+        "hpgen.cli, hpgen.lower; "
         "print('torch' in sys.modules, 'transformers' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)

@@ -21,7 +21,7 @@ from hpgen.planner.entries import Refused
 from hpgen.planner.flow import Flow
 from hpgen.planner.modules import relative
 
-__all__ = ["LatentRefused", "pre_projections", "replicated_closure", "check_broadcast"]
+__all__ = ["LatentRefused", "check_broadcast", "fed_columns", "pre_chain", "pre_projections", "replicated_closure"]
 
 _RESHAPES = ("view", "reshape", "unflatten")
 
@@ -92,3 +92,41 @@ def _size_args(use):  # the size arguments of a reshape, a tuple argument's item
             yield from value.items
         else:
             yield value
+
+
+def fed_columns(flow: Flow, cols: set[str], group: set[str]) -> set[str]:
+    """Layers computed from the inputs (and each other) alone whose outputs reach only the columns:
+    MLA's ``q_a_proj`` and ``q_a_layernorm`` before ``q_b_proj``, replicated in the block."""
+    candidates: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        for leaf, origins in flow.edges.items():
+            if leaf in candidates or leaf in group or not origins:
+                continue
+            if all(o.startswith("in:") or o in candidates for o in origins):
+                candidates.add(leaf)
+                changed = True
+    useful: set[str] = set()
+    changed = True
+    while changed:  # keep those whose every consumer is a column or another kept layer
+        changed = False
+        for leaf in candidates - useful:
+            consumers = {c for c, o in flow.edges.items() if leaf in o}
+            if consumers and consumers <= cols | useful:
+                useful.add(leaf)
+                changed = True
+    return useful
+
+
+def pre_chain(flow: Flow, start: Iterable[str], pre: set[str]) -> set[str]:
+    """The replicated layers before the columns reached from ``start``, walking back."""
+    found: set[str] = set()
+    pending = [o for o in start if o in pre]
+    while pending:
+        origin = pending.pop()
+        if origin in found:
+            continue
+        found.add(origin)
+        pending.extend(o for o in flow.inputs.get(origin, ()) if o in pre)
+    return found

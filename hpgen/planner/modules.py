@@ -27,9 +27,9 @@ __all__ = [
 
 def returns_addressable(cls: type) -> bool:
     """Whether every ``return`` of the class's ``forward`` gives a value or a tuple (not a list display)."""
-    from hpgen.planner.flow import _function
+    from hpgen.planner.flow.runner import function_def
 
-    function = _function(cls, "forward")
+    function = function_def(cls, "forward")
     if function is None:
         return False
     for node in ast.walk(function):

@@ -2,10 +2,13 @@
 
 A row names a transformers family (``tests/runtime/models.FAMILIES``), the plan (a file
 of ``tests/plans`` or a function that writes one, as ``hpgen plan`` does), config
-overrides and the lowering mode. ``tests/runtime/conftest.py`` lowers every row and runs
-them all in one spawn of 2 gloo ranks; ``tests/runtime/test_parity.py`` checks logits,
-every gradient, greedy generation and state-dict keys of each row against the unsharded
-transformers model. A new family or plan is one line here (and the family's line in
+overrides, the lowering mode and the mesh. :func:`lowered_cases` lowers the rows of a
+table. ``tests/runtime/conftest.py`` runs every row of :data:`PARITY` in one spawn of 2
+gloo ranks; ``tests/runtime/test_parity.py`` checks logits, every gradient, greedy
+generation and state-dict keys of each row against the unsharded transformers model.
+:data:`PARITY_2D` are the rows on 4 ranks (two axes, or ``tp`` 4), run with the
+compositions of ``tests/runtime/test_parity_2d.py``, which checks logits, gradients and
+greedy generation. A new family or plan is one line here (and the family's line in
 ``FAMILIES``); assertions particular to a case live beside the family's other tests.
 """
 
@@ -14,9 +17,10 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from tests.runtime.models import load_plan_dict, make_config
+from tests.runtime.models import Case, load_plan_dict, lower_family, make_config
 
 
 @dataclass(frozen=True)
@@ -29,9 +33,25 @@ class Row:
     config: Mapping[str, Any] = field(default_factory=dict)
     mode: str = "default"
     file_of: str | None = None
+    mesh: tuple[tuple[str, int], ...] = ()  # (axis, size) in mesh order; () = the plan's first axis, all ranks
+    parallel: bool = True  # False: the generated model as built, without parallelize
 
     def plan_dict(self) -> dict[str, Any]:
         return load_plan_dict(self.plan) if isinstance(self.plan, str) else self.plan()
+
+
+def lowered_cases(rows: Mapping[str, Row], directory: Path) -> list[Case]:
+    """Each row's :class:`~tests.runtime.models.Case`, its file lowered into ``directory`` as ``<name>.py``."""
+    files: dict[str, str] = {}
+    cases = []
+    for name, row in rows.items():
+        plan = row.plan_dict()
+        if row.file_of is None:
+            path = lower_family(row.family, plan, directory, mode=row.mode)
+            files[name] = str(path.rename(directory / f"{name}.py"))
+        generated = files[row.file_of or name]
+        cases.append(Case(name, row.family, generated, plan, row.config, mesh=row.mesh, parallel=row.parallel))
+    return cases
 
 
 def hpgen_plan(family: str, **options: Any) -> Callable[[], dict[str, Any]]:
@@ -110,4 +130,26 @@ PARITY: dict[str, Row] = {
     "qwen3_moe_hpgen_ep": Row("qwen3_moe", hpgen_plan("qwen3_moe", tp=2, ep=2)),
     # sequence-parallel nn.LayerNorm entries on a class outside the file
     "starcoder2_sp_norms": Row("starcoder2", starcoder2_norm_entries),
+}
+
+
+EP_TP = (("ep", 2), ("tp", 2))
+TP4 = (("tp", 4),)
+# The experts' intermediate dim on tp 4 is 8 floats: grouped_mm (the default experts kernel)
+# needs rows of a multiple of 16 bytes, and 24 / 4 = 6 floats crashes inside torch._grouped_mm.
+MOE = {"moe_intermediate_size": 32}
+QWEN3_MOE_EP_TP = hpgen_plan("qwen3_moe", tp=2, ep=2, ep_axis="ep")
+
+PARITY_2D: dict[str, Row] = {
+    # experts on their own axis (hpgen plan --tp 2 --ep 2 --ep-axis ep), transformers' default expert kernels
+    "qwen3_moe_ep_tp": Row("qwen3_moe", QWEN3_MOE_EP_TP, MOE, mesh=EP_TP),
+    "mixtral_ep_tp": Row("mixtral", hpgen_plan("mixtral", tp=2, ep=2, ep_axis="ep"), mesh=EP_TP),
+    # key/value heads replicated (hpgen plan --tp 4 of 2 KV heads): RS(0,2), with biases (qwen2), k_norm (qwen3)
+    **{f"{family}_rs": Row(family, hpgen_plan(family, tp=4), mesh=TP4) for family in ("llama", "qwen2", "qwen3")},
+    # one toggle-mode file: unparallelized, on tp alone (its ep axis off; the same contracts), and on ep x tp
+    "toggle_none": Row("qwen3_moe", QWEN3_MOE_EP_TP, MOE, mode="toggle", parallel=False),
+    "toggle_tp": Row(
+        "qwen3_moe", hpgen_plan("qwen3_moe", tp=4, ep=2, ep_axis="ep"), MOE, file_of="toggle_none", mesh=TP4
+    ),
+    "toggle_ep_tp": Row("qwen3_moe", QWEN3_MOE_EP_TP, MOE, file_of="toggle_none", mesh=EP_TP),
 }

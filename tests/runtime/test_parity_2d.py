@@ -47,19 +47,11 @@ from tests.runtime.models import (
     reference_model,
     run_cases,
 )
+from tests.runtime.parity_table import MOE, PARITY_2D, QWEN3_MOE_EP_TP, lowered_cases
 
 DP_TP = (("dp", 2), ("tp", 2))
-EP_TP = (("ep", 2), ("tp", 2))
 KV1 = {"num_key_value_heads": 1}  # one key/value head: replicated on both tp ranks
-# The experts' intermediate dim on tp 4 is 8 floats: grouped_mm (the default experts kernel)
-# needs rows of a multiple of 16 bytes, and 24 / 4 = 6 floats crashes inside torch._grouped_mm.
-MOE = {"moe_intermediate_size": 32}
 
-PARITY = (
-    *("qwen3_moe_ep_tp", "mixtral_ep_tp"),
-    *("llama_rs", "qwen2_rs", "qwen3_rs"),
-    *("toggle_none", "toggle_tp", "toggle_ep_tp"),
-)
 TRAINING = ("llama_sp_fsdp2", "llama_sp_fsdp2_root", "llama_sp_ddp", "qwen3_fsdp2", "llama_rs_fsdp2", "toggle_dp_tp")
 REFUSALS = {
     "fsdp2_first": ["model.embed_tokens.weight", "already a DTensor", "Call parallelize first"],
@@ -133,46 +125,29 @@ def _everything(
 
 
 def build_runs(directory: Path) -> tuple[list[Case], list[TrainCase], list[tuple], list[CheckpointCase]]:
-    """Lower the files into ``directory``; the parity cases, training cases, refusals and checkpoints to run."""
+    """Lower the files into ``directory``; the parity cases (``PARITY_2D``), training cases, refusals and
+    checkpoints to run."""
+    cases = lowered_cases(PARITY_2D, directory)
+    toggle = next(case.generated for case in cases if case.name == "toggle_none")
     sp = str(lower_family("llama", "llama_tp_sp", directory))
     qwen3 = str(lower_family("qwen3", "qwen3_tp", directory))
-    plans = {
-        "qwen3_moe": generated_plan("qwen3_moe", tp=2, ep=2, ep_axis="ep"),
-        "mixtral": generated_plan("mixtral", tp=2, ep=2, ep_axis="ep"),
-        "llama_kv1": generated_plan("llama", KV1, tp=2),
-        **{f"{family}_tp4": generated_plan(family, tp=4) for family in ("llama", "qwen2", "qwen3")},
-        "qwen3_moe_tp4": generated_plan("qwen3_moe", tp=4, ep=2, ep_axis="ep"),  # same contracts, RS kv heads
-    }
-    files = {
-        name: str(lower_family(name.partition("_tp4")[0].partition("_kv1")[0], plans[name], directory))
-        for name in ("qwen3_moe", "mixtral", "llama_kv1", "llama_tp4", "qwen2_tp4", "qwen3_tp4")
-    }
-    toggle = str(lower_family("qwen3_moe", plans["qwen3_moe"], directory, mode="toggle"))
-    cases = [
-        Case("qwen3_moe_ep_tp", "qwen3_moe", files["qwen3_moe"], plans["qwen3_moe"], mesh=EP_TP, config=MOE),
-        Case("mixtral_ep_tp", "mixtral", files["mixtral"], plans["mixtral"], mesh=EP_TP),
-        *(
-            Case(f"{family}_rs", family, files[f"{family}_tp4"], plans[f"{family}_tp4"], mesh=(("tp", 4),))
-            for family in ("llama", "qwen2", "qwen3")
-        ),
-        Case("toggle_none", "qwen3_moe", toggle, plans["qwen3_moe"], parallel=False, config=MOE),
-        Case("toggle_tp", "qwen3_moe", toggle, plans["qwen3_moe_tp4"], mesh=(("tp", 4),), config=MOE),
-        Case("toggle_ep_tp", "qwen3_moe", toggle, plans["qwen3_moe"], mesh=EP_TP, config=MOE),
-    ]
+    moe_plan = QWEN3_MOE_EP_TP()
+    kv1_plan = generated_plan("llama", KV1, tp=2)
+    kv1 = str(lower_family("llama", kv1_plan, directory))
     tp_sp = load_plan_dict("llama_tp_sp")
     training = [
         TrainCase("llama_sp_fsdp2", "llama", sp, tp_sp, DP_TP, "fsdp2"),
         TrainCase("llama_sp_fsdp2_root", "llama", sp, tp_sp, DP_TP, "fsdp2_root"),
         TrainCase("llama_sp_ddp", "llama", sp, tp_sp, DP_TP, "ddp"),
         TrainCase("qwen3_fsdp2", "qwen3", qwen3, load_plan_dict("qwen3_tp"), DP_TP, "fsdp2"),
-        TrainCase("llama_rs_fsdp2", "llama", files["llama_kv1"], plans["llama_kv1"], DP_TP, "fsdp2", config=KV1),
-        TrainCase("toggle_dp_tp", "qwen3_moe", toggle, plans["qwen3_moe"], DP_TP, "fsdp2", config=MOE),
+        TrainCase("llama_rs_fsdp2", "llama", kv1, kv1_plan, DP_TP, "fsdp2", config=KV1),
+        TrainCase("toggle_dp_tp", "qwen3_moe", toggle, moe_plan, DP_TP, "fsdp2", config=MOE),
     ]
     refusals = [
         ("fsdp2_first", "llama", sp, tp_sp, {}),
         ("ddp_first", "llama", sp, tp_sp, {}),
         ("fsdp2_inside_boundary", "llama", sp, tp_sp, {}),
-        ("kv_groups_not_divided", "llama", files["llama_kv1"], _without_divide_attrs(plans["llama_kv1"]), KV1),
+        ("kv_groups_not_divided", "llama", kv1, _without_divide_attrs(kv1_plan), KV1),
     ]
     checkpoints = [
         CheckpointCase("llama_sp_dcp", "llama", sp, tp_sp, str(directory / "dcp_llama_sp")),
@@ -187,17 +162,17 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_distributed(_everything, *runs, world_size=4, timeout=400)
 
 
-@pytest.mark.parametrize("name", PARITY)
+@pytest.mark.parametrize("name", PARITY_2D)
 def test_logits(results: list[dict], name: str) -> None:
     check_logits(results, name)
 
 
-@pytest.mark.parametrize("name", PARITY)
+@pytest.mark.parametrize("name", PARITY_2D)
 def test_gradients(results: list[dict], name: str) -> None:
     check_gradients(results, name)
 
 
-@pytest.mark.parametrize("name", PARITY)
+@pytest.mark.parametrize("name", PARITY_2D)
 def test_greedy_generation(results: list[dict], name: str) -> None:
     check_generation(results, name)
 

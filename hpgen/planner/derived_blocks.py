@@ -1,0 +1,199 @@
+"""Steps 3 and 4 of deriving a plan: the boundaries of a group and the placements of its parameters.
+
+The group's lowest common module is one block (``R -> R`` in, ``P(sum) -> R`` out) when
+its ``forward`` returns the row's output alone (:meth:`BlockChoice._clean`). Otherwise
+the columns' common module becomes a block whose output stays sharded, or each column
+``nn.Linear`` a boundary of its own, and each row ``nn.Linear`` a row-parallel boundary
+taking the sharded input. Parameters read directly between the projections go with
+their block; replicated layers the sharded body runs through get their gradients reduced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from hpgen.planner.entries import Derivation, Placed, Refused
+from hpgen.planner.flow import leaf_kind
+from hpgen.planner.latent import fed_columns, pre_chain, replicated_closure
+from hpgen.planner.modules import is_conv1d, is_nn_linear, join, lca, relative, returns_addressable
+
+__all__ = ["BlockChoice"]
+
+
+class BlockChoice:
+    """The boundaries of a group (a base of the deriver)."""
+
+    model: Any
+    tp: int | None
+    source: Path
+    modules: dict[str, Any]
+    result: Derivation
+    _pre: dict[str, set[str]]
+    _group_latent: set[str]
+
+    def _boundaries(
+        self,
+        layer: str,
+        cols: set[str],
+        rows: set[str],
+        mids: set[str],
+        layouts: Mapping[str, tuple[str, int]],
+        divide: Mapping[str, set[str]],
+        what: str,
+        direct: Mapping[str, str],
+    ) -> None:
+        common = lca(cols | rows)
+        if not (common == layer or common.startswith(layer + ".")):
+            common = layer
+        pieces: list[Placed] = []
+        block = self._clean(common, cols, rows, mids, full=True)
+        if block is not None:
+            why = f"{what}: column- and row-parallel projections"
+            if self._group_latent:
+                names = ", ".join(sorted(relative(p, common) for p in self._group_latent))
+                why += f"; the latent down-projection {names} (shared by the heads) replicated in the block"
+            placed = Placed(common, "block", inputs=block, why=why)
+            self._params(placed, cols, rows, layouts)
+            pieces.append(placed)
+        else:
+            column = lca(cols)
+            inputs = None
+            if not any(r == column or r.startswith(column + ".") for r in rows) and column not in cols:
+                inputs = self._clean(column, cols, set(), mids, full=False)
+            if inputs is not None:
+                placed = Placed(
+                    column,
+                    "col_block",
+                    inputs=inputs,
+                    why=f"{what}: column-parallel projections; "
+                    "the output stays sharded for the row-parallel projection after it",
+                )
+                self._params(placed, cols, set(), layouts)
+                pieces.append(placed)
+            else:
+                if direct:
+                    raise Refused(
+                        f"the code between the projections reads {relative(sorted(direct)[0], layer)} directly and "
+                        "needs a block around it, and no module around the columns returns only their output"
+                    )
+                if mids:
+                    raise Refused(
+                        f"{', '.join(relative(m, layer) for m in sorted(mids))} between the projections needs a "
+                        "block to reduce its gradient in, and no module around the columns returns only their output"
+                    )
+                for col in sorted(cols):
+                    if not is_nn_linear(self.modules[col]):
+                        raise Refused(f"{relative(col, layer)} would be a boundary of its own but is not an nn.Linear")
+                    placed = Placed(col, "col_leaf", why=f"{what}: column-parallel nn.Linear (output stays sharded)")
+                    self._params(placed, {col}, set(), layouts)
+                    pieces.append(placed)
+            for row in sorted(rows):
+                if not is_nn_linear(self.modules[row]):
+                    raise Refused(f"{relative(row, layer)} would be a boundary of its own but is not an nn.Linear")
+                placed = Placed(row, "row_leaf", why=f"{what}: row-parallel nn.Linear (input arrives sharded)")
+                self._params(placed, set(), {row}, layouts)
+                pieces.append(placed)
+        for name, placement in direct.items():
+            owner = next((p for p in pieces if p.kind in ("block", "col_block") and name.startswith(p.fqn + ".")), None)
+            if owner is None:
+                raise Refused(f"{relative(name, layer)} is read directly outside the block of its projections")
+            if placement != "R":
+                owner.params[relative(name, owner.fqn)] = placement
+            else:
+                owner.grad_reduce.add(relative(name, owner.fqn))
+        for piece in pieces:  # replicated layers the sharded body runs through: their gradients are partial
+            if piece.kind in ("block", "col_block"):
+                for leaf in self._pre.get(piece.fqn, set()) | mids:
+                    if leaf.startswith(piece.fqn + "."):
+                        piece.grad_reduce |= {
+                            join(relative(leaf, piece.fqn), n) for n, _ in self.modules[leaf].named_parameters()
+                        }
+        for piece in pieces:
+            if piece.fqn in self.result.placed:
+                raise Refused(f"{relative(piece.fqn, layer) or layer} would hold two groups")
+        for piece in pieces:
+            self.result.placed[piece.fqn] = piece
+            self.result.note(piece.fqn, True, piece.why)
+        for module, attrs in divide.items():
+            owner = self.result.placed.get(module)
+            if owner is None:
+                owner = self.result.placed[module] = Placed(module, "attrs", why="sizes of the sharded heads")
+            owner.divide |= attrs
+
+    def _params(self, placed: Placed, cols: set[str], rows: set[str], layouts: Mapping[str, tuple[str, int]]) -> None:
+        for col in sorted(cols):
+            module = self.modules[col]
+            kind, k = layouts[col]
+            dim = 1 if is_conv1d(module) else 0
+            text = f"SS({dim},{k})" if kind == "SS" else f"S({dim})"
+            placed.params[join(relative(col, placed.fqn), "weight")] = text
+            if getattr(module, "bias", None) is not None:
+                placed.params[join(relative(col, placed.fqn), "bias")] = f"SS(0,{k})" if kind == "SS" else "S(0)"
+        for row in sorted(rows):
+            module = self.modules[row]
+            dim = 0 if is_conv1d(module) else 1
+            placed.params[join(relative(row, placed.fqn), "weight")] = f"S({dim})"
+            if getattr(module, "bias", None) is not None:
+                name = join(relative(row, placed.fqn), "bias")
+                placed.params[name] = "R"
+                placed.deferred.add(name)
+
+    def _clean(self, fqn: str, cols: set[str], rows: set[str], mids: set[str], *, full: bool) -> tuple[str, ...] | None:
+        """The inputs of ``fqn`` feeding the columns when it can be the group's block, else None.
+
+        ``full``: the block holds the rows and returns their output alone; otherwise it holds
+        only the columns and returns their (sharded) output alone.
+        """
+        module = self.modules.get(fqn)
+        if module is None or leaf_kind(module, self.source) != "source" or not fqn:
+            return None
+        if not returns_addressable(type(module)):
+            return None  # returns a list: the plan addresses a value or the first item of a tuple
+        flow = self._flow(fqn)
+        group = cols | rows | mids
+        pre = set()
+        latent = self._group_latent if full else set()
+        before = replicated_closure(flow, latent, group) | fed_columns(flow, cols, group) if full else set()
+        for leaf, origins in flow.edges.items():
+            if leaf in group:
+                continue
+            params = [p for p in self.modules[leaf].parameters()]
+            if origins and all(o.startswith("in:") for o in origins) and all(p.dim() == 1 for p in params):
+                pre.add(leaf)  # a norm of the replicated input before the columns
+                continue
+            if leaf in before:
+                pre.add(leaf)  # a latent down-projection (and its norm), replicated in the block
+                continue
+            return None
+        outputs = flow.result.item(0).whole()
+        allowed = rows if full else cols | mids
+        if not outputs or not outputs <= allowed | {o for o in outputs if o.startswith("in:")}:
+            return None
+        inputs: set[str] = set()
+        for col in cols:
+            pending, seen = list(flow.inputs.get(col, ())), set()
+            if any(o in pre for o in pending) and any(o in latent for o in pre_chain(flow, pending, pre)):
+                # an up-projection of a latent (MLA's kv_b_proj): its data comes through the latent; the
+                # other markers mixed in come from the latent cache's update (cache, kwargs), not data
+                pending = [o for o in pending if not o.startswith("in:")]
+            while pending:  # through the replicated layers before the columns, to the block's inputs
+                origin = pending.pop()
+                if origin in seen:
+                    continue
+                seen.add(origin)
+                if origin.startswith("in:"):
+                    inputs.add(origin[3:])
+                elif origin in pre:
+                    pending.extend(flow.inputs.get(origin, ()))
+                else:
+                    return None
+        if not inputs:
+            return None
+        self._pre[fqn] = pre
+        if full and any(o.startswith("in:") for o in outputs):
+            return None  # a residual (or another input) added to the output inside the module
+        if not full and any(o[3:] in inputs for o in outputs if o.startswith("in:")):
+            return None
+        return tuple(sorted(inputs))

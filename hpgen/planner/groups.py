@@ -1,0 +1,198 @@
+"""Step 1 of deriving a plan: the column -> row groups of one decoder layer, from its dataflow.
+
+A projection that writes the stream's width from other projections' outputs alone (not
+from the residual stream) is row-parallel; the projections it reads are its columns.
+:func:`sources` walks back from a projection through per-head norms; any other layer on
+the way ends the walk. What the code between a group's projections does is checked here
+too: a layer there must work on whole heads (:meth:`GroupFinding._check_mid`), and a
+parameter it reads directly must follow the shards (:meth:`GroupFinding._direct_params`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpgen.planner.entries import Derivation, Refused
+from hpgen.planner.flow import Flow
+from hpgen.planner.latent import pre_projections, replicated_closure
+from hpgen.planner.mixers import absent, conv_placement, per_head_placement
+from hpgen.planner.modules import in_features, out_features, positive_int, relative
+
+__all__ = ["GroupFinding", "Sources", "depths", "first_marker", "sources"]
+
+
+class GroupFinding:
+    """The groups of one layer, and what lies between their projections (a base of the deriver)."""
+
+    model: Any
+    tp: int | None
+    source: Path
+    modules: dict[str, Any]
+    result: Derivation
+    _latent: dict[str, set[str]]
+    _group_flow: Flow | None
+
+    def _groups(
+        self, flow: Flow, linears: set[str], depth: Mapping[str, int]
+    ) -> list[tuple[set[str], set[str], set[str]]]:
+        """(columns, rows, per-head layers between) of each column -> row group of one layer.
+
+        A row-parallel projection writes the stream's width (the hidden size, or the width
+        the layer's stream-fed projections read) from other projections' outputs alone; the
+        projections it reads are its columns, unless they are rows themselves (a reduced,
+        replicated value: ``down_proj -> linear`` in Zamba2 pairs ``down_proj`` with its
+        own columns, and ``linear`` stays replicated).
+        """
+        main = first_marker(flow)
+        found = {fqn: sources(flow, fqn, linears, self._per_head) for fqn in linears}
+        widths = {positive_int(self._config("hidden_size"))}
+        widths |= {in_features(self.modules[f]) for f, src in found.items() if not src.linears}
+        rows = {
+            fqn
+            for fqn, src in found.items()
+            if src.linears
+            and main not in src.markers
+            # a full-width norm of a latent down-projection (MLA's kv_a_layernorm) is no stop: it stays replicated
+            and not src.stops - replicated_closure(flow, pre_projections(flow, src.linears, linears), set())
+            and out_features(self.modules[fqn]) in widths
+        }
+        for fqn in sorted(rows):  # a "row" whose output another row mixes with columns is a column of that row
+            if fqn in rows and found[fqn].linears - rows:  # (Kimi's f_b_proj: qkv_dim == hidden_size, into o_proj)
+                rows -= found[fqn].linears & rows
+        groups: list[tuple[set[str], set[str], set[str]]] = []
+        for row in sorted(rows, key=lambda f: (depth.get(f, 0), f)):
+            src = found[row]
+            cols = src.linears - rows
+            if not cols or src.linears & rows:  # nothing to pair, or a sharded value mixed with a reduced one
+                continue
+            latent = pre_projections(flow, cols, linears)  # MLA's down-projections: replicated, not columns
+            if latent and cols - latent:
+                cols -= latent
+                self._latent[row] = latent
+            merged = next((g for g in groups if g[0] & cols), None)
+            if merged is None:
+                groups.append((set(cols), {row}, set(src.mids)))
+            else:
+                merged[0].update(cols)
+                merged[1].add(row)
+                merged[2].update(src.mids)
+        return groups
+
+    def _direct_params(
+        self,
+        raw: list[str],
+        cols: set[str],
+        layouts: Mapping[str, tuple[str, int]],
+        heads: tuple[int, int, int] | None,
+        layer: str,
+    ) -> dict[str, str]:
+        """Parameters the code between the projections reads itself, and their placement.
+
+        One value per feature of a plainly sharded column (a learned scale on ``q``): sharded
+        with it, ``S(0)``; a scalar or one head's worth (DiffLlama's lambdas): replicated, its
+        gradient reduced by the block; anything else cannot follow the shards.
+        """
+        found: dict[str, str] = {}
+        head_dim = heads[2] if heads is not None else None
+        widths = {out_features(self.modules[c]) for c in cols if layouts[c] == ("S", 1)}
+        col_widths = [out_features(self.modules[c]) for c in cols if layouts[c] == ("S", 1)]
+        shapes = self._group_flow.shapes if self._group_flow is not None else []
+        for name in raw:
+            if absent(self.model, name):
+                continue  # a bias the layer was built without: read as None
+            try:
+                param = self.model.get_parameter(name)
+            except AttributeError:
+                raise Refused(
+                    f"the code between the projections reads a parameter hpgen cannot place ({name})"
+                ) from None
+            special = conv_placement(self.model, name, param, col_widths, shapes) or per_head_placement(
+                param, heads[0] if heads is not None else None
+            )
+            if special is not None:
+                found[name] = special  # a depthwise conv over the columns, or one value per head (A_log)
+            elif param.dim() == 1 and (param.numel() in widths or (heads is not None and param.numel() == heads[0])):
+                found[name] = "S(0)"  # one value per feature of a column, or one per query head (GPT-OSS sinks)
+            elif param.numel() == 1 or (param.dim() == 1 and param.numel() == head_dim):
+                found[name] = "R"
+            else:
+                raise Refused(
+                    f"the code between the projections computes with {relative(name, layer)} "
+                    f"{tuple(param.shape)} directly, which does not follow the shards"
+                )
+        return found
+
+    def _check_mid(self, fqn: str, cols: set[str], layer: str) -> None:
+        module = self.modules[fqn]
+        head_dim = self._head_dim(cols)
+        sizes = {p.numel() for p in module.parameters()}
+        shapes = [tuple(p.shape) for p in module.parameters()]
+        if all(len(s) == 1 for s in shapes) and head_dim is not None and sizes <= {head_dim}:
+            return  # a per-head norm (q_norm): runs on whole heads; its gradient is reduced
+        raise Refused(
+            f"{relative(fqn, layer)} ({type(module).__name__}, parameters {shapes}) sits between the column- and "
+            "row-parallel projections and works across the sharded features"
+        )
+
+
+@dataclass
+class Sources:
+    linears: set[str] = field(default_factory=set)
+    markers: set[str] = field(default_factory=set)
+    mids: set[str] = field(default_factory=set)  # per-head norms passed through
+    stops: set[str] = field(default_factory=set)  # other layers: their output counts as replicated
+    raw: set[str] = field(default_factory=set)  # parameters the code between reads directly (F.conv1d(x, w))
+
+
+def sources(flow: Flow, fqn: str, linears: set[str], per_head: Any = None) -> Sources:
+    """The projections and inputs feeding ``fqn``, looking through per-head norms (``q_norm``).
+
+    Any other layer on the way (a norm over the whole width, a convolution) ends the walk:
+    what it computes is not a shard of a projection's output.
+    """
+    found = Sources()
+    pending = list(flow.edges.get(fqn, ()))
+    seen: set[str] = set()
+    while pending:
+        origin = pending.pop()
+        if origin in seen:
+            continue
+        seen.add(origin)
+        if origin.startswith("in:"):
+            found.markers.add(origin[3:])
+        elif origin.startswith("param:"):
+            found.raw.add(origin[len("param:") :])
+        elif origin in linears:
+            found.linears.add(origin)
+        elif origin in flow.edges:
+            if per_head is not None and not per_head(origin):
+                found.stops.add(origin)
+                continue
+            found.mids.add(origin)
+            pending.extend(flow.edges[origin])
+    return found
+
+
+def first_marker(flow: Flow) -> str | None:
+    """The layer's first ``forward`` parameter: the residual stream."""
+    return flow.first_input
+
+
+def depths(flow: Flow) -> dict[str, int]:
+    memo: dict[str, int] = {}
+
+    def depth(node: str, stack: frozenset[str] = frozenset()) -> int:
+        if node in memo:
+            return memo[node]
+        if node in stack or node not in flow.edges:
+            return 0
+        value = 1 + max((depth(o, stack | {node}) for o in flow.edges[node]), default=0)
+        memo[node] = value
+        return value
+
+    for node in flow.edges:
+        depth(node)
+    return memo

@@ -1,0 +1,201 @@
+"""Step 2 of deriving a plan, attention rules: the heads of a group and whether they divide over ``--tp``.
+
+Head counts and sizes come from the modules between a group's projections
+(``self.num_heads``, ``self.head_dim`` under their many names) or the config; a group is
+attention when its module says so or a module in it has a head size. Per-head layers
+(``q_norm``) run on whole heads; a per-head tensor made outside the attention (an
+``alibi``) cannot be cut to a rank's heads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from hpgen.planner.entries import Derivation, Refused
+from hpgen.planner.modules import between, lca, out_features, positive_int, prefixes, relative
+
+__all__ = [
+    "HEADS_ATTRS",
+    "HEAD_DIM_ATTRS",
+    "KV_HEADS_ATTRS",
+    "PER_HEAD_INPUTS",
+    "HeadRules",
+    "is_head_dim_name",
+    "per_head_input",
+]
+
+HEAD_DIM_ATTRS = (
+    "head_dim",
+    "attention_head_size",
+    "head_size",
+    "d_head",
+    "dim_head",
+    "depth",
+    "kv_channels",
+    "size_per_head",
+    "attn_head_size",
+    "hidden_size_per_attention_head",
+    "head_dim_qk",
+    "qk_head_dim",
+)
+
+
+HEADS_ATTRS = (
+    "num_heads",
+    "num_attention_heads",
+    "n_head",
+    "n_heads",
+    "num_attn_heads",
+    "n_attention_heads",
+    "num_q_heads",
+    "num_head",
+)
+
+
+KV_HEADS_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads", "num_kv", "n_head_kv")
+
+# forward parameters of an attention that carry one slice per head, computed outside it
+PER_HEAD_INPUTS = ("alibi", "position_bias", "attn_bias", "rel_pos", "relative_position", "pos_bias", "bias")
+
+
+class HeadRules:
+    """The attention rules of the deriver."""
+
+    model: Any
+    tp: int | None
+    source: Path
+    modules: dict[str, Any]
+    result: Derivation
+
+    def _head_counts(self, cols: set[str], rows: set[str]) -> dict[str, int]:
+        """Head counts the modules between the projections hold (``num_heads``...), by attribute name."""
+        counts: dict[str, int] = {}
+        for path in between(cols, lca(cols | rows)):
+            for name in (*HEADS_ATTRS, *KV_HEADS_ATTRS):
+                value = self._attr(path, (name,))
+                if value:
+                    counts[name] = value
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            value = positive_int(self._config(name))
+            if value:
+                counts.setdefault(name, value)
+        return counts
+
+    def _runtime_head_check(self, cols: set[str], layer: str) -> None:
+        """``parallelize`` refuses a row shard of a linear, in a module with a ``head_dim``, that would cut
+        a head: refuse it here, with the module named, rather than write a plan it will not install."""
+        if self.tp is None:
+            return
+        for col in cols:
+            n = out_features(self.modules[col])
+            for path in prefixes(col)[:-1]:
+                if not (path == layer or path.startswith(layer + ".")):
+                    continue
+                head_dim = positive_int(getattr(self.modules.get(path), "head_dim", None))
+                if head_dim and n % head_dim == 0 and (n // head_dim) % self.tp:
+                    raise Refused(
+                        f"{relative(col, layer)} has {n} outputs, {n // head_dim} heads of {relative(path, layer) or 'the layer'}'s "
+                        f"head_dim {head_dim}, which do not divide over --tp {self.tp}"
+                    )
+
+    def _per_head(self, fqn: str) -> bool:
+        """A layer of 1-D parameters of one head's size (a per-head ``q_norm``), which works on whole heads."""
+        if not hasattr(self, "_head_sizes"):
+            sizes = {positive_int(self._config("head_dim"))}
+            for module in self.modules.values():
+                sizes |= {positive_int(getattr(module, name, None)) for name in HEAD_DIM_ATTRS}
+            self._head_sizes = {size for size in sizes if size}
+        params = list(self.modules[fqn].parameters())
+        return bool(params) and all(p.dim() == 1 and p.numel() in self._head_sizes for p in params)
+
+    def _switched_off(self, name: str) -> bool:
+        """An ``alibi`` input of a model whose config turns alibi off (Falcon's default): it arrives as None."""
+        for attr in (name, f"use_{name}"):
+            value = self._config(attr)
+            if value is False:
+                return True
+        return False
+
+    def _is_attention(self, cols: set[str], rows: set[str]) -> bool:
+        common = lca(cols | rows)
+        name = type(self.modules[common]).__name__.lower() if common in self.modules else ""
+        if "attn" in name or "attention" in name:
+            return True
+        return any(self._attr(p, HEAD_DIM_ATTRS) is not None for p in between(cols, common))
+
+    def _head_dim(self, cols: set[str]) -> int | None:
+        for path in between(cols, lca(cols)):
+            value = self._attr(path, HEAD_DIM_ATTRS)
+            if value is not None:
+                return value
+        value = positive_int(self._config("head_dim"))
+        if value:
+            return value
+        hidden, heads = (positive_int(self._config(a)) for a in ("hidden_size", "num_attention_heads"))
+        return hidden // heads if hidden and heads else None
+
+    def _heads(self, cols: set[str], rows: set[str], layer: str) -> tuple[int, int, int] | None:
+        """(query heads, key/value heads, head_dim) of an attention group."""
+        head_dim = self._head_dim(cols)
+        if not head_dim:
+            raise Refused("cannot tell the head size of the attention (no head_dim attribute or config value)")
+        heads = None
+        for path in between(cols, lca(cols | rows)):
+            heads = heads or self._attr(path, HEADS_ATTRS)
+        heads = heads or positive_int(self._config("num_attention_heads"))
+        kv = None
+        for path in between(cols, lca(cols | rows)):
+            kv = kv or self._attr(path, KV_HEADS_ATTRS)
+        if kv is None:
+            kv = positive_int(self._config("num_key_value_heads")) or heads
+        if not heads:
+            raise Refused("cannot tell the number of attention heads")
+        return heads, kv, head_dim
+
+    def _attr(self, path: str, names: Iterable[str]) -> int | None:
+        module = self.modules.get(path)
+        for name in names:
+            value = positive_int(getattr(module, name, None)) if module is not None else None
+            if value:
+                return value
+        return None
+
+    def _check_heads(
+        self, cols: set[str], layouts: Mapping[str, tuple[str, int]], heads: tuple[int, int, int], layer: str
+    ) -> None:
+        q, kv, head_dim = heads
+        tp = self.tp
+        for col in sorted(cols):
+            n = out_features(self.modules[col])
+            kind, k = layouts[col]
+            per_block = n // k if kind == "SS" else n
+            if kind == "S" and k == 1 and n in (q, kv) and n % head_dim:
+                units = n  # one value per head (a per-head gate)
+            elif per_block % head_dim and not (kind == "S" and k > 1 and per_block % k == 0):
+                raise Refused(f"{relative(col, layer)} has {n} features, not a whole number of heads of {head_dim}")
+            else:
+                units = per_block // head_dim
+            if kind == "S" and k > 1:  # interleaved per head or per key/value group
+                units = k
+            if tp is not None and units % tp:
+                raise Refused(
+                    f"{relative(col, layer)} holds {units} heads (or key/value groups), which do not divide over "
+                    f"--tp {tp}"
+                )
+        if tp is not None and (q % tp or kv % tp):
+            raise Refused(f"{q} query and {kv} key/value heads do not divide over --tp {tp}")
+
+
+def is_head_dim_name(attr: str) -> bool:
+    """``head_dim``, ``attention_head_size``: the size of one head (never divided), not ``all_head_size``."""
+    leaf = attr.rpartition(".")[2].lower()
+    if leaf.startswith(("all_", "total_", "num_", "n_")):
+        return False
+    return leaf in HEAD_DIM_ATTRS or leaf.endswith(("head_dim", "head_size"))
+
+
+def per_head_input(name: str) -> bool:
+    lowered = name.lower()
+    return any(part in lowered for part in PER_HEAD_INPUTS) and "mask" not in lowered
