@@ -32,7 +32,8 @@ a run records), :mod:`~hpgen.planner.flow.runner` (module calls: which modules a
 leaves, binding arguments, finding a method's source), and the body of one function,
 :class:`~hpgen.planner.flow.statements.Frame`, with its
 :mod:`~hpgen.planner.flow.expressions` and :mod:`~hpgen.planner.flow.constants` (the
-values of branch tests).
+values of branch tests); :mod:`~hpgen.planner.flow.functions` follows the file's
+tuple-returning functions item by item and in-place tensor methods.
 """
 
 from hpgen.planner.flow.runner import leaf_kind, module_names, run_module
