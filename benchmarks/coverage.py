@@ -686,8 +686,40 @@ NOTES: dict[str, str] = {
     "got_ocr2": "its decoder layers are Qwen2's classes, from another modeling file; hpgen lowers one file.",
     "moss_transcribe_diarize": "its decoder layers are Qwen3's classes, from another modeling file.",
     "gemma4_unified_assistant": "its decoder layers are Gemma4Unified's classes, from another modeling file.",
-    "fuyu": "the language model is Persimmon's, built through `AutoModel` from another modeling file; "
-    "modeling_fuyu.py holds only the vision projection.",
+    "fuyu": "the language model is Persimmon's, built through `AutoModel` from another modeling file: the "
+    "derivation reads that file and shards its MLP as wrapped `nn.Linear`s, but the attention's per-head "
+    "`q_layernorm`/`k_layernorm` need a block (a class of the lowered file) to reduce their gradients in; most "
+    "of the parameters at the tiny config are the vision patch projection `vision_embed_tokens` (64 x 2700), "
+    "which the text-only causal LM never runs.",
+    "bitnet": "`attn_sub_norm` / `ffn_sub_norm` normalise the whole sharded width between the projections. The "
+    "honest boundary (all-gather into the sub-norm, split after it) was tried: with the MLP alone it is at parity "
+    "(share 0.67), but with both, the MLP's gather of its 89 features (45 + 44) takes its shard sizes from the "
+    "attention's split of 64 earlier in the forward (the runtime keeps one size record per dim) and stops; the "
+    "generated gather would need the total size, so both pairs stay replicated.",
+    "dory": "as bitnet, its L2 `attn_sub_norm` / `ffn_sub_norm` sit between the projections. With the MLP sharded "
+    "through a gathered sub-norm the gradients match to 1e-16 in float64, but its looped layers "
+    "(`n_recurrent_loops`) amplify the float32 rounding of the row-parallel sums past the tolerance.",
+    "dbrx": "most parameters are the experts (`ffn.experts.mlp.w1`/`v1`/`w2`, 2-D [E * I, H] viewed per expert), "
+    "which the derivation has no rule for, and their eager loop has no sentinel id to skip, so `experts_parallel` "
+    "cannot run them; the fused `Wqkv` packs unequal blocks [64, 32, 32], which SS (equal blocks) does not cut.",
+    "jetmoe": "its experts (`JetMoeParallelExperts`, 3-D, in the MLP and in the mixture-of-attention "
+    "`self_attention.experts`) are not a layout the derivation shards; `kv_proj` feeds every attention expert.",
+    "rwkv": "the time-mix attention writes its per-channel recurrent state into `state`, which RwkvModel allocates "
+    "at the full width for generation; shards of key/value/receptance could not be written back, so the attention "
+    "stays replicated (the feed-forward shards).",
+    "recurrent_gemma": "between `linear_x` and `linear_out` the recurrent block runs a depthwise `nn.Conv1d` "
+    "(`groups` = width) and the RG-LRU (block-diagonal gates per head, states of `lru_width`); the derivation "
+    "stops at the convolution, so only the MLP shards.",
+    "trocr": "`TrOCRAttention` reshapes its output to `embed_dim` read from `hidden_states.size()`, not from an "
+    "attribute hpgen could divide, so a shard of the heads cannot be reshaped.",
+    "prophetnet": "its relative position buckets are not per head (no cut needed), but `relative_pos_embeddings` "
+    "packs [buckets, heads] with the heads last, which the derivation does not recognise (SS(0, buckets) would "
+    "cut it), and, as in trocr, both attentions reshape their output to `hidden_size` read from "
+    "`hidden_states.size()`, which a shard of the heads does not have.",
+    "diffllama": "the weightless `groupnorm` over each head pair ends the walk from `o_proj`; underneath, the "
+    "differential attention pairs heads i and i + H/2 (`chunk(2)` over the heads) and splits the value heads in "
+    "halves, so a rank's contiguous heads are not whole pairs (a strided cut with the 2 key/value heads "
+    "replicated would be needed).",
     "gpt_oss": "the experts stay replicated (0.76 of the tiny model): `GptOssExperts` adds `down_proj_bias[e]` to each "
     "expert's output before the routing weight multiplies it (`(h @ down_proj[e] + down_proj_bias[e]) * w`), so a "
     "row split of `down_proj` needs that bias on one rank only; no placement says so (`R` adds it on every rank, a "
@@ -699,10 +731,6 @@ NOTES: dict[str, str] = {
     "depthwise) that the planner does not pair (it pairs `nn.Linear`/`Conv1D`), and the causal LM's text forward does "
     "not run the audio encoder, so no parity check would see their shards. The text layers (0.5%) and the encoders' "
     "attention and feed-forward blocks are sharded.",
-    "dory": "the plan splits each layer's replicated `mlp.down_proj` input (a row-parallel split, 89 -> 64): in "
-    "float64 the logits and every gradient match exactly (max error 0), in float32 the two partial sums round "
-    "differently from the single matmul and the model amplifies that past the tolerance (its gradients reach ~1e4: "
-    "an L2-normalised residual stream run through recurrent loops).",
     "reformer": "the backward of its reversible layers runs only in train mode (transformers asserts it); the "
     "comparison runs in eval mode, and in train mode LSH attention draws random rotations per forward.",
 }

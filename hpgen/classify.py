@@ -93,30 +93,44 @@ def _literal(value: object) -> str:
     return f'"{value}"' if isinstance(value, str) else repr(value)
 
 
-def transition(axis: str, name: str, src: Placement, dst: Placement, *, side: str, sharded_body: bool) -> Op:
+def transition(
+    axis: str,
+    name: str,
+    src: Placement,
+    dst: Placement,
+    *,
+    side: str,
+    sharded_body: bool,
+    partial_caller: bool = False,
+) -> Op:
     """The op that moves a value from ``src`` to ``dst`` on one axis.
 
     ``side`` is ``in`` (caller → body) or ``out`` (body → caller); with ``sharded_body``
     it fixes the gradient's placement on arrival and so the conjugate in backward.
+    ``partial_caller`` (outputs in ``out_grad_partial``): the caller computes on shards
+    with the replicated output, so its gradient arrives partial, as an input's does in a
+    sharded body.
     """
-    op = _forward_op(axis, name, src, dst, side=side, sharded_body=sharded_body)
+    into_shards = side == "in" and sharded_body or side == "out" and partial_caller
+    op = _forward_op(axis, name, src, dst, into_shards=into_shards)
     if op.kind in ("identity", "generic"):
         return op
     # The gradient arrives at dst as the dual of dst: partial when a replicated value
-    # feeds a sharded body, otherwise with the value's own placement.
-    partial_grad = side == "in" and sharded_body and dst.is_replicate
+    # feeds a sharded body (or a sharded caller), otherwise with the value's own placement.
+    partial_grad = into_shards and dst.is_replicate
     backward = _backward_for(op.kind, partial_grad)
     if backward != DEFAULT_BACKWARD[op.kind]:
         op = Op(op.axis, op.name, op.src, op.dst, op.kind, op.args, backward=backward)
     return op
 
 
-def _forward_op(axis: str, name: str, src: Placement, dst: Placement, *, side: str, sharded_body: bool) -> Op:
+def _forward_op(axis: str, name: str, src: Placement, dst: Placement, *, into_shards: bool) -> Op:
+    """The forward op; ``into_shards``: the value lands, replicated, in code computing on shards."""
     def make(kind: str, *args: tuple[str, object], reason: str = "") -> Op:
         return Op(axis, name, src, dst, kind, tuple(args), reason=reason)
 
     if src == dst:
-        if src.is_replicate and side == "in" and sharded_body:
+        if src.is_replicate and into_shards:
             return make("copy")
         return make("identity")
     if "SS" in (src.kind, dst.kind):
@@ -222,7 +236,15 @@ def value_ops(
     for name in entry.output_names:
         src, dst = entry.output_layouts(name, mesh)
         ops = tuple(
-            transition(axis, name, src.on(axis), dst.on(axis), side="out", sharded_body=sharded[axis])
+            transition(
+                axis,
+                name,
+                src.on(axis),
+                dst.on(axis),
+                side="out",
+                sharded_body=sharded[axis],
+                partial_caller=name in entry.out_grad_partial,
+            )
             for axis in reversed(mesh)
         )
         outputs.append(ValueOps(name, ops))

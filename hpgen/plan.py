@@ -31,6 +31,7 @@ _ENTRY_KEYS = {
     "params",
     "deferred_bias_params",
     "grad_reduce_params",
+    "out_grad_partial",
     "tp_divide_attrs",
     "divide_attrs",
     "is_boundary",
@@ -137,6 +138,9 @@ class Entry:
     params: Mapping[str, Layout]
     deferred_bias_params: tuple[str, ...] = ()
     grad_reduce_params: tuple[str, ...] = ()
+    # outputs whose caller computes on shards with them (Mamba's reduced x_proj output feeding the
+    # channel-sharded scan): their gradient arrives partial, so the output's collective reduces it too
+    out_grad_partial: tuple[str, ...] = ()
     tp_divide_attrs: tuple[str, ...] = ()
     divide_attrs: tuple[tuple[str, int], ...] = ()  # (attribute, divisor), sorted by attribute
     is_boundary: bool = True
@@ -476,6 +480,12 @@ class _PlanReader:
             part: self.name_list(doc.get(part, []), _path_join(where, part), is_param_path, "a parameter path")
             for part in ("deferred_bias_params", "grad_reduce_params")
         }
+        partial_where = _path_join(where, "out_grad_partial")
+        partial = self.name_list(doc.get("out_grad_partial", []), partial_where)
+        declared = out_names if out_names is not None else tuple(sorted({*layouts["out_src"], *layouts["out_dst"]}))
+        for name in partial:
+            if name not in declared:
+                raise self.fail(partial_where, f"{name!r} is not a declared output ({', '.join(declared) or 'none'})")
         divide = self.name_list(doc.get("tp_divide_attrs", []), _path_join(where, "tp_divide_attrs"))
         if divide and "tp" not in self.mesh:
             raise self.fail(_path_join(where, "tp_divide_attrs"), "needs a 'tp' axis in mesh_dim_names")
@@ -501,6 +511,7 @@ class _PlanReader:
             params=params,
             deferred_bias_params=tuple(sorted(lists["deferred_bias_params"])),
             grad_reduce_params=tuple(sorted(lists["grad_reduce_params"])),
+            out_grad_partial=tuple(sorted(partial)),
             tp_divide_attrs=tuple(sorted(divide)),
             divide_attrs=divisors,
             is_boundary=flags.get("is_boundary", has_io),
@@ -579,7 +590,8 @@ def contract_signature(plan: Plan, key: str) -> str:
         parts.append(f"in {name}: " + ", ".join(f"{a} {src.on(a)}->{dst.on(a)}" for a in mesh))
     for name in entry.output_names:
         src, dst = entry.output_layouts(name, mesh)
-        parts.append(f"out {name}: " + ", ".join(f"{a} {src.on(a)}->{dst.on(a)}" for a in mesh))
+        partial = " (gradient partial)" if name in entry.out_grad_partial else ""
+        parts.append(f"out {name}: " + ", ".join(f"{a} {src.on(a)}->{dst.on(a)}" for a in mesh) + partial)
     sharded = [axis for axis in mesh if body_is_sharded(entry, axis)]
     if sharded:
         parts.append("sharded body: " + ", ".join(sharded))

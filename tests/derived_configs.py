@@ -30,6 +30,28 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
     "bloom": ("BloomConfig", dict(hidden_size=64, n_head=4, n_layer=2, vocab_size=127)),
+    # ALiBi as a per-head input made outside the attention: [heads, 1, max_seq_len]
+    "mpt": ("MptConfig", dict(d_model=64, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=64, vocab_size=127)),
+    # the feed-forward of the layer runs through apply_chunking_to_forward
+    "xmod": (
+        "XmodConfig",
+        dict(
+            hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=89, is_decoder=True,
+            **_TINY,
+        ),
+    ),
+    # the layers are classes under a module-level ``if is_xlstm_available(): ... else:``
+    "xlstm": ("xLSTMConfig", dict(hidden_size=64, num_heads=8, num_blocks=2, vocab_size=127, use_cache=False)),
+    # the language model is Persimmon's, from another modeling file than FuyuForCausalLM's
+    "fuyu": (
+        "FuyuConfig",
+        dict(
+            text_config=dict(
+                model_type="persimmon", hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                intermediate_size=89, vocab_size=127, max_position_embeddings=64,
+            ),
+        ),
+    ),
     "falcon": ("FalconConfig", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=127)),
     "bitnet": (
         "BitNetConfig",
@@ -72,9 +94,27 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             pad_token_id=0, bos_token_id=0, eos_token_id=0, **_TINY,
         ),
     ),
-    # a Mamba mixer: nothing pairs its columns (x_proj packs blocks of unequal sizes), so out_proj
-    # (intermediate 128 -> hidden 64) is a row on its split replicated input
-    "mamba": ("MambaConfig", dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, state_size=16, **_TINY)),
+    # state-space mixers: 89 channels (uneven over 2 ranks) of Mamba1; Mamba2's packed z|x|B|C|dt in_proj
+    "mamba": (
+        "MambaConfig",
+        dict(hidden_size=64, intermediate_size=89, state_size=16, num_hidden_layers=2, **_TINY),
+    ),
+    "zamba": (
+        "ZambaConfig",
+        # two Mamba heads per mixer (per-head x_proj, dt_proj, A_log), in two hybrid layers sharing one attention block
+        dict(
+            hidden_size=64, num_attention_heads=4, num_key_value_heads=4, attention_head_dim=32,
+            intermediate_size=89, num_hidden_layers=2, layers_block_type=["hybrid", "hybrid"], n_mamba_heads=2,
+            mamba_d_state=16, mamba_dt_rank=4, use_cache=False, **_TINY,
+        ),
+    ),
+    "mamba2": (
+        "Mamba2Config",
+        dict(
+            hidden_size=64, num_heads=8, head_dim=16, expand=2, n_groups=1, state_size=16, chunk_size=16,
+            num_hidden_layers=2, **_TINY,
+        ),
+    ),
 }
 
 

@@ -157,3 +157,30 @@ def test_identity_and_region_forms():
     assert contract("class A:\n    def forward(self, x):\n        return x\n", **same).form == "identity"
     found = contract("class A:\n    def forward(self, x):\n        return x\n", region_dispatch=True, **OUT)
     assert found.form == "region" and found.region_target == "_forward_impl"
+
+
+def test_an_output_consumed_on_shards_reduces_its_gradient_too():
+    # Mamba's x_proj: the reduced dt, B, C feed the channel-sharded scan, whose gradient comes back partial
+    partial = transition("tp", "x", P("P(sum)"), P("R"), side="out", sharded_body=True, partial_caller=True)
+    assert (partial.kind, partial.backward) == ("all_reduce", "all_reduce")
+    gathered = transition("tp", "x", P("S(-1)"), P("R"), side="out", sharded_body=True, partial_caller=True)
+    assert gathered.kind == "all_gather" and gathered.backward is None  # default: reduce_scatter
+    plan = plan_from_dict(
+        {
+            "mesh_dim_names": ["tp"],
+            "param_plan": {
+                "x_proj": {
+                    "in_src": {"input": {"tp": "S(-1)"}},
+                    "in_dst": {"input": {"tp": "S(-1)"}},
+                    "out_src": {"output": {"tp": "P(sum)"}},
+                    "out_dst": {"output": {"tp": "R"}},
+                    "params": {"weight": {"tp": "S(1)"}},
+                    "out_grad_partial": ["output"],
+                }
+            },
+        }
+    )
+    _, outputs = value_ops(plan, "x_proj")
+    assert [op.comment() for op in outputs[0].ops] == [
+        "output: tp P(sum) -> R ==> all_reduce(sum) (backward all_reduce)"
+    ]

@@ -150,6 +150,10 @@ def test_key_order_does_not_change_the_plan_or_the_signature():
         (minimal(divide_attrs={"num_key_value_groups": True}), "expected a positive integer divisor, got a boolean"),
         (minimal(divide_attrs={"a b": 2}), "'a b' is not an attribute name"),
         (
+            minimal(out_src={"output": {"tp": "P(sum)"}}, out_grad_partial=["outputs"]),
+            "out_grad_partial: 'outputs' is not a declared output (output)",
+        ),
+        (
             minimal(tp_divide_attrs=["num_heads"], divide_attrs={"num_heads": 2}),
             "divide_attrs.num_heads: 'num_heads' is in tp_divide_attrs too",
         ),

@@ -5,8 +5,9 @@ of what :mod:`hpgen.planner` derives from its modeling file: which modules becom
 boundaries of which kind, the placements (GPT-2's ``Conv1D`` flips the sharded dim, its
 fused ``c_attn`` is three packed blocks, GPT-NeoX's per-head interleaved
 ``query_key_value`` keeps whole heads with a plain shard), the attributes divided, and the
-notes for what stays replicated and why (BLOOM's per-head ``alibi``, multi-query key/value
-packed with the queries). The 2-rank parity of derived plans is in
+notes for what stays replicated and why (multi-query key/value packed with the queries), and
+the per-head ALiBi inputs made outside the attention (MPT's cut ``R -> S(0)``, BLOOM's
+batch-major one by a region's local compute). The 2-rank parity of derived plans is in
 ``tests/runtime/test_parity_derived.py``.
 """
 
@@ -88,7 +89,6 @@ def test_bert_self_attention_keeps_its_output_sharded_for_the_dense_after_it() -
 @pytest.mark.parametrize(
     ("family", "module", "reason"),
     [
-        ("bloom", "transformer.h.*.self_attention.query_key_value", "'alibi', one slice per head computed outside"),
         ("falcon", "transformer.h.*.self_attention.query_key_value", "multi-query"),
         ("gpt_bigcode", "transformer.h.*.attn.c_attn", "unequal sizes [64, 16, 16]"),
     ],
@@ -98,6 +98,83 @@ def test_what_cannot_shard_stays_replicated_and_says_why(family: str, module: st
     assert reason in plan["comments"]["replicated"][module]
     assert not any(key.endswith(("self_attention", ".attn")) for key in plan["param_plan"])
     assert any(".mlp" in key for key in plan["param_plan"])  # the MLP still shards
+
+
+def test_a_per_head_input_with_its_own_head_dim_is_cut_on_entry() -> None:
+    plan = derived("mpt")  # position_bias is [heads, 1, max_seq_len], made once by MptModel
+    attn = entry(plan, "transformer.blocks.*.attn")
+    assert attn["in_src"]["position_bias"] == {"tp": "R"} and attn["in_dst"]["position_bias"] == {"tp": "S(0)"}
+    assert attn["params"]["Wqkv.weight"] == {"tp": "SS(0,3)"} and attn["params"]["out_proj.weight"] == {"tp": "S(1)"}
+    assert attn["tp_divide_attrs"] == ["n_heads"]
+    assert "position_bias" in plan["comments"]["sharded"]["transformer.blocks.*.attn"]
+    assert "injections" not in plan
+
+
+def test_a_batch_major_per_head_input_is_cut_by_a_region() -> None:
+    plan = derived("bloom")  # alibi is [batch * heads, 1, L]: no S placement holds a rank's heads of every batch
+    attention = entry(plan, "transformer.h.*.self_attention")
+    assert attention["in_src"] == {"alibi": {"tp": "R"}} and attention["in_dst"] == {"alibi": {"tp": "R"}}
+    assert attention["tp_divide_attrs"] == ["num_heads"]
+    assert plan["injections"] == [
+        {
+            "match": "transformer.h.*.self_attention",
+            "local_compute_fn": {
+                "_target_": "hpgen.runtime.local_heads.batch_major_heads",
+                "head_inputs": ["alibi"],
+                "global_heads": 4,
+                "axis": "tp",
+            },
+        }
+    ]
+    # the attention adds the residual inside: its projections are the wrapped leaves
+    assert entry(plan, "transformer.h.*.self_attention.query_key_value")["params"]["weight"] == {"tp": "S(0)"}
+    assert entry(plan, "transformer.h.*.self_attention.dense")["params"]["weight"] == {"tp": "S(1)"}
+
+
+def test_batch_major_heads_keeps_this_ranks_heads_of_every_batch() -> None:
+    import types
+
+    import torch
+
+    from hpgen.runtime.local_heads import batch_major_heads
+
+    class Body(torch.nn.Module):
+        def _forward_impl(self, hidden_states: torch.Tensor, alibi: torch.Tensor, mask: Any = None) -> torch.Tensor:
+            return alibi
+
+    body = Body()
+    alibi = torch.arange(2 * 4 * 3.0).reshape(2 * 4, 1, 3)  # batch 2, heads 4, row b * 4 + h
+    for rank in (0, 1):
+        body._hp_tp = types.SimpleNamespace(size=2, rank=rank)
+        got = batch_major_heads(body, None, alibi, head_inputs=["alibi"], global_heads=4)
+        want = alibi.view(2, 4, 1, 3)[:, 2 * rank : 2 * rank + 2].reshape(4, 1, 3)
+        assert torch.equal(got, want)
+    body._hp_tp = types.SimpleNamespace(size=1, rank=0)  # unparallelized: the body as it is
+    assert batch_major_heads(body, None, alibi, head_inputs=["alibi"], global_heads=4) is alibi
+
+
+def test_a_chunked_feed_forward_returns_only_its_result() -> None:
+    plan = derived("xmod")  # apply_chunking_to_forward(self.feed_forward_chunk, ..., attention_output)
+    assert entry(plan, "roberta.encoder.layer.*.intermediate.dense")["out_dst"] == {"output": {"tp": "S(-1)"}}
+    assert entry(plan, "roberta.encoder.layer.*.output.dense")["params"]["weight"] == {"tp": "S(1)"}
+
+
+def test_classes_under_a_module_level_if_are_read_and_left_to_wrapped_leaves() -> None:
+    plan = derived("xlstm")  # hpgen lower rewrites top-level classes only: no block on xLSTMFeedForward
+    assert "backbone.blocks.*.ffn" not in plan["param_plan"]
+    for name in ("proj_up", "proj_up_gate"):
+        assert entry(plan, f"backbone.blocks.*.ffn.{name}")["out_dst"] == {"output": {"tp": "S(-1)"}}
+    assert entry(plan, "backbone.blocks.*.ffn.proj_down")["params"]["weight"] == {"tp": "S(1)"}
+
+
+def test_layers_from_another_modeling_file_shard_as_wrapped_leaves() -> None:
+    plan = derived("fuyu")  # FuyuForCausalLM's file has no layers: Persimmon's file is read, not rewritten
+    mlp = "model.language_model.layers.*.mlp"
+    assert mlp not in plan["param_plan"]
+    assert entry(plan, f"{mlp}.dense_h_to_4h")["out_dst"] == {"output": {"tp": "S(-1)"}}
+    assert entry(plan, f"{mlp}.dense_4h_to_h")["params"]["weight"] == {"tp": "S(1)"}
+    # the attention's per-head q/k layernorms need a block to reduce their gradients in: not in this file
+    assert "needs a block" in plan["comments"]["replicated"]["model.language_model.layers.*.self_attn.dense"]
 
 
 def test_a_norm_across_the_sharded_features_leaves_the_pair_replicated() -> None:
@@ -111,6 +188,55 @@ def test_a_norm_across_the_sharded_features_leaves_the_pair_replicated() -> None
 def test_heads_that_do_not_divide_are_refused_by_the_derivation() -> None:
     plan = derived("opt", tp=3)
     assert "do not divide over --tp 3" in plan["comments"]["replicated"]["model.decoder.layers.*.self_attn.q_proj"]
+
+
+def test_mamba_mixer_shards_its_channels_and_reduces_x_proj() -> None:
+    plan = derived("mamba")
+    mixer = entry(plan, "backbone.layers.*.mixer")
+    assert mixer["params"] == {
+        "in_proj.weight": {"tp": "SS(0,2)"},  # chunk(2): the [x | z] blocks, each rank its chunk of both
+        "conv1d.weight": {"tp": "S(0)"},  # depthwise: one filter per channel
+        "conv1d.bias": {"tp": "S(0)"},
+        "A_log": {"tp": "S(0)"},
+        "D": {"tp": "S(0)"},
+        "dt_proj.weight": {"tp": "S(0)"},
+        "dt_proj.bias": {"tp": "S(0)"},
+        "out_proj.weight": {"tp": "S(1)"},
+    }
+    assert mixer["in_dst"] == {"hidden_states": {"tp": "R"}} and mixer["out_src"] == {"output": {"tp": "P(sum)"}}
+    x_proj = entry(plan, "backbone.layers.*.mixer.x_proj")
+    assert x_proj["params"] == {"weight": {"tp": "S(1)"}}
+    assert x_proj["in_src"] == {"input": {"tp": "S(-1)"}} and x_proj["out_dst"] == {"output": {"tp": "R"}}
+    assert x_proj["out_grad_partial"] == ["output"]  # dt, B, C feed the sharded scan: reduced in backward too
+    assert plan["comments"]["replicated"] == {}
+
+
+def test_zamba_mixer_shards_whole_mamba_heads() -> None:
+    plan = derived("zamba")
+    mixer = entry(plan, "model.layers.*.mamba_decoder.mamba")
+    # view(batch, -1, 2, seq): each channel's x and gate side by side, so a plain shard keeps the pairs
+    assert mixer["params"]["in_proj.weight"] == {"tp": "S(0)"}
+    for name in ("x_proj_weight", "dt_proj_weight", "dt_proj_bias", "A_log", "D"):  # [heads, ...]
+        assert mixer["params"][name] == {"tp": "S(0)"}
+    assert mixer["tp_divide_attrs"] == ["n_mamba_heads"]
+    assert not any(key.endswith("x_proj") for key in plan["param_plan"])  # per head: nothing to reduce
+
+
+def test_mixers_the_placements_cannot_cut_gather_around_a_replicated_scan() -> None:
+    plan = derived("mamba2")  # in_proj packs z|x|B|C|dt, blocks of unequal sizes
+    in_proj = entry(plan, "backbone.layers.*.mixer.in_proj")
+    assert in_proj["params"] == {"weight": {"tp": "S(0)"}}
+    assert in_proj["out_src"] == {"output": {"tp": "S(-1)"}} and in_proj["out_dst"] == {"output": {"tp": "R"}}
+    out_proj = entry(plan, "backbone.layers.*.mixer.out_proj")
+    assert out_proj["in_src"] == {"input": {"tp": "R"}} and out_proj["in_dst"] == {"input": {"tp": "S(-1)"}}
+    assert out_proj["params"] == {"weight": {"tp": "S(1)"}}
+    assert "backbone.layers.*.mixer" not in plan["param_plan"]  # the scan runs replicated, unchanged
+    assert "unequal sizes" in plan["comments"]["sharded"]["backbone.layers.*.mixer.in_proj"]
+    # Zamba's two Mamba heads over 4 ranks: the same honest gather, and the note says why
+    four = derived("zamba", tp=4)
+    note = four["comments"]["sharded"]["model.layers.*.mamba_decoder.mamba.in_proj"]
+    assert "holds 2 heads" in note and "--tp 4" in note
+    assert "model.layers.*.mamba_decoder.mamba" not in four["param_plan"]
 
 
 def test_transformers_plan_is_kept_where_it_shards_the_layers() -> None:
@@ -366,21 +492,19 @@ def test_a_conv_over_blocks_of_unequal_sizes_has_no_packed_placement() -> None:
 
 
 def test_a_row_whose_columns_cannot_shard_splits_its_replicated_input() -> None:
-    """Mamba's mixer pairs nothing (x_proj packs unequal blocks), so out_proj, wider in than out, is a row
-    on its split input: R -> S(-1), weight S(1), P(sum) -> R."""
-    plan = derived("mamba")
-    out_proj = entry(plan, "backbone.layers.*.mixer.out_proj")
-    assert out_proj["in_src"] == {"input": {"tp": "R"}} and out_proj["in_dst"] == {"input": {"tp": "S(-1)"}}
-    assert out_proj["params"] == {"weight": {"tp": "S(1)"}}
-    assert out_proj["out_src"] == {"output": {"tp": "P(sum)"}} and out_proj["out_dst"] == {"output": {"tp": "R"}}
-    assert "split on entry" in plan["comments"]["sharded"]["backbone.layers.*.mixer.out_proj"]
-    assert "backbone.layers.*.mixer.in_proj" in plan["comments"]["replicated"]
-    # --sp keeps the stream sequence-sharded: the split row is left replicated there
+    """BitNet's MLP pair stays replicated (ffn_sub_norm across the sharded width), so down_proj, wider in
+    than out, is a row on its split input: R -> S(-1), weight S(1), P(sum) -> R; --sp leaves it replicated."""
     from hpgen.planner.load import meta_model
     from hpgen.planner.make import plan_model
 
+    plan = derived("bitnet")
+    down = entry(plan, "model.layers.*.mlp.down_proj")
+    assert down["in_src"] == {"input": {"tp": "R"}} and down["in_dst"] == {"input": {"tp": "S(-1)"}}
+    assert down["params"] == {"weight": {"tp": "S(1)"}}
+    assert down["out_src"] == {"output": {"tp": "P(sum)"}} and down["out_dst"] == {"output": {"tp": "R"}}
+    assert "split on entry" in plan["comments"]["sharded"]["model.layers.*.mlp.down_proj"]
     with pytest.raises(Exception, match="no decoder layer holds a sharded block"):
-        plan_model(meta_model(tiny("mamba")), tp=2, sp=True, from_source=True, name="mamba")
+        plan_model(meta_model(tiny("bitnet")), tp=2, sp=True, from_source=True, name="bitnet")
 
 
 def test_a_grouped_linear_is_not_sharded_as_a_linear() -> None:

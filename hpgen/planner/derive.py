@@ -13,8 +13,9 @@ file) :mod:`hpgen.planner.flow` gives the graph of its layers: which ``nn.Linear
    convolution or any other layer on the way ends the walk: what it makes is not a shard.
 2. **Checks.** Each group is sharded only when everything between its columns and rows
    works on shards: the columns' outputs reach nothing but the rows and per-head norms;
-   no norm over the full sharded width sits between them (BitNet's ``attn_sub_norm``); no
-   per-head tensor made outside the module (BLOOM's ``alibi``) enters it; head counts
+   no norm over the full sharded width sits between them (BitNet's ``attn_sub_norm``); a
+   per-head tensor made outside the module (MPT's ``position_bias``, BLOOM's ``alibi``) is cut
+   to this rank's heads on entry; head counts
    divide ``--tp``; a fused projection's layout is recognised from the reshape that
    follows it (``split(split_size)`` / ``chunk(3)``: Q|K|V blocks -> ``SS(d,3)``;
    ``view(..., heads, 3, head_dim)``: per-head interleaved -> ``S(d)``; one key/value
@@ -37,8 +38,9 @@ writes the notes into the plan.
 This module walks the decoder layers and takes each group through the steps, each a base
 class of the deriver: :mod:`~hpgen.planner.groups` (1: the groups, and what lies between
 their projections), :mod:`~hpgen.planner.heads` and :mod:`~hpgen.planner.reshapes` (2: the
-heads, fused layouts, attributes to divide), :mod:`~hpgen.planner.derived_blocks` (3 and 4:
-the boundaries and their parameters).
+heads, fused layouts, attributes to divide; :mod:`~hpgen.planner.head_cuts`, per-head inputs
+made outside the attention), :mod:`~hpgen.planner.derived_blocks` (3 and 4: the boundaries and
+their parameters).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from hpgen.planner.derived_blocks import BlockChoice
 from hpgen.planner.entries import Derivation, Note, Placed, Refused
 from hpgen.planner.flow import Flow, leaf_kind, module_names, run_module
 from hpgen.planner.groups import GroupFinding, depths, sources
+from hpgen.planner.head_cuts import HeadCuts
 from hpgen.planner.heads import HeadRules, per_head_input
 from hpgen.planner.latent import LatentRefused, check_broadcast, replicated_closure
 from hpgen.planner.modules import generic, is_linear, is_nn_linear, positive_int, relative
@@ -68,13 +71,14 @@ def derive(model: Any, *, tp: int | None, source: Path | None = None) -> Derivat
     return _Deriver(model, tp, source).run()
 
 
-class _Deriver(GroupFinding, HeadRules, ReshapeRules, BlockChoice):
+class _Deriver(GroupFinding, HeadRules, HeadCuts, ReshapeRules, BlockChoice):
     """The derivation of one model: each decoder layer's groups placed, then the vocabulary."""
 
     def __init__(self, model: Any, tp: int | None, source: Path) -> None:
         self.model = model
         self.tp = tp
         self.source = source
+        self.read: Path | tuple[Path, ...] = source  # the files whose forwards are interpreted (see _layers)
         self.names = module_names(model)
         self.modules = dict(model.named_modules())
         self.config = getattr(model, "config", None)
@@ -99,13 +103,33 @@ class _Deriver(GroupFinding, HeadRules, ReshapeRules, BlockChoice):
         """Elements of module lists whose class is in the file, outermost first (not nested in another)."""
         import torch.nn as nn
 
+        found = self._elements(self.source)
+        if not found:
+            # a composite model whose decoder layers are in another modeling file (Fuyu's language model
+            # is a PersimmonModel): read that file's forwards too; only the lowered file's classes become
+            # blocks (_clean), so its groups shard as wrapped leaves
+            others = {
+                Path(path)
+                for module in self.modules.values()
+                if isinstance(module, nn.ModuleList)
+                for child in module.children()
+                if (path := _source_file(type(child))) is not None and "/transformers/models/" in path
+            }
+            if others:
+                self.read = (self.source, *sorted(others))
+                found = self._elements(self.read)
+        return found
+
+    def _elements(self, read: Path | tuple[Path, ...]) -> list[str]:
+        import torch.nn as nn
+
         found: list[str] = []
         for fqn, module in self.modules.items():
             if not isinstance(module, nn.ModuleList):
                 continue
             for name, child in module.named_children():
                 element = f"{fqn}.{name}" if fqn else name
-                if leaf_kind(child, self.source) != "source":
+                if leaf_kind(child, read) != "source":
                     continue
                 if any(element.startswith(other + ".") for other in found):
                     continue
@@ -115,6 +139,7 @@ class _Deriver(GroupFinding, HeadRules, ReshapeRules, BlockChoice):
     def _layer(self, layer: str) -> None:
         flow = self._flow(layer)
         linears = {fqn for fqn in flow.edges if is_linear(self.modules.get(fqn))}
+        linears -= self._channel_mixers(layer)
         depth = depths(flow)
         groups = self._groups(flow, linears, depth)
         for cols, rows, mids in groups:
@@ -140,9 +165,42 @@ class _Deriver(GroupFinding, HeadRules, ReshapeRules, BlockChoice):
             ):
                 self.result.note(fqn, False, "not part of a column -> row pair: kept replicated")
 
+    def _channel_mixers(self, layer: str) -> set[str]:
+        """Place the state-space mixers of ``layer`` (:mod:`hpgen.planner.channels`); the projections they hold."""
+        from hpgen.planner.channels import channel_attrs, find_channel_mixer
+
+        taken: set[str] = set()
+        self._current_layer = layer
+        hidden = positive_int(self._config("hidden_size"))
+        for fqn in sorted(self.modules):
+            if not (fqn == layer or fqn.startswith(layer + ".")) or any(fqn.startswith(t + ".") for t in taken):
+                continue
+            try:
+                mixer = find_channel_mixer(self, fqn, hidden)
+                divide = channel_attrs(self, mixer) if mixer is not None and mixer.block is not None else {}
+            except Refused as refused:
+                self.result.note(fqn, False, str(refused))
+                taken.add(fqn)
+                continue
+            if mixer is None:
+                continue
+            taken.add(fqn)
+            for piece in ([mixer.block] if mixer.block is not None else []) + mixer.reduced:
+                self.result.placed[piece.fqn] = piece
+                self.result.note(piece.fqn, True, piece.why)
+            for module, attrs in divide.items():
+                owner = self.result.placed.get(module) or self.result.placed.setdefault(
+                    module, Placed(module, "attrs", why="sizes of the sharded channels")
+                )
+                owner.divide |= attrs
+        return {f for f in self._linears_under(taken)}
+
+    def _linears_under(self, roots: set[str]) -> set[str]:
+        return {f for f, m in self.modules.items() if is_linear(m) and any(f.startswith(r + ".") for r in roots)}
+
     def _flow(self, fqn: str) -> Flow:
         if fqn not in self._flows:
-            self._flows[fqn] = run_module(self.model, fqn, self.source, names=self.names)
+            self._flows[fqn] = run_module(self.model, fqn, self.read, names=self.names)  # type: ignore[arg-type]
         return self._flows[fqn]
 
     # -- one group
@@ -186,13 +244,9 @@ class _Deriver(GroupFinding, HeadRules, ReshapeRules, BlockChoice):
                 if per_head_input(m) and not self._switched_off(m)
             }
         )
-        if side and what == "attention":
-            raise Refused(
-                f"the attention adds {', '.join(repr(s) for s in side)}, one slice per head computed outside "
-                "it, which the plan cannot cut to this rank's heads"
-            )
         self._runtime_head_check(cols, layer)
         heads = self._heads(cols, rows, layer) if what == "attention" else None
+        head_inputs = self._head_inputs(cols, rows, layer, heads) if side and heads else {}
         layouts = {col: self._column_layout(flow, col, cols, heads, layer, what) for col in sorted(cols)}
         if what == "attention" and heads is not None:
             self._check_heads(cols, layouts, heads, layer)
@@ -200,7 +254,7 @@ class _Deriver(GroupFinding, HeadRules, ReshapeRules, BlockChoice):
         direct = self._direct_params(raw, cols, layouts, heads, layer)
         # reshapes of the parameters sharded with the heads (dt_bias.view(1, 1, num_heads, head_dim)) size shards too
         divide = self._divided_attrs(flow, sharded | {f"param:{n}" for n, p in direct.items() if p != "R"}, counts, layer)
-        self._boundaries(layer, cols, rows, mids, layouts, divide, what, direct)
+        self._boundaries(layer, cols, rows, mids, layouts, divide, what, direct, head_inputs)
 
     def _config(self, name: str) -> Any:
         """A value of the (text) config, or None where it is absent or per layer (transformers raises then)."""
@@ -208,3 +262,10 @@ class _Deriver(GroupFinding, HeadRules, ReshapeRules, BlockChoice):
             return getattr(self.text_config, name, None)
         except Exception:
             return None
+
+
+def _source_file(cls: type) -> str | None:
+    try:
+        return inspect.getsourcefile(cls)
+    except TypeError:
+        return None

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from hpgen.planner.entries import Derivation, Placed, Refused
-from hpgen.planner.flow import leaf_kind
+from hpgen.planner.flow import leaf_kind, top_level_class
 from hpgen.planner.latent import fed_columns, pre_chain, replicated_closure
+from hpgen.planner.load import defined_in
 from hpgen.planner.modules import is_conv1d, is_nn_linear, join, lca, relative, returns_addressable
 
 __all__ = ["BlockChoice"]
@@ -28,6 +29,7 @@ class BlockChoice:
     model: Any
     tp: int | None
     source: Path
+    read: Path | tuple[Path, ...]
     modules: dict[str, Any]
     result: Derivation
     _pre: dict[str, set[str]]
@@ -43,18 +45,25 @@ class BlockChoice:
         divide: Mapping[str, set[str]],
         what: str,
         direct: Mapping[str, str],
+        head_inputs: Mapping[str, str] | None = None,
     ) -> None:
         common = lca(cols | rows)
         if not (common == layer or common.startswith(layer + ".")):
             common = layer
         pieces: list[Placed] = []
         block = self._clean(common, cols, rows, mids, full=True)
+        if head_inputs and block is None and common in cols | rows:
+            raise Refused(
+                f"the attention takes {', '.join(repr(n) for n in sorted(head_inputs))} (one slice per head, made "
+                "outside it), and no module around the projections takes it to cut"
+            )
         if block is not None:
             why = f"{what}: column- and row-parallel projections"
             if self._group_latent:
                 names = ", ".join(sorted(relative(p, common) for p in self._group_latent))
                 why += f"; the latent down-projection {names} (shared by the heads) replicated in the block"
             placed = Placed(common, "block", inputs=block, why=why)
+            self._cut_heads(placed, head_inputs, cols, rows, layer)  # type: ignore[attr-defined]
             self._params(placed, cols, rows, layouts)
             pieces.append(placed)
         else:
@@ -94,6 +103,15 @@ class BlockChoice:
                     raise Refused(f"{relative(row, layer)} would be a boundary of its own but is not an nn.Linear")
                 placed = Placed(row, "row_leaf", why=f"{what}: row-parallel nn.Linear (input arrives sharded)")
                 self._params(placed, set(), {row}, layouts)
+                pieces.append(placed)
+            if head_inputs:  # the attention around the leaves still gets its per-head input cut
+                if not (top_level_class(type(self.modules[common])) and defined_in(type(self.modules[common]), self.source)):
+                    raise Refused(
+                        f"{relative(common, layer) or 'the layer'} takes a per-head input to cut, but its class is "
+                        "not a top-level class of the lowered file, which is where hpgen lower rewrites classes"
+                    )
+                placed = Placed(common, "heads", why=f"{what}: the body between the sharded projections")
+                self._cut_heads(placed, head_inputs, cols, rows, layer)  # type: ignore[attr-defined]
                 pieces.append(placed)
         for name, placement in direct.items():
             owner = next((p for p in pieces if p.kind in ("block", "col_block") and name.startswith(p.fqn + ".")), None)
@@ -147,8 +165,10 @@ class BlockChoice:
         only the columns and returns their (sharded) output alone.
         """
         module = self.modules.get(fqn)
-        if module is None or leaf_kind(module, self.source) != "source" or not fqn:
+        if module is None or leaf_kind(module, self.read) != "source" or not fqn:
             return None
+        if not (top_level_class(type(module)) and defined_in(type(module), self.source)):
+            return None  # read from another file or under a module-level if: hpgen lower does not rewrite it
         if not returns_addressable(type(module)):
             return None  # returns a list: the plan addresses a value or the first item of a tuple
         flow = self._flow(fqn)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-__all__ = ["Derivation", "Note", "Placed", "Refused"]
+__all__ = ["SHARDING_KINDS", "Derivation", "Note", "Placed", "Refused"]
+
+# Kinds of entries that shard something inside the decoder layers (not attrs, aliases, the vocabulary).
+SHARDING_KINDS = ("block", "col_block", "col_leaf", "row_leaf", "reduce_leaf", "col_gather", "split_row")
 
 
 @dataclass
@@ -13,12 +16,14 @@ class Placed:
     """One plan entry the derivation asks for (a concrete FQN)."""
 
     fqn: str
-    kind: str  # block | col_block | col_leaf | row_leaf | lm_head | embedding | attrs | alias
+    kind: str  # block | col_block | col_leaf | row_leaf | heads | lm_head | embedding | attrs | alias
     params: dict[str, str] = field(default_factory=dict)  # relative parameter name -> placement on tp
     deferred: set[str] = field(default_factory=set)
     inputs: tuple[str, ...] = ()  # forward parameters entering a block (R -> R)
     divide: set[str] = field(default_factory=set)  # tp_divide_attrs
     grad_reduce: set[str] = field(default_factory=set)  # replicated parameters the sharded body runs through
+    head_inputs: dict[str, str] = field(default_factory=dict)  # per-head inputs made outside: name -> S(d) | batch_major
+    global_heads: int | None = None  # the query heads, for a batch_major head input's local compute
     why: str = ""
 
 
@@ -45,7 +50,7 @@ class Derivation:
 
     @property
     def layers_sharded(self) -> bool:
-        return any(p.kind in ("block", "col_block", "col_leaf", "row_leaf") for p in self.placed.values())
+        return any(p.kind in SHARDING_KINDS for p in self.placed.values())
 
 
 class Refused(Exception):

@@ -88,7 +88,7 @@ class HeadRules:
         a head: refuse it here, with the module named, rather than write a plan it will not install."""
         if self.tp is None:
             return
-        for col in cols:
+        for col in sorted(cols):  # sorted: the message names the same projection on every run
             n = out_features(self.modules[col])
             for path in prefixes(col)[:-1]:
                 if not (path == layer or path.startswith(layer + ".")):

@@ -117,13 +117,18 @@ def _completed(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -
     for fqn, placed in derivation.placed.items():
         # whole blocks only (a module returning its row's output alone): what transformers' authors
         # left replicated around a residual or a grouped projection stays as they left it
-        if placed.kind not in ("block", "split_row_leaf"):  # self-contained: replicated in, replicated out
+        # or a state-space mixer's pair, or a row on its split replicated input (self-contained: R in, R out)
+        if placed.kind not in ("block", "col_gather", "split_row", "split_row_leaf"):
             continue
         if any(fqn == t or t.startswith(fqn + ".") or fqn.startswith(t + ".") for t in taken):
             continue
+        mixer = fqn.rpartition(".")[0]
+        if placed.kind != "block" and any(t.startswith(mixer + ".") for t in taken):
+            continue  # a mixer's gathered pair goes in whole or not at all (Lara keeps in_proj_* replicated)
         extra.placed[fqn] = placed
     for fqn, placed in derivation.placed.items():
-        if placed.kind == "attrs" and any(fqn == b or fqn.startswith(b + ".") for b in extra.placed):
+        inside = any(fqn == b or fqn.startswith(b + ".") for b in extra.placed)
+        if placed.kind in ("attrs", "reduce_leaf") and inside:  # sizes and a mixer's reduced x_proj
             extra.placed[fqn] = placed
     if not any(p.kind != "attrs" for p in extra.placed.values()):
         return plan

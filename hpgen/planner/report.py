@@ -300,7 +300,8 @@ def _width(module: Any, name: str, side: str, entry: Any, hidden: Any, wrapped: 
     if isinstance(module, nn.Embedding):
         return module.embedding_dim
     # a block: inputs come in at the width the column weights read (or, where replicated down-projections
-    # come first, as MLA's latent ones, the width those read), outputs at the rows' width
+    # come first, as MLA's latent ones, the width those read), outputs at the rows' width; the
+    # stream's width first where a weight reads it (a Mamba mixer's dt_proj reads a few values, not the stream)
     if side == "in":
         for param_name in sorted(entry.grad_reduce_params):
             try:
@@ -310,6 +311,7 @@ def _width(module: Any, name: str, side: str, entry: Any, hidden: Any, wrapped: 
             owner = module.get_submodule(param_name.rpartition(".")[0]) if "." in param_name else module
             if param.dim() == 2 and isinstance(owner, nn.Linear):
                 return int(owner.in_features)
+    widths: list[int] = []
     for param_name, layout in sorted(entry.params.items()):
         placement = layout.on("tp")
         try:
@@ -323,10 +325,16 @@ def _width(module: Any, name: str, side: str, entry: Any, hidden: Any, wrapped: 
         rows, cols = (param.shape[1], param.shape[0]) if transposed else (param.shape[0], param.shape[1])
         dim = placement.dim % 2
         column = (dim == 0) != transposed  # output features sharded
+        if not isinstance(owner, nn.Linear) and not transposed:
+            continue  # a parameter the body reads itself (A_log), not a projection
         if side == "in" and column:
-            return int(cols)
+            widths.append(int(cols))
         if side == "out" and not column:
-            return int(rows)
+            widths.append(int(rows))
+    if isinstance(hidden, int) and hidden in widths:
+        return hidden
+    if widths:
+        return widths[0]
     return int(hidden) if isinstance(hidden, int) else 0
 
 

@@ -12,8 +12,15 @@ transformers' plans never produce:
   sharded (``S(-1) -> S(-1)``) for the row-parallel ``nn.Linear`` after it;
 - ``col_leaf`` / ``row_leaf``: one ``nn.Linear`` that ``parallelize`` wraps, column-parallel
   with its output left sharded, or row-parallel taking a sharded input and reducing;
-- ``split_row_leaf``: a row-parallel ``nn.Linear`` whose replicated input it splits on entry
-  (:mod:`hpgen.planner.split_rows`);
+- ``reduce_leaf``: a row-parallel ``nn.Linear`` inside a block (Mamba's ``x_proj``) whose reduced
+  output the block's channel-sharded code consumes: its gradient arrives partial and is
+  reduced too (``out_grad_partial``);
+- ``col_gather`` / ``split_row``: a column-parallel ``nn.Linear`` whose output is gathered
+  (``S(-1) -> R``) and a row-parallel one that splits its replicated input (``R -> S(-1)``),
+  around a body that runs replicated (a state-space mixer whose packed projection no
+  placement cuts);
+- ``split_row_leaf``: the same split row on its own, where no group shards a projection into the
+  stream (:mod:`hpgen.planner.split_rows`); ``--sp`` leaves it replicated;
 - ``attrs`` / ``alias``: entries that are not boundaries, holding only ``tp_divide_attrs``
   or the layout of a parameter registered under a second name.
 """
@@ -29,16 +36,22 @@ from hpgen.planner.translator import Translator
 
 __all__ = ["derived_plan"]
 
+BATCH_MAJOR_HEADS = "hpgen.runtime.local_heads.batch_major_heads"
+
 _KINDS = {
     "block": "block",
     "col_block": "block",
     "col_leaf": "linear",
     "row_leaf": "linear",
+    "reduce_leaf": "linear",
+    "col_gather": "linear",
+    "split_row": "linear",
     "split_row_leaf": "linear",
     "lm_head": "linear",
     "embedding": "embedding",
     "attrs": "attrs",
     "alias": "attrs",
+    "heads": "block",
 }
 
 
@@ -49,7 +62,8 @@ def derived_plan(model: Any, derivation: Derivation, *, tp: int | None, sp: bool
         kept = {fqn: p for fqn, p in derivation.placed.items() if p.kind != "split_row_leaf"}
         derivation = type(derivation)(placed=kept, notes=list(derivation.notes))
     if sp:
-        leaves = sorted(p.fqn for p in derivation.placed.values() if p.kind in ("col_block", "col_leaf", "row_leaf"))
+        leaf_kinds = ("col_block", "col_leaf", "row_leaf", "col_gather", "split_row")
+        leaves = sorted(p.fqn for p in derivation.placed.values() if p.kind in leaf_kinds)
         if leaves:
             raise HpgenError(
                 f"{name}: --sp needs every sharded group in a block of its own; the derived plan shards "
@@ -104,6 +118,16 @@ class _DerivedTranslator(Translator):
             boundary.inputs["input"] = (dict(replicated), dict(replicated))
             boundary.outputs["output"] = ({"tp": "S(-1)"}, dict(replicated))
             return
+        if kind == "col_gather":
+            boundary.wrapped_as = "nn.Linear"
+            boundary.inputs["input"] = (dict(replicated), dict(replicated))
+            boundary.outputs["output"] = ({"tp": "S(-1)"}, dict(replicated))
+            return
+        if kind == "split_row":
+            boundary.wrapped_as = "nn.Linear"
+            boundary.inputs["input"] = (dict(replicated), {"tp": "S(-1)"})
+            boundary.outputs["output"] = ({"tp": "P(sum)"}, dict(replicated))
+            return
         if kind == "embedding":
             boundary.wrapped_as = "nn.Embedding"
             boundary.outputs["output"] = ({"tp": "P(sum)"}, dict(replicated))
@@ -118,10 +142,15 @@ class _DerivedTranslator(Translator):
             boundary.inputs["input"] = (dict(replicated), {"tp": "S(-1)"})
             boundary.outputs["output"] = ({"tp": "P(sum)"}, dict(replicated))
             return
-        if kind == "row_leaf":
+        if kind in ("row_leaf", "reduce_leaf"):
             boundary.wrapped_as = "nn.Linear"
             boundary.inputs["input"] = ({"tp": "S(-1)"}, {"tp": "S(-1)"})
             boundary.outputs["output"] = ({"tp": "P(sum)"}, dict(replicated))
+            return
+        if kind == "heads":  # only the per-head inputs move; the leaves inside do the rest
+            for name, placement in sorted(placed.head_inputs.items()):
+                dst = {"tp": placement} if placement.startswith("S(") else dict(replicated)
+                boundary.inputs[name] = (dict(replicated), dst)
             return
         if placed is None:  # a decoder layer or the final norm of --sp: the translator's own
             super()._set_io(boundary)
@@ -134,6 +163,12 @@ class _DerivedTranslator(Translator):
                 raise HpgenError(f"{self.name}: {boundary.fqn}: {name} is not a parameter of its forward")
             src = {"tp": "S(1)"} if boundary.sp_input and name == parameters[0] else dict(replicated)
             boundary.inputs[name] = (src, dict(replicated))
+        for name, placement in sorted(placed.head_inputs.items()):
+            # a per-head tensor made outside the block (MPT's position_bias): each rank keeps its heads' slice
+            if name not in parameters and name not in self._keyword_names(boundary):
+                raise HpgenError(f"{self.name}: {boundary.fqn}: {name} is not a parameter of its forward")
+            if placement.startswith("S("):
+                boundary.inputs[name] = (dict(replicated), {"tp": placement})
         names = self._outputs(boundary.module, boundary.fqn)
         boundary.out_names = names if len(names) > 1 else None
         if kind == "col_block":
@@ -144,6 +179,21 @@ class _DerivedTranslator(Translator):
                 boundary.grad_reduce.update(boundary.deferred)  # added to a sequence shard
             boundary.outputs[names[0]] = ({"tp": "P(sum)"}, dst)
 
+    def _document(self) -> dict[str, Any]:
+        """The translator's document, plus the region injections of blocks whose per-head input fuses
+        the heads into the batch dim (BLOOM's ``alibi``): see :mod:`hpgen.runtime.local_heads`."""
+        document = super()._document()
+        injections = list(document.get("injections", []))
+        for key, (boundary, _) in sorted(self._grouped().items()):
+            placed = self.placed.get(boundary.fqn)
+            names = sorted(n for n, p in placed.head_inputs.items() if p == "batch_major") if placed else []
+            if names:
+                target = {"_target_": BATCH_MAJOR_HEADS, "head_inputs": names, "global_heads": placed.global_heads}
+                injections.append({"match": key, "local_compute_fn": {**target, "axis": "tp"}})
+        if injections:
+            document["injections"] = injections
+        return document
+
     def _keyword_names(self, boundary: Boundary) -> set[str]:
         forward = self._forward_owner(boundary.module, boundary.fqn).forward
         return {p.name for p in forward.parameters} if forward is not None else set()
@@ -153,6 +203,8 @@ class _DerivedTranslator(Translator):
         placed = self.placed.get(boundary.fqn)
         if placed is not None and placed.divide:
             entry["tp_divide_attrs"] = sorted(placed.divide)
+        if placed is not None and placed.kind == "reduce_leaf":
+            entry["out_grad_partial"] = ["output"]
         return entry
 
     def _boundary_classes(self, groups: dict[str, tuple[Boundary, dict[str, Any]]]) -> dict[str, str]:

@@ -68,6 +68,7 @@ from hpgen.runtime.hooks import (
 )
 from hpgen.runtime.params import Matched, ParamShard, shard_params, survey_params
 from hpgen.runtime.saving import bind_save_pretrained
+from hpgen.runtime.stubs import refuse_replaced_stubs
 from hpgen.runtime.state_dict import install_state_dict_hooks
 from hpgen.runtime.targets import Target, resolve
 
@@ -185,6 +186,7 @@ class _Survey:
 
 def _survey(model: nn.Module, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, AxisCollectives]) -> _Survey:
     matched = match_modules(model, plan)
+    refuse_replaced_stubs(model, matched)  # a fused kernel bound in place of the torch path the plan shards
     shards = survey_params(model, plan, matched, axes)
     targets = [resolve(item, plan, mesh, axes) for item in matched]
     biases = survey_deferred_biases(matched, plan)

@@ -32,11 +32,25 @@ a run records), :mod:`~hpgen.planner.flow.runner` (module calls: which modules a
 leaves, binding arguments, finding a method's source), and the body of one function,
 :class:`~hpgen.planner.flow.statements.Frame`, with its
 :mod:`~hpgen.planner.flow.expressions` and :mod:`~hpgen.planner.flow.constants` (the
-values of branch tests); :mod:`~hpgen.planner.flow.functions` follows the file's
-tuple-returning functions item by item and in-place tensor methods.
+values of branch tests); :mod:`~hpgen.planner.flow.module_level` says which class statements
+are read and which the lowering rewrites; :mod:`~hpgen.planner.flow.functions` follows the
+file's tuple-returning functions item by item and in-place tensor methods.
 """
 
+from hpgen.planner.flow.module_level import top_level_class
 from hpgen.planner.flow.runner import leaf_kind, module_names, run_module
 from hpgen.planner.flow.values import EMPTY, SIZE, Flow, ShapeUse, Val, merge, union
 
-__all__ = ["EMPTY", "SIZE", "Flow", "ShapeUse", "Val", "leaf_kind", "merge", "module_names", "run_module", "union"]
+__all__ = [
+    "EMPTY",
+    "SIZE",
+    "Flow",
+    "ShapeUse",
+    "Val",
+    "leaf_kind",
+    "merge",
+    "module_names",
+    "run_module",
+    "top_level_class",
+    "union",
+]

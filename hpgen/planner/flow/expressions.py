@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpgen.planner.flow.constants import self_path
 from hpgen.planner.flow.functions import in_place, tuple_function
+from hpgen.planner.flow.stubs import returns_none
 from hpgen.planner.flow.values import (
     EMPTY,
     UNKNOWN,
@@ -40,6 +41,9 @@ SHAPE_METHODS = frozenset(
 )
 # Attribute reads that give metadata, not data: their value has no origin.
 METADATA_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout", "T_"})
+# Functions that call the method passed to them on chunks of the tensors after it and return
+# only that method's (concatenated) result: transformers' ``apply_chunking_to_forward``.
+CHUNKING_CALLS = frozenset({"apply_chunking_to_forward"})
 METADATA_CALLS = frozenset({"size", "dim", "numel", "get_seq_length", "element_size", "stride", "is_contiguous"})
 
 
@@ -184,6 +188,11 @@ class Expressions:
                     return union([callee, *operands])
                 return union(operands)
             receiver = self.expr(func.value)
+            appends = func.attr in ("append", "extend", "insert") and isinstance(func.value, ast.Name)
+            if appends and receiver.modules is None:
+                # scan_outputs.append(y): the list now holds y too (torch.cat(scan_outputs) reads it)
+                self.env[func.value.id] = union([receiver, *operands])
+                return EMPTY
             if receiver.modules is not None:  # layer.forward(x) on a module reference
                 return self._call_modules(receiver.modules, args, kwargs) if func.attr == "forward" else union(operands)
             if func.attr in METADATA_CALLS:
@@ -205,6 +214,9 @@ class Expressions:
                 )
                 for m in passed
             ]
+            if isinstance(func, ast.Name) and func.id in CHUNKING_CALLS:
+                # it returns the method's result on chunks of the tensors, nothing of the tensors themselves
+                return union([*results, *(Val(reads=a.all_reads()) for a in operands)])
             return union([*results, *operands])
         if isinstance(func, ast.Name):
             callee = self.env.get(func.id)
@@ -212,6 +224,8 @@ class Expressions:
                 return self._call_modules(callee.modules, args, kwargs)
             if func.id in ("len", "isinstance", "hasattr", "getattr", "type", "id", "range"):
                 return Val(reads=union(operands).all_reads())
+            if func.id not in self.env and returns_none(self.module, func.id):
+                return EMPTY  # a kernel stub whose torch fallback is ``return None`` (Mamba's mamba_inner_fn)
             if callee is None:  # a function of the file returning a tuple: item by item
                 paired = tuple_function(self, func.id, args, kwargs)
                 if paired is not None:

@@ -16,6 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from hpgen.planner.flow.module_level import module_level
 from hpgen.planner.flow.statements import Frame
 from hpgen.planner.flow.values import EMPTY, Flow, Val, union
 from hpgen.planner.load import defined_in
@@ -25,7 +26,7 @@ __all__ = ["Runner", "function_def", "is_norm", "leaf_kind", "module_names", "ru
 MAX_DEPTH = 24
 
 
-def leaf_kind(module: Any, source: Path) -> str:
+def leaf_kind(module: Any, source: Path | tuple[Path, ...]) -> str:
     """``source`` when the module's ``forward`` is interpreted, ``sequential``, ``container`` or ``leaf``.
 
     A leaf is a layer: an ``nn.Linear`` or ``nn.Embedding`` (whatever its forward, as
@@ -33,7 +34,8 @@ def leaf_kind(module: Any, source: Path) -> str:
     experts module with its 3-D weights), or one whose ``forward`` is not in the file. A
     module with parameters *and* children (an attention with per-head scales, a Mamba
     mixer with ``A_log``) is interpreted; its code's direct reads of those parameters show
-    up as ``param:<fqn>`` origins.
+    up as ``param:<fqn>`` origins. ``source`` may be several files (a composite model's
+    language model in a file of its own).
     """
     import torch.nn as nn
 
@@ -47,7 +49,8 @@ def leaf_kind(module: Any, source: Path) -> str:
     if is_norm(module) and not any(True for _ in module.children()):
         return "leaf"  # a norm without weights (an L2 norm) still mixes what it normalises
     owner = forward_owner(type(module), "forward")
-    if owner is None or not defined_in(owner, source):
+    sources = source if isinstance(source, tuple) else (source,)
+    if owner is None or not any(defined_in(owner, path) for path in sources):
         return "leaf"
     return "source"
 
@@ -207,9 +210,10 @@ def function_def(cls: type, method: str) -> ast.FunctionDef | None:
 
 @lru_cache(maxsize=64)
 def class_nodes(path: str) -> dict[str, tuple[ast.ClassDef, ...]]:
+    """Module-level classes by name, those defined under a module-level ``if``/``try`` too."""
     tree = ast.parse(Path(path).read_text(encoding="utf-8"))
     found: dict[str, list[ast.ClassDef]] = {}
-    for node in tree.body:
+    for node in module_level(tree.body):
         if isinstance(node, ast.ClassDef):
             found.setdefault(node.name, []).append(node)
     return {name: tuple(nodes[-1:]) for name, nodes in found.items()}  # the last definition wins

@@ -1,0 +1,308 @@
+"""Channel-parallel state-space mixers (Mamba): every per-channel weight sharded with the channels.
+
+A Mamba mixer projects the stream into ``k`` packed blocks of ``C`` channels
+(``in_proj``: ``[x | z]``), runs a depthwise convolution and a selective scan on each
+channel with per-channel parameters (``A_log``, ``D``, ``dt_proj``), and projects the
+channels back to the stream's width (``out_proj``). Nothing but a small projection
+(``x_proj``: ``dt``, ``B``, ``C`` from all the channels) mixes channels. As Megatron and
+vLLM shard it, on ``--tp`` ranks:
+
+- the stream-fed projections are column-parallel, ``SS(0,k)`` for ``k`` packed blocks
+  (each rank takes its chunk of every block), ``S(0)`` for one;
+- every parameter (and every layer's parameter) whose first dim is ``C`` is ``S(0)``: the
+  depthwise convolution, ``A_log``, ``D``, ``dt_proj``;
+- a projection reading the channels into a few values every channel needs (``x_proj``)
+  is row-parallel and reduced there (``P(sum) -> R``): its own boundary, whose output's
+  gradient comes back partial from the channel-sharded code after it, so it is reduced
+  in backward too (``out_grad_partial``); the replicated layers between (Jamba's ``B``/``C``
+  norms) get their gradients reduced;
+- the projection back to the stream is row-parallel, and the mixer is one block,
+  ``R -> R`` in, ``P(sum) -> R`` out.
+
+The mixer is recognised from the graph of its own ``forward`` (:mod:`hpgen.planner.flow`)
+and the shapes of its parameters, never by name: it returns the back projection's output
+alone, and every parameter inside it either follows the channels or lies on the path of the
+reduced values. Anything else (a norm across the channels) refuses, with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpgen.planner.entries import Placed, Refused
+from hpgen.planner.flow import Flow, leaf_kind
+from hpgen.planner.modules import in_features, is_nn_linear, join, out_features, relative
+
+__all__ = ["ChannelMixer", "find_channel_mixer"]
+
+
+@dataclass
+class ChannelMixer:
+    """The placement of one channel-parallel mixer: its block and the reduced projections inside it."""
+
+    fqn: str
+    channels: int
+    block: Placed | None  # None: the mixer's body runs replicated between a gathered and a split projection
+    reduced: list[Placed] = field(default_factory=list)  # the projections that are boundaries of their own
+    linears: set[str] = field(default_factory=set)  # every projection the mixer holds
+    heads: set[int] = field(default_factory=set)  # head counts of per-head parameters ([heads, C // heads, ...])
+
+
+def find_channel_mixer(deriver: Any, fqn: str, hidden: int | None) -> ChannelMixer | None:
+    """The placement of the state-space mixer at ``fqn``, None when it is not one.
+
+    A mixer is a module of the file with parameters of its own, a depthwise convolution,
+    stream-fed projections and one projection back to the stream's width, whose ``forward``
+    returns that projection's output alone. It is channel-parallel where every parameter
+    follows the channels (see the module docstring); otherwise (a packed projection of
+    unequal blocks, heads that do not divide, a norm across the channels) the honest
+    fallback gathers the stream-fed projections' outputs and splits the back projection's
+    input around a replicated body, and the notes say why. Raises :class:`Refused` when the
+    mixer cannot be sharded at all (it returns more than the back projection's output).
+    """
+    modules = deriver.modules
+    module = modules[fqn]
+    if not hidden or leaf_kind(module, deriver.source) != "source":
+        return None
+    own = dict(module.named_parameters(recurse=False))
+    if not own:
+        return None  # a mixer holds per-channel state parameters of its own (A_log, D)
+    if not any(_depthwise(child) for child in module.modules()):
+        return None  # the mark of a state-space mixer: a convolution along the sequence, channel by channel
+    flow: Flow = deriver._flow(fqn)
+    linears = {f for f in flow.edges if is_nn_linear(modules.get(f)) and f.startswith(fqn + ".")}
+    first = flow.first_input
+    stream = f"in:{first}"
+    cols = sorted(f for f in linears if stream in flow.edges[f] and in_features(modules[f]) == hidden)
+    outs = [
+        f
+        for f in linears
+        if out_features(modules[f]) == hidden and stream not in flow.edges[f] and f not in cols and flow.edges[f]
+    ]
+    if len(outs) != 1 or not cols:
+        return None
+    out = outs[0]
+    channels = in_features(modules[out])
+    # from here on it is a state-space mixer: what does not fit is a reason, not a silent replica
+    if flow.result.item(0).whole() != {out}:
+        raise Refused(f"{relative(fqn, deriver_layer(deriver, fqn))} returns more than its back projection's output")
+    if deriver.tp is not None and channels < deriver.tp:
+        raise Refused(f"{channels} channels do not spread over --tp {deriver.tp}")
+    where = relative(fqn, deriver_layer(deriver, fqn)) or fqn
+    unequal = [c for c in cols if out_features(modules[c]) % channels]
+    if unequal:
+        sizes = out_features(modules[unequal[0]])
+        return _gathered(
+            deriver,
+            fqn,
+            channels,
+            cols,
+            out,
+            linears,
+            f"{relative(unequal[0], fqn)} packs blocks of unequal sizes ({sizes} outputs for {channels} channels), "
+            "which no S or SS placement cuts per rank",
+        )
+    try:
+        return _channel_parallel(deriver, fqn, flow, channels, cols, out, linears, where)
+    except Refused as refused:
+        return _gathered(deriver, fqn, channels, cols, out, linears, str(refused))
+
+
+def _gathered(
+    deriver: Any, fqn: str, channels: int, cols: list[str], out: str, linears: set[str], reason: str
+) -> ChannelMixer:
+    """The honest fallback: the stream-fed projections column-parallel with their outputs gathered, the body
+    replicated (every parameter in it whole), and the back projection row-parallel from a local split."""
+    modules = deriver.modules
+    mixer = ChannelMixer(fqn, channels, None, linears=set(linears))
+    for col in cols:
+        piece = Placed(
+            col,
+            "col_gather",
+            why=f"state-space mixer: column-parallel, its output gathered for the replicated scan ({reason})",
+        )
+        piece.params["weight"] = "S(0)"
+        if modules[col].bias is not None:
+            piece.params["bias"] = "S(0)"
+        mixer.reduced.append(piece)
+    piece = Placed(out, "split_row", why="state-space mixer: row-parallel on this rank's split of the scan's output")
+    piece.params["weight"] = "S(1)"
+    if modules[out].bias is not None:
+        piece.params["bias"] = "R"
+        piece.deferred.add("bias")
+    mixer.reduced.append(piece)
+    return mixer
+
+
+def _channel_parallel(
+    deriver: Any, fqn: str, flow: Flow, channels: int, cols: list[str], out: str, linears: set[str], where: str
+) -> ChannelMixer:
+    """The Megatron layout: every per-channel weight sharded with the channels (see the module docstring)."""
+    modules = deriver.modules
+    module = modules[fqn]
+    first = flow.first_input
+    own = dict(module.named_parameters(recurse=False))
+    if not any(_heads_of(p, channels) is not None for p in own.values()):
+        raise Refused(f"none of the parameters of {where} follows its {channels} channels")
+    block = Placed(fqn, "block", inputs=(first,), why="state-space mixer: channel-parallel projections and scan")
+    mixer = ChannelMixer(fqn, channels, block, linears=set(linears))
+    for col in cols:
+        block.params[join(relative(col, fqn), "weight")] = _column_placement(deriver, flow, col, channels, where)
+        if modules[col].bias is not None:
+            block.params[join(relative(col, fqn), "bias")] = block.params[join(relative(col, fqn), "weight")]
+    block.params[join(relative(out, fqn), "weight")] = "S(1)"
+    if modules[out].bias is not None:
+        block.params[join(relative(out, fqn), "bias")] = "R"
+        block.deferred.add(join(relative(out, fqn), "bias"))
+    handled = set(cols) | {out}
+    reduced = sorted(
+        f for f in linears - handled if in_features(modules[f]) == channels and out_features(modules[f]) != channels
+    )
+    for row in reduced:
+        piece = Placed(row, "reduce_leaf", why="state-space mixer: row-parallel projection of the channels, reduced")
+        piece.params["weight"] = "S(1)"
+        if modules[row].bias is not None:
+            piece.params["bias"] = "R"
+            piece.deferred.add("bias")
+        mixer.reduced.append(piece)
+        handled.add(row)
+    # every other parameter follows the channels (first dim C, or heads of C // heads channels each)
+    # or lies on the reduced path
+    for name, param in module.named_parameters():
+        owner = name.rpartition(".")[0]
+        owner_fqn = join(fqn, owner) if owner else fqn
+        if owner_fqn in handled:
+            continue
+        sub = modules[owner_fqn]
+        heads = _heads_of(param, channels)
+        if heads is not None and is_nn_linear(sub) and in_features(sub) == channels:
+            raise Refused(f"{relative(owner_fqn, fqn)} maps the {channels} channels onto themselves: it mixes them")
+        if heads is not None:
+            groups = getattr(sub, "groups", None)
+            if groups is not None and groups != getattr(sub, "in_channels", groups):
+                raise Refused(f"{relative(owner_fqn, fqn)} is a convolution that mixes channels (groups={groups})")
+            if _is_norm_across(sub, owner_fqn, fqn):
+                raise Refused(
+                    f"{relative(owner_fqn, fqn)} ({type(sub).__name__}) normalises across the {channels} channels"
+                )
+            if heads < channels:
+                mixer.heads.add(heads)
+                if deriver.tp is not None and heads % deriver.tp:
+                    raise Refused(
+                        f"{name} {tuple(param.shape)} holds {heads} heads of {channels // heads} channels, which do "
+                        f"not divide over --tp {deriver.tp}"
+                    )
+            block.params[name] = "S(0)"
+        elif owner_fqn != fqn and _fed_only_by(flow, owner_fqn, set(mixer_rows(mixer))):
+            block.grad_reduce.add(name)  # a replicated layer on the reduced values (Jamba's B/C norms)
+        else:
+            raise Refused(
+                f"{name} {tuple(param.shape)} of {where} neither follows its {channels} channels nor lies on "
+                "the reduced values"
+            )
+    return mixer
+
+
+def channel_attrs(deriver: Any, mixer: ChannelMixer) -> dict[str, set[str]]:
+    """Module FQN -> integer attributes that size a reshape or split with a channel count (divided on install).
+
+    The generated code runs the mixer's own body on the local channels, so a size it reads
+    from ``self`` (``self.intermediate_size`` in a split) must be the local one; a count read
+    from ``self.config`` cannot be divided and refuses.
+    """
+    from hpgen.planner.layouts import arg_reads
+
+    counts = {mixer.channels, *mixer.heads} | {int(out_features(deriver.modules[c])) for c in mixer.linears}
+    hidden = deriver._config("hidden_size")
+    counts.discard(hidden)
+    wanted: dict[str, set[str]] = {}
+    for use in deriver._flow(mixer.fqn).shapes:
+        for module, attr in arg_reads(use):
+            if attr.startswith(("missing:", "method:")):
+                continue
+            value = deriver._value(module, attr)
+            if isinstance(value, bool) or not isinstance(value, int) or value not in counts:
+                continue
+            if attr.startswith("config.") or "." in attr:
+                raise Refused(
+                    f"{relative(module, mixer.fqn) or 'the mixer'} sizes the channels with self.{attr} "
+                    f"(line {use.line}), a global count hpgen cannot divide"
+                )
+            wanted.setdefault(module, set()).add(attr)
+    return wanted
+
+
+def mixer_rows(mixer: ChannelMixer) -> list[str]:
+    return [piece.fqn for piece in mixer.reduced]
+
+
+def deriver_layer(deriver: Any, fqn: str) -> str:
+    """The decoder layer holding ``fqn`` (for relative names in notes)."""
+    return getattr(deriver, "_current_layer", "") or ""
+
+
+def _column_placement(deriver: Any, flow: Flow, col: str, channels: int, where: str) -> str:
+    """``S(0)`` for a projection of ``C`` outputs, ``SS(0,k)`` for ``k`` equal packed blocks."""
+    n = out_features(deriver.modules[col])
+    k = n // channels
+    if k == 1:
+        return "S(0)"
+    use = next((u for u in flow.shapes if col in u.receiver), None)
+    if use is None:
+        name = relative(col, deriver_layer(deriver, col))
+        raise Refused(f"{name} packs {k} blocks and no split of it shows their layout")
+    from hpgen.planner.layouts import flat_dims, layout_of
+
+    if use.method in ("view", "reshape"):
+        dims = flat_dims(use.arg_vals)
+        for a, b in zip(dims, dims[1:]):
+            if a in (-1, channels) and b == k:  # [..., C, k, ...]: each channel's k values side by side
+                if deriver.tp is not None and channels % deriver.tp:
+                    raise Refused(
+                        f"{relative(col, deriver_layer(deriver, col))} interleaves {k} values per channel and its "
+                        f"{channels} channels do not divide over --tp {deriver.tp}"
+                    )
+                return "S(0)"
+            if a == k and b in (-1, channels):  # [..., k, C, ...]: k packed blocks
+                return f"SS(0,{k})"
+    kind, count = layout_of(use, n, None)
+    if kind == "SS" and count == k:
+        return f"SS(0,{k})"
+    raise Refused(
+        f"{relative(col, deriver_layer(deriver, col))} ({n} outputs) is split at line {use.line} into blocks other "
+        f"than {k} equal ones of the {channels} channels"
+    )
+
+
+def _heads_of(param: Any, channels: int) -> int | None:
+    """How many channel groups the parameter's first dim holds: ``C`` (one per channel), ``H`` for a
+    per-head ``[H, C // H, ...]`` (or ``[H, n, C // H]``, Zamba's per-head ``x_proj``), else None."""
+    if param.dim() < 1:
+        return None
+    first = int(param.shape[0])
+    if first == channels:
+        return channels
+    if first > 1 and channels % first == 0 and channels // first in tuple(param.shape[1:]):
+        return first
+    return None
+
+
+def _depthwise(module: Any) -> bool:
+    groups = getattr(module, "groups", None)
+    return isinstance(groups, int) and groups > 1 and groups == getattr(module, "in_channels", None)
+
+
+def _is_norm_across(module: Any, owner: str, mixer: str) -> bool:
+    from hpgen.planner.flow.runner import is_norm
+
+    return owner != mixer and is_norm(module)
+
+
+def _fed_only_by(flow: Flow, fqn: str, rows: set[str]) -> bool:
+    """Whether every layer input of ``fqn`` comes from the reduced projections (not from the channels)."""
+    origins = flow.edges.get(fqn)
+    if not origins:
+        return False
+    layers = {o for o in origins if not o.startswith(("in:", "param:"))}
+    return bool(layers) and layers <= rows
