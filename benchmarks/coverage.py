@@ -698,7 +698,9 @@ NOTES: dict[str, str] = {
     "generated gather would need the total size, so both pairs stay replicated.",
     "dory": "as bitnet, its L2 `attn_sub_norm` / `ffn_sub_norm` sit between the projections. With the MLP sharded "
     "through a gathered sub-norm the gradients match to 1e-16 in float64, but its looped layers "
-    "(`n_recurrent_loops`) amplify the float32 rounding of the row-parallel sums past the tolerance.",
+    "(`n_recurrent_loops`) amplify the float32 rounding of the row-parallel sums past the tolerance. The plan "
+    "now splits `mlp.down_proj`'s replicated input (a split row, 89 -> 64) and meets the same: in float64 the logits "
+    "and every gradient match exactly, in float32 they do not (its gradients reach ~1e4).",
     "dbrx": "most parameters are the experts (`ffn.experts.mlp.w1`/`v1`/`w2`, 2-D [E * I, H] viewed per expert), "
     "which the derivation has no rule for, and their eager loop has no sentinel id to skip, so `experts_parallel` "
     "cannot run them; the fused `Wqkv` packs unequal blocks [64, 32, 32], which SS (equal blocks) does not cut.",
