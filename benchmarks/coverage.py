@@ -753,7 +753,9 @@ NOTES: dict[str, str] = {
     "generated gather would need the total size, so both pairs stay replicated.",
     "dory": "as bitnet, its L2 `attn_sub_norm` / `ffn_sub_norm` sit between the projections. With the MLP sharded "
     "through a gathered sub-norm the gradients match to 1e-16 in float64, but its looped layers "
-    "(`n_recurrent_loops`) amplify the float32 rounding of the row-parallel sums past the tolerance.",
+    "(`n_recurrent_loops`) amplify the float32 rounding of the row-parallel sums past the tolerance. The plan "
+    "now splits `mlp.down_proj`'s replicated input (a split row, 89 -> 64) and meets the same: in float64 the logits "
+    "and every gradient match exactly, in float32 they do not (its gradients reach ~1e4).",
     "dbrx": "most parameters are the experts (`ffn.experts.mlp.w1`/`v1`/`w2`, 2-D [E * I, H] viewed per expert), "
     "which the derivation has no rule for, and their eager loop has no sentinel id to skip, so `experts_parallel` "
     "cannot run them; the fused `Wqkv` packs unequal blocks [64, 32, 32], which SS (equal blocks) does not cut.",
@@ -775,6 +777,17 @@ NOTES: dict[str, str] = {
     "differential attention pairs heads i and i + H/2 (`chunk(2)` over the heads) and splits the value heads in "
     "halves, so a rank's contiguous heads are not whole pairs (a strided cut with the 2 key/value heads "
     "replicated would be needed).",
+    "gpt_oss": "the experts stay replicated (0.76 of the tiny model): `GptOssExperts` adds `down_proj_bias[e]` to each "
+    "expert's output before the routing weight multiplies it (`(h @ down_proj[e] + down_proj_bias[e]) * w`), so a "
+    "row split of `down_proj` needs that bias on one rank only; no placement says so (`R` adds it on every rank, a "
+    "deferred bias adds it after the reduction without the routing weights). The interleaved gate/up columns "
+    "(`gate_up[..., ::2]`, `[..., 1::2]`) also keep their pairs whole under `S(2)` only when 2 x intermediate / tp is "
+    "even (the tiny 89 splits 178 columns 89 + 89, cutting a pair).",
+    "phi4_multimodal": "0.97 of the tiny model is the audio encoder (24 conformer blocks whose `ext_pw_out_channel` and "
+    "`nemo_conv_channels`, 1024, the common tiny shape does not reach): chains of `nn.Conv1d` (pointwise, GLU, "
+    "depthwise) that the planner does not pair (it pairs `nn.Linear`/`Conv1D`), and the causal LM's text forward does "
+    "not run the audio encoder, so no parity check would see their shards. The text layers (0.5%) and the encoders' "
+    "attention and feed-forward blocks are sharded.",
     "reformer": "compared in train mode (its reversible layers run their backward only there; see TRAIN_MODE): "
     "at parity, but the attention stays replicated (the derivation: the shared query/key projection of LSH "
     "attention needs its input whole).",

@@ -72,6 +72,28 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             intermediate_size=89, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, **_TINY,
         ),
     ),
+    # multi-head latent attention (low-rank q and kv, one rotary key shared by the heads); dense MLPs only
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(
+            hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2, intermediate_size=89,
+            q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, head_dim=8,
+            first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+            n_group=1, topk_group=1, **_TINY,
+        ),
+    ),
+    # a linear-attention (KDA) mixer with a depthwise conv over cat(q, k, v) and per-head A_log, then MLA;
+    # dense MLPs only
+    "kimi_linear": (
+        "KimiLinearConfig",
+        dict(
+            hidden_size=64, num_hidden_layers=2, intermediate_size=89, linear_num_heads=4, linear_head_dim=16,
+            layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "dense"],
+            num_attention_heads=4, num_key_value_heads=4, head_dim=8, q_lora_rank=32, kv_lora_rank=32,
+            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_experts=4, moe_intermediate_size=24,
+            pad_token_id=0, bos_token_id=0, eos_token_id=0, **_TINY,
+        ),
+    ),
     # state-space mixers: 89 channels (uneven over 2 ranks) of Mamba1; Mamba2's packed z|x|B|C|dt in_proj
     "mamba": (
         "MambaConfig",

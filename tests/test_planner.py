@@ -180,7 +180,9 @@ def test_layers_from_another_modeling_file_shard_as_wrapped_leaves() -> None:
 def test_a_norm_across_the_sharded_features_leaves_the_pair_replicated() -> None:
     plan = derived("bitnet")  # BitNet normalises the attention output (attn_sub_norm) before o_proj
     assert "model.layers.*.self_attn.o_proj" in plan["comments"]["replicated"]
-    assert set(plan["param_plan"]) == {"model.embed_tokens", "lm_head"}
+    # only the MLP's down_proj (89 -> 64, wider in than out) is sharded: a row on its split replicated input
+    assert set(plan["param_plan"]) == {"model.embed_tokens", "lm_head", "model.layers.*.mlp.down_proj"}
+    assert plan["param_plan"]["model.layers.*.mlp.down_proj"]["in_dst"] == {"input": {"tp": "S(-1)"}}
 
 
 def test_heads_that_do_not_divide_are_refused_by_the_derivation() -> None:
@@ -481,3 +483,188 @@ def test_feature_statistics_follow_the_column_output_into_methods() -> None:
     assert "M._top reduces the features of gate" in feature_statistics(tree, "M", {"gate", "up"}, SimpleNamespace(sparse=0.5))
     assert feature_statistics(tree, "M", {"gate", "up"}, SimpleNamespace(sparse=0.0)) is None  # branch not taken
     assert feature_statistics(tree, "M", {"up"}, SimpleNamespace(sparse=0.5)) is None  # a mean over dim 0 only
+
+
+def test_latent_attention_keeps_its_down_projections_replicated_in_the_block() -> None:
+    """MLA: ``q_b_proj``/``kv_b_proj`` are the columns; ``kv_a_proj_with_mqa`` (whose rotary key every
+    head shares) and ``q_a_proj`` run whole on each rank, their gradients reduced."""
+    plan = derived("deepseek_v3")
+    attention = entry(plan, "model.layers.*.self_attn")
+    assert attention["params"] == {
+        "q_b_proj.weight": {"tp": "S(0)"},
+        "kv_b_proj.weight": {"tp": "S(0)"},
+        "o_proj.weight": {"tp": "S(1)"},
+    }
+    assert set(attention["grad_reduce_params"]) == {
+        "q_a_proj.weight",
+        "q_a_layernorm.weight",
+        "kv_a_proj_with_mqa.weight",
+        "kv_a_layernorm.weight",
+    }
+    assert list(attention["in_src"]) == ["hidden_states"]  # not the cache or **kwargs mixed into the latent
+    assert "kv_a_proj_with_mqa" in plan["comments"]["sharded"]["model.layers.*.self_attn"]
+
+
+def test_transformers_mla_plan_is_completed_with_the_attention() -> None:
+    from hpgen.planner.load import meta_model
+    from hpgen.planner.make import plan_model
+
+    plan = plan_model(meta_model(tiny("deepseek_v3")), tp=2, name="deepseek_v3")
+    assert plan["comments"]["plan_source"] == "transformers' plan"
+    assert entry(plan, "model.layers.*.self_attn")["params"]["kv_b_proj.weight"] == {"tp": "S(0)"}
+
+
+LATENT_SOURCE = '''
+from torch import nn
+
+
+class LatentAttention(nn.Module):
+    def __init__(self, cut):
+        super().__init__()
+        self.cut = cut
+        self.num_heads = 4
+        self.head_dim = 16
+        self.q_proj = nn.Linear(64, 64, bias=False)
+        self.kv_a = nn.Linear(64, 48, bias=False)
+        self.kv_norm = nn.LayerNorm(32)
+        self.kv_b = nn.Linear(32, 4 * 32, bias=False)
+        self.o_proj = nn.Linear(64, 64, bias=False)
+
+    def forward(self, hidden_states):
+        b, s, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(b, s, -1, 16).transpose(1, 2)
+        latent, rot = self.kv_a(hidden_states).split([32, 16], dim=-1)
+        kv = self.kv_b(self.kv_norm(latent)).view(b, s, -1, 32).transpose(1, 2)
+        k, v = kv.split([16, 16], dim=-1)
+        if self.cut:
+            rot = rot.view(b, s, -1, 4).transpose(1, 2)  # the shared value cut into four "heads"
+        else:
+            rot = rot.view(b, 1, s, 16).expand(-1, k.shape[1], -1, -1)  # one head, shared
+        k = k + rot
+        out = nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class Layer(nn.Module):
+    def __init__(self, cut):
+        super().__init__()
+        self.attn = LatentAttention(cut)
+
+    def forward(self, hidden_states):
+        return hidden_states + self.attn(hidden_states)
+
+
+class Model(nn.Module):
+    def __init__(self, cut):
+        super().__init__()
+        self.layers = nn.ModuleList([Layer(cut) for _ in range(2)])
+
+    def forward(self, hidden_states):
+        for layer in self.layers:
+            hidden_states = layer(hidden_states)
+        return hidden_states
+'''
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_a_replicated_latent_is_shared_by_the_heads_or_the_group_stays_replicated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cut: bool
+) -> None:
+    """The latent ``kv_a`` stays replicated next to sharded heads only while it enters them as one head
+    expanded to all; cut into heads itself, it would need a per-head slice, so the group is refused."""
+    import importlib.util
+
+    from hpgen.planner.derive import derive
+
+    path = tmp_path / "latent_model.py"
+    path.write_text(LATENT_SOURCE)
+    spec = importlib.util.spec_from_file_location("latent_model", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(__import__("sys").modules, "latent_model", module)  # inspect finds the classes' file
+    spec.loader.exec_module(module)
+    derivation = derive(module.Model(cut), tp=2, source=path)
+    notes = {note.target: note.text for note in derivation.notes if not note.sharded}
+    if cut:
+        assert "layers.0.attn" not in derivation.placed
+        assert "cuts the replicated output of attn.kv_a into heads" in notes["layers.*.attn.o_proj"]
+    else:
+        block = derivation.placed["layers.0.attn"]
+        assert block.params == {"q_proj.weight": "S(0)", "kv_b.weight": "S(0)", "o_proj.weight": "S(1)"}
+        assert block.grad_reduce == {"kv_a.weight", "kv_norm.weight", "kv_norm.bias"}
+
+
+def test_a_linear_attention_mixer_shards_its_conv_and_per_head_tensors_with_the_heads() -> None:
+    """Kimi Linear's KDA: q/k/v, the gates' up-projections and b_proj are columns; the depthwise conv over
+    ``cat([q, k, v])`` is three packed blocks; ``A_log`` ``[1, 1, heads, 1]`` is cut on its head dim; the
+    gates' down-projections stay replicated; ``qkv_dim`` (the split sizes) is divided."""
+    plan = derived("kimi_linear")
+    mixer = entry(plan, "model.layers.0.self_attn")
+    params = {name: layout["tp"] for name, layout in mixer["params"].items()}
+    assert params["conv1d.weight"] == "SS(0,3)"
+    assert params["forget_gate.A_log"] == "S(2)" and params["forget_gate.dt_bias"] == "S(0)"
+    assert params["forget_gate.f_b_proj.weight"] == params["b_proj.weight"] == "S(0)"
+    assert params["o_proj.weight"] == "S(1)"
+    assert {"forget_gate.f_a_proj.weight", "g_a_proj.weight", "o_norm.weight"} <= set(mixer["grad_reduce_params"])
+    assert mixer["tp_divide_attrs"] == ["qkv_dim"]
+
+
+def test_a_conv_over_blocks_of_unequal_sizes_has_no_packed_placement() -> None:
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    from hpgen.planner.flow import Val
+    from hpgen.planner.mixers import conv_placement
+
+    model = nn.Module()
+    model.conv = nn.Conv1d(256, 256, 4, groups=256, device="meta")
+    name = "conv.weight"
+
+    def split(sizes: list[int]) -> SimpleNamespace:
+        value = Val(items=tuple(Val(const=size) for size in sizes))
+        return SimpleNamespace(method="split", receiver=frozenset({f"param:{name}"}), arg_vals=(value,))
+
+    weight = model.conv.weight
+    assert conv_placement(model, name, weight, [64, 64, 128], [split([64, 64, 128])]) is None
+    assert conv_placement(model, name, weight, [128, 128], [split([128, 128])]) == "SS(0,2)"
+    assert conv_placement(model, name, weight, [128, 128], []) is None  # blocks unknown
+    model.conv = nn.Conv1d(256, 256, 4, device="meta")  # mixes channels
+    assert conv_placement(model, name, model.conv.weight, [128, 128], [split([128, 128])]) is None
+    assert torch.Size([256, 1, 4]) == weight.shape
+
+
+def test_a_row_whose_columns_cannot_shard_splits_its_replicated_input() -> None:
+    """BitNet's MLP pair stays replicated (ffn_sub_norm across the sharded width), so down_proj, wider in
+    than out, is a row on its split input: R -> S(-1), weight S(1), P(sum) -> R; --sp leaves it replicated."""
+    from hpgen.planner.load import meta_model
+    from hpgen.planner.make import plan_model
+
+    plan = derived("bitnet")
+    down = entry(plan, "model.layers.*.mlp.down_proj")
+    assert down["in_src"] == {"input": {"tp": "R"}} and down["in_dst"] == {"input": {"tp": "S(-1)"}}
+    assert down["params"] == {"weight": {"tp": "S(1)"}}
+    assert down["out_src"] == {"output": {"tp": "P(sum)"}} and down["out_dst"] == {"output": {"tp": "R"}}
+    assert "split on entry" in plan["comments"]["sharded"]["model.layers.*.mlp.down_proj"]
+    with pytest.raises(Exception, match="no decoder layer holds a sharded block"):
+        plan_model(meta_model(tiny("bitnet")), tp=2, sp=True, from_source=True, name="bitnet")
+
+
+def test_a_grouped_linear_is_not_sharded_as_a_linear() -> None:
+    """A ``nn.Linear`` subclass whose forward reshapes its weight (DeepSeek-V4's block-diagonal o_a_proj)."""
+    import torch
+    from torch import nn
+
+    from hpgen.planner.split_rows import reshapes_weight
+
+    class Grouped(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            w = self.weight.view(2, -1, x.shape[-1]).transpose(1, 2)
+            return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
+
+    class Scaled(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    assert reshapes_weight(Grouped(4, 4, device="meta"))
+    assert not reshapes_weight(Scaled(4, 4, device="meta")) and not reshapes_weight(nn.Linear(4, 4, device="meta"))

@@ -25,7 +25,11 @@ Deriving a plan from the modeling source (:mod:`~hpgen.planner.derive`):
 - :mod:`~hpgen.planner.groups`: column -> row groups, and what lies between their projections;
 - :mod:`~hpgen.planner.heads`, :mod:`~hpgen.planner.reshapes`, :mod:`~hpgen.planner.layouts`:
   attention heads, fused layouts, the attributes to divide;
+- :mod:`~hpgen.planner.latent`: latent down-projections (MLA) kept replicated in the block;
+- :mod:`~hpgen.planner.mixers`: a linear-attention mixer's depthwise conv and per-head tensors;
 - :mod:`~hpgen.planner.derived_blocks`: the boundaries of a group;
+- :mod:`~hpgen.planner.split_rows`: a row-parallel projection on its split replicated input,
+  where no group shards it;
 - :mod:`~hpgen.planner.vocab`: the embedding and output projection;
 - :mod:`~hpgen.planner.entries`: what a derivation decides; :mod:`~hpgen.planner.modules`:
   small questions about modules;

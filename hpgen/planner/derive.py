@@ -55,8 +55,10 @@ from hpgen.planner.flow import Flow, leaf_kind, module_names, run_module
 from hpgen.planner.groups import GroupFinding, depths, sources
 from hpgen.planner.head_cuts import HeadCuts
 from hpgen.planner.heads import HeadRules, per_head_input
-from hpgen.planner.modules import generic, is_linear, positive_int, relative
+from hpgen.planner.latent import LatentRefused, check_broadcast, replicated_closure
+from hpgen.planner.modules import generic, is_linear, is_nn_linear, positive_int, relative
 from hpgen.planner.reshapes import ReshapeRules
+from hpgen.planner.split_rows import place_split_rows, reshapes_weight
 from hpgen.planner.vocab import place_vocabulary
 
 __all__ = ["Derivation", "Note", "Placed", "derive"]
@@ -85,6 +87,9 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, ReshapeRules, BlockChoice):
         self.result = Derivation()
         self._flows: dict[str, Flow] = {}
         self._pre: dict[str, set[str]] = {}  # block FQN -> replicated layers before its columns (norms)
+        self._latent: dict[str, set[str]] = {}  # row FQN -> replicated down-projections of its group (MLA)
+        self._group_latent: set[str] = set()
+        self._group_flow: Flow | None = None
 
     def run(self) -> Derivation:
         for layer in self._layers():
@@ -141,10 +146,20 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, ReshapeRules, BlockChoice):
             try:
                 self._place_group(layer, flow, linears, cols, rows, mids)
             except Refused as refused:
+                latent = set().union(*(self._latent.pop(row, set()) for row in rows))
+                if latent:  # the group with its latent projections as columns: the reason it had before
+                    cols = cols | latent
+                    try:
+                        self._place_group(layer, flow, linears, cols, rows, mids)
+                        continue
+                    except Refused as plain:
+                        if not isinstance(refused, LatentRefused):  # a latent's own refusal says more
+                            refused = plain
                 for fqn in sorted(cols | rows):
                     self.result.note(
                         fqn, False, str(refused), needs_whole=refused.consumer if isinstance(refused, Contradicted) else ""
                     )
+        place_split_rows(self.result, self.modules, linears, positive_int(self._config("hidden_size")), layer)
         placed = set(self.result.placed)
         for fqn in sorted(linears):
             if not any(fqn == p or fqn.startswith(p + ".") for p in placed) and not any(
@@ -195,10 +210,17 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, ReshapeRules, BlockChoice):
     def _place_group(
         self, layer: str, flow: Flow, linears: set[str], cols: set[str], rows: set[str], mids: set[str]
     ) -> None:
+        self._group_latent = set()
+        self._group_flow = flow
         what = "attention" if self._is_attention(cols, rows) else "MLP"
         for fqn in sorted(cols | rows):
             if not is_linear(self.modules[fqn]):
                 raise Refused(f"{relative(fqn, layer)} is a {type(self.modules[fqn]).__name__}, not a linear layer")
+            if is_nn_linear(self.modules[fqn]) and reshapes_weight(self.modules[fqn]):
+                raise Refused(
+                    f"{relative(fqn, layer)} is a {type(self.modules[fqn]).__name__}, whose forward reshapes its weight "
+                    "(a grouped projection): a slice of its rows is not a linear layer's shard"
+                )
         for fqn in sorted(mids):
             self._check_mid(fqn, cols, layer)
         raw = sorted({p for row in rows for p in sources(flow, row, linears, self._per_head).raw})
@@ -212,6 +234,11 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, ReshapeRules, BlockChoice):
                 )
         if flow.result.item(0).whole() & sharded:
             raise Refused("the layer returns a value computed from the sharded projections")
+        latent = set().union(*(self._latent.get(row, set()) for row in rows))
+        if latent:
+            replicated = replicated_closure(flow, latent, sharded)
+            check_broadcast(flow, replicated, self._head_counts(cols, rows), layer)
+        self._group_latent = latent
         side = sorted(
             {
                 m
@@ -227,8 +254,9 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, ReshapeRules, BlockChoice):
         if what == "attention" and heads is not None:
             self._check_heads(cols, layouts, heads, layer)
         counts = self._sharded_counts(cols, rows, layouts, heads)
-        divide = self._divided_attrs(flow, sharded, counts, layer)
         direct = self._direct_params(raw, cols, layouts, heads, layer)
+        # reshapes of the parameters sharded with the heads (dt_bias.view(1, 1, num_heads, head_dim)) size shards too
+        divide = self._divided_attrs(flow, sharded | {f"param:{n}" for n, p in direct.items() if p != "R"}, counts, layer)
         self._boundaries(layer, cols, rows, mids, layouts, divide, what, direct, head_inputs)
 
     def _config(self, name: str) -> Any:

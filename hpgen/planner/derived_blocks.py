@@ -16,6 +16,7 @@ from typing import Any
 
 from hpgen.planner.entries import Derivation, Placed, Refused
 from hpgen.planner.flow import leaf_kind, top_level_class
+from hpgen.planner.latent import fed_columns, pre_chain, replicated_closure
 from hpgen.planner.load import defined_in
 from hpgen.planner.modules import is_conv1d, is_nn_linear, join, lca, relative, returns_addressable
 
@@ -32,6 +33,7 @@ class BlockChoice:
     modules: dict[str, Any]
     result: Derivation
     _pre: dict[str, set[str]]
+    _group_latent: set[str]
 
     def _boundaries(
         self,
@@ -56,7 +58,11 @@ class BlockChoice:
                 "outside it), and no module around the projections takes it to cut"
             )
         if block is not None:
-            placed = Placed(common, "block", inputs=block, why=f"{what}: column- and row-parallel projections")
+            why = f"{what}: column- and row-parallel projections"
+            if self._group_latent:
+                names = ", ".join(sorted(relative(p, common) for p in self._group_latent))
+                why += f"; the latent down-projection {names} (shared by the heads) replicated in the block"
+            placed = Placed(common, "block", inputs=block, why=why)
             self._cut_heads(placed, head_inputs, cols, rows, layer)  # type: ignore[attr-defined]
             self._params(placed, cols, rows, layouts)
             pieces.append(placed)
@@ -168,12 +174,17 @@ class BlockChoice:
         flow = self._flow(fqn)
         group = cols | rows | mids
         pre = set()
+        latent = self._group_latent if full else set()
+        before = replicated_closure(flow, latent, group) | fed_columns(flow, cols, group) if full else set()
         for leaf, origins in flow.edges.items():
             if leaf in group:
                 continue
             params = [p for p in self.modules[leaf].parameters()]
             if origins and all(o.startswith("in:") for o in origins) and all(p.dim() == 1 for p in params):
                 pre.add(leaf)  # a norm of the replicated input before the columns
+                continue
+            if leaf in before:
+                pre.add(leaf)  # a latent down-projection (and its norm), replicated in the block
                 continue
             return None
         outputs = flow.result.item(0).whole()
@@ -182,11 +193,20 @@ class BlockChoice:
             return None
         inputs: set[str] = set()
         for col in cols:
-            for origin in flow.inputs.get(col, ()):
+            pending, seen = list(flow.inputs.get(col, ())), set()
+            if any(o in pre for o in pending) and any(o in latent for o in pre_chain(flow, pending, pre)):
+                # an up-projection of a latent (MLA's kv_b_proj): its data comes through the latent; the
+                # other markers mixed in come from the latent cache's update (cache, kwargs), not data
+                pending = [o for o in pending if not o.startswith("in:")]
+            while pending:  # through the replicated layers before the columns, to the block's inputs
+                origin = pending.pop()
+                if origin in seen:
+                    continue
+                seen.add(origin)
                 if origin.startswith("in:"):
                     inputs.add(origin[3:])
                 elif origin in pre:
-                    inputs |= {o[3:] for o in flow.inputs[origin] if o.startswith("in:")}
+                    pending.extend(flow.inputs.get(origin, ()))
                 else:
                     return None
         if not inputs:

@@ -17,6 +17,8 @@ from typing import Any
 
 from hpgen.planner.entries import Derivation, Refused
 from hpgen.planner.flow import Flow
+from hpgen.planner.latent import pre_projections, replicated_closure
+from hpgen.planner.mixers import absent, conv_placement, per_head_placement
 from hpgen.planner.modules import in_features, out_features, positive_int, relative
 
 __all__ = ["GroupFinding", "Sources", "depths", "first_marker", "sources"]
@@ -30,6 +32,8 @@ class GroupFinding:
     source: Path
     modules: dict[str, Any]
     result: Derivation
+    _latent: dict[str, set[str]]
+    _group_flow: Flow | None
 
     def _groups(
         self, flow: Flow, linears: set[str], depth: Mapping[str, int]
@@ -49,14 +53,25 @@ class GroupFinding:
         rows = {
             fqn
             for fqn, src in found.items()
-            if src.linears and main not in src.markers and not src.stops and out_features(self.modules[fqn]) in widths
+            if src.linears
+            and main not in src.markers
+            # a full-width norm of a latent down-projection (MLA's kv_a_layernorm) is no stop: it stays replicated
+            and not src.stops - replicated_closure(flow, pre_projections(flow, src.linears, linears), set())
+            and out_features(self.modules[fqn]) in widths
         }
+        for fqn in sorted(rows):  # a "row" whose output another row mixes with columns is a column of that row
+            if fqn in rows and found[fqn].linears - rows:  # (Kimi's f_b_proj: qkv_dim == hidden_size, into o_proj)
+                rows -= found[fqn].linears & rows
         groups: list[tuple[set[str], set[str], set[str]]] = []
         for row in sorted(rows, key=lambda f: (depth.get(f, 0), f)):
             src = found[row]
             cols = src.linears - rows
             if not cols or src.linears & rows:  # nothing to pair, or a sharded value mixed with a reduced one
                 continue
+            latent = pre_projections(flow, cols, linears)  # MLA's down-projections: replicated, not columns
+            if latent and cols - latent:
+                cols -= latent
+                self._latent[row] = latent
             merged = next((g for g in groups if g[0] & cols), None)
             if merged is None:
                 groups.append((set(cols), {row}, set(src.mids)))
@@ -83,14 +98,23 @@ class GroupFinding:
         found: dict[str, str] = {}
         head_dim = heads[2] if heads is not None else None
         widths = {out_features(self.modules[c]) for c in cols if layouts[c] == ("S", 1)}
+        col_widths = [out_features(self.modules[c]) for c in cols if layouts[c] == ("S", 1)]
+        shapes = self._group_flow.shapes if self._group_flow is not None else []
         for name in raw:
+            if absent(self.model, name):
+                continue  # a bias the layer was built without: read as None
             try:
                 param = self.model.get_parameter(name)
             except AttributeError:
                 raise Refused(
                     f"the code between the projections reads a parameter hpgen cannot place ({name})"
                 ) from None
-            if param.dim() == 1 and (param.numel() in widths or (heads is not None and param.numel() == heads[0])):
+            special = conv_placement(self.model, name, param, col_widths, shapes) or per_head_placement(
+                param, heads[0] if heads is not None else None
+            )
+            if special is not None:
+                found[name] = special  # a depthwise conv over the columns, or one value per head (A_log)
+            elif param.dim() == 1 and (param.numel() in widths or (heads is not None and param.numel() == heads[0])):
                 found[name] = "S(0)"  # one value per feature of a column, or one per query head (GPT-OSS sinks)
             elif param.numel() == 1 or (param.dim() == 1 and param.numel() == head_dim):
                 found[name] = "R"

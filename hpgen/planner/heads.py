@@ -69,6 +69,20 @@ class HeadRules:
     modules: dict[str, Any]
     result: Derivation
 
+    def _head_counts(self, cols: set[str], rows: set[str]) -> dict[str, int]:
+        """Head counts the modules between the projections hold (``num_heads``...), by attribute name."""
+        counts: dict[str, int] = {}
+        for path in between(cols, lca(cols | rows)):
+            for name in (*HEADS_ATTRS, *KV_HEADS_ATTRS):
+                value = self._attr(path, (name,))
+                if value:
+                    counts[name] = value
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            value = positive_int(self._config(name))
+            if value:
+                counts.setdefault(name, value)
+        return counts
+
     def _runtime_head_check(self, cols: set[str], layer: str) -> None:
         """``parallelize`` refuses a row shard of a linear, in a module with a ``head_dim``, that would cut
         a head: refuse it here, with the module named, rather than write a plan it will not install."""
@@ -159,7 +173,7 @@ class HeadRules:
             per_block = n // k if kind == "SS" else n
             if kind == "S" and k == 1 and n in (q, kv) and n % head_dim:
                 units = n  # one value per head (a per-head gate)
-            elif per_block % head_dim:
+            elif per_block % head_dim and not (kind == "S" and k > 1 and per_block % k == 0):
                 raise Refused(f"{relative(col, layer)} has {n} features, not a whole number of heads of {head_dim}")
             else:
                 units = per_block // head_dim

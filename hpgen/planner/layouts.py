@@ -84,6 +84,8 @@ def layout_of(use: ShapeUse, n: int, heads: tuple[int, int, int] | None) -> tupl
             )
         if lead * head_dim == n or (len(suffix) == 2 and suffix[1] == head_dim and lead == n // head_dim):
             return "S", 1
+        if len(suffix) == 2 and lead in (q, kv) and lead * suffix[1] == n:
+            return "S", lead  # [heads, features of one head] of another width (MLA's key and value per head)
         return "unknown", None
     return "unknown", None
 

@@ -133,7 +133,8 @@ def _completed(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -
     for fqn, placed in derivation.placed.items():
         # whole blocks only (a module returning its row's output alone): what transformers' authors
         # left replicated around a residual or a grouped projection stays as they left it
-        if placed.kind not in ("block", "col_gather", "split_row"):  # or a state-space mixer's pair
+        # or a state-space mixer's pair, or a row on its split replicated input (self-contained: R in, R out)
+        if placed.kind not in ("block", "col_gather", "split_row", "split_row_leaf"):
             continue
         if any(fqn == t or t.startswith(fqn + ".") or fqn.startswith(t + ".") for t in taken):
             continue

@@ -299,8 +299,18 @@ def _width(module: Any, name: str, side: str, entry: Any, hidden: Any, wrapped: 
         return module.in_features if side == "in" else module.out_features
     if isinstance(module, nn.Embedding):
         return module.embedding_dim
-    # a block: inputs come in at the width the column weights read, outputs at the rows' width; the
+    # a block: inputs come in at the width the column weights read (or, where replicated down-projections
+    # come first, as MLA's latent ones, the width those read), outputs at the rows' width; the
     # stream's width first where a weight reads it (a Mamba mixer's dt_proj reads a few values, not the stream)
+    if side == "in":
+        for param_name in sorted(entry.grad_reduce_params):
+            try:
+                param = module.get_parameter(param_name)
+            except AttributeError:
+                continue
+            owner = module.get_submodule(param_name.rpartition(".")[0]) if "." in param_name else module
+            if param.dim() == 2 and isinstance(owner, nn.Linear):
+                return int(owner.in_features)
     widths: list[int] = []
     for param_name, layout in sorted(entry.params.items()):
         placement = layout.on("tp")

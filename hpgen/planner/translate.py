@@ -19,6 +19,8 @@ transformers' plans never produce:
   (``S(-1) -> R``) and a row-parallel one that splits its replicated input (``R -> S(-1)``),
   around a body that runs replicated (a state-space mixer whose packed projection no
   placement cuts);
+- ``split_row_leaf``: the same split row on its own, where no group shards a projection into the
+  stream (:mod:`hpgen.planner.split_rows`); ``--sp`` leaves it replicated;
 - ``attrs`` / ``alias``: entries that are not boundaries, holding only ``tp_divide_attrs``
   or the layout of a parameter registered under a second name.
 """
@@ -44,6 +46,7 @@ _KINDS = {
     "reduce_leaf": "linear",
     "col_gather": "linear",
     "split_row": "linear",
+    "split_row_leaf": "linear",
     "lm_head": "linear",
     "embedding": "embedding",
     "attrs": "attrs",
@@ -54,6 +57,10 @@ _KINDS = {
 
 def derived_plan(model: Any, derivation: Derivation, *, tp: int | None, sp: bool = False, name: str) -> dict[str, Any]:
     """The frozen plan document of ``derivation`` for ``model``."""
+    if sp and any(p.kind == "split_row_leaf" for p in derivation.placed.values()):
+        # a split row reduces to the replicated stream, which --sp keeps sequence-sharded: left replicated
+        kept = {fqn: p for fqn, p in derivation.placed.items() if p.kind != "split_row_leaf"}
+        derivation = type(derivation)(placed=kept, notes=list(derivation.notes))
     if sp:
         leaf_kinds = ("col_block", "col_leaf", "row_leaf", "col_gather", "split_row")
         leaves = sorted(p.fqn for p in derivation.placed.values() if p.kind in leaf_kinds)
@@ -129,6 +136,11 @@ class _DerivedTranslator(Translator):
             boundary.wrapped_as = "nn.Linear"
             boundary.inputs["input"] = (dict(replicated), dict(replicated))
             boundary.outputs["output"] = ({"tp": "S(-1)"}, {"tp": "S(-1)"})
+            return
+        if kind == "split_row_leaf":  # a replicated input, split on entry (no communication)
+            boundary.wrapped_as = "nn.Linear"
+            boundary.inputs["input"] = (dict(replicated), {"tp": "S(-1)"})
+            boundary.outputs["output"] = ({"tp": "P(sum)"}, dict(replicated))
             return
         if kind in ("row_leaf", "reduce_leaf"):
             boundary.wrapped_as = "nn.Linear"

@@ -1,6 +1,6 @@
 """Plans derived from the modeling source, on 2 gloo ranks against the unsharded transformers model.
 
-Eight layouts the derivation must get right: GPT-2 (``Conv1D`` weights transposed, the
+Ten layouts the derivation must get right: GPT-2 (``Conv1D`` weights transposed, the
 fused ``c_attn`` as three packed blocks, ``split_size`` divided), GPT-NeoX from its source
 (``--from-source``: the per-head interleaved ``query_key_value`` as a plain shard), OPT
 (attention as one block, ``fc1``/``fc2`` in the decoder layer as two wrapped linears), and
@@ -10,7 +10,9 @@ enters the attention block ``R -> S(0)``, BLOOM's batch-major ``[batch * heads, 
 by the region's local compute (:mod:`hpgen.runtime.local_heads`), on a batch of 2; and xLSTM,
 whose layers are classes under a module-level ``if``, and Fuyu, whose language model comes from
 another modeling file (both read by the derivation, not rewritten: their feed-forwards shard as
-wrapped leaves).
+wrapped leaves); DeepSeek-V3's multi-head latent attention (the low-rank down-projections
+replicated in the block, the head-sized up-projections column-parallel) and Kimi Linear's KDA
+mixer (its depthwise convolution over the concatenated q/k/v as packed blocks, per-head ``A_log``).
 Each compares the logits and every parameter's gradient (this rank's slice) and checks the
 sizing report of :mod:`hpgen.planner.report` against the run: each rank's parameter bytes
 counted from its real parameters, and the collectives counted as they are called (each
@@ -31,8 +33,9 @@ import pytest
 from tests.derived_configs import tiny
 from tests.dist import run_distributed
 
-FAMILIES = ("gpt2", "gpt_neox", "opt", "gpt_bigcode", "bloom", "mpt", "xlstm", "fuyu", "mamba", "zamba", "mamba2")
+FAMILIES = ("gpt2", "gpt_neox", "opt", "gpt_bigcode", "bloom", "mpt", "xlstm", "fuyu", "mamba", "zamba", "mamba2", "deepseek_v3", "kimi_linear")
 SEED = 0
+SHARE_LIMIT: dict[str, float] = {}  # every family here shards to at most 0.65 of the parameters per rank
 BATCH, SEQ = 2, 7
 
 
@@ -190,7 +193,7 @@ def test_logits_and_every_gradient_match(results: tuple[dict, list[dict]], famil
 def test_each_rank_holds_at_most_two_thirds_of_the_parameters(results: tuple[dict, list[dict]], family: str) -> None:
     _, ranks = results
     share = max(by_family[family]["rank_bytes"] for by_family in ranks) / ranks[0][family]["full_bytes"]
-    assert share <= 0.65, share
+    assert share <= SHARE_LIMIT.get(family, 0.65), share
 
 
 # MPT's position_bias is split R -> S(0) into the attention; the report counts that split's backward

@@ -33,7 +33,8 @@ leaves, binding arguments, finding a method's source), and the body of one funct
 :class:`~hpgen.planner.flow.statements.Frame`, with its
 :mod:`~hpgen.planner.flow.expressions` and :mod:`~hpgen.planner.flow.constants` (the
 values of branch tests); :mod:`~hpgen.planner.flow.module_level` says which class statements
-are read and which the lowering rewrites.
+are read and which the lowering rewrites; :mod:`~hpgen.planner.flow.functions` follows the
+file's tuple-returning functions item by item and in-place tensor methods.
 """
 
 from hpgen.planner.flow.module_level import top_level_class

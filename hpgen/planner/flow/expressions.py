@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from hpgen.planner.flow.constants import self_path
+from hpgen.planner.flow.functions import in_place, tuple_function
 from hpgen.planner.flow.stubs import returns_none
 from hpgen.planner.flow.values import (
     EMPTY,
@@ -183,6 +184,8 @@ class Expressions:
                     return self._call_modules(callee.modules, args, kwargs)
                 if any(read.startswith("missing:") for _, read in callee.reads):
                     return EMPTY  # self.q_attn(...) on an instance without q_attn: a branch it never takes
+                if callee.origins:  # a method of a parameter read directly: self.conv1d.weight.squeeze(1)
+                    return union([callee, *operands])
                 return union(operands)
             receiver = self.expr(func.value)
             appends = func.attr in ("append", "extend", "insert") and isinstance(func.value, ast.Name)
@@ -195,6 +198,8 @@ class Expressions:
             if func.attr in METADATA_CALLS:
                 return size_of(receiver)
             torch_name = torch_call(func)
+            if torch_name is None and func.attr.endswith("_") and not func.attr.startswith("_") and operands:
+                in_place(self, func.value, operands)  # key_states[..., :d].copy_(k_nope): key_states now holds it
             if func.attr in SHAPE_METHODS and torch_name is None:
                 self._shape(func.attr, receiver, node, args)
             elif torch_name in SHAPE_METHODS and args:
@@ -221,6 +226,10 @@ class Expressions:
                 return Val(reads=union(operands).all_reads())
             if func.id not in self.env and returns_none(self.module, func.id):
                 return EMPTY  # a kernel stub whose torch fallback is ``return None`` (Mamba's mamba_inner_fn)
+            if callee is None:  # a function of the file returning a tuple: item by item
+                paired = tuple_function(self, func.id, args, kwargs)
+                if paired is not None:
+                    return paired
             return union(operands)
         callee = self.expr(func)  # self.layers[i](x), a call's result called
         if callee.modules is not None:
