@@ -349,6 +349,25 @@ def test_random_valid_plans_compute_what_the_original_computes(document, mode):
     assert torch.equal(run_generated(output), REFERENCE_LOGITS)
 
 
+def test_a_region_input_that_arrives_in_kwargs_and_is_not_passed_is_left_alone():
+    """Found by the property above: a declared input only ``**kwargs`` can carry gets its op
+    (here the ``copy`` of a replicated input into a sharded body) only when it is passed."""
+    document = {
+        "format": "hpgen.plan/1",
+        "mesh_dim_names": ["dp", "tp"],
+        "param_plan": {
+            "model.layers.0.self_attn": {
+                "in_src": {"hidden_states": {}, "extra": {}},
+                "params": {"q_proj.weight": {"dp": "S(0)"}},
+                "region_dispatch": True,
+            }
+        },
+    }
+    output = lower(SOURCE, plan_from_dict(document), source_name="modeling_tiny.py")
+    assert 'if "extra" in kwargs:' in output
+    assert torch.equal(run_generated(output), REFERENCE_LOGITS)
+
+
 def test_the_valid_plan_strategy_reaches_every_form_and_boundary():
     """Guards the generator of the properties above: it must produce every form and rewrite
     every fixture class, or the properties would be checked on too little."""
