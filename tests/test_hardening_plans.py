@@ -63,14 +63,15 @@ class Site:
     params: tuple[str, ...]  # forward parameters other than self
     takes_kwargs: bool
     external: bool = False
+    returns: int = 1  # values the forward returns: a tuple of that many, or one tensor
 
 
 SITES = {
-    "attn": Site("TinyAttention", ("hidden_states", "position_embeddings", "attention_mask"), True),
+    "attn": Site("TinyAttention", ("hidden_states", "position_embeddings", "attention_mask"), True, returns=2),
     "mlp": Site("TinyMLP", ("x",), False),
     "layer": Site("TinyDecoderLayer", ("hidden_states", "position_embeddings", "attention_mask"), False),
     "norm": Site("TinyRMSNorm", ("hidden_states",), False),
-    "rotary": Site("TinyRotaryEmbedding", ("x", "position_ids"), False),
+    "rotary": Site("TinyRotaryEmbedding", ("x", "position_ids"), False, returns=2),
     "embedding": Site("nn.Embedding", ("input",), True, external=True),
     "linear": Site("nn.Linear", ("input",), True, external=True),
 }
@@ -154,7 +155,9 @@ def valid_plans(draw) -> dict:
                 if draw(st.booleans()):
                     entry[part] = layouts(inputs)
             if draw(st.booleans()):
-                outputs = draw(st.lists(IDENT, min_size=1, max_size=3, unique=True))
+                # as many names as the forward returns at most: a plan naming outputs the class does
+                # not return describes another model (its ops would index into a tensor)
+                outputs = draw(st.lists(IDENT, min_size=1, max_size=site.returns, unique=True))
                 entry["out_names"] = outputs
             else:
                 outputs = [draw(IDENT)]
