@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -62,10 +61,9 @@ from tp_decode import (
     build_transformers,
     generated_file,
     lower_llama,
-    paired_ratio,
     setup_info,
-    summary,
     timed_ms,
+    timing_tables,
 )
 
 FRAMEWORKS = ("hand-written", "hpgen", "hpgen+vocab", "transformers")
@@ -307,22 +305,6 @@ RATIOS = (  # (numerator, denominator, target)
 )
 
 
-def timing_tables(timing: dict[str, dict[str, list[float]]], title: str) -> list[str]:
-    """Medians with p10-p90 per run, then the ratios of ``RATIOS``."""
-    lines = [f"### {title}", "", "| variant | decode ms | p10-p90 | prefill ms | p10-p90 |", "|---|---:|---:|---:|---:|"]
-    for name, kinds in timing.items():
-        d, p = summary(kinds["decode"]), summary(kinds["prefill"])
-        lines.append(f"| {name} | {d[0]:.3f} | {d[1]:.3f}-{d[2]:.3f} | {p[0]:.2f} | {p[1]:.2f}-{p[2]:.2f} |")
-    lines += ["", "| ratio | decode | prefill | target |", "|---|---:|---:|---|"]
-    for a, b, target in RATIOS:
-        cells = []
-        for kind in ("decode", "prefill"):
-            x, y = timing[a][kind], timing[b][kind]
-            cells.append(f"{statistics.median(x) / statistics.median(y):.3f} ({paired_ratio(x, y):.3f})")
-        lines.append(f"| {a} / {b} | {cells[0]} | {cells[1]} | {target} |")
-    return lines + [""]
-
-
 def report(results: dict[str, Any]) -> str:
     s = results["setup"]
     compile_setup = s["compile"]
@@ -336,10 +318,10 @@ def report(results: dict[str, Any]) -> str:
         ),
         "",
     ]
-    lines += timing_tables(results["timing_ms"], "Time per call over gloo (slower rank per round)")
+    lines += timing_tables(results["timing_ms"], "Time per call over gloo (slower rank per round)", RATIOS)
     if "host_only_ms" in results:
         title = "Host CPU time per call, no communication (fake process group, rank 0's thread CPU time)"
-        lines += timing_tables(results["host_only_ms"], title)
+        lines += timing_tables(results["host_only_ms"], title, RATIOS)
 
     layers = s["model"]["num_hidden_layers"]
     lines += [

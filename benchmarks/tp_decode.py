@@ -464,8 +464,10 @@ RATIOS = (  # (numerator, denominator, target)
 )
 
 
-def timing_tables(timing: dict[str, dict[str, list[float]]], title: str) -> list[str]:
-    """Medians with p10-p90 per variant, then the ratios of ``RATIOS``."""
+def timing_tables(
+    timing: dict[str, dict[str, list[float]]], title: str, ratios: tuple[tuple[str, str, str], ...] = RATIOS
+) -> list[str]:
+    """Medians with p10-p90 per variant, then ``ratios`` (numerator, denominator, target)."""
     lines = [
         f"### {title}",
         "",
@@ -476,7 +478,7 @@ def timing_tables(timing: dict[str, dict[str, list[float]]], title: str) -> list
         d, p = summary(kinds["decode"]), summary(kinds["prefill"])
         lines.append(f"| {name} | {d[0]:.3f} | {d[1]:.3f}-{d[2]:.3f} | {p[0]:.2f} | {p[1]:.2f}-{p[2]:.2f} |")
     lines += ["", "| ratio | decode | prefill | target |", "|---|---:|---:|---|"]
-    for a, b, target in RATIOS:
+    for a, b, target in ratios:
         cells = []
         for kind in ("decode", "prefill"):
             x, y = timing[a][kind], timing[b][kind]
