@@ -52,7 +52,8 @@ from typing import Any
 from hpgen.planner.derived_blocks import BlockChoice
 from hpgen.planner.entries import Contradicted, Derivation, Note, Placed, Refused
 from hpgen.planner.flow import Flow, leaf_kind, module_names, run_module
-from hpgen.planner.groups import GroupFinding, depths, sources
+from hpgen.planner.gathered import check_gathered, gathered_columns
+from hpgen.planner.groups import GroupFinding, depths, first_marker, sources
 from hpgen.planner.head_cuts import HeadCuts
 from hpgen.planner.heads import HeadRules, per_head_input
 from hpgen.planner.latent import LatentRefused, check_broadcast, replicated_closure
@@ -225,8 +226,10 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, ReshapeRules, BlockChoice):
             self._check_mid(fqn, cols, layer)
         raw = sorted({p for row in rows for p in sources(flow, row, linears, self._per_head).raw})
         sharded = cols | mids
+        # a column reading another column's output whole (Doge's dt_proj): gathered on entry, checked with the heads
+        gathered = gathered_columns(flow, cols, linears, self.modules, self._per_head, first_marker(flow))
         for consumer, origins in flow.edges.items():
-            if origins & sharded and consumer not in rows and consumer not in mids:
+            if origins & sharded and consumer not in rows and consumer not in mids and consumer not in gathered:
                 raise Contradicted(
                     f"the output of {', '.join(relative(c, layer) for c in sorted(origins & cols)) or 'a column'} "
                     f"also reaches {relative(consumer, layer)}, which needs it whole",
@@ -250,14 +253,16 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, ReshapeRules, BlockChoice):
         self._runtime_head_check(cols, layer)
         heads = self._heads(cols, rows, layer) if what == "attention" else None
         head_inputs = self._head_inputs(cols, rows, layer, heads) if side and heads else {}
-        layouts = {col: self._column_layout(flow, col, cols, heads, layer, what) for col in sorted(cols)}
+        layouts = {col: self._column_layout(flow, col, cols, heads, layer, what) for col in sorted(cols - set(gathered))}
+        layouts.update({col: ("S", 1) for col in gathered})  # its outputs are whole values, one per head
+        check_gathered(gathered, self.modules, layouts, heads if what == "attention" else None, self.tp, layer)
         if what == "attention" and heads is not None:
             self._check_heads(cols, layouts, heads, layer)
         counts = self._sharded_counts(cols, rows, layouts, heads)
         direct = self._direct_params(raw, cols, layouts, heads, layer)
         # reshapes of the parameters sharded with the heads (dt_bias.view(1, 1, num_heads, head_dim)) size shards too
         divide = self._divided_attrs(flow, sharded | {f"param:{n}" for n, p in direct.items() if p != "R"}, counts, layer)
-        self._boundaries(layer, cols, rows, mids, layouts, divide, what, direct, head_inputs)
+        self._boundaries(layer, cols, rows, mids, layouts, divide, what, direct, head_inputs, set(gathered))
 
     def _config(self, name: str) -> Any:
         """A value of the (text) config, or None where it is absent or per layer (transformers raises then)."""

@@ -113,7 +113,7 @@ def _completed(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -
     """
     from hpgen.errors import HpgenError as _Error
     from hpgen.plan import plan_from_dict
-    from hpgen.planner.crosscheck import drop_contradicted, drop_feature_statistics
+    from hpgen.planner.crosscheck import drop_contradicted, drop_feature_statistics, drop_regathered
     from hpgen.planner.derive import derive
     from hpgen.planner.entries import Derivation
     from hpgen.planner.translate import derived_plan
@@ -125,10 +125,12 @@ def _completed(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -
         plan["comments"]["completion_skipped"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
         return plan
     plan = drop_contradicted(plan, derivation)  # blocks of transformers' plan that the source contradicts
+    plan, regathered = drop_regathered(plan, derivation)  # ... or shards otherwise than the derived blocks do
     loaded = plan_from_dict(plan)
     taken = [fqn for fqn, _ in model.named_modules() if fqn and loaded.entry_for(fqn) is not None]
     # what the cross-checks kept replicated is not completed back either
-    taken += [fqn for fqn, _ in model.named_modules() if fqn and _matches_any(fqn, plan["comments"].get("replaced", {}))]
+    kept = {key: text for key, text in plan["comments"].get("replaced", {}).items() if key not in regathered}
+    taken += [fqn for fqn, _ in model.named_modules() if fqn and _matches_any(fqn, kept)]
     extra = Derivation()
     for fqn, placed in derivation.placed.items():
         # whole blocks only (a module returning its row's output alone): what transformers' authors
@@ -144,7 +146,8 @@ def _completed(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -
         extra.placed[fqn] = placed
     for fqn, placed in derivation.placed.items():
         inside = any(fqn == b or fqn.startswith(b + ".") for b in extra.placed)
-        if placed.kind in ("attrs", "reduce_leaf") and inside:  # sizes and a mixer's reduced x_proj
+        # sizes, a mixer's reduced x_proj, a gathered column (Doge's dt_proj)
+        if placed.kind in ("attrs", "reduce_leaf", "gather_leaf") and inside:
             extra.placed[fqn] = placed
     if not any(p.kind != "attrs" for p in extra.placed.values()):
         return plan
