@@ -12,7 +12,11 @@ whose layers are classes under a module-level ``if``, and Fuyu, whose language m
 another modeling file (both read by the derivation, not rewritten: their feed-forwards shard as
 wrapped leaves); DeepSeek-V3's multi-head latent attention (the low-rank down-projections
 replicated in the block, the head-sized up-projections column-parallel) and Kimi Linear's KDA
-mixer (its depthwise convolution over the concatenated q/k/v as packed blocks, per-head ``A_log``).
+mixer (its depthwise convolution over the concatenated q/k/v as packed blocks, per-head ``A_log``);
+and Doge's dynamic-mask attention, whose ``dt_proj`` reads every value head and writes one mask
+value per key/value head: column-parallel over those outputs, its input gathered on entry
+(:mod:`hpgen.planner.gathered`), with a keep window shorter than the sequence so that the top-k
+over the keys runs on each rank's heads.
 Each compares the logits and every parameter's gradient (this rank's slice) and checks the
 sizing report of :mod:`hpgen.planner.report` against the run: each rank's parameter bytes
 counted from its real parameters, and the collectives counted as they are called (each
@@ -33,7 +37,17 @@ import pytest
 from tests.derived_configs import tiny
 from tests.dist import run_distributed
 
-FAMILIES = ("gpt2", "gpt_neox", "opt", "gpt_bigcode", "bloom", "mpt", "xlstm", "fuyu", "mamba", "zamba", "mamba2", "deepseek_v3", "kimi_linear")
+FAMILIES = (
+    "gpt2", "gpt_neox", "opt", "gpt_bigcode", "bloom", "mpt", "xlstm", "fuyu", "mamba", "zamba", "mamba2",
+    "deepseek_v3", "kimi_linear", "doge",
+)
+# families planned as `hpgen plan` does by default: transformers' plan, its blocks cross-checked against the
+# source (Doge's attention replaced by the derived one, whose dt_proj gathers the values on entry)
+TRANSFORMERS_PLAN = ("doge",)
+# families also decoded greedily with the cache, against the reference: Doge's mask over the cached keys
+# (more than its keep window) is built from the gathered cached values, per rank's heads
+GENERATE = ("doge",)
+NEW_TOKENS = 6
 SEED = 0
 SHARE_LIMIT: dict[str, float] = {}  # every family here shards to at most 0.65 of the parameters per rank
 BATCH, SEQ = 2, 7
@@ -46,7 +60,7 @@ def _plan_and_generated(family: str, directory: Path) -> tuple[dict, str]:
     from hpgen.planner.load import meta_model, model_class_for
     from hpgen.planner.make import plan_model
 
-    plan = plan_model(meta_model(tiny(family)), tp=2, from_source=True, name=family)
+    plan = plan_model(meta_model(tiny(family)), tp=2, from_source=family not in TRANSFORMERS_PLAN, name=family)
     source = Path(inspect.getsourcefile(model_class_for(tiny(family))) or "")
     text = lower(source.read_text(), plan_from_dict(plan), source_name=source.name, package=infer_package(source))
     path = directory / f"{family}_derived.py"
@@ -151,6 +165,17 @@ def _run(family: str, plan: dict, generated: str, mesh: Any, counter: _Collectiv
     (ref_logits * projection).sum().backward()
     (logits * projection).sum().backward()
 
+    decoded = {}
+    if family in GENERATE:
+        with torch.no_grad():
+            options = dict(max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True)
+            mine_out, ref_out = model.generate(ids[:1], **options), reference.generate(ids[:1], **options)
+        ref_scores = torch.stack(ref_out.logits)
+        decoded = {
+            "tokens": (mine_out.sequences.tolist(), ref_out.sequences.tolist()),
+            "scores": ((torch.stack(mine_out.logits) - ref_scores).abs().max().item(), tolerance(ref_scores)),
+        }
+
     rank, size = mesh.get_local_rank(), mesh.size()
     layouts = param_layouts(reference, plan)
     failures = []
@@ -174,6 +199,7 @@ def _run(family: str, plan: dict, generated: str, mesh: Any, counter: _Collectiv
         "failures": failures,
         "rank_bytes": rank_bytes,
         "full_bytes": sum(p.numel() * p.element_size() for p in reference.parameters()),
+        "decoded": decoded,
         **counted,
     }
 
@@ -185,6 +211,18 @@ def test_logits_and_every_gradient_match(results: tuple[dict, list[dict]], famil
         result = by_family[family]
         assert result["logits_err"] <= result["logits_tol"], f"rank {rank}: {result['logits_err']}"
         assert not result["failures"], f"rank {rank}: " + "; ".join(result["failures"][:5])
+
+
+@pytest.mark.parametrize("family", GENERATE)
+def test_greedy_decoding_with_the_cache_matches(results: tuple[dict, list[dict]], family: str) -> None:
+    _, ranks = results
+    for rank, by_family in enumerate(ranks):
+        decoded = by_family[family]["decoded"]
+        mine, theirs = decoded["tokens"]
+        assert mine == theirs, f"rank {rank}"
+        assert len(mine[0]) == SEQ + NEW_TOKENS
+        err, tol = decoded["scores"]
+        assert err <= tol, f"rank {rank}: {err} > {tol}"
 
 
 # Fuyu's parameters are mostly its vision patch projection (replicated, never run by the text-only
