@@ -473,6 +473,13 @@ def test_a_projection_reading_the_values_whole_is_gathered_on_entry() -> None:
     assert entry(plan, "model.layers.*.self_attn")["params"]["o_proj.weight"] == {"tp": "S(1)"}
     assert "gathers its input" in plan["comments"]["replaced"]["model.layers.*.self_attn"]
     assert "model.layers.*.mlp" in plan["param_plan"]
+    # --sp: the derived attention is entered from the sequence-sharded stream like transformers' MLP
+    from hpgen.planner.make import plan_model
+
+    sp = plan_model(meta_model(tiny("doge")), tp=2, sp=True, name="doge")
+    assert entry(sp, "model.layers.*.self_attn")["in_src"] == {"hidden_states": {"tp": "S(1)"}}
+    assert entry(sp, "model.layers.*.self_attn.dt_proj")["in_src"] == {"input": {"tp": "S(-1)"}}
+    assert entry(sp, "model.layers.*.mlp")["in_src"] == {"x": {"tp": "S(1)"}}
 
 
 def test_a_gathered_column_must_write_one_value_per_head_of_a_plain_layout() -> None:
