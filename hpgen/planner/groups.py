@@ -17,6 +17,7 @@ from typing import Any
 
 from hpgen.planner.entries import Derivation, Refused
 from hpgen.planner.flow import Flow
+from hpgen.planner.heads import normalized_heads
 from hpgen.planner.latent import pre_projections, replicated_closure
 from hpgen.planner.mixers import absent, conv_placement, per_head_placement
 from hpgen.planner.modules import in_features, out_features, positive_int, relative
@@ -125,11 +126,19 @@ class GroupFinding:
                 )
         return found
 
-    def _check_mid(self, fqn: str, cols: set[str], layer: str) -> None:
+    def _check_mid(self, fqn: str, cols: set[str], layer: str, rows: set[str]) -> None:
         module = self.modules[fqn]
         head_dim = self._head_dim(cols)
         sizes = {p.numel() for p in module.parameters()}
         shapes = [tuple(p.shape) for p in module.parameters()]
+        if not shapes:  # a weightless norm over whole heads, narrower than the rows' input: rows a rank holds whole
+            width = normalized_heads(module, {head_dim} if head_dim else set())
+            if width is not None and all(width < in_features(self.modules[r]) for r in rows):
+                return
+            raise Refused(
+                f"{relative(fqn, layer)} ({type(module).__name__}) sits between the column- and row-parallel "
+                "projections and normalises across the sharded features"
+            )
         if all(len(s) == 1 for s in shapes) and head_dim is not None and sizes <= {head_dim}:
             return  # a per-head norm (q_norm): runs on whole heads; its gradient is reduced
         raise Refused(
