@@ -98,7 +98,10 @@ class HeadParts:
             if size not in sizes:
                 continue
             where = f"{relative(call.module, layer) or 'the layer'} (line {call.line})"
-            if size in (batch, length, head_dim) or call.dim == len(call.shapes[0]) - 1:
+            last = call.dim == len(call.shapes[0]) - 1
+            if last and size == head_dim:
+                continue  # the features of each head (the heads come before them)
+            if size in (batch, length) or last:
                 raise Refused(f"{where} {call.op}s a dim of size {size}: hpgen cannot tell whether it holds the heads")
             if call.parts is None or call.parts < 2:
                 raise Refused(f"{where} splits the heads into unequal parts: no placement keeps each rank's share whole")
