@@ -21,7 +21,10 @@ file) :mod:`hpgen.planner.flow` gives the graph of its layers: which ``nn.Linear
    ``view(..., heads, 3, head_dim)``: per-head interleaved -> ``S(d)``; one key/value
    head packed after the queries (multi-query) is refused). Integer attributes that
    size a reshape of sharded values (``self.num_heads``, ``self.split_size``) are divided
-   (``tp_divide_attrs``); a global count read from ``self.config`` there is refused.
+   (``tp_divide_attrs``); a global count read from ``self.config`` there is refused. An
+   attention that splits its heads into parts working together (DiffLlama's ``chunk(2)``
+   pairing head ``i`` with ``i + H/2``) gets a strided cut of every part,
+   ``SS(0,k)`` (:mod:`~hpgen.planner.head_parts`).
 3. **Boundaries.** The group's lowest common module is one block (``R -> R`` in,
    ``P(sum) -> R`` out) when its ``forward`` returns the row's output alone (no residual
    added inside, no norm after). Otherwise the columns' common module becomes a block
@@ -39,7 +42,7 @@ This module walks the decoder layers and takes each group through the steps, eac
 class of the deriver: :mod:`~hpgen.planner.groups` (1: the groups, and what lies between
 their projections), :mod:`~hpgen.planner.heads` and :mod:`~hpgen.planner.reshapes` (2: the
 heads, fused layouts, attributes to divide; :mod:`~hpgen.planner.head_cuts`, per-head inputs
-made outside the attention), :mod:`~hpgen.planner.derived_blocks` (3 and 4: the boundaries and
+made outside the attention; :mod:`~hpgen.planner.head_parts`, heads split into parts), :mod:`~hpgen.planner.derived_blocks` (3 and 4: the boundaries and
 their parameters).
 """
 

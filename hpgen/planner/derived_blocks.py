@@ -153,7 +153,8 @@ class BlockChoice:
             text = f"{kind}({dim},{k})" if kind in ("SS", "RS") else f"S({dim})"
             placed.params[join(relative(col, placed.fqn), "weight")] = text
             if getattr(module, "bias", None) is not None:
-                placed.params[join(relative(col, placed.fqn), "bias")] = f"{kind}(0,{k})" if kind in ("SS", "RS") else "S(0)"
+                bias = f"{kind}(0,{k})" if kind in ("SS", "RS") else "S(0)"
+                placed.params[join(relative(col, placed.fqn), "bias")] = bias
         for row in sorted(rows):
             module = self.modules[row]
             dim = 0 if is_conv1d(module) else 1

@@ -159,9 +159,10 @@ def _parts_placement(param: Any, heads: tuple[int, int, int], k: int, name: str)
         return "R"
     if param.dim() == 1 and param.numel() == q != head_dim:
         return f"SS(0,{k})"
+    both = " (head_dim and the query heads are both that size)" if q == head_dim else ""
     raise Refused(
         f"the code between the projections computes with {name} {tuple(param.shape)} directly, which hpgen cannot "
-        f"place on heads split into {k} parts" + (" (head_dim and the query heads are both that size)" if q == head_dim else "")
+        f"place on heads split into {k} parts{both}"
     )
 
 

@@ -104,12 +104,13 @@ class HeadParts:
             if size in (batch, length) or last:
                 raise Refused(f"{where} {call.op}s a dim of size {size}: hpgen cannot tell whether it holds the heads")
             if call.parts is None or call.parts < 2:
-                raise Refused(f"{where} splits the heads into unequal parts: no placement keeps each rank's share whole")
+                raise Refused(f"{where} splits the heads into unequal parts: no placement keeps each share whole")
             found[(call.module, call.line)] = call.parts
         if not found:
             return None
         if len(set(found.values())) > 1:
-            raise Refused(f"the attention splits its heads into parts of different counts {sorted(set(found.values()))}")
+            counts = sorted(set(found.values()))
+            raise Refused(f"the attention splits its heads into different numbers of parts {counts}")
         k = next(iter(found.values()))
         lines = ", ".join(str(line) for _, line in sorted(found))
         for call in inside:
@@ -121,8 +122,8 @@ class HeadParts:
                     f"{where} concatenates parts of the heads back along the heads (split at line {lines}): the row "
                     "projection's input would be strided, which the derivation does not place"
                 )
-            if call.op == "repeat_interleave" and call.shapes[0][call.dim] * k in sizes | {q // k, kv // k}:
-                raise Refused(f"{where} interleaves copies of the heads, which a strided cut of the parts does not follow")
+            if call.op == "repeat_interleave" and call.shapes[0][call.dim] in sizes | {q // k, kv // k}:
+                raise Refused(f"{where} interleaves copies of the heads, which a strided cut of the parts breaks")
         return self._parts_layouts(cols, rows, layer, heads, k, set(found), lines)
 
     def _parts_layouts(
@@ -187,12 +188,15 @@ class HeadParts:
         return parts
 
     def _traced(self, heads: int) -> list[TracedCall] | None:
+        """The calls of one meta-device forward sized for ``heads`` query heads (one forward per count)."""
         if not hasattr(self, "_traced_calls"):
+            self._traced_calls: dict[int, list[TracedCall] | None] = {}
+        if heads not in self._traced_calls:
             try:
-                self._traced_calls = traced_calls(self.model, heads)
+                self._traced_calls[heads] = traced_calls(self.model, heads)
             except RuntimeError:
-                self._traced_calls = None
-        return self._traced_calls
+                self._traced_calls[heads] = None
+        return self._traced_calls[heads]
 
 
 def _may_split_heads(use: Any, cols: set[str]) -> bool:
@@ -210,7 +214,6 @@ def traced_calls(model: Any, heads: int) -> list[TracedCall]:
 
     ``RuntimeError`` where the model does not run there (see :func:`~hpgen.planner.head_inputs.meta_forward`).
     """
-    import torch
     from torch.overrides import TorchFunctionMode
 
     names = {id(m): n for n, m in model.named_modules()}
@@ -221,7 +224,7 @@ def traced_calls(model: Any, heads: int) -> list[TracedCall]:
             kwargs = dict(kwargs or {})
             op = getattr(func, "__name__", "")
             if op in TRACED:
-                call = _call(op, args, kwargs, names, torch)
+                call = _call(op, args, kwargs, names)
                 if call is not None:
                     found.append(call)
             return func(*args, **kwargs)
@@ -232,8 +235,11 @@ def traced_calls(model: Any, heads: int) -> list[TracedCall]:
     return found
 
 
-def _call(op: str, args: tuple, kwargs: Mapping[str, Any], names: Mapping[int, str], torch: Any) -> TracedCall | None:
-    frame = sys._getframe(2)
+def _call(op: str, args: tuple, kwargs: Mapping[str, Any], names: Mapping[int, str]) -> TracedCall | None:
+    """The record of one call, made by the nearest caller frame whose ``self`` is a module of the model."""
+    import torch
+
+    frame = sys._getframe(2)  # past __torch_function__: the code that made the call
     while frame is not None and not isinstance(frame.f_locals.get("self"), torch.nn.Module):
         frame = frame.f_back
     if frame is None or id(frame.f_locals["self"]) not in names:
