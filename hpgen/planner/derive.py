@@ -42,8 +42,8 @@ This module walks the decoder layers and takes each group through the steps, eac
 class of the deriver: :mod:`~hpgen.planner.groups` (1: the groups, and what lies between
 their projections), :mod:`~hpgen.planner.heads` and :mod:`~hpgen.planner.reshapes` (2: the
 heads, fused layouts, attributes to divide; :mod:`~hpgen.planner.head_cuts`, per-head inputs
-made outside the attention; :mod:`~hpgen.planner.head_parts`, heads split into parts), :mod:`~hpgen.planner.derived_blocks` (3 and 4: the boundaries and
-their parameters).
+made outside the attention; :mod:`~hpgen.planner.head_parts`, heads split into parts),
+:mod:`~hpgen.planner.derived_blocks` (3 and 4: the boundaries and their parameters).
 """
 
 from __future__ import annotations

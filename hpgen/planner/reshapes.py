@@ -10,7 +10,7 @@ from an unsharded tensor's size are refused.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +85,7 @@ class ReshapeRules:
         sharded: set[str],
         counts: set[int],
         layer: str,
-        parts: set[tuple[str, int]] = frozenset(),  # type: ignore[assignment]
+        parts: Collection[tuple[str, int]] = (),
     ) -> dict[str, set[str]]:
         """Module FQN -> integer attributes that size reshapes of the sharded values.
 
