@@ -35,6 +35,7 @@ from typing import Any
 from hpgen.planner.entries import Refused
 from hpgen.planner.flow import Flow
 from hpgen.planner.head_inputs import meta_forward, probe_sizes
+from hpgen.planner.layouts import dim_of
 from hpgen.planner.modules import in_features, lca, out_features, relative
 
 __all__ = ["HeadParts", "Parts", "TracedCall", "traced_calls"]
@@ -201,8 +202,6 @@ class HeadParts:
 
 def _may_split_heads(use: Any, cols: set[str]) -> bool:
     """A split of a value computed from the columns along a constant dim other than the last one."""
-    from hpgen.planner.layouts import dim_of
-
     if use.method not in SPLITS or not use.receiver & cols:
         return False
     dim = dim_of(use)
