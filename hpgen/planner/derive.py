@@ -21,7 +21,10 @@ file) :mod:`hpgen.planner.flow` gives the graph of its layers: which ``nn.Linear
    ``view(..., heads, 3, head_dim)``: per-head interleaved -> ``S(d)``; one key/value
    head packed after the queries (multi-query) is refused). Integer attributes that
    size a reshape of sharded values (``self.num_heads``, ``self.split_size``) are divided
-   (``tp_divide_attrs``); a global count read from ``self.config`` there is refused.
+   (``tp_divide_attrs``); a global count read from ``self.config`` there is refused. An
+   attention that splits its heads into parts working together (DiffLlama's ``chunk(2)``
+   pairing head ``i`` with ``i + H/2``) gets a strided cut of every part,
+   ``SS(0,k)`` (:mod:`~hpgen.planner.head_parts`).
 3. **Boundaries.** The group's lowest common module is one block (``R -> R`` in,
    ``P(sum) -> R`` out) when its ``forward`` returns the row's output alone (no residual
    added inside, no norm after). Otherwise the columns' common module becomes a block
@@ -39,8 +42,8 @@ This module walks the decoder layers and takes each group through the steps, eac
 class of the deriver: :mod:`~hpgen.planner.groups` (1: the groups, and what lies between
 their projections), :mod:`~hpgen.planner.heads` and :mod:`~hpgen.planner.reshapes` (2: the
 heads, fused layouts, attributes to divide; :mod:`~hpgen.planner.head_cuts`, per-head inputs
-made outside the attention), :mod:`~hpgen.planner.derived_blocks` (3 and 4: the boundaries and
-their parameters).
+made outside the attention; :mod:`~hpgen.planner.head_parts`, heads split into parts),
+:mod:`~hpgen.planner.derived_blocks` (3 and 4: the boundaries and their parameters).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from hpgen.planner.entries import Contradicted, Derivation, Note, Placed, Refuse
 from hpgen.planner.flow import Flow, leaf_kind, module_names, run_module
 from hpgen.planner.groups import GroupFinding, depths, sources
 from hpgen.planner.head_cuts import HeadCuts
+from hpgen.planner.head_parts import HeadParts, Parts
 from hpgen.planner.heads import HeadRules, per_head_input
 from hpgen.planner.latent import LatentRefused, check_broadcast, replicated_closure
 from hpgen.planner.modules import generic, is_linear, is_nn_linear, positive_int, relative
@@ -71,7 +75,7 @@ def derive(model: Any, *, tp: int | None, source: Path | None = None) -> Derivat
     return _Deriver(model, tp, source).run()
 
 
-class _Deriver(GroupFinding, HeadRules, HeadCuts, ReshapeRules, BlockChoice):
+class _Deriver(GroupFinding, HeadRules, HeadCuts, HeadParts, ReshapeRules, BlockChoice):
     """The derivation of one model: each decoder layer's groups placed, then the vocabulary."""
 
     def __init__(self, model: Any, tp: int | None, source: Path) -> None:
@@ -90,6 +94,7 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, ReshapeRules, BlockChoice):
         self._latent: dict[str, set[str]] = {}  # row FQN -> replicated down-projections of its group (MLA)
         self._group_latent: set[str] = set()
         self._group_flow: Flow | None = None
+        self._group_parts: Parts | None = None
 
     def run(self) -> Derivation:
         for layer in self._layers():
@@ -222,7 +227,7 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, ReshapeRules, BlockChoice):
                     "(a grouped projection): a slice of its rows is not a linear layer's shard"
                 )
         for fqn in sorted(mids):
-            self._check_mid(fqn, cols, layer)
+            self._check_mid(fqn, cols, layer, rows)
         raw = sorted({p for row in rows for p in sources(flow, row, linears, self._per_head).raw})
         sharded = cols | mids
         for consumer, origins in flow.edges.items():
@@ -247,16 +252,30 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, ReshapeRules, BlockChoice):
                 if per_head_input(m) and not self._switched_off(m)
             }
         )
-        self._runtime_head_check(cols, layer)
         heads = self._heads(cols, rows, layer) if what == "attention" else None
+        # heads split into parts that work together (differential attention): a strided cut of every part
+        parts = self._group_parts = self._head_parts(flow, cols, rows, layer, heads)
+        replicated = {c for c, layout in (parts.layouts if parts else {}).items() if layout[0] == "RS"}
+        self._runtime_head_check(cols - replicated, layer)
         head_inputs = self._head_inputs(cols, rows, layer, heads) if side and heads else {}
-        layouts = {col: self._column_layout(flow, col, cols, heads, layer, what) for col in sorted(cols)}
-        if what == "attention" and heads is not None:
+        if parts is not None:
+            layouts = dict(parts.layouts)  # the parts rule checked the heads against --tp itself
+        else:
+            layouts = {col: self._column_layout(flow, col, cols, heads, layer, what) for col in sorted(cols)}
+        if what == "attention" and heads is not None and parts is None:
             self._check_heads(cols, layouts, heads, layer)
-        counts = self._sharded_counts(cols, rows, layouts, heads)
+        counts = self._sharded_counts(cols - replicated, rows, layouts, heads)
         direct = self._direct_params(raw, cols, layouts, heads, layer)
         # reshapes of the parameters sharded with the heads (dt_bias.view(1, 1, num_heads, head_dim)) size shards too
-        divide = self._divided_attrs(flow, sharded | {f"param:{n}" for n, p in direct.items() if p != "R"}, counts, layer)
+        divide = self._divided_attrs(
+            flow,
+            sharded | {f"param:{n}" for n, p in direct.items() if p != "R"},
+            counts,
+            layer,
+            parts.lines if parts else set(),
+        )
+        for module, attrs in (parts.divide if parts else {}).items():
+            divide.setdefault(module, set()).update(attrs)
         self._boundaries(layer, cols, rows, mids, layouts, divide, what, direct, head_inputs)
 
     def _config(self, name: str) -> Any:

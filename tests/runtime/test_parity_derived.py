@@ -12,7 +12,9 @@ whose layers are classes under a module-level ``if``, and Fuyu, whose language m
 another modeling file (both read by the derivation, not rewritten: their feed-forwards shard as
 wrapped leaves); DeepSeek-V3's multi-head latent attention (the low-rank down-projections
 replicated in the block, the head-sized up-projections column-parallel) and Kimi Linear's KDA
-mixer (its depthwise convolution over the concatenated q/k/v as packed blocks, per-head ``A_log``).
+mixer (its depthwise convolution over the concatenated q/k/v as packed blocks, per-head ``A_log``), and
+DiffLlama's differential attention, whose heads work in pairs across the two halves (a strided cut
+of both halves; its two key/value heads replicated, or, with four, cut the same way).
 Each compares the logits and every parameter's gradient (this rank's slice) and checks the
 sizing report of :mod:`hpgen.planner.report` against the run: each rank's parameter bytes
 counted from its real parameters, and the collectives counted as they are called (each
@@ -33,7 +35,10 @@ import pytest
 from tests.derived_configs import tiny
 from tests.dist import run_distributed
 
-FAMILIES = ("gpt2", "gpt_neox", "opt", "gpt_bigcode", "bloom", "mpt", "xlstm", "fuyu", "mamba", "zamba", "mamba2", "deepseek_v3", "kimi_linear")
+FAMILIES = (
+    "gpt2", "gpt_neox", "opt", "gpt_bigcode", "bloom", "mpt", "xlstm", "fuyu", "mamba", "zamba", "mamba2",
+    "deepseek_v3", "kimi_linear", "diffllama", "diffllama_grouped",
+)
 SEED = 0
 SHARE_LIMIT: dict[str, float] = {}  # every family here shards to at most 0.65 of the parameters per rank
 BATCH, SEQ = 2, 7
