@@ -770,10 +770,6 @@ NOTES: dict[str, str] = {
     "packs [buckets, heads] with the heads last, which the derivation does not recognise (SS(0, buckets) would "
     "cut it), and, as in trocr, both attentions reshape their output to `hidden_size` read from "
     "`hidden_states.size()`, which a shard of the heads does not have.",
-    "diffllama": "the weightless `groupnorm` over each head pair ends the walk from `o_proj`; underneath, the "
-    "differential attention pairs heads i and i + H/2 (`chunk(2)` over the heads) and splits the value heads in "
-    "halves, so a rank's contiguous heads are not whole pairs (a strided cut with the 2 key/value heads "
-    "replicated would be needed).",
     "gpt_oss": "the experts stay replicated (0.76 of the tiny model): `GptOssExperts` adds `down_proj_bias[e]` to each "
     "expert's output before the routing weight multiplies it (`(h @ down_proj[e] + down_proj_bias[e]) * w`), so a "
     "row split of `down_proj` needs that bias on one rank only; no placement says so (`R` adds it on every rank, a "

@@ -104,6 +104,22 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             intermediate_size=89, attention_bias=True, keep_window_size=4, **_TINY,
         ),
     ),
+    # differential attention: heads i and i + H/2 work together, value heads in halves; one key/value head per
+    # half (every rank holds both: RS), and, 128 wide, two per half under grouped queries (a strided cut: SS)
+    "diffllama": (
+        "DiffLlamaConfig",
+        dict(
+            hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=89,
+            **_TINY,
+        ),
+    ),
+    "diffllama_grouped": (
+        "DiffLlamaConfig",
+        dict(
+            hidden_size=128, num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=2, intermediate_size=89,
+            **_TINY,
+        ),
+    ),
     # state-space mixers: 89 channels (uneven over 2 ranks) of Mamba1; Mamba2's packed z|x|B|C|dt in_proj
     "mamba": (
         "MambaConfig",

@@ -21,7 +21,10 @@ file) :mod:`hpgen.planner.flow` gives the graph of its layers: which ``nn.Linear
    ``view(..., heads, 3, head_dim)``: per-head interleaved -> ``S(d)``; one key/value
    head packed after the queries (multi-query) is refused). Integer attributes that
    size a reshape of sharded values (``self.num_heads``, ``self.split_size``) are divided
-   (``tp_divide_attrs``); a global count read from ``self.config`` there is refused.
+   (``tp_divide_attrs``); a global count read from ``self.config`` there is refused. An
+   attention that splits its heads into parts working together (DiffLlama's ``chunk(2)``
+   pairing head ``i`` with ``i + H/2``) gets a strided cut of every part,
+   ``SS(0,k)`` (:mod:`~hpgen.planner.head_parts`).
 3. **Boundaries.** The group's lowest common module is one block (``R -> R`` in,
    ``P(sum) -> R`` out) when its ``forward`` returns the row's output alone (no residual
    added inside, no norm after). Otherwise the columns' common module becomes a block
@@ -39,8 +42,8 @@ This module walks the decoder layers and takes each group through the steps, eac
 class of the deriver: :mod:`~hpgen.planner.groups` (1: the groups, and what lies between
 their projections), :mod:`~hpgen.planner.heads` and :mod:`~hpgen.planner.reshapes` (2: the
 heads, fused layouts, attributes to divide; :mod:`~hpgen.planner.head_cuts`, per-head inputs
-made outside the attention), :mod:`~hpgen.planner.derived_blocks` (3 and 4: the boundaries and
-their parameters).
+made outside the attention; :mod:`~hpgen.planner.head_parts`, heads split into parts),
+:mod:`~hpgen.planner.derived_blocks` (3 and 4: the boundaries and their parameters).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from hpgen.planner.flow import Flow, leaf_kind, module_names, run_module
 from hpgen.planner.gathered import check_gathered, gathered_columns
 from hpgen.planner.groups import GroupFinding, depths, first_marker, sources
 from hpgen.planner.head_cuts import HeadCuts
+from hpgen.planner.head_parts import HeadParts, Parts
 from hpgen.planner.heads import HeadRules, per_head_input
 from hpgen.planner.latent import LatentRefused, check_broadcast, replicated_closure
 from hpgen.planner.modules import generic, is_linear, is_nn_linear, positive_int, relative
@@ -72,7 +76,7 @@ def derive(model: Any, *, tp: int | None, source: Path | None = None) -> Derivat
     return _Deriver(model, tp, source).run()
 
 
-class _Deriver(GroupFinding, HeadRules, HeadCuts, ReshapeRules, BlockChoice):
+class _Deriver(GroupFinding, HeadRules, HeadCuts, HeadParts, ReshapeRules, BlockChoice):
     """The derivation of one model: each decoder layer's groups placed, then the vocabulary."""
 
     def __init__(self, model: Any, tp: int | None, source: Path) -> None:
@@ -91,6 +95,7 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, ReshapeRules, BlockChoice):
         self._latent: dict[str, set[str]] = {}  # row FQN -> replicated down-projections of its group (MLA)
         self._group_latent: set[str] = set()
         self._group_flow: Flow | None = None
+        self._group_parts: Parts | None = None
 
     def run(self) -> Derivation:
         for layer in self._layers():
@@ -223,7 +228,7 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, ReshapeRules, BlockChoice):
                     "(a grouped projection): a slice of its rows is not a linear layer's shard"
                 )
         for fqn in sorted(mids):
-            self._check_mid(fqn, cols, layer)
+            self._check_mid(fqn, cols, layer, rows)
         raw = sorted({p for row in rows for p in sources(flow, row, linears, self._per_head).raw})
         sharded = cols | mids
         # a column reading another column's output whole (Doge's dt_proj): gathered on entry, checked with the heads
@@ -250,18 +255,33 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, ReshapeRules, BlockChoice):
                 if per_head_input(m) and not self._switched_off(m)
             }
         )
-        self._runtime_head_check(cols, layer)
         heads = self._heads(cols, rows, layer) if what == "attention" else None
+        # heads split into parts that work together (differential attention): a strided cut of every part
+        parts = self._group_parts = self._head_parts(flow, cols, rows, layer, heads)
+        replicated = {c for c, layout in (parts.layouts if parts else {}).items() if layout[0] == "RS"}
+        self._runtime_head_check(cols - replicated, layer)
         head_inputs = self._head_inputs(cols, rows, layer, heads) if side and heads else {}
-        layouts = {col: self._column_layout(flow, col, cols, heads, layer, what) for col in sorted(cols - set(gathered))}
-        layouts.update({col: ("S", 1) for col in gathered})  # its outputs are whole values, one per head
+        if parts is not None:
+            layouts = dict(parts.layouts)  # the parts rule checked the heads against --tp itself
+        else:
+            plain = sorted(cols - set(gathered))
+            layouts = {col: self._column_layout(flow, col, cols, heads, layer, what) for col in plain}
+            layouts.update({col: ("S", 1) for col in gathered})  # its outputs are whole values, one per head
         check_gathered(gathered, self.modules, layouts, heads if what == "attention" else None, self.tp, layer)
-        if what == "attention" and heads is not None:
+        if what == "attention" and heads is not None and parts is None:
             self._check_heads(cols, layouts, heads, layer)
-        counts = self._sharded_counts(cols, rows, layouts, heads)
+        counts = self._sharded_counts(cols - replicated, rows, layouts, heads)
         direct = self._direct_params(raw, cols, layouts, heads, layer)
         # reshapes of the parameters sharded with the heads (dt_bias.view(1, 1, num_heads, head_dim)) size shards too
-        divide = self._divided_attrs(flow, sharded | {f"param:{n}" for n, p in direct.items() if p != "R"}, counts, layer)
+        divide = self._divided_attrs(
+            flow,
+            sharded | {f"param:{n}" for n, p in direct.items() if p != "R"},
+            counts,
+            layer,
+            parts.lines if parts else set(),
+        )
+        for module, attrs in (parts.divide if parts else {}).items():
+            divide.setdefault(module, set()).update(attrs)
         self._boundaries(layer, cols, rows, mids, layouts, divide, what, direct, head_inputs, set(gathered))
 
     def _config(self, name: str) -> Any:

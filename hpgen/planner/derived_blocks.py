@@ -16,6 +16,7 @@ from typing import Any
 
 from hpgen.planner.entries import Derivation, Placed, Refused
 from hpgen.planner.flow import leaf_kind, top_level_class
+from hpgen.planner.head_parts import Parts
 from hpgen.planner.latent import fed_columns, pre_chain, replicated_closure
 from hpgen.planner.load import defined_in
 from hpgen.planner.modules import is_conv1d, is_nn_linear, join, lca, relative, returns_addressable
@@ -34,6 +35,7 @@ class BlockChoice:
     result: Derivation
     _pre: dict[str, set[str]]
     _group_latent: set[str]
+    _group_parts: Parts | None
 
     def _boundaries(
         self,
@@ -65,6 +67,8 @@ class BlockChoice:
             if self._group_latent:
                 names = ", ".join(sorted(relative(p, common) for p in self._group_latent))
                 why += f"; the latent down-projection {names} (shared by the heads) replicated in the block"
+            if self._group_parts is not None:
+                why += f"; {self._group_parts.why}"
             placed = Placed(common, "block", inputs=block, why=why)
             self._cut_heads(placed, head_inputs, cols, rows, layer)  # type: ignore[attr-defined]
             self._params(placed, cols - gathered, rows, layouts)
@@ -164,10 +168,12 @@ class BlockChoice:
             module = self.modules[col]
             kind, k = layouts[col]
             dim = 1 if is_conv1d(module) else 0
-            text = f"SS({dim},{k})" if kind == "SS" else f"S({dim})"
+            # SS: k packed blocks; RS: replicated on k ranks (key/value heads every rank needs whole)
+            text = f"{kind}({dim},{k})" if kind in ("SS", "RS") else f"S({dim})"
             placed.params[join(relative(col, placed.fqn), "weight")] = text
             if getattr(module, "bias", None) is not None:
-                placed.params[join(relative(col, placed.fqn), "bias")] = f"SS(0,{k})" if kind == "SS" else "S(0)"
+                bias = f"{kind}(0,{k})" if kind in ("SS", "RS") else "S(0)"
+                placed.params[join(relative(col, placed.fqn), "bias")] = bias
         for row in sorted(rows):
             module = self.modules[row]
             dim = 0 if is_conv1d(module) else 1

@@ -89,4 +89,6 @@ def check_gathered(
                 col,
             )
         if tp is not None and n % tp:
-            raise Contradicted(f"{name} writes one value for each of {n} heads, which do not divide over --tp {tp}", col)
+            raise Contradicted(
+                f"{name} writes one value for each of {n} heads, which do not divide over --tp {tp}", col
+            )

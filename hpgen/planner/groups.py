@@ -17,6 +17,7 @@ from typing import Any
 
 from hpgen.planner.entries import Derivation, Refused
 from hpgen.planner.flow import Flow
+from hpgen.planner.heads import normalized_heads
 from hpgen.planner.latent import pre_projections, replicated_closure
 from hpgen.planner.mixers import absent, conv_placement, per_head_placement
 from hpgen.planner.modules import in_features, out_features, positive_int, relative
@@ -34,6 +35,7 @@ class GroupFinding:
     result: Derivation
     _latent: dict[str, set[str]]
     _group_flow: Flow | None
+    _group_parts: Any  # a head_parts.Parts while the group's heads are split into parts
 
     def _groups(
         self, flow: Flow, linears: set[str], depth: Mapping[str, int]
@@ -109,10 +111,13 @@ class GroupFinding:
                 raise Refused(
                     f"the code between the projections reads a parameter hpgen cannot place ({name})"
                 ) from None
+            parts = self._group_parts
             special = conv_placement(self.model, name, param, col_widths, shapes) or per_head_placement(
                 param, heads[0] if heads is not None else None
             )
-            if special is not None:
+            if parts is not None and heads is not None:  # heads in parts: a per-head vector takes every part's chunk
+                found[name] = _parts_placement(param, heads, parts.k, relative(name, layer))
+            elif special is not None:
                 found[name] = special  # a depthwise conv over the columns, or one value per head (A_log)
             elif param.dim() == 1 and (param.numel() in widths or (heads is not None and param.numel() == heads[0])):
                 found[name] = "S(0)"  # one value per feature of a column, or one per query head (GPT-OSS sinks)
@@ -125,17 +130,40 @@ class GroupFinding:
                 )
         return found
 
-    def _check_mid(self, fqn: str, cols: set[str], layer: str) -> None:
+    def _check_mid(self, fqn: str, cols: set[str], layer: str, rows: set[str]) -> None:
         module = self.modules[fqn]
         head_dim = self._head_dim(cols)
         sizes = {p.numel() for p in module.parameters()}
         shapes = [tuple(p.shape) for p in module.parameters()]
+        if not shapes:  # a weightless norm over whole heads, narrower than the rows' input: rows a rank holds whole
+            width = normalized_heads(module, {head_dim} if head_dim else set())
+            if width is not None and all(width < in_features(self.modules[r]) for r in rows):
+                return
+            raise Refused(
+                f"{relative(fqn, layer)} ({type(module).__name__}) sits between the column- and row-parallel "
+                "projections and normalises across the sharded features"
+            )
         if all(len(s) == 1 for s in shapes) and head_dim is not None and sizes <= {head_dim}:
             return  # a per-head norm (q_norm): runs on whole heads; its gradient is reduced
         raise Refused(
             f"{relative(fqn, layer)} ({type(module).__name__}, parameters {shapes}) sits between the column- and "
             "row-parallel projections and works across the sharded features"
         )
+
+
+def _parts_placement(param: Any, heads: tuple[int, int, int], k: int, name: str) -> str:
+    """A parameter read between the projections of an attention whose heads are split into ``k`` parts:
+    a scalar or one head's worth (DiffLlama's lambdas) replicated, one value per query head ``SS(0,k)``."""
+    q, _, head_dim = heads
+    if param.numel() == 1 or (param.dim() == 1 and param.numel() == head_dim != q):
+        return "R"
+    if param.dim() == 1 and param.numel() == q != head_dim:
+        return f"SS(0,{k})"
+    both = " (head_dim and the query heads are both that size)" if q == head_dim else ""
+    raise Refused(
+        f"the code between the projections computes with {name} {tuple(param.shape)} directly, which hpgen cannot "
+        f"place on heads split into {k} parts{both}"
+    )
 
 
 @dataclass

@@ -21,7 +21,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["HeadLayout", "head_layouts"]
+__all__ = ["HeadLayout", "head_layouts", "meta_forward", "probe_sizes"]
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class HeadLayout:
     shape: tuple[int, ...] = ()
 
 
-def _sizes(heads: int) -> tuple[int, int]:
+def probe_sizes(heads: int) -> tuple[int, int]:
     """A batch and a sequence length that no head count, or product, is mistaken for."""
     batch, length = 3, 7
     while batch in (heads, 1) or heads % batch == 0:
@@ -51,7 +51,7 @@ def head_layouts(model: Any, wanted: dict[str, tuple[str, ...]], heads: int) -> 
     """
     import torch
 
-    batch, length = _sizes(heads)
+    batch, length = probe_sizes(heads)
     seen: dict[tuple[str, str], Any] = {}
     handles = []
     for fqn, names in wanted.items():
@@ -69,7 +69,7 @@ def head_layouts(model: Any, wanted: dict[str, tuple[str, ...]], heads: int) -> 
 
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     try:
-        _meta_forward(model, batch, length)
+        meta_forward(model, batch, length)
     finally:
         for handle in handles:
             handle.remove()
@@ -92,7 +92,7 @@ def head_layouts(model: Any, wanted: dict[str, tuple[str, ...]], heads: int) -> 
     return found
 
 
-def _meta_forward(model: Any, batch: int, length: int) -> None:
+def meta_forward(model: Any, batch: int, length: int) -> None:
     """One forward of ``model`` on meta tensors; ``RuntimeError`` with the cause where it cannot run.
 
     With a mask of ones transformers does not look for packed sequences in the positions (a

@@ -23,6 +23,7 @@ __all__ = [
     "PER_HEAD_INPUTS",
     "HeadRules",
     "is_head_dim_name",
+    "normalized_heads",
     "per_head_input",
 ]
 
@@ -101,14 +102,18 @@ class HeadRules:
                     )
 
     def _per_head(self, fqn: str) -> bool:
-        """A layer of 1-D parameters of one head's size (a per-head ``q_norm``), which works on whole heads."""
+        """A layer that works on whole heads: 1-D parameters of one head's size (a per-head ``q_norm``), or a
+        weightless torch norm over a whole number of heads' features (:func:`normalized_heads`)."""
         if not hasattr(self, "_head_sizes"):
             sizes = {positive_int(self._config("head_dim"))}
             for module in self.modules.values():
                 sizes |= {positive_int(getattr(module, name, None)) for name in HEAD_DIM_ATTRS}
             self._head_sizes = {size for size in sizes if size}
-        params = list(self.modules[fqn].parameters())
-        return bool(params) and all(p.dim() == 1 and p.numel() in self._head_sizes for p in params)
+        module = self.modules[fqn]
+        params = list(module.parameters())
+        if not params:
+            return normalized_heads(module, self._head_sizes) is not None
+        return all(p.dim() == 1 and p.numel() in self._head_sizes for p in params)
 
     def _switched_off(self, name: str) -> bool:
         """An ``alibi`` input of a model whose config turns alibi off (Falcon's default): it arrives as None."""
@@ -186,6 +191,25 @@ class HeadRules:
                 )
         if tp is not None and (q % tp or kv % tp):
             raise Refused(f"{q} query and {kv} key/value heads do not divide over --tp {tp}")
+
+
+def normalized_heads(module: Any, head_sizes: Iterable[int]) -> int | None:
+    """The features a weightless ``nn.LayerNorm`` / ``nn.RMSNorm`` normalises together, when that is a whole
+    number of heads (DiffLlama's ``groupnorm``, ``nn.RMSNorm(2 * head_dim, elementwise_affine=False)``).
+
+    torch normalises each row of the trailing ``normalized_shape`` dims by itself, and the size is fixed
+    at construction: a rank holding whole rows (the heads sharded on a dim before them) computes exactly
+    its rows of the global result, and with no weight there is no gradient to reduce. A norm of another
+    class (whose forward may reduce over anything) is not taken on trust.
+    """
+    import torch.nn as nn
+
+    if not isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or any(True for _ in module.parameters()):
+        return None
+    shape = tuple(module.normalized_shape)
+    if len(shape) != 1 or not isinstance(shape[0], int):
+        return None
+    return shape[0] if any(size and shape[0] % size == 0 for size in head_sizes) else None
 
 
 def is_head_dim_name(attr: str) -> bool:

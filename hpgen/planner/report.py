@@ -13,7 +13,8 @@ computed from the model built on the meta device (shapes only) and the plan:
   ``(p-1)/p`` of the whole tensor). An all-gather that nothing tells its shard sizes
   first exchanges them (one int64 per rank), as :mod:`hpgen.runtime.collectives` does;
   one after a split of the same dim, or of a wrapped module's features, does not. Gradient all-reduces of
-  ``grad_reduce_params`` run once per backward, whatever the tokens.
+  ``grad_reduce_params`` and of ``RS(d,r)`` parameters (over their ``r`` replicas) run once per backward,
+  whatever the tokens.
 
 Grouped per decoder layer (boundaries under a numbered module-list element, by layer
 kind) and totalled per forward. torch is imported by the caller's model only; the
@@ -227,6 +228,16 @@ def size_report(model: Any, plan: Mapping[str, Any] | Plan, *, tp: int, dtype: A
                 report.grad_reduce_count += 1
             except AttributeError:
                 continue
+        for name, layout in sorted(entry.params.items()):  # RS(d,r): the local chunk summed over its r replicas
+            placement = layout.on("tp")
+            if placement.kind != "RS" or placement.replicas < 2 or name in entry.grad_reduce_params:
+                continue
+            try:
+                param = modules[fqn].get_parameter(name)
+            except AttributeError:
+                continue
+            report.grad_reduce_bytes += _prod(local_shape(tuple(param.shape), [(placement, 0, tp)])) * element
+            report.grad_reduce_count += 1
         layer = _layer_of(fqn)
         if layer is None:
             report.outside += collectives

@@ -10,7 +10,7 @@ from an unsharded tensor's size are refused.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -79,13 +79,25 @@ class ReshapeRules:
         counts.discard(0)
         return counts
 
-    def _divided_attrs(self, flow: Flow, sharded: set[str], counts: set[int], layer: str) -> dict[str, set[str]]:
-        """Module FQN -> integer attributes that size reshapes of the sharded values."""
+    def _divided_attrs(
+        self,
+        flow: Flow,
+        sharded: set[str],
+        counts: set[int],
+        layer: str,
+        parts: Collection[tuple[str, int]] = (),
+    ) -> dict[str, set[str]]:
+        """Module FQN -> integer attributes that size reshapes of the sharded values.
+
+        ``parts``: ``(module, line)`` of the splits of the heads into parts that the strided
+        cut of :mod:`hpgen.planner.head_parts` keeps whole.
+        """
         wanted: dict[str, set[str]] = {}
         replicated: set[tuple[str, str]] = set()
         for use in flow.shapes:
             origins = use.receiver
-            if origins & sharded and use.method in ("chunk", "split", "tensor_split") and dim_of(use) in (1, -3):
+            split = use.method in ("chunk", "split", "tensor_split")
+            if origins & sharded and split and dim_of(use) in (1, -3) and (use.module, use.line) not in parts:
                 raise Refused(
                     f"{relative(use.module, layer) or 'the layer'} splits the heads into groups ({use.method} along "
                     f"dim {dim_of(use)}, line {use.line}): a rank's contiguous heads are not whole groups"

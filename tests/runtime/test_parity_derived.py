@@ -12,9 +12,11 @@ whose layers are classes under a module-level ``if``, and Fuyu, whose language m
 another modeling file (both read by the derivation, not rewritten: their feed-forwards shard as
 wrapped leaves); DeepSeek-V3's multi-head latent attention (the low-rank down-projections
 replicated in the block, the head-sized up-projections column-parallel) and Kimi Linear's KDA
-mixer (its depthwise convolution over the concatenated q/k/v as packed blocks, per-head ``A_log``);
-and Doge's dynamic-mask attention, whose ``dt_proj`` reads every value head and writes one mask
-value per key/value head: column-parallel over those outputs, its input gathered on entry
+mixer (its depthwise convolution over the concatenated q/k/v as packed blocks, per-head ``A_log``),
+DiffLlama's differential attention, whose heads work in pairs across the two halves (a strided cut
+of both halves; its two key/value heads replicated, or, with four, cut the same way), and Doge's
+dynamic-mask attention, whose ``dt_proj`` reads every value head and writes one mask value per
+key/value head: column-parallel over those outputs, its input gathered on entry
 (:mod:`hpgen.planner.gathered`), with a keep window shorter than the sequence so that the top-k
 over the keys runs on each rank's heads (also with ``--sp``, and decoded greedily with the cache).
 Each compares the logits and every parameter's gradient (this rank's slice) and checks the
@@ -39,7 +41,7 @@ from tests.dist import run_distributed
 
 FAMILIES = (
     "gpt2", "gpt_neox", "opt", "gpt_bigcode", "bloom", "mpt", "xlstm", "fuyu", "mamba", "zamba", "mamba2",
-    "deepseek_v3", "kimi_linear", "doge",
+    "deepseek_v3", "kimi_linear", "diffllama", "diffllama_grouped", "doge",
 )
 # families planned as `hpgen plan` does by default: transformers' plan, its blocks cross-checked against the
 # source (Doge's attention replaced by the derived one, whose dt_proj gathers the values on entry)
