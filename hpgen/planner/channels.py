@@ -33,7 +33,7 @@ from typing import Any
 from hpgen.planner.entries import Placed, Refused
 from hpgen.planner.flow import Flow, leaf_kind
 from hpgen.planner.modules import in_features, is_nn_linear, join, out_features, relative
-from hpgen.planner.state_leaves import check_state_leaf, leaf_flow, state_leaves
+from hpgen.planner.state_leaves import check_state_leaf, follows_channels, leaf_flow, state_leaves
 
 __all__ = ["ChannelMixer", "find_channel_mixer"]
 
@@ -86,6 +86,10 @@ def find_channel_mixer(deriver: Any, fqn: str, hidden: int | None) -> ChannelMix
         return None
     out = outs[0]
     channels = in_features(modules[out])
+    if not own and not all(
+        follows_channels(modules[leaf], channels) for leaf in state_leaves(deriver.model, fqn, deriver.read)
+    ):
+        return None  # its only parameterised leaves are not per-channel states: not a state-space mixer
     # from here on it is a state-space mixer: what does not fit is a reason, not a silent replica
     if flow.result.item(0).whole() != {out}:
         raise Refused(f"{relative(fqn, deriver_layer(deriver, fqn))} returns more than its back projection's output")

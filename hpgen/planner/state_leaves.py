@@ -35,7 +35,7 @@ from hpgen.planner.flow.runner import class_nodes, forward_owner, function_def, 
 from hpgen.planner.layouts import flat_dims
 from hpgen.planner.modules import relative
 
-__all__ = ["check_state_leaf", "leaf_flow", "state_leaves"]
+__all__ = ["channel_groups", "check_state_leaf", "follows_channels", "leaf_flow", "state_leaves"]
 
 REDUCTIONS = frozenset(
     {
@@ -47,12 +47,12 @@ CONTRACTIONS = frozenset({"matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "
 
 
 def state_leaves(model: Any, fqn: str, source: Path | tuple[Path, ...]) -> list[str]:
-    """The modules under the mixer at ``fqn`` that the dataflow treats as leaves but whose ``forward``
+    """The children of the mixer at ``fqn`` that the dataflow treats as leaves but whose ``forward``
     is in the modeling file, with parameters of their own and no children (not a norm)."""
     module = model.get_submodule(fqn)
     found = []
-    for name, child in module.named_modules():
-        if not name or leaf_kind(child, source) != "leaf" or is_norm(child) or any(True for _ in child.children()):
+    for name, child in module.named_children():
+        if leaf_kind(child, source) != "leaf" or is_norm(child) or any(True for _ in child.children()):
             continue
         owner = forward_owner(type(child), "forward")
         if not any(True for _ in child.parameters(recurse=False)) or owner is None or not _in_file(owner, source):
@@ -77,18 +77,15 @@ def check_state_leaf(deriver: Any, fqn: str, channels: int, mixer: str) -> set[i
     heads: set[int] = set()
     per_head: set[str] = set()
     for name, param in module.named_parameters(recurse=False):
-        shape = tuple(int(s) for s in param.shape)
-        if shape and shape[0] == channels and channels not in shape[1:]:
-            continue
-        if len(shape) >= 2 and 1 < shape[0] < channels and channels % shape[0] == 0:
-            width = channels // shape[0]
-            if shape[1] == width and channels not in shape[2:]:
-                heads.add(shape[0])
-                per_head.add(name)
-                continue
-        raise Refused(
-            f"{where}.{name} {shape} neither holds one value per channel nor per head of the {channels} channels"
-        )
+        count = channel_groups(param, channels)
+        if count is None:
+            raise Refused(
+                f"{where}.{name} {tuple(param.shape)} neither holds one value per channel nor per head of the "
+                f"{channels} channels"
+            )
+        if count < channels:
+            heads.add(count)
+            per_head.add(name)
     flow = leaf_flow(deriver, fqn)
     first = flow.first_input
     for count in sorted(heads):
@@ -101,6 +98,24 @@ def check_state_leaf(deriver: Any, fqn: str, channels: int, mixer: str) -> set[i
     if found is not None:
         raise Refused(f"{where} {found}, which could combine the channels")
     return heads
+
+
+def follows_channels(module: Any, channels: int) -> bool:
+    """Whether every parameter of ``module`` holds one value per channel or per head (see the module docstring)."""
+    params = list(module.parameters(recurse=False))
+    return bool(params) and all(channel_groups(p, channels) is not None for p in params)
+
+
+def channel_groups(param: Any, channels: int) -> int | None:
+    """``C`` for a ``[C, ...]`` parameter, ``H`` for ``[H, C // H, ...]``, None otherwise (or when another
+    dim is ``C``: a matrix over the channels mixes them)."""
+    shape = tuple(int(s) for s in param.shape)
+    if shape and shape[0] == channels and channels not in shape[1:]:
+        return channels
+    if len(shape) >= 2 and 1 < shape[0] < channels and channels % shape[0] == 0:
+        if shape[1] == channels // shape[0] and channels not in shape[2:]:
+            return shape[0]
+    return None
 
 
 def _cuts_heads(flow: Flow, origin: str, count: int, width: int, fqn: str) -> bool:
