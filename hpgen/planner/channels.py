@@ -19,6 +19,13 @@ vLLM shard it, on ``--tp`` ranks:
 - the projection back to the stream is row-parallel, and the mixer is one block,
   ``R -> R`` in, ``P(sum) -> R`` out.
 
+The per-channel state may sit in a recurrence the mixer holds instead (RecurrentGemma's
+RG-LRU: per-head gates ``[heads, C // heads, C // heads]``, a per-channel decay): a leaf of
+the file to the dataflow, opened and checked by :mod:`hpgen.planner.state_leaves`. A depthwise
+convolution called as a module (``self.conv_1d(x)``, not ``F.conv1d`` on its weight) gets its
+``groups`` divided, and a state the mixer allocates for its channels its size attribute
+(:func:`channel_attrs`).
+
 The mixer is recognised from the graph of its own ``forward`` (:mod:`hpgen.planner.flow`)
 and the shapes of its parameters, never by name: it returns the back projection's output
 alone, and every parameter inside it either follows the channels or lies on the path of the

@@ -16,7 +16,12 @@ this rank's channels only when its code shows, for ``C`` channels:
 - its code (its own methods, and the functions and ``autograd.Function`` classes of the
   file it calls) calls no reduction (``sum``, ``mean``, ``softmax``, a norm...), and every
   contraction (``matmul``, ``bmm``, ``baddbmm``, ``einsum``, ``@``) takes a per-head
-  parameter as an operand: it contracts within a head.
+  parameter as an operand: it contracts within a head. This reads the source, every branch
+  of it, not the one path the instance takes: conservative by design.
+
+Only the mixer's own children are candidates, and only where every parameter they hold is
+per channel or per head (:func:`follows_channels`): an attention with a parameterised helper
+(a relative-position table) is not taken for a state-space mixer.
 
 Anything else is a reason (:class:`~hpgen.planner.entries.Refused`), never a guess.
 """
