@@ -251,7 +251,8 @@ def channel_attrs(deriver: Any, mixer: ChannelMixer) -> dict[str, set[str]]:
     counts = {mixer.channels, *mixer.heads} | {int(out_features(deriver.modules[c])) for c in mixer.linears}
     hidden = deriver._config("hidden_size")
     counts.discard(hidden)
-    flows = [deriver._flow(mixer.fqn), *(leaf_flow(deriver, leaf) for leaf in state_leaves(deriver.model, mixer.fqn, deriver.read))]
+    leaves = state_leaves(deriver.model, mixer.fqn, deriver.read)
+    flows = [deriver._flow(mixer.fqn), *(leaf_flow(deriver, leaf) for leaf in leaves)]
     wanted: dict[str, set[str]] = {module: set(attrs) for module, attrs in mixer.divide.items()}
     for flow in flows:
         for use in flow.shapes:
