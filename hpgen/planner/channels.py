@@ -163,7 +163,11 @@ def _channel_parallel(
         raise Refused(f"none of the parameters of {where} follows its {channels} channels")
     for leaf in leaves:  # a recurrence of the file holding its gates: opened, and proven to work per channel
         check_state_leaf(deriver, leaf, channels, fqn)
-    block = Placed(fqn, "block", inputs=(first,), why="state-space mixer: channel-parallel projections and scan")
+    why = "state-space mixer: channel-parallel projections and scan"
+    if leaves:
+        opened = ", ".join(relative(leaf, fqn) for leaf in leaves)
+        why += f" (the recurrence {opened} read from its source: per channel and per head only)"
+    block = Placed(fqn, "block", inputs=(first,), why=why)
     mixer = ChannelMixer(fqn, channels, block, linears=set(linears))
     for col in cols:
         block.params[join(relative(col, fqn), "weight")] = _column_placement(deriver, flow, col, channels, where)
