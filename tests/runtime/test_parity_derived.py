@@ -12,9 +12,14 @@ whose layers are classes under a module-level ``if``, and Fuyu, whose language m
 another modeling file (both read by the derivation, not rewritten: their feed-forwards shard as
 wrapped leaves); DeepSeek-V3's multi-head latent attention (the low-rank down-projections
 replicated in the block, the head-sized up-projections column-parallel) and Kimi Linear's KDA
-mixer (its depthwise convolution over the concatenated q/k/v as packed blocks, per-head ``A_log``), and
+mixer (its depthwise convolution over the concatenated q/k/v as packed blocks, per-head ``A_log``),
 DiffLlama's differential attention, whose heads work in pairs across the two halves (a strided cut
-of both halves; its two key/value heads replicated, or, with four, cut the same way).
+of both halves; its two key/value heads replicated, or, with four, cut the same way), and
+RecurrentGemma, whose recurrent block holds its per-channel state in a recurrence of the file
+(the RG-LRU, per-head gates) and calls its depthwise ``nn.Conv1d`` as a module: besides the logits
+and gradients, greedy generation with the cache (prefill, then decode steps that read the
+convolution's weight directly and the channel states allocated at ``lru_width``) gives the
+reference's tokens, from a 1-token and from a 5-token prompt.
 Each compares the logits and every parameter's gradient (this rank's slice) and checks the
 sizing report of :mod:`hpgen.planner.report` against the run: each rank's parameter bytes
 counted from its real parameters, and the collectives counted as they are called (each
@@ -37,8 +42,13 @@ from tests.dist import run_distributed
 
 FAMILIES = (
     "gpt2", "gpt_neox", "opt", "gpt_bigcode", "bloom", "mpt", "xlstm", "fuyu", "mamba", "zamba", "mamba2",
-    "deepseek_v3", "kimi_linear", "diffllama", "diffllama_grouped",
-)
+    "deepseek_v3", "kimi_linear", "diffllama", "diffllama_grouped", "recurrent_gemma",
+)  # fmt: skip
+# families also compared on greedy generation with the cache, by prompt length. RecurrentGemma keeps its states
+# on the modules and allocates them afresh when the batch size changes: the 1-token prompt, right after the
+# batch-of-2 forward, decodes from the zero states it allocates (the convolution's at ``self.hidden_size``)
+GENERATES = {"recurrent_gemma": (1, 5)}
+NEW_TOKENS = 4
 SEED = 0
 SHARE_LIMIT: dict[str, float] = {}  # every family here shards to at most 0.65 of the parameters per rank
 BATCH, SEQ = 2, 7
@@ -173,7 +183,11 @@ def _run(family: str, plan: dict, generated: str, mesh: Any, counter: _Collectiv
             tol = max(tol, tolerance(dict(reference.named_parameters())[f"{name[:-4]}weight"].grad))
         if not err <= tol:
             failures.append(f"{name}: {err:.3g} > {tol:.3g}")
+    generated = {
+        length: _greedy(model, reference, ids[:1, :length]) for length in GENERATES.get(family, ())
+    }
     return {
+        "generated": generated,
         "logits_err": (logits - ref_logits).abs().max().item(),
         "logits_tol": tolerance(ref_logits),
         "failures": failures,
@@ -181,6 +195,38 @@ def _run(family: str, plan: dict, generated: str, mesh: Any, counter: _Collectiv
         "full_bytes": sum(p.numel() * p.element_size() for p in reference.parameters()),
         **counted,
     }
+
+
+def _greedy(model: Any, reference: Any, prompt: Any) -> dict:
+    """Greedy tokens and per-step logits of both models with the cache (``use_cache=True``)."""
+    import torch
+
+    options = dict(
+        max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, use_cache=True, pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    with torch.no_grad():
+        mine, ref = model.generate(prompt, **options), reference.generate(prompt, **options)
+    from tests.runtime.models import tolerance
+
+    ref_scores = torch.stack(ref.logits)
+    return {
+        "tokens": mine.sequences.tolist(),
+        "reference_tokens": ref.sequences.tolist(),
+        "scores_err": (torch.stack(mine.logits) - ref_scores).abs().max().item(),
+        "scores_tol": tolerance(ref_scores),
+    }
+
+
+@pytest.mark.parametrize("family", sorted(GENERATES))
+def test_greedy_generation_with_the_cache_matches(results: tuple[dict, list[dict]], family: str) -> None:
+    _, ranks = results
+    for rank, by_family in enumerate(ranks):
+        for length, got in by_family[family]["generated"].items():
+            assert got["tokens"] == got["reference_tokens"], (rank, length)
+            assert len(got["tokens"][0]) == length + NEW_TOKENS, (rank, length)
+            assert got["scores_err"] <= got["scores_tol"], (rank, length, got["scores_err"])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
