@@ -761,9 +761,6 @@ NOTES: dict[str, str] = {
     "rwkv": "the time-mix attention writes its per-channel recurrent state into `state`, which RwkvModel allocates "
     "at the full width for generation; shards of key/value/receptance could not be written back, so the attention "
     "stays replicated (the feed-forward shards).",
-    "recurrent_gemma": "between `linear_x` and `linear_out` the recurrent block runs a depthwise `nn.Conv1d` "
-    "(`groups` = width) and the RG-LRU (block-diagonal gates per head, states of `lru_width`); the derivation "
-    "stops at the convolution, so only the MLP shards.",
     "trocr": "`TrOCRAttention` reshapes its output to `embed_dim` read from `hidden_states.size()`, not from an "
     "attribute hpgen could divide, so a shard of the heads cannot be reshaped.",
     "prophetnet": "its relative position buckets are not per head (no cut needed), but `relative_pos_embeddings` "

@@ -134,6 +134,15 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             mamba_d_state=16, mamba_dt_rank=4, use_cache=False, **_TINY,
         ),
     ),
+    # Griffin: two recurrent blocks (linear_x/linear_y -> depthwise conv_1d -> RG-LRU with per-head gates ->
+    # linear_out) and one sliding-window attention layer
+    "recurrent_gemma": (
+        "RecurrentGemmaConfig",
+        dict(
+            hidden_size=64, lru_width=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            intermediate_size=89, num_hidden_layers=3, attention_window_size=16, vocab_size=127,
+        ),
+    ),
     "mamba2": (
         "Mamba2Config",
         dict(

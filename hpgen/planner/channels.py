@@ -19,6 +19,13 @@ vLLM shard it, on ``--tp`` ranks:
 - the projection back to the stream is row-parallel, and the mixer is one block,
   ``R -> R`` in, ``P(sum) -> R`` out.
 
+The per-channel state may sit in a recurrence the mixer holds instead (RecurrentGemma's
+RG-LRU: per-head gates ``[heads, C // heads, C // heads]``, a per-channel decay): a leaf of
+the file to the dataflow, opened and checked by :mod:`hpgen.planner.state_leaves`. A depthwise
+convolution called as a module (``self.conv_1d(x)``, not ``F.conv1d`` on its weight) gets its
+``groups`` divided, and a state the mixer allocates for its channels its size attribute
+(:func:`channel_attrs`).
+
 The mixer is recognised from the graph of its own ``forward`` (:mod:`hpgen.planner.flow`)
 and the shapes of its parameters, never by name: it returns the back projection's output
 alone, and every parameter inside it either follows the channels or lies on the path of the
@@ -33,6 +40,7 @@ from typing import Any
 from hpgen.planner.entries import Placed, Refused
 from hpgen.planner.flow import Flow, leaf_kind
 from hpgen.planner.modules import in_features, is_nn_linear, join, out_features, relative
+from hpgen.planner.state_leaves import check_state_leaf, follows_channels, leaf_flow, state_leaves
 
 __all__ = ["ChannelMixer", "find_channel_mixer"]
 
@@ -47,6 +55,7 @@ class ChannelMixer:
     reduced: list[Placed] = field(default_factory=list)  # the projections that are boundaries of their own
     linears: set[str] = field(default_factory=set)  # every projection the mixer holds
     heads: set[int] = field(default_factory=set)  # head counts of per-head parameters ([heads, C // heads, ...])
+    divide: dict[str, set[str]] = field(default_factory=dict)  # module FQN -> attributes sized by the channels
 
 
 def find_channel_mixer(deriver: Any, fqn: str, hidden: int | None) -> ChannelMixer | None:
@@ -66,8 +75,8 @@ def find_channel_mixer(deriver: Any, fqn: str, hidden: int | None) -> ChannelMix
     if not hidden or leaf_kind(module, deriver.source) != "source":
         return None
     own = dict(module.named_parameters(recurse=False))
-    if not own:
-        return None  # a mixer holds per-channel state parameters of its own (A_log, D)
+    if not own and not state_leaves(deriver.model, fqn, deriver.read):
+        return None  # a mixer holds per-channel state parameters: its own (A_log, D) or a recurrence's (RG-LRU)
     if not any(_depthwise(child) for child in module.modules()):
         return None  # the mark of a state-space mixer: a convolution along the sequence, channel by channel
     flow: Flow = deriver._flow(fqn)
@@ -84,6 +93,10 @@ def find_channel_mixer(deriver: Any, fqn: str, hidden: int | None) -> ChannelMix
         return None
     out = outs[0]
     channels = in_features(modules[out])
+    if not own and not all(
+        follows_channels(modules[leaf], channels) for leaf in state_leaves(deriver.model, fqn, deriver.read)
+    ):
+        return None  # its only parameterised leaves are not per-channel states: not a state-space mixer
     # from here on it is a state-space mixer: what does not fit is a reason, not a silent replica
     if flow.result.item(0).whole() != {out}:
         raise Refused(f"{relative(fqn, deriver_layer(deriver, fqn))} returns more than its back projection's output")
@@ -143,9 +156,18 @@ def _channel_parallel(
     module = modules[fqn]
     first = flow.first_input
     own = dict(module.named_parameters(recurse=False))
+    leaves = state_leaves(deriver.model, fqn, deriver.read)
+    for leaf in leaves:
+        own.update(deriver.modules[leaf].named_parameters(prefix=relative(leaf, fqn), recurse=False))
     if not any(_heads_of(p, channels) is not None for p in own.values()):
         raise Refused(f"none of the parameters of {where} follows its {channels} channels")
-    block = Placed(fqn, "block", inputs=(first,), why="state-space mixer: channel-parallel projections and scan")
+    for leaf in leaves:  # a recurrence of the file holding its gates: opened, and proven to work per channel
+        check_state_leaf(deriver, leaf, channels, fqn)
+    why = "state-space mixer: channel-parallel projections and scan"
+    if leaves:
+        opened = ", ".join(relative(leaf, fqn) for leaf in leaves)
+        why += f" (the recurrence {opened} read from its source: per channel and per head only)"
+    block = Placed(fqn, "block", inputs=(first,), why=why)
     mixer = ChannelMixer(fqn, channels, block, linears=set(linears))
     for col in cols:
         block.params[join(relative(col, fqn), "weight")] = _column_placement(deriver, flow, col, channels, where)
@@ -182,6 +204,15 @@ def _channel_parallel(
             groups = getattr(sub, "groups", None)
             if groups is not None and groups != getattr(sub, "in_channels", groups):
                 raise Refused(f"{relative(owner_fqn, fqn)} is a convolution that mixes channels (groups={groups})")
+            if groups is not None and owner_fqn in flow.edges:
+                # called as a module (not read as F.conv1d(x, self.conv.weight, groups=x.shape[1])): nn.Conv1d
+                # runs with its own groups, which must be this rank's channels
+                if deriver.tp is not None and channels % deriver.tp:
+                    raise Refused(
+                        f"{relative(owner_fqn, fqn)} is a depthwise convolution called as a module, whose groups "
+                        f"({channels}) do not divide over --tp {deriver.tp}"
+                    )
+                mixer.divide.setdefault(owner_fqn, set()).update(("groups", "in_channels", "out_channels"))
             if _is_norm_across(sub, owner_fqn, fqn):
                 raise Refused(
                     f"{relative(owner_fqn, fqn)} ({type(sub).__name__}) normalises across the {channels} channels"
@@ -205,32 +236,64 @@ def _channel_parallel(
 
 
 def channel_attrs(deriver: Any, mixer: ChannelMixer) -> dict[str, set[str]]:
-    """Module FQN -> integer attributes that size a reshape or split with a channel count (divided on install).
+    """Module FQN -> integer attributes that size the channels (divided on install).
 
     The generated code runs the mixer's own body on the local channels, so a size it reads
-    from ``self`` (``self.intermediate_size`` in a split) must be the local one; a count read
-    from ``self.config`` cannot be divided and refuses.
+    from ``self`` must be the local one: in a reshape or split (``self.intermediate_size``)
+    of the mixer or of a recurrence it holds (the RG-LRU's ``self.num_attention_heads``),
+    and in a state it allocates (``torch.zeros((batch, self.lru_width))``), a dim that is
+    one attribute equal to the channel or head count. The body holds nothing of the
+    stream's width but the stream-fed projections' input and the back projection's output,
+    which it does not allocate, so an allocated dim of ``C`` is the channels even where
+    ``C`` equals the hidden size (RecurrentGemma sizes its convolution state with
+    ``self.hidden_size``, equal to ``lru_width``). A depthwise convolution called as a module
+    gets its ``groups`` divided. A count read from ``self.config`` in a reshape cannot be
+    divided and refuses.
     """
     from hpgen.planner.layouts import arg_reads
 
     counts = {mixer.channels, *mixer.heads} | {int(out_features(deriver.modules[c])) for c in mixer.linears}
     hidden = deriver._config("hidden_size")
     counts.discard(hidden)
-    wanted: dict[str, set[str]] = {}
-    for use in deriver._flow(mixer.fqn).shapes:
-        for module, attr in arg_reads(use):
-            if attr.startswith(("missing:", "method:")):
-                continue
-            value = deriver._value(module, attr)
-            if isinstance(value, bool) or not isinstance(value, int) or value not in counts:
-                continue
-            if attr.startswith("config.") or "." in attr:
-                raise Refused(
-                    f"{relative(module, mixer.fqn) or 'the mixer'} sizes the channels with self.{attr} "
-                    f"(line {use.line}), a global count hpgen cannot divide"
-                )
-            wanted.setdefault(module, set()).add(attr)
+    leaves = state_leaves(deriver.model, mixer.fqn, deriver.read)
+    flows = [deriver._flow(mixer.fqn), *(leaf_flow(deriver, leaf) for leaf in leaves)]
+    wanted: dict[str, set[str]] = {module: set(attrs) for module, attrs in mixer.divide.items()}
+    for flow in flows:
+        for use in flow.shapes:
+            for module, attr in arg_reads(use):
+                if attr.startswith(("missing:", "method:")):
+                    continue
+                value = deriver._value(module, attr)
+                if isinstance(value, bool) or not isinstance(value, int) or value not in counts:
+                    continue
+                if attr.startswith("config.") or "." in attr:
+                    raise Refused(
+                        f"{relative(module, mixer.fqn) or 'the mixer'} sizes the channels with self.{attr} "
+                        f"(line {use.line}), a global count hpgen cannot divide"
+                    )
+                wanted.setdefault(module, set()).add(attr)
+        for use in flow.allocations:
+            for module, attr in _allocated_channels(deriver, use, {mixer.channels, *mixer.heads}):
+                wanted.setdefault(module, set()).add(attr)
     return wanted
+
+
+def _allocated_channels(deriver: Any, use: Any, counts: set[int]) -> list[tuple[str, str]]:
+    """The ``(module, attribute)`` of each dim of an allocation that is one plain attribute of a channel count."""
+    values = list(use.arg_vals)
+    if len(values) == 1 and values[0].items is not None:
+        values = list(values[0].items)
+    found = []
+    for value in values:
+        reads = [r for r in value.all_reads() if not r[1].startswith(("missing:", "method:"))]
+        if len(reads) != 1 or not isinstance(value.const, int) or isinstance(value.const, bool):
+            continue
+        module, attr = reads[0]
+        if attr.startswith("config.") or "." in attr or value.const not in counts:
+            continue
+        if deriver._value(module, attr) == value.const:  # the attribute itself, not an expression of it
+            found.append((module, attr))
+    return found
 
 
 def mixer_rows(mixer: ChannelMixer) -> list[str]:

@@ -14,11 +14,16 @@ wrapped leaves); DeepSeek-V3's multi-head latent attention (the low-rank down-pr
 replicated in the block, the head-sized up-projections column-parallel) and Kimi Linear's KDA
 mixer (its depthwise convolution over the concatenated q/k/v as packed blocks, per-head ``A_log``),
 DiffLlama's differential attention, whose heads work in pairs across the two halves (a strided cut
-of both halves; its two key/value heads replicated, or, with four, cut the same way), and Doge's
-dynamic-mask attention, whose ``dt_proj`` reads every value head and writes one mask value per
-key/value head: column-parallel over those outputs, its input gathered on entry
-(:mod:`hpgen.planner.gathered`), with a keep window shorter than the sequence so that the top-k
-over the keys runs on each rank's heads (also with ``--sp``, and decoded greedily with the cache).
+of both halves; its two key/value heads replicated, or, with four, cut the same way), and
+RecurrentGemma, whose recurrent block holds its per-channel state in a recurrence of the file
+(the RG-LRU, per-head gates) and calls its depthwise ``nn.Conv1d`` as a module: besides the logits
+and gradients, greedy generation with the cache (prefill, then decode steps that read the
+convolution's weight directly and the channel states allocated at ``lru_width``) gives the
+reference's tokens, from a 1-token and from a 5-token prompt; and Doge's dynamic-mask attention,
+whose ``dt_proj`` reads every value head and writes one mask value per key/value head:
+column-parallel over those outputs, its input gathered on entry (:mod:`hpgen.planner.gathered`),
+with a keep window shorter than the sequence so that the top-k over the keys runs on each rank's
+heads (also with ``--sp``, and generated greedily through the cache, whose keys outgrow the window).
 Each compares the logits and every parameter's gradient (this rank's slice) and checks the
 sizing report of :mod:`hpgen.planner.report` against the run: each rank's parameter bytes
 counted from its real parameters, and the collectives counted as they are called (each
@@ -41,18 +46,20 @@ from tests.dist import run_distributed
 
 FAMILIES = (
     "gpt2", "gpt_neox", "opt", "gpt_bigcode", "bloom", "mpt", "xlstm", "fuyu", "mamba", "zamba", "mamba2",
-    "deepseek_v3", "kimi_linear", "diffllama", "diffllama_grouped", "doge",
-)
+    "deepseek_v3", "kimi_linear", "diffllama", "diffllama_grouped", "recurrent_gemma", "doge",
+)  # fmt: skip
 # families planned as `hpgen plan` does by default: transformers' plan, its blocks cross-checked against the
 # source (Doge's attention replaced by the derived one, whose dt_proj gathers the values on entry)
 TRANSFORMERS_PLAN = ("doge",)
-# families also decoded greedily with the cache, against the reference: Doge's mask over the cached keys
-# (more than its keep window) is built from the gathered cached values, per rank's heads
-GENERATE = ("doge",)
-NEW_TOKENS = 6
 # families also planned with --sp (the sequence-sharded stream around the same blocks), as case "<family>_sp"
 SP = ("doge",)
 CASES = FAMILIES + tuple(f"{family}_sp" for family in SP)
+# families also compared on greedy generation with the cache, by prompt length. RecurrentGemma keeps its states
+# on the modules and allocates them afresh when the batch size changes: the 1-token prompt, right after the
+# batch-of-2 forward, decodes from the zero states it allocates (the convolution's at ``self.hidden_size``)
+# Doge's 5-token prompt already holds more keys than its keep window of 4
+GENERATES = {"recurrent_gemma": (1, 5), "doge": (5,)}
+NEW_TOKENS = 4
 SEED = 0
 SHARE_LIMIT: dict[str, float] = {}  # every family here shards to at most 0.65 of the parameters per rank
 BATCH, SEQ = 2, 7
@@ -176,17 +183,6 @@ def _run(case: str, plan: dict, generated: str, mesh: Any, counter: _CollectiveC
     (ref_logits * projection).sum().backward()
     (logits * projection).sum().backward()
 
-    decoded = {}
-    if case in GENERATE:
-        with torch.no_grad():
-            options = dict(max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True)
-            mine_out, ref_out = model.generate(ids[:1], **options), reference.generate(ids[:1], **options)
-        ref_scores = torch.stack(ref_out.logits)
-        decoded = {
-            "tokens": (mine_out.sequences.tolist(), ref_out.sequences.tolist()),
-            "scores": ((torch.stack(mine_out.logits) - ref_scores).abs().max().item(), tolerance(ref_scores)),
-        }
-
     rank, size = mesh.get_local_rank(), mesh.size()
     layouts = param_layouts(reference, plan)
     failures = []
@@ -204,15 +200,50 @@ def _run(case: str, plan: dict, generated: str, mesh: Any, counter: _CollectiveC
             tol = max(tol, tolerance(dict(reference.named_parameters())[f"{name[:-4]}weight"].grad))
         if not err <= tol:
             failures.append(f"{name}: {err:.3g} > {tol:.3g}")
+    generated = {
+        length: _greedy(model, reference, ids[:1, :length]) for length in GENERATES.get(case, ())
+    }
     return {
+        "generated": generated,
         "logits_err": (logits - ref_logits).abs().max().item(),
         "logits_tol": tolerance(ref_logits),
         "failures": failures,
         "rank_bytes": rank_bytes,
         "full_bytes": sum(p.numel() * p.element_size() for p in reference.parameters()),
-        "decoded": decoded,
         **counted,
     }
+
+
+def _greedy(model: Any, reference: Any, prompt: Any) -> dict:
+    """Greedy tokens and per-step logits of both models with the cache (``use_cache=True``)."""
+    import torch
+
+    options = dict(
+        max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, use_cache=True, pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    with torch.no_grad():
+        mine, ref = model.generate(prompt, **options), reference.generate(prompt, **options)
+    from tests.runtime.models import tolerance
+
+    ref_scores = torch.stack(ref.logits)
+    return {
+        "tokens": mine.sequences.tolist(),
+        "reference_tokens": ref.sequences.tolist(),
+        "scores_err": (torch.stack(mine.logits) - ref_scores).abs().max().item(),
+        "scores_tol": tolerance(ref_scores),
+    }
+
+
+@pytest.mark.parametrize("family", sorted(GENERATES))
+def test_greedy_generation_with_the_cache_matches(results: tuple[dict, list[dict]], family: str) -> None:
+    _, ranks = results
+    for rank, by_family in enumerate(ranks):
+        for length, got in by_family[family]["generated"].items():
+            assert got["tokens"] == got["reference_tokens"], (rank, length)
+            assert len(got["tokens"][0]) == length + NEW_TOKENS, (rank, length)
+            assert got["scores_err"] <= got["scores_tol"], (rank, length, got["scores_err"])
 
 
 @pytest.mark.parametrize("family", CASES)
@@ -222,18 +253,6 @@ def test_logits_and_every_gradient_match(results: tuple[dict, list[dict]], famil
         result = by_family[family]
         assert result["logits_err"] <= result["logits_tol"], f"rank {rank}: {result['logits_err']}"
         assert not result["failures"], f"rank {rank}: " + "; ".join(result["failures"][:5])
-
-
-@pytest.mark.parametrize("family", GENERATE)
-def test_greedy_decoding_with_the_cache_matches(results: tuple[dict, list[dict]], family: str) -> None:
-    _, ranks = results
-    for rank, by_family in enumerate(ranks):
-        decoded = by_family[family]["decoded"]
-        mine, theirs = decoded["tokens"]
-        assert mine == theirs, f"rank {rank}"
-        assert len(mine[0]) == SEQ + NEW_TOKENS
-        err, tol = decoded["scores"]
-        assert err <= tol, f"rank {rank}: {err} > {tol}"
 
 
 # Fuyu's parameters are mostly its vision patch projection (replicated, never run by the text-only

@@ -45,6 +45,8 @@ METADATA_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "requ
 # only that method's (concatenated) result: transformers' ``apply_chunking_to_forward``.
 CHUNKING_CALLS = frozenset({"apply_chunking_to_forward"})
 METADATA_CALLS = frozenset({"size", "dim", "numel", "get_seq_length", "element_size", "stride", "is_contiguous"})
+# torch functions that build a tensor from sizes alone (a state the code allocates): recorded in ``allocations``.
+ALLOCATIONS = frozenset({"zeros", "ones", "empty", "full"})
 
 
 class Expressions:
@@ -204,6 +206,9 @@ class Expressions:
                 self._shape(func.attr, receiver, node, args)
             elif torch_name in SHAPE_METHODS and args:
                 self._shape(torch_name, args[0], node, args[1:], skip=1)
+            elif torch_name in ALLOCATIONS and args:
+                sizes = args[:1] if torch_name == "full" else args  # torch.full(size, fill_value)
+                self._shape(torch_name, Val(), node, sizes, record=self.runner.flow.allocations)
             return union([receiver, *operands])
         passed = [a for a in args if a.modules is not None and method_name(a) is not None]
         if passed:  # apply_chunking_to_forward(self.feed_forward_chunk, ..., x): the method runs on the tensors
@@ -244,8 +249,10 @@ class Expressions:
             result = value if result is None else merge(result, value)
         return result if result is not None else EMPTY
 
-    def _shape(self, method: str, receiver: Val, node: ast.Call, args: list[Val], skip: int = 0) -> None:
-        self.runner.flow.shapes.append(
+    def _shape(
+        self, method: str, receiver: Val, node: ast.Call, args: list[Val], skip: int = 0, record: list | None = None
+    ) -> None:
+        (self.runner.flow.shapes if record is None else record).append(
             ShapeUse(
                 self.fqn,
                 method,

@@ -62,13 +62,20 @@ def run_module(
     *,
     inputs: Mapping[str, Val] | None = None,
     names: Mapping[int, str] | None = None,
+    open_leaf: bool = False,
 ) -> Flow:
-    """Interpret ``model.get_submodule(fqn).forward`` with ``in:<param>`` markers (or ``inputs``)."""
+    """Interpret ``model.get_submodule(fqn).forward`` with ``in:<param>`` markers (or ``inputs``).
+
+    ``open_leaf`` interprets the module's own ``forward`` even when it is a leaf (a module of
+    the file holding parameters and no children, such as a recurrence with its gates): its
+    direct parameter reads and reshapes are then recorded instead of one opaque edge.
+    """
     if names is None:
         names = module_names(model)
     flow = Flow()
     module = model.get_submodule(fqn) if fqn else model
     runner = Runner(model, source, names, flow)
+    runner.open_top = open_leaf
     flow.result = runner.call_module(fqn, module, None, inputs, depth=0, markers=inputs is None)
     return flow
 
@@ -90,6 +97,7 @@ class Runner:
         self.names = names
         self.flow = flow
         self.stack: list[tuple[str, str]] = []
+        self.open_top = False  # interpret the module the run starts at, even a leaf (see run_module)
 
     # -- calls
 
@@ -107,6 +115,8 @@ class Runner:
         """The value a call of ``module`` (at ``fqn``) returns."""
 
         kind = leaf_kind(module, self.source) if method == "forward" else "source"
+        if kind == "leaf" and depth == 0 and self.open_top and function_def(type(module), method) is not None:
+            kind = "source"
         if kind == "sequential":
             value = union([*(args or []), *(kwargs or {}).values()])
             for name, child in module.named_children():

@@ -124,6 +124,7 @@ class Flow:
     inputs: dict[str, set[str]] = field(default_factory=dict)  # leaf FQN -> origins of its first (data) input
     leaf_calls: dict[str, int] = field(default_factory=dict)  # leaf FQN -> how many call sites
     shapes: list[ShapeUse] = field(default_factory=list)
+    allocations: list[ShapeUse] = field(default_factory=list)  # torch.zeros(sizes, ...): states built from sizes
     raw_params: dict[str, set[str]] = field(default_factory=dict)  # module FQN -> parameters its code reads
     config_reads: dict[str, set[str]] = field(default_factory=dict)  # module FQN -> config.<attr> its code reads
     modules_run: set[str] = field(default_factory=set)  # modules whose forward in the source was interpreted

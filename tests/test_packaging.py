@@ -1,0 +1,17 @@
+"""The wheel ships every package of the source tree (an editable install would hide a missing one)."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_package_under_hpgen_is_listed_for_the_wheel() -> None:
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(init.parent.relative_to(ROOT).parts) for init in (ROOT / "hpgen").rglob("__init__.py")
+    }
+    assert found - listed == set(), "packages missing from [tool.setuptools] packages in pyproject.toml"
+    assert "hpgen.templates" in listed
