@@ -727,9 +727,6 @@ NOTES: dict[str, str] = {
     "features) would run on the colwise-sharded intermediate, so hpgen keeps the MLPs of the sparse layers "
     "(`activation_sparsity` > 0: two of the tiny config's four) replicated and shards the others; with the "
     "per-layer input embeddings and AltUp projections replicated too, a rank holds more than 0.65.",
-    "doge": "transformers' attention plan is dropped: its `rowwise` `self_attn.dt_proj` reads the value "
-    "projection's output whole (its reduced output builds the mask for every head, while the scores hold this "
-    "rank's heads only); the attention stays replicated, as the plan derived from the source leaves it.",
     "gemma3": "the language model, built through `AutoModel`, takes the generated classes; transformers' plan "
     "shards only the language model: the SigLIP vision tower (from modeling_siglip.py through `AutoModel`, 147k of "
     "the tiny model's 219k parameters) and the projector stay replicated, and the derivation that completes "

@@ -94,6 +94,16 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             pad_token_id=0, bos_token_id=0, eos_token_id=0, **_TINY,
         ),
     ),
+    # Doge's dynamic-mask attention: dt_proj reads every value head and writes one value per key/value
+    # head (gathered on entry); with biases, and a keep window shorter than the test's sequences so that
+    # prepare_dynamic_mask's top-k over the keys runs on each rank's heads
+    "doge": (
+        "DogeConfig",
+        dict(
+            hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
+            intermediate_size=89, attention_bias=True, keep_window_size=4, **_TINY,
+        ),
+    ),
     # differential attention: heads i and i + H/2 work together, value heads in halves; one key/value head per
     # half (every rank holds both: RS), and, 128 wide, two per half under grouped queries (a strided cut: SS)
     "diffllama": (

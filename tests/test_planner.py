@@ -428,16 +428,83 @@ def test_chunked_attributes_reads_forward_and_the_methods_it_calls() -> None:
 
 
 def test_a_block_the_source_contradicts_falls_back_to_replicated() -> None:
-    # Doge: transformers' rowwise dt_proj reads the value projection's output whole (its reduced
-    # output builds the mask for all heads); the attention stays replicated and the plan says why.
-    # MLA plans (deepseek_v2) keep their attention: what needs a value whole there is kv_a_layernorm,
-    # which transformers' plan leaves replicated too.
-    _, doge = _translated("doge")
-    assert "model.layers.*.self_attn" not in doge["param_plan"] and "model.layers.*.mlp" in doge["param_plan"]
-    assert "dt_proj" in doge["comments"]["replaced"]["model.layers.*.self_attn"]
+    # a block of transformers' plan that shards the module needing a sharded value whole is dropped,
+    # the group staying replicated as the derivation leaves it; MLA plans (deepseek_v2) keep their
+    # attention: what needs a value whole there is kv_a_layernorm, which transformers leaves replicated too
+    from hpgen.planner.crosscheck import drop_contradicted
+    from hpgen.planner.entries import Derivation
+
+    plan = {
+        "param_plan": {
+            "layers.*.attn": {"params": {"q.weight": {"tp": "S(0)"}, "mix.weight": {"tp": "S(1)"}}},
+            "layers.*.mlp": {"params": {"up.weight": {"tp": "S(0)"}}},
+        },
+        "comments": {},
+    }
+    derivation = Derivation()
+    derivation.note("layers.0.attn.q", False, "the output of q also reaches mix", needs_whole="layers.0.attn.mix")
+    kept = drop_contradicted(plan, derivation)
+    assert list(kept["param_plan"]) == ["layers.*.mlp"]
+    assert "kept replicated" in kept["comments"]["replaced"]["layers.*.attn"]
     _, deepseek = _translated("deepseek_v2")
     assert "model.layers.*.self_attn" in deepseek["param_plan"]
     assert "replaced" not in deepseek["comments"]
+
+
+def test_a_projection_reading_the_values_whole_is_gathered_on_entry() -> None:
+    # Doge's dt_proj reads every value head (kv_heads * head_dim -> kv_heads) to build one mask row per
+    # key/value head: column-parallel over its outputs, its input gathered (S(-1) -> R), its output
+    # sharded with the heads; A (one per key/value head) follows. transformers' rowwise dt_proj is
+    # replaced by the derived attention; the MLP stays as transformers' plan has it.
+    from hpgen.planner.derive import derive
+    from hpgen.planner.load import meta_model
+
+    derivation = derive(meta_model(tiny("doge")), tp=2)
+    assert derivation.placed["model.layers.0.self_attn"].kind == "block"
+    leaf = derivation.placed["model.layers.0.self_attn.dt_proj"]
+    assert leaf.kind == "gather_leaf" and leaf.params == {"weight": "S(0)", "bias": "S(0)"}
+    attn = derivation.placed["model.layers.0.self_attn"].params
+    assert attn["A"] == "S(0)" and not any(name.startswith("dt_proj.") for name in attn)
+    plan = plan_model_of("doge")
+    assert plan["comments"]["plan_source"] == "transformers' plan"
+    dt_proj = entry(plan, "model.layers.*.self_attn.dt_proj")
+    assert dt_proj["in_src"] == {"input": {"tp": "S(-1)"}} and dt_proj["in_dst"] == {"input": {"tp": "R"}}
+    assert dt_proj["out_src"] == dt_proj["out_dst"] == {"output": {"tp": "S(-1)"}}
+    assert entry(plan, "model.layers.*.self_attn")["params"]["o_proj.weight"] == {"tp": "S(1)"}
+    assert "gathers its input" in plan["comments"]["replaced"]["model.layers.*.self_attn"]
+    assert "model.layers.*.mlp" in plan["param_plan"]
+    # --sp: the derived attention is entered from the sequence-sharded stream like transformers' MLP
+    from hpgen.planner.make import plan_model
+
+    sp = plan_model(meta_model(tiny("doge")), tp=2, sp=True, name="doge")
+    assert entry(sp, "model.layers.*.self_attn")["in_src"] == {"hidden_states": {"tp": "S(1)"}}
+    assert entry(sp, "model.layers.*.self_attn.dt_proj")["in_src"] == {"input": {"tp": "S(-1)"}}
+    assert entry(sp, "model.layers.*.mlp")["in_src"] == {"x": {"tp": "S(1)"}}
+
+
+def test_a_gathered_column_must_write_one_value_per_head_of_a_plain_layout() -> None:
+    import torch.nn as nn
+
+    from hpgen.planner.entries import Contradicted
+    from hpgen.planner.gathered import check_gathered
+
+    modules = {"a.v": nn.Linear(64, 32), "a.dt": nn.Linear(32, 2), "a.mix": nn.Linear(32, 3)}
+    heads = (4, 2, 16)
+    check_gathered({"a.dt": {"a.v"}}, modules, {"a.v": ("S", 1)}, heads, 2, "a")  # one per key/value head
+    with pytest.raises(Contradicted, match="not one per head"):
+        check_gathered({"a.mix": {"a.v"}}, modules, {"a.v": ("S", 1)}, heads, 2, "a")
+    with pytest.raises(Contradicted, match="packed layout"):
+        check_gathered({"a.dt": {"a.v"}}, modules, {"a.v": ("SS", 2)}, heads, 2, "a")
+    with pytest.raises(Contradicted, match="do not divide"):
+        check_gathered({"a.dt": {"a.v"}}, modules, {"a.v": ("S", 1)}, heads, 4, "a")
+
+
+def plan_model_of(family: str) -> dict[str, Any]:
+    """``hpgen plan --tp 2`` of ``family``'s tiny config (transformers' plan where it has one)."""
+    from hpgen.planner.load import meta_model
+    from hpgen.planner.make import plan_model
+
+    return plan_model(meta_model(tiny(family)), tp=2, name=family)
 
 
 def test_identity_experts_become_partial_inside_the_experts_sum() -> None:

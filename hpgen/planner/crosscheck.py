@@ -1,19 +1,23 @@
 """transformers' plan checked against the source: blocks the code contradicts fall back.
 
 hpgen translates transformers' ``base_model_tp_plan`` because it is the interchange format,
-but a hand-written plan can shard a block whose code does not allow it: in Doge the
-``rowwise`` ``dt_proj`` reads the value projection's output whole to build the attention
-mask, while the scores hold only this rank's heads. The derivation
+but a hand-written plan can shard a block whose code does not allow it: a value computed
+from the column-parallel projections reaches a module that needs it whole. The derivation
 (:mod:`hpgen.planner.derive`) follows each value through the layer's ``forward`` and records
 such a group as contradicted (:class:`~hpgen.planner.entries.Contradicted`), naming the
 module that needs the value whole. A block of transformers' plan that shards that very
 module is dropped (an MLA ``kv_a_layernorm``, which transformers keeps replicated, leaves
-the plan as it is): the group stays
-replicated, as the plan derived from the source leaves it, and the plan's comments say so
-(``replaced``, printed by ``hpgen plan --explain``). Likewise a block instance whose
-``forward`` reduces the features of a column-sharded value (:func:`drop_feature_statistics`).
-"""
+the plan as it is): the group stays replicated, as the plan derived from the source leaves
+it, and the plan's comments say so (``replaced``, printed by ``hpgen plan --explain``).
+Likewise a block instance whose ``forward`` reduces the features of a column-sharded value
+(:func:`drop_feature_statistics`).
 
+Where the derivation shards that module itself, gathering its input on entry (a gathered
+column, :mod:`hpgen.planner.gathered`: Doge's ``dt_proj``, which transformers' plan makes
+``rowwise`` although it reads every value head to build one mask row per head), the block
+of transformers' plan is dropped for the derived one (:func:`drop_regathered`):
+transformers' styles cannot say "gather the input, keep the output sharded".
+"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,7 +25,7 @@ from typing import Any
 
 from hpgen.planner.entries import Derivation
 
-__all__ = ["drop_contradicted", "drop_feature_statistics"]
+__all__ = ["drop_contradicted", "drop_feature_statistics", "drop_regathered"]
 
 
 def drop_contradicted(plan: dict[str, Any], derivation: Derivation) -> dict[str, Any]:
@@ -42,6 +46,36 @@ def drop_contradicted(plan: dict[str, Any], derivation: Derivation) -> dict[str,
                 break
     if not dropped:
         return plan
+    return _without(plan, dropped)
+
+
+def drop_regathered(plan: dict[str, Any], derivation: Derivation) -> tuple[dict[str, Any], set[str]]:
+    """``plan`` without its blocks that shard a module the derivation gathers the input of; their keys.
+
+    The keys dropped are for the derived blocks to take their place (:func:`hpgen.planner.make.plan_model`).
+    """
+    gathered = [note for note in derivation.notes if note.needs_whole and note.sharded]
+    dropped: dict[str, str] = {}
+    for key, entry in plan["param_plan"].items():
+        sharded = {
+            name.rpartition(".")[0] for name, layout in entry.get("params", {}).items() if set(layout.values()) != {"R"}
+        }
+        for note in gathered:
+            consumer = note.needs_whole[len(key) + 1 :] if note.needs_whole.startswith(key + ".") else None
+            if consumer is not None and consumer in sharded:
+                dropped[key] = (
+                    f"transformers' plan shards {consumer} here, but it reads a sharded projection's output whole; "
+                    f"derived from the source instead: {consumer} is column-parallel over its outputs (one per head) "
+                    "and gathers its input on entry"
+                )
+                break
+    if not dropped:
+        return plan, set()
+    return _without(plan, dropped), set(dropped)
+
+
+def _without(plan: dict[str, Any], dropped: dict[str, str]) -> dict[str, Any]:
+    """``plan`` without the entries ``dropped`` names, each listed with its reason under ``replaced``."""
     result = dict(plan)
     result["param_plan"] = {key: entry for key, entry in plan["param_plan"].items() if key not in dropped}
     classes = {key: name for key, name in plan.get("boundary_classes", {}).items() if key not in dropped}
@@ -51,7 +85,8 @@ def drop_contradicted(plan: dict[str, Any], derivation: Derivation) -> dict[str,
     result["injections"] = [i for i in plan.get("injections", []) if i.get("match") not in dropped]
     if not result["injections"]:
         result.pop("injections")
-    result["comments"] = {**plan.get("comments", {}), "replaced": dict(sorted(dropped.items()))}
+    replaced = {**plan.get("comments", {}).get("replaced", {}), **dropped}
+    result["comments"] = {**plan.get("comments", {}), "replaced": dict(sorted(replaced.items()))}
     return result
 
 

@@ -55,7 +55,8 @@ from typing import Any
 from hpgen.planner.derived_blocks import BlockChoice
 from hpgen.planner.entries import Contradicted, Derivation, Note, Placed, Refused
 from hpgen.planner.flow import Flow, leaf_kind, module_names, run_module
-from hpgen.planner.groups import GroupFinding, depths, sources
+from hpgen.planner.gathered import check_gathered, gathered_columns
+from hpgen.planner.groups import GroupFinding, depths, first_marker, sources
 from hpgen.planner.head_cuts import HeadCuts
 from hpgen.planner.head_parts import HeadParts, Parts
 from hpgen.planner.heads import HeadRules, per_head_input
@@ -230,8 +231,10 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, HeadParts, ReshapeRules, Block
             self._check_mid(fqn, cols, layer, rows)
         raw = sorted({p for row in rows for p in sources(flow, row, linears, self._per_head).raw})
         sharded = cols | mids
+        # a column reading another column's output whole (Doge's dt_proj): gathered on entry, checked with the heads
+        gathered = gathered_columns(flow, cols, linears, self.modules, self._per_head, first_marker(flow))
         for consumer, origins in flow.edges.items():
-            if origins & sharded and consumer not in rows and consumer not in mids:
+            if origins & sharded and consumer not in rows and consumer not in mids and consumer not in gathered:
                 raise Contradicted(
                     f"the output of {', '.join(relative(c, layer) for c in sorted(origins & cols)) or 'a column'} "
                     f"also reaches {relative(consumer, layer)}, which needs it whole",
@@ -261,7 +264,10 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, HeadParts, ReshapeRules, Block
         if parts is not None:
             layouts = dict(parts.layouts)  # the parts rule checked the heads against --tp itself
         else:
-            layouts = {col: self._column_layout(flow, col, cols, heads, layer, what) for col in sorted(cols)}
+            plain = sorted(cols - set(gathered))
+            layouts = {col: self._column_layout(flow, col, cols, heads, layer, what) for col in plain}
+            layouts.update({col: ("S", 1) for col in gathered})  # its outputs are whole values, one per head
+        check_gathered(gathered, self.modules, layouts, heads if what == "attention" else None, self.tp, layer)
         if what == "attention" and heads is not None and parts is None:
             self._check_heads(cols, layouts, heads, layer)
         counts = self._sharded_counts(cols - replicated, rows, layouts, heads)
@@ -276,7 +282,7 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, HeadParts, ReshapeRules, Block
         )
         for module, attrs in (parts.divide if parts else {}).items():
             divide.setdefault(module, set()).update(attrs)
-        self._boundaries(layer, cols, rows, mids, layouts, divide, what, direct, head_inputs)
+        self._boundaries(layer, cols, rows, mids, layouts, divide, what, direct, head_inputs, set(gathered))
 
     def _config(self, name: str) -> Any:
         """A value of the (text) config, or None where it is absent or per layer (transformers raises then)."""

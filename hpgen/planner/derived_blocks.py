@@ -48,12 +48,15 @@ class BlockChoice:
         what: str,
         direct: Mapping[str, str],
         head_inputs: Mapping[str, str] | None = None,
+        gathered: set[str] | None = None,
     ) -> None:
+        gathered = gathered or set()
         common = lca(cols | rows)
         if not (common == layer or common.startswith(layer + ".")):
             common = layer
         pieces: list[Placed] = []
-        block = self._clean(common, cols, rows, mids, full=True)
+        # a gathered column reads the other columns, not the block's inputs: in the group, not walked back
+        block = self._clean(common, cols - gathered, rows, mids | gathered, full=True)
         if head_inputs and block is None and common in cols | rows:
             raise Refused(
                 f"the attention takes {', '.join(repr(n) for n in sorted(head_inputs))} (one slice per head, made "
@@ -68,8 +71,23 @@ class BlockChoice:
                 why += f"; {self._group_parts.why}"
             placed = Placed(common, "block", inputs=block, why=why)
             self._cut_heads(placed, head_inputs, cols, rows, layer)  # type: ignore[attr-defined]
-            self._params(placed, cols, rows, layouts)
+            self._params(placed, cols - gathered, rows, layouts)
             pieces.append(placed)
+            for col in sorted(gathered):  # its own wrapped nn.Linear: the input is gathered on entry
+                leaf = Placed(
+                    col,
+                    "gather_leaf",
+                    why=f"{what}: column-parallel over its outputs, one per head; its input, a sharded column's "
+                    "output, is gathered whole on entry (all-gather; reduce-scatter in backward)",
+                )
+                self._params(leaf, {col}, set(), layouts)
+                pieces.append(leaf)
+        elif gathered:
+            names = ", ".join(relative(c, layer) for c in sorted(gathered))
+            raise Refused(
+                f"{names} reads a sharded column's output whole, and no module around the projections returns only "
+                "the row's output to hold the gather"
+            )
         else:
             column = lca(cols)
             inputs = None
@@ -137,7 +155,8 @@ class BlockChoice:
                 raise Refused(f"{relative(piece.fqn, layer) or layer} would hold two groups")
         for piece in pieces:
             self.result.placed[piece.fqn] = piece
-            self.result.note(piece.fqn, True, piece.why)
+            # a gathered leaf needs its input whole: the cross-check drops a transformers plan that shards it otherwise
+            self.result.note(piece.fqn, True, piece.why, needs_whole=piece.fqn if piece.kind == "gather_leaf" else "")
         for module, attrs in divide.items():
             owner = self.result.placed.get(module)
             if owner is None:

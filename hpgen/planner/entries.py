@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 __all__ = ["SHARDING_KINDS", "Derivation", "Note", "Placed", "Refused"]
 
 # Kinds of entries that shard something inside the decoder layers (not attrs, aliases, the vocabulary).
-SHARDING_KINDS = ("block", "col_block", "col_leaf", "row_leaf", "reduce_leaf", "col_gather", "split_row")
+SHARDING_KINDS = ("block", "col_block", "col_leaf", "row_leaf", "reduce_leaf", "gather_leaf", "col_gather", "split_row")
 
 
 @dataclass
@@ -16,7 +16,7 @@ class Placed:
     """One plan entry the derivation asks for (a concrete FQN)."""
 
     fqn: str
-    kind: str  # block | col_block | col_leaf | row_leaf | heads | lm_head | embedding | attrs | alias
+    kind: str  # block | col_block | col_leaf | row_leaf | gather_leaf | heads | lm_head | embedding | attrs | alias
     params: dict[str, str] = field(default_factory=dict)  # relative parameter name -> placement on tp
     deferred: set[str] = field(default_factory=set)
     inputs: tuple[str, ...] = ()  # forward parameters entering a block (R -> R)
@@ -34,7 +34,9 @@ class Note:
     target: str
     sharded: bool
     text: str
-    needs_whole: str = ""  # the module that needs the group's sharded value whole (see Contradicted)
+    # the module that needs the group's sharded value whole: left replicated (see Contradicted), or, on a
+    # sharded note, a gathered column (hpgen.planner.gathered) that gathers it on entry
+    needs_whole: str = ""
 
 
 @dataclass

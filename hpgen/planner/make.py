@@ -81,6 +81,8 @@ def _plan_model(
         plan["comments"] = {"plan_source": TRANSFORMERS, **plan.get("comments", {})}
         if ep is None and not sp:
             plan = _completed(model, plan, tp=tp, name=name)
+        elif ep is None:
+            plan = _regathered_sp(model, plan, tp=tp, name=name)
         return plan
     if ep is not None:
         raise HpgenError(
@@ -113,7 +115,7 @@ def _completed(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -
     """
     from hpgen.errors import HpgenError as _Error
     from hpgen.plan import plan_from_dict
-    from hpgen.planner.crosscheck import drop_contradicted, drop_feature_statistics
+    from hpgen.planner.crosscheck import drop_contradicted, drop_feature_statistics, drop_regathered
     from hpgen.planner.derive import derive
     from hpgen.planner.entries import Derivation
     from hpgen.planner.translate import derived_plan
@@ -125,10 +127,12 @@ def _completed(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -
         plan["comments"]["completion_skipped"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
         return plan
     plan = drop_contradicted(plan, derivation)  # blocks of transformers' plan that the source contradicts
+    plan, regathered = drop_regathered(plan, derivation)  # ... or shards otherwise than the derived blocks do
     loaded = plan_from_dict(plan)
     taken = [fqn for fqn, _ in model.named_modules() if fqn and loaded.entry_for(fqn) is not None]
     # what the cross-checks kept replicated is not completed back either
-    taken += [fqn for fqn, _ in model.named_modules() if fqn and _matches_any(fqn, plan["comments"].get("replaced", {}))]
+    kept = {key: text for key, text in plan["comments"].get("replaced", {}).items() if key not in regathered}
+    taken += [fqn for fqn, _ in model.named_modules() if fqn and _matches_any(fqn, kept)]
     extra = Derivation()
     for fqn, placed in derivation.placed.items():
         # whole blocks only (a module returning its row's output alone): what transformers' authors
@@ -144,7 +148,8 @@ def _completed(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -
         extra.placed[fqn] = placed
     for fqn, placed in derivation.placed.items():
         inside = any(fqn == b or fqn.startswith(b + ".") for b in extra.placed)
-        if placed.kind in ("attrs", "reduce_leaf") and inside:  # sizes and a mixer's reduced x_proj
+        # sizes, a mixer's reduced x_proj, a gathered column (Doge's dt_proj)
+        if placed.kind in ("attrs", "reduce_leaf", "gather_leaf") and inside:
             extra.placed[fqn] = placed
     if not any(p.kind != "attrs" for p in extra.placed.values()):
         return plan
@@ -167,6 +172,53 @@ def _completed(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -
         },
     }
     return merged
+
+
+def _regathered_sp(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -> dict[str, Any]:
+    """``--sp``: transformers' blocks that shard a gathered column otherwise, replaced by the derived blocks.
+
+    Without ``--sp`` :func:`_completed` does this along with the rest. With it, only the blocks of
+    transformers' plan that shard a module the derivation gathers the input of (Doge's ``dt_proj``)
+    are swapped for the derived ones, entered from the sequence-sharded stream like the blocks around
+    them; where the derived blocks do not fit, the dropped blocks stay replicated.
+    """
+    from hpgen.errors import HpgenError as _Error
+    from hpgen.plan import plan_from_dict
+    from hpgen.planner.crosscheck import drop_regathered
+    from hpgen.planner.derive import derive
+    from hpgen.planner.entries import Derivation
+    from hpgen.planner.translate import derived_plan
+
+    try:
+        derivation = derive(model, tp=tp)
+    except Exception:  # the derivation is a cross-check here: transformers' plan stands without it
+        return plan
+    trimmed, keys = drop_regathered(plan, derivation)
+    if not keys:
+        return plan
+    extra = Derivation(
+        placed={fqn: p for fqn, p in derivation.placed.items() if _matches_any_prefix(fqn, keys)},
+        notes=list(derivation.notes),
+    )
+    try:
+        addition = derived_plan(model, extra, tp=tp, sp=True, name=name)
+        merged = dict(trimmed)
+        entries = {key: entry for key, entry in addition["param_plan"].items() if _matches_any_prefix(key, keys)}
+        merged["param_plan"] = {**trimmed["param_plan"], **entries}
+        classes = {**trimmed.get("boundary_classes", {})}
+        classes.update({key: cls for key, cls in addition.get("boundary_classes", {}).items() if key in entries})
+        if classes:
+            merged["boundary_classes"] = classes
+        plan_from_dict(merged, name=f"hpgen plan {name}")
+    except _Error:
+        return trimmed
+    return merged
+
+
+def _matches_any_prefix(fqn: str, patterns: Any) -> bool:
+    """Whether ``fqn`` (or a plan key) or a module above it is one of ``patterns`` (``*`` for one segment)."""
+    parts = fqn.split(".")
+    return any(_matches_any(".".join(parts[:n]), patterns) for n in range(1, len(parts) + 1))
 
 
 def _matches_any(fqn: str, patterns: Any) -> bool:

@@ -15,6 +15,10 @@ transformers' plans never produce:
 - ``reduce_leaf``: a row-parallel ``nn.Linear`` inside a block (Mamba's ``x_proj``) whose reduced
   output the block's channel-sharded code consumes: its gradient arrives partial and is
   reduced too (``out_grad_partial``);
+- ``gather_leaf``: a column-parallel ``nn.Linear`` inside a block that reads another column's
+  sharded output whole (Doge's ``dt_proj``, one output per head, :mod:`hpgen.planner.gathered`):
+  its input is gathered (``S(-1) -> R``, reduce-scattered in backward) and its output stays
+  sharded with the heads (``S(-1) -> S(-1)``);
 - ``col_gather`` / ``split_row``: a column-parallel ``nn.Linear`` whose output is gathered
   (``S(-1) -> R``) and a row-parallel one that splits its replicated input (``R -> S(-1)``),
   around a body that runs replicated (a state-space mixer whose packed projection no
@@ -44,6 +48,7 @@ _KINDS = {
     "col_leaf": "linear",
     "row_leaf": "linear",
     "reduce_leaf": "linear",
+    "gather_leaf": "linear",
     "col_gather": "linear",
     "split_row": "linear",
     "split_row_leaf": "linear",
@@ -122,6 +127,11 @@ class _DerivedTranslator(Translator):
             boundary.wrapped_as = "nn.Linear"
             boundary.inputs["input"] = (dict(replicated), dict(replicated))
             boundary.outputs["output"] = ({"tp": "S(-1)"}, dict(replicated))
+            return
+        if kind == "gather_leaf":  # a sharded column's output, gathered whole; one output per local head
+            boundary.wrapped_as = "nn.Linear"
+            boundary.inputs["input"] = ({"tp": "S(-1)"}, dict(replicated))
+            boundary.outputs["output"] = ({"tp": "S(-1)"}, {"tp": "S(-1)"})
             return
         if kind == "split_row":
             boundary.wrapped_as = "nn.Linear"

@@ -278,7 +278,11 @@ def _wrapper(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, Axi
     known = KNOWN_INPUTS[role]
     movers_in, movers_out = boundary_movers(plan, item.key, mesh, axes, item.fqn, known_inputs=known)
     target = Target(item, role, cls=subclass_with(type(item.module), role))
-    target.bind["_hp_in"] = _unless_empty(movers_in.get("input"))
+    in_mover = movers_in.get("input")
+    if isinstance(item.module, nn.Linear) and weight is not None and isinstance(in_mover, StaticMove):
+        # a column-parallel linear gathering its sharded input (a gathered column) knows its in_features
+        in_mover = _known_totals(in_mover, weight, item.module.weight.shape[1], 1, axes)
+    target.bind["_hp_in"] = _unless_empty(in_mover)
     out_mover = movers_out.get(output) if output else None
     if weight is not None and isinstance(out_mover, StaticMove):
         feature_dim = 0 if role == "linear" else 1  # the weight dim that is the output's last dim
@@ -316,9 +320,10 @@ def _identity_expert(item: Matched, plan: Plan, axes: Mapping[str, AxisCollectiv
 def _known_totals(
     mover: StaticMove, weight: Any, features: int, feature_dim: int, axes: Mapping[str, AxisCollectives]
 ) -> StaticMove:
-    """``mover`` with each gather of the output's last dim told its full size (no size exchange).
+    """``mover`` with each gather of the last dim told its full size (no size exchange).
 
-    A wrapper's output features are its weight's ``feature_dim`` rows or columns. Outputs
+    A wrapper's output features are its weight's ``feature_dim`` rows or columns (its input
+    features, for a gather of the input, the weight's dim 1). Outputs
     undo the axes in reverse mesh order, so when axis ``a`` gathers, the axes before it in
     the mesh still shard the dim: the size after the gather is the chunk they leave.
     """

@@ -11,8 +11,9 @@ hpgen cannot rewrite torch's own classes, so ``parallelize`` changes the instanc
   With the weight sharded on the embedding dim (``S(1)``) the lookup is already the
   local columns (``S(-1)``).
 - :class:`ParallelLinear`: column-parallel (weight ``S(0)``: output features sharded,
-  ``S(-1)``, gathered when the plan says ``-> R``) or row-parallel (weight ``S(1)``:
-  input features sharded, output ``P(sum)``).
+  ``S(-1)``, gathered when the plan says ``-> R``; an input that arrives sharded,
+  ``S(-1) -> R``, is gathered first) or row-parallel (weight ``S(1)``: input features
+  sharded, output ``P(sum)``).
 
 :class:`PartialIdentity` is an identity expert (transformers' ``moe_identity_expert``):
 its output, ``R -> P(sum)``, is divided by the axis size inside the experts' sum.

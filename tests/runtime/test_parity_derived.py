@@ -19,7 +19,11 @@ RecurrentGemma, whose recurrent block holds its per-channel state in a recurrenc
 (the RG-LRU, per-head gates) and calls its depthwise ``nn.Conv1d`` as a module: besides the logits
 and gradients, greedy generation with the cache (prefill, then decode steps that read the
 convolution's weight directly and the channel states allocated at ``lru_width``) gives the
-reference's tokens, from a 1-token and from a 5-token prompt.
+reference's tokens, from a 1-token and from a 5-token prompt; and Doge's dynamic-mask attention,
+whose ``dt_proj`` reads every value head and writes one mask value per key/value head:
+column-parallel over those outputs, its input gathered on entry (:mod:`hpgen.planner.gathered`),
+with a keep window shorter than the sequence so that the top-k over the keys runs on each rank's
+heads (also with ``--sp``, and generated greedily through the cache, whose keys outgrow the window).
 Each compares the logits and every parameter's gradient (this rank's slice) and checks the
 sizing report of :mod:`hpgen.planner.report` against the run: each rank's parameter bytes
 counted from its real parameters, and the collectives counted as they are called (each
@@ -42,29 +46,42 @@ from tests.dist import run_distributed
 
 FAMILIES = (
     "gpt2", "gpt_neox", "opt", "gpt_bigcode", "bloom", "mpt", "xlstm", "fuyu", "mamba", "zamba", "mamba2",
-    "deepseek_v3", "kimi_linear", "diffllama", "diffllama_grouped", "recurrent_gemma",
+    "deepseek_v3", "kimi_linear", "diffllama", "diffllama_grouped", "recurrent_gemma", "doge",
 )  # fmt: skip
+# families planned as `hpgen plan` does by default: transformers' plan, its blocks cross-checked against the
+# source (Doge's attention replaced by the derived one, whose dt_proj gathers the values on entry)
+TRANSFORMERS_PLAN = ("doge",)
+# families also planned with --sp (the sequence-sharded stream around the same blocks), as case "<family>_sp"
+SP = ("doge",)
+CASES = FAMILIES + tuple(f"{family}_sp" for family in SP)
 # families also compared on greedy generation with the cache, by prompt length. RecurrentGemma keeps its states
 # on the modules and allocates them afresh when the batch size changes: the 1-token prompt, right after the
 # batch-of-2 forward, decodes from the zero states it allocates (the convolution's at ``self.hidden_size``)
-GENERATES = {"recurrent_gemma": (1, 5)}
+# Doge's 5-token prompt already holds more keys than its keep window of 4
+GENERATES = {"recurrent_gemma": (1, 5), "doge": (5,)}
 NEW_TOKENS = 4
 SEED = 0
 SHARE_LIMIT: dict[str, float] = {}  # every family here shards to at most 0.65 of the parameters per rank
 BATCH, SEQ = 2, 7
 
 
-def _plan_and_generated(family: str, directory: Path) -> tuple[dict, str]:
+def _family(case: str) -> str:
+    return case[: -len("_sp")] if case.endswith("_sp") and case[: -len("_sp")] in SP else case
+
+
+def _plan_and_generated(case: str, directory: Path) -> tuple[dict, str]:
     from hpgen.generate import infer_package
     from hpgen.lower import lower
     from hpgen.plan import plan_from_dict
     from hpgen.planner.load import meta_model, model_class_for
     from hpgen.planner.make import plan_model
 
-    plan = plan_model(meta_model(tiny(family)), tp=2, from_source=True, name=family)
+    family = _family(case)
+    from_source = family not in TRANSFORMERS_PLAN
+    plan = plan_model(meta_model(tiny(family)), tp=2, sp=case != family, from_source=from_source, name=family)
     source = Path(inspect.getsourcefile(model_class_for(tiny(family))) or "")
     text = lower(source.read_text(), plan_from_dict(plan), source_name=source.name, package=infer_package(source))
-    path = directory / f"{family}_derived.py"
+    path = directory / f"{case}_derived.py"
     path.write_text(text)
     return plan, str(path)
 
@@ -72,7 +89,7 @@ def _plan_and_generated(family: str, directory: Path) -> tuple[dict, str]:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[dict]]:
     directory = tmp_path_factory.mktemp("derived")
-    cases = {family: _plan_and_generated(family, directory) for family in FAMILIES}
+    cases = {case: _plan_and_generated(case, directory) for case in CASES}
     return cases, run_distributed(_rank, cases, timeout=420)
 
 
@@ -83,7 +100,7 @@ def _rank(rank: int, world_size: int, cases: dict[str, tuple[dict, str]]) -> dic
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
     counter = _CollectiveCounter()
     with counter.installed():
-        return {family: _run(family, plan, generated, mesh, counter) for family, (plan, generated) in cases.items()}
+        return {case: _run(case, plan, generated, mesh, counter) for case, (plan, generated) in cases.items()}
 
 
 class _CollectiveCounter:
@@ -126,14 +143,14 @@ class _CollectiveCounter:
         return counted
 
 
-def _run(family: str, plan: dict, generated: str, mesh: Any, counter: _CollectiveCounter) -> dict:
+def _run(case: str, plan: dict, generated: str, mesh: Any, counter: _CollectiveCounter) -> dict:
     import torch
 
     from hpgen.planner.load import model_class_for
     from hpgen.runtime import parallelize
     from tests.runtime.models import expected_shard, import_file, param_layouts, perturb_, tolerance
 
-    config = tiny(family)
+    config = tiny(_family(case))
     cls = model_class_for(config)
     torch.manual_seed(SEED)
     reference = cls(config)
@@ -184,7 +201,7 @@ def _run(family: str, plan: dict, generated: str, mesh: Any, counter: _Collectiv
         if not err <= tol:
             failures.append(f"{name}: {err:.3g} > {tol:.3g}")
     generated = {
-        length: _greedy(model, reference, ids[:1, :length]) for length in GENERATES.get(family, ())
+        length: _greedy(model, reference, ids[:1, :length]) for length in GENERATES.get(case, ())
     }
     return {
         "generated": generated,
@@ -229,7 +246,7 @@ def test_greedy_generation_with_the_cache_matches(results: tuple[dict, list[dict
             assert got["scores_err"] <= got["scores_tol"], (rank, length, got["scores_err"])
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CASES)
 def test_logits_and_every_gradient_match(results: tuple[dict, list[dict]], family: str) -> None:
     _, ranks = results
     for rank, by_family in enumerate(ranks):
@@ -240,7 +257,7 @@ def test_logits_and_every_gradient_match(results: tuple[dict, list[dict]], famil
 
 # Fuyu's parameters are mostly its vision patch projection (replicated, never run by the text-only
 # causal LM): its language model's MLP shards, but no rank gets under 0.65 of the whole model.
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "fuyu"])
+@pytest.mark.parametrize("family", [f for f in CASES if f != "fuyu"])
 def test_each_rank_holds_at_most_two_thirds_of_the_parameters(results: tuple[dict, list[dict]], family: str) -> None:
     _, ranks = results
     share = max(by_family[family]["rank_bytes"] for by_family in ranks) / ranks[0][family]["full_bytes"]
