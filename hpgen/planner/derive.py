@@ -90,6 +90,7 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, ReshapeRules, BlockChoice):
         self._latent: dict[str, set[str]] = {}  # row FQN -> replicated down-projections of its group (MLA)
         self._group_latent: set[str] = set()
         self._group_flow: Flow | None = None
+        self._layer_flow: Flow | None = None
 
     def run(self) -> Derivation:
         for layer in self._layers():
@@ -138,6 +139,7 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, ReshapeRules, BlockChoice):
 
     def _layer(self, layer: str) -> None:
         flow = self._flow(layer)
+        self._layer_flow = flow
         linears = {fqn for fqn in flow.edges if is_linear(self.modules.get(fqn))}
         linears -= self._channel_mixers(layer)
         depth = depths(flow)

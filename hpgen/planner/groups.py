@@ -18,7 +18,7 @@ from typing import Any
 from hpgen.planner.entries import Derivation, Refused
 from hpgen.planner.flow import Flow
 from hpgen.planner.latent import pre_projections, replicated_closure
-from hpgen.planner.mixers import absent, conv_placement, per_head_placement
+from hpgen.planner.mixers import absent, conv_placement, per_head_placement, single_column_conv
 from hpgen.planner.modules import in_features, out_features, positive_int, relative
 
 __all__ = ["GroupFinding", "Sources", "depths", "first_marker", "sources"]
@@ -99,6 +99,7 @@ class GroupFinding:
         head_dim = heads[2] if heads is not None else None
         widths = {out_features(self.modules[c]) for c in cols if layouts[c] == ("S", 1)}
         col_widths = [out_features(self.modules[c]) for c in cols if layouts[c] == ("S", 1)]
+        plain = {c: out_features(self.modules[c]) for c in cols if layouts[c] == ("S", 1)}
         shapes = self._group_flow.shapes if self._group_flow is not None else []
         for name in raw:
             if absent(self.model, name):
@@ -109,8 +110,10 @@ class GroupFinding:
                 raise Refused(
                     f"the code between the projections reads a parameter hpgen cannot place ({name})"
                 ) from None
-            special = conv_placement(self.model, name, param, col_widths, shapes) or per_head_placement(
-                param, heads[0] if heads is not None else None
+            special = (
+                conv_placement(self.model, name, param, col_widths, shapes)
+                or (single_column_conv(self.model, name, param, self._group_flow, plain) if self._group_flow else None)
+                or per_head_placement(param, heads[0] if heads is not None else None)
             )
             if special is not None:
                 found[name] = special  # a depthwise conv over the columns, or one value per head (A_log)
@@ -132,6 +135,8 @@ class GroupFinding:
         shapes = [tuple(p.shape) for p in module.parameters()]
         if all(len(s) == 1 for s in shapes) and head_dim is not None and sizes <= {head_dim}:
             return  # a per-head norm (q_norm): runs on whole heads; its gradient is reduced
+        if self._maps_heads(fqn):  # type: ignore[attr-defined]
+            return  # one matrix applied to each head's features (a relative-position map): reduced likewise
         raise Refused(
             f"{relative(fqn, layer)} ({type(module).__name__}, parameters {shapes}) sits between the column- and "
             "row-parallel projections and works across the sharded features"

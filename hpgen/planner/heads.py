@@ -63,6 +63,8 @@ PER_HEAD_INPUTS = ("alibi", "position_bias", "attn_bias", "rel_pos", "relative_p
 class HeadRules:
     """The attention rules of the deriver."""
 
+    _layer_flow: Any  # the flow of the decoder layer whose groups are being found (set by the deriver)
+
     model: Any
     tp: int | None
     source: Path
@@ -108,7 +110,16 @@ class HeadRules:
                 sizes |= {positive_int(getattr(module, name, None)) for name in HEAD_DIM_ATTRS}
             self._head_sizes = {size for size in sizes if size}
         params = list(self.modules[fqn].parameters())
-        return bool(params) and all(p.dim() == 1 and p.numel() in self._head_sizes for p in params)
+        if params and all(p.dim() == 1 and p.numel() in self._head_sizes for p in params):
+            return True
+        return self._maps_heads(fqn)
+
+    def _maps_heads(self, fqn: str) -> bool:
+        """A leaf applying one matrix to each head's features alone (:mod:`hpgen.planner.head_maps`)."""
+        from hpgen.planner.head_maps import per_head_map
+
+        flow = getattr(self, "_layer_flow", None)
+        return flow is not None and per_head_map(self.modules, fqn, flow) is not None
 
     def _switched_off(self, name: str) -> bool:
         """An ``alibi`` input of a model whose config turns alibi off (Falcon's default): it arrives as None."""
