@@ -718,7 +718,10 @@ def load_results(path: Path) -> dict[str, Row]:
 NOTES: dict[str, str] = {
     "inkling_text": "transformers' `colwise` on the packed `experts.gate_up_proj` is corrected to SS(1,2) (the "
     "experts split it with `chunk(2)`), and the shared experts' gating weights (`gammas`, a second input of the "
-    "sharded block) are declared R -> R so their gradient is reduced; the attention stays replicated.",
+    "sharded block) are declared R -> R so their gradient is reduced; the attention, which transformers' plan "
+    "leaves replicated, is completed from the source: q/k/v/r columns, the short convolutions on k and v "
+    "sharded with their channels, the relative-logits matrix (the same map for each head) replicated with its "
+    "gradient reduced.",
     "inkling2_text": "transformers' `colwise` on the packed `experts.gate_up_proj` is corrected to SS(1,2) "
     "(`_apply_gate` splits it with `chunk(2)`); transformers' plan shards only the experts: the attention (short "
     "convolutions on q/k/v, per-head norms, a gated output) stays replicated.",

@@ -32,3 +32,10 @@ def test_gradients(parity: list[dict], name: str) -> None:
 @pytest.mark.parametrize("name", PARITY)
 def test_greedy_generation(parity: list[dict], name: str) -> None:
     check_generation(parity, name)
+
+
+def test_the_completed_inkling_plan_holds_at_most_two_thirds_per_rank(parity: list[dict]) -> None:
+    """transformers' plan shards only Inkling's experts; with the attention completed from the source
+    (its convolutions and relative-logits matrix included) no rank holds more than 0.65 of the parameters."""
+    shares = [by_case["inkling_completed"].local_bytes / by_case["inkling_completed"].full_bytes for by_case in parity]
+    assert max(shares) <= 0.65, shares
