@@ -17,6 +17,7 @@ from typing import Any
 
 from hpgen.planner.entries import Derivation, Refused
 from hpgen.planner.flow import Flow
+from hpgen.planner.head_params import head_matrix_placement, view_sizes
 from hpgen.planner.latent import pre_projections, replicated_closure
 from hpgen.planner.mixers import absent, conv_placement, per_head_placement, single_column_conv
 from hpgen.planner.modules import in_features, out_features, positive_int, relative
@@ -100,6 +101,7 @@ class GroupFinding:
         widths = {out_features(self.modules[c]) for c in cols if layouts[c] == ("S", 1)}
         col_widths = [out_features(self.modules[c]) for c in cols if layouts[c] == ("S", 1)]
         plain = {c: out_features(self.modules[c]) for c in cols if layouts[c] == ("S", 1)}
+        contiguous = {c: out_features(self.modules[c]) for c in cols if layouts[c][0] == "S"}  # S(0) weights
         shapes = self._group_flow.shapes if self._group_flow is not None else []
         for name in raw:
             if absent(self.model, name):
@@ -114,6 +116,7 @@ class GroupFinding:
                 conv_placement(self.model, name, param, col_widths, shapes)
                 or (single_column_conv(self.model, name, param, self._group_flow, plain) if self._group_flow else None)
                 or per_head_placement(param, heads[0] if heads is not None else None)
+                or self._head_matrix(name, param, contiguous, heads)
             )
             if special is not None:
                 found[name] = special  # a depthwise conv over the columns, or one value per head (A_log)
@@ -128,6 +131,30 @@ class GroupFinding:
                 )
         return found
 
+    def _head_matrix(
+        self, name: str, param: Any, plain: Mapping[str, int], heads: tuple[int, int, int] | None
+    ) -> str | None:
+        """A 2-D parameter per head, shared by the heads, or over a column's channels (:mod:`hpgen.planner.head_params`).
+
+        ``plain``: the columns whose weights shard contiguously (``S(0)``) and their widths. The
+        columns a parameter is computed with are those in every recorded value that reads it
+        and holds a column (the flow over-approximates origins, never under).
+        """
+        flow = self._group_flow
+        if flow is None or heads is None or param.dim() != 2:
+            return None
+        sizes = {heads[2]}
+        for col, width in plain.items():
+            sizes |= view_sizes(flow, frozenset({col}), width)
+        origin = f"param:{name}"
+        mixed = [
+            {o for o in found if o in plain}
+            for found in [*flow.edges.values(), *(use.receiver for use in flow.shapes)]
+            if origin in found
+        ]
+        common = set.intersection(*[m for m in mixed if m]) if any(mixed) else set()
+        return head_matrix_placement(self.model, name, param, heads[:2], sizes, {plain[c] for c in common})
+
     def _check_mid(self, fqn: str, cols: set[str], layer: str) -> None:
         module = self.modules[fqn]
         head_dim = self._head_dim(cols)
@@ -135,8 +162,8 @@ class GroupFinding:
         shapes = [tuple(p.shape) for p in module.parameters()]
         if all(len(s) == 1 for s in shapes) and head_dim is not None and sizes <= {head_dim}:
             return  # a per-head norm (q_norm): runs on whole heads; its gradient is reduced
-        if self._maps_heads(fqn):  # type: ignore[attr-defined]
-            return  # one matrix applied to each head's features (a relative-position map): reduced likewise
+        if self._maps_heads(fqn) or self._norms_heads(fqn) or self._scales_heads(fqn):  # type: ignore[attr-defined]
+            return  # one matrix for each head's features, a norm or a per-head scale over a per-head view
         raise Refused(
             f"{relative(fqn, layer)} ({type(module).__name__}, parameters {shapes}) sits between the column- and "
             "row-parallel projections and works across the sharded features"

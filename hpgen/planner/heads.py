@@ -112,7 +112,48 @@ class HeadRules:
         params = list(self.modules[fqn].parameters())
         if params and all(p.dim() == 1 and p.numel() in self._head_sizes for p in params):
             return True
-        return self._maps_heads(fqn)
+        return self._maps_heads(fqn) or self._norms_heads(fqn) or self._scales_heads(fqn)
+
+    def _head_view(self, fqn: str) -> int | None:
+        """``d`` when leaf ``fqn`` reads a per-head view ``[..., heads, d]`` of one column's output."""
+        from hpgen.planner.head_params import per_head_view
+        from hpgen.planner.modules import is_linear
+
+        flow = getattr(self, "_layer_flow", None)
+        if flow is None:
+            return None
+        widths = {f: out_features(m) for f, m in self.modules.items() if is_linear(m)}
+        return per_head_view(flow, fqn, widths)
+
+    def _norms_heads(self, fqn: str) -> bool:
+        """A norm without parameters over a per-head view (an unweighted RMSNorm of each value head)."""
+        from hpgen.planner.flow.runner import is_norm
+
+        module = self.modules[fqn]
+        return not any(True for _ in module.parameters()) and is_norm(module) and self._head_view(fqn) is not None
+
+    def _scales_heads(self, fqn: str) -> bool:
+        """A leaf over a per-head view whose parameters are per-head scales ``[heads, d]`` (sharded ``S(0)``)."""
+        from hpgen.planner.head_params import param_use
+
+        params = dict(self.modules[fqn].named_parameters())
+        size = self._head_view(fqn) if params else None
+        if size is None:
+            return False
+        counts = self._all_head_counts()
+        return all(
+            p.dim() == 2 and p.shape[1] == size and p.shape[0] in counts and param_use(self.model, f"{fqn}.{n}") == "scale"
+            for n, p in params.items()
+        )
+
+    def _all_head_counts(self) -> set[int]:
+        """Every head count a module or the config holds (``num_heads``, ``num_key_value_heads``...)."""
+        if not hasattr(self, "_counts_seen"):
+            counts = {positive_int(self._config(n)) for n in (*HEADS_ATTRS, *KV_HEADS_ATTRS)}
+            for module in self.modules.values():
+                counts |= {positive_int(getattr(module, n, None)) for n in (*HEADS_ATTRS, *KV_HEADS_ATTRS)}
+            self._counts_seen = {c for c in counts if c}
+        return self._counts_seen
 
     def _maps_heads(self, fqn: str) -> bool:
         """A leaf applying one matrix to each head's features alone (:mod:`hpgen.planner.head_maps`)."""
