@@ -790,3 +790,32 @@ def test_a_per_head_matrix_and_a_short_conv_on_one_column_follow_the_heads(
         assert "k_conv.conv1d.weight (128, 1, 3) directly, which does not follow the shards" in notes[
             "layers.*.attn.o_proj"
         ]
+
+
+def test_inkling2_attention_is_completed_with_its_per_head_scales_taps_and_shared_map() -> None:
+    """transformers' plan shards Inkling2's experts only; the derivation adds the attention. The sliding
+    layer's L2-clip scales ``[heads, d]`` (leaves over per-head views) and the full layer's (read directly)
+    shard by head; the relative-position matrix ``[d_rel, extent]`` (``x @ proj``, one map for every head)
+    stays whole with its gradient reduced; the dynamic convolutions' static taps ``[kernel, channels]`` shard
+    their channels and ``weight_proj`` (``view(b, s, heads, 1, kernel)``) its heads; ``num_heads`` is divided,
+    ``conv_kernel_size`` (4, as many as the heads, but sized within a head) is not."""
+    from hpgen.planner.load import meta_model
+    from hpgen.planner.make import plan_model
+
+    plan = plan_model(meta_model(tiny("inkling2")), tp=2, name="inkling2")
+    assert plan["comments"]["plan_source"] == "transformers' plan"
+    sliding, full = (entry(plan, f"model.layers.{i}.self_attn") for i in (0, 1))
+    for block in (sliding, full):
+        params = {name: layout["tp"] for name, layout in block["params"].items()}
+        assert params["q_proj.norm.scale"] == params["relative_position_bias.norm.scale"] == "S(0)"
+        assert params["sink_proj.weight"] == params["o_proj.gate_proj.weight"] == "S(0)"
+        assert params["o_proj.linear.weight"] == "S(1)"
+        assert block["grad_reduce_params"] == ["relative_position_bias.proj"]
+    assert {n: sliding["params"][n]["tp"] for n in ("k_proj.sconv.conv1d.weight", "v_proj.sconv.conv1d.weight")} == {
+        "k_proj.sconv.conv1d.weight": "S(0)", "v_proj.sconv.conv1d.weight": "S(0)",
+    }
+    for side in ("k", "v"):
+        assert full["params"][f"{side}_proj.sconv.static_weight"] == {"tp": "S(1)"}
+        assert full["params"][f"{side}_proj.sconv.weight_proj.weight"] == {"tp": "S(0)"}
+        assert entry(plan, f"model.layers.1.self_attn.{side}_proj.sconv")["tp_divide_attrs"] == ["num_heads"]
+    assert entry(plan, "model.layers.*.self_attn.relative_position_bias")["tp_divide_attrs"] == ["num_heads"]

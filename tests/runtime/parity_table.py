@@ -145,6 +145,8 @@ PARITY: dict[str, Row] = {
     # on k/v sharded with their channels (and their cached conv states local), the relative-logits matrix
     # replicated with its gradient reduced
     "inkling_completed": Row("inkling", hpgen_plan_completed("inkling", tp=2)),
+    # the same for Inkling2: dynamic convolutions' static taps S(1) and per-head taps, per-head L2-clip scales S(0)
+    "inkling2_completed": Row("inkling2", hpgen_plan_completed("inkling2", tp=2)),
     # sequence-parallel nn.LayerNorm entries on a class outside the file
     "starcoder2_sp_norms": Row("starcoder2", starcoder2_norm_entries),
 }
