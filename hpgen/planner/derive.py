@@ -12,7 +12,8 @@ file) :mod:`hpgen.planner.flow` gives the graph of its layers: which ``nn.Linear
    an adapter's second projection added to them). A norm over the whole width, a
    convolution or any other layer on the way ends the walk: what it makes is not a shard.
 2. **Checks.** Each group is sharded only when everything between its columns and rows
-   works on shards: the columns' outputs reach nothing but the rows and per-head norms;
+   works on shards: the columns' outputs reach nothing but the rows and per-head layers
+   (norms, per-head scales, a relative-position map applied to each head alike);
    no norm over the full sharded width sits between them (BitNet's ``attn_sub_norm``); a
    per-head tensor made outside the module (MPT's ``position_bias``, BLOOM's ``alibi``) is cut
    to this rank's heads on entry; head counts

@@ -8,8 +8,9 @@ Such a layer works on whole heads, like a per-head norm: under head sharding eac
 runs it on its own heads with the whole (replicated) parameter, whose gradient the block
 reduces. :func:`per_head_map` proves that from the flow and the layer's ``forward``:
 
-- its data input is one column's output alone, viewed as ``(..., heads, -1)`` with a head
-  count read from a module attribute, so its last dim is one head's features (``d``);
+- its data input is one column's output alone, viewed per head (``(..., heads, -1)`` with a head
+  count read from a module attribute, or ``(..., -1, self.head_dim)``): its last dim is one head's
+  features (``d``);
 - every parameter is a matrix with ``d`` rows, used only as the right operand of a matmul
   whose left operand is the data input itself (``x @ self.p`` / ``torch.matmul(x, self.p)``);
 - its other inputs carry no layer's output (positions, masks: ``in:`` markers);
@@ -29,8 +30,7 @@ from typing import Any
 
 from hpgen.planner.flow import Flow
 from hpgen.planner.flow.runner import function_def
-from hpgen.planner.heads import HEADS_ATTRS
-from hpgen.planner.layouts import last_dim
+from hpgen.planner.head_params import view_sizes
 from hpgen.planner.modules import is_linear, out_features
 
 __all__ = ["per_head_map"]
@@ -61,7 +61,8 @@ def per_head_map(modules: Mapping[str, Any], fqn: str, flow: Flow) -> int | None
     (column,) = columns
     if not is_linear(modules.get(column)):
         return None
-    size = _head_size(flow, column, out_features(modules[column]))
+    sizes = view_sizes(flow, frozenset(data), out_features(modules[column]))
+    size = next(iter(sizes)) if len(sizes) == 1 else None
     if size is None or any(p.shape[0] != size for p in params.values()):
         return None
     function = function_def(type(module), "forward")
@@ -75,29 +76,6 @@ def per_head_map(modules: Mapping[str, Any], fqn: str, flow: Flow) -> int | None
     except _NotPerHead:
         return None
     return size
-
-
-def _head_size(flow: Flow, column: str, width: int | None) -> int | None:
-    """``d`` of a ``view``/``reshape`` of the column's output alone to ``(..., heads, -1)`` / ``(..., heads, d)``."""
-    for use in flow.shapes:
-        if use.method not in ("view", "reshape") or {o for o in use.receiver if o in flow.edges} != {column}:
-            continue
-        if any(not o.startswith("in:") and o != column for o in use.receiver):
-            continue
-        values = list(use.arg_vals[0].items) if len(use.arg_vals) == 1 and use.arg_vals[0].items else list(use.arg_vals)
-        last = last_dim(use)
-        if last is None or len(values) < 2:
-            continue
-        heads = values[-2]
-        if not isinstance(heads.const, int) or heads.const < 1:
-            continue
-        if not any(attr.rpartition(".")[2] in HEADS_ATTRS for _, attr in heads.reads):
-            continue
-        if last.const == -1 and width and width % heads.const == 0:
-            return width // heads.const
-        if isinstance(last.const, int) and last.const > 0 and width == heads.const * last.const:
-            return last.const
-    return None
 
 
 class _NotPerHead(Exception):

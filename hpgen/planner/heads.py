@@ -126,11 +126,22 @@ class HeadRules:
         return per_head_view(flow, fqn, widths)
 
     def _norms_heads(self, fqn: str) -> bool:
-        """A norm without parameters over a per-head view (an unweighted RMSNorm of each value head)."""
+        """A norm without parameters over a per-head view (an unweighted RMSNorm of each value head).
+
+        A norm of the modeling file normalises the last dim (one head's features here); torch's
+        norms only when their ``normalized_shape`` is that one dim (a ``GroupNorm`` mixes channels).
+        """
+        import torch.nn as nn
+
         from hpgen.planner.flow.runner import is_norm
 
         module = self.modules[fqn]
-        return not any(True for _ in module.parameters()) and is_norm(module) and self._head_view(fqn) is not None
+        if any(True for _ in module.parameters()) or not is_norm(module) or isinstance(module, nn.GroupNorm):
+            return False
+        size = self._head_view(fqn)
+        if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            return size is not None and tuple(module.normalized_shape) == (size,)
+        return size is not None
 
     def _scales_heads(self, fqn: str) -> bool:
         """A leaf over a per-head view whose parameters are per-head scales ``[heads, d]`` (sharded ``S(0)``)."""

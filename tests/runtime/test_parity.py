@@ -34,8 +34,10 @@ def test_greedy_generation(parity: list[dict], name: str) -> None:
     check_generation(parity, name)
 
 
-def test_the_completed_inkling_plan_holds_at_most_two_thirds_per_rank(parity: list[dict]) -> None:
-    """transformers' plan shards only Inkling's experts; with the attention completed from the source
-    (its convolutions and relative-logits matrix included) no rank holds more than 0.65 of the parameters."""
-    shares = [by_case["inkling_completed"].local_bytes / by_case["inkling_completed"].full_bytes for by_case in parity]
+@pytest.mark.parametrize("name", ["inkling_completed", "inkling2_completed"])
+def test_the_completed_inkling_plans_hold_at_most_two_thirds_per_rank(parity: list[dict], name: str) -> None:
+    """transformers' plans shard only Inkling's and Inkling2's experts; with the attention completed from the
+    source (convolutions, per-head scales and the relative-position matrix included) no rank holds more than
+    0.65 of the parameters."""
+    shares = [by_case[name].local_bytes / by_case[name].full_bytes for by_case in parity]
     assert max(shares) <= 0.65, shares
