@@ -798,7 +798,9 @@ def test_inkling2_attention_is_completed_with_its_per_head_scales_taps_and_share
     shard by head; the relative-position matrix ``[d_rel, extent]`` (``x @ proj``, one map for every head)
     stays whole with its gradient reduced; the dynamic convolutions' static taps ``[kernel, channels]`` shard
     their channels and ``weight_proj`` (``view(b, s, heads, 1, kernel)``) its heads; ``num_heads`` is divided,
-    ``conv_kernel_size`` (4, as many as the heads, but sized within a head) is not."""
+    ``conv_kernel_size`` (4, as many as the heads, but sized within a head) is not. The relative-position
+    projection's 16 rows are its module's 4 heads of ``d_rel`` 4, which divide over 2 ranks (not one head of
+    the attention's head_dim 16)."""
     from hpgen.planner.load import meta_model
     from hpgen.planner.make import plan_model
 

@@ -88,6 +88,8 @@ class HeadRules:
     def _runtime_head_check(self, cols: set[str], layer: str) -> None:
         """``parallelize`` refuses a row shard of a linear, in a module with a ``head_dim``, that would cut
         a head: refuse it here, with the module named, rather than write a plan it will not install."""
+        from hpgen.runtime.params import row_heads
+
         if self.tp is None:
             return
         for col in sorted(cols):  # sorted: the message names the same projection on every run
@@ -96,10 +98,15 @@ class HeadRules:
                 if not (path == layer or path.startswith(layer + ".")):
                     continue
                 head_dim = positive_int(getattr(self.modules.get(path), "head_dim", None))
-                if head_dim and n % head_dim == 0 and (n // head_dim) % self.tp:
+                if not head_dim or n % head_dim:
+                    continue
+                held = row_heads(self.modules[path], relative(col, path), n, head_dim)  # as parallelize counts
+                if held % self.tp:
+                    where = relative(path, layer) or "the layer"
+                    size = f"{where}'s head_dim {head_dim}" if held * head_dim == n else f"{n // held} features ({where})"
                     raise Refused(
-                        f"{relative(col, layer)} has {n} outputs, {n // head_dim} heads of {relative(path, layer) or 'the layer'}'s "
-                        f"head_dim {head_dim}, which do not divide over --tp {self.tp}"
+                        f"{relative(col, layer)} has {n} outputs, {held} heads of {size}, which do not divide over "
+                        f"--tp {self.tp}"
                     )
 
     def _per_head(self, fqn: str) -> bool:

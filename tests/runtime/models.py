@@ -116,7 +116,8 @@ FAMILIES = {
         "Inkling2ForCausalLM",
         extra=dict(
             swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=8,
-            d_rel=8, rel_extent=16, log_scaling_n_floor=4, sconv_kernel_size=3, unpadded_vocab_size=127,
+            # d_rel 4: the relative projection's 16 rows are 4 heads of 4, not one head of head_dim 16
+            d_rel=4, rel_extent=16, log_scaling_n_floor=4, sconv_kernel_size=3, unpadded_vocab_size=127,
             layer_types=["hybrid_sliding", "hybrid"],
             # its intermediate_size is the experts' (an alias): grouped_mm needs 16-byte rows
             n_routed_experts=4, num_experts_per_tok=2, intermediate_size=32,
