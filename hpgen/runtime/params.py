@@ -9,7 +9,9 @@
 - attention heads cut in the middle: in a module with a ``head_dim``, every sharded
   projection dim that holds whole heads must hold a number of heads (query or key/value)
   that the axis divides (``S``) or that its chunks divide (``RS(d,r)``: ``size / r``
-  chunks, so the axis size is a multiple of the key/value heads or divides them);
+  chunks, so the axis size is a multiple of the key/value heads or divides them); a
+  projection held by a sub-module that declares its own ``num_heads`` holds that many
+  (:func:`row_heads`);
   attention code infers local heads with ``view(..., -1, head_dim)`` and would crash
   mid-forward or, worse, mix heads;
 - experts that do not divide (a module's ``num_experts`` on a sharded dim);
@@ -47,7 +49,7 @@ from hpgen.runtime.sharding import (
 )
 from hpgen.runtime.wrappers import is_conv1d
 
-__all__ = ["Matched", "ParamShard", "shard_params", "survey_params"]
+__all__ = ["Matched", "ParamShard", "row_heads", "shard_params", "survey_params"]
 
 
 @dataclass(frozen=True)
