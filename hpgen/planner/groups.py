@@ -94,7 +94,10 @@ class GroupFinding:
 
         One value per feature of a plainly sharded column (a learned scale on ``q``): sharded
         with it, ``S(0)``; a scalar or one head's worth (DiffLlama's lambdas): replicated, its
-        gradient reduced by the block; anything else cannot follow the shards.
+        gradient reduced by the block; a depthwise conv's weight over the columns
+        (:mod:`hpgen.planner.mixers`); a per-head scale ``[heads, d]``, a map of each head's
+        features ``[d, e]`` or a weight over a column's channels (:mod:`hpgen.planner.head_params`);
+        anything else cannot follow the shards.
         """
         found: dict[str, str] = {}
         head_dim = heads[2] if heads is not None else None
@@ -132,11 +135,11 @@ class GroupFinding:
         return found
 
     def _head_matrix(
-        self, name: str, param: Any, plain: Mapping[str, int], heads: tuple[int, int, int] | None
+        self, name: str, param: Any, contiguous: Mapping[str, int], heads: tuple[int, int, int] | None
     ) -> str | None:
         """A 2-D parameter per head, shared by the heads, or over a column's channels (:mod:`hpgen.planner.head_params`).
 
-        ``plain``: the columns whose weights shard contiguously (``S(0)``) and their widths. The
+        ``contiguous``: the columns whose weights shard contiguously (``S(0)``) and their widths. The
         columns a parameter is computed with are those in every recorded value that reads it
         and holds a column (the flow over-approximates origins, never under).
         """
@@ -144,16 +147,16 @@ class GroupFinding:
         if flow is None or heads is None or param.dim() != 2:
             return None
         sizes = {heads[2]}
-        for col, width in plain.items():
+        for col, width in contiguous.items():
             sizes |= view_sizes(flow, frozenset({col}), width)
         origin = f"param:{name}"
         mixed = [
-            {o for o in found if o in plain}
+            {o for o in found if o in contiguous}
             for found in [*flow.edges.values(), *(use.receiver for use in flow.shapes)]
             if origin in found
         ]
         common = set.intersection(*[m for m in mixed if m]) if any(mixed) else set()
-        return head_matrix_placement(self.model, name, param, heads[:2], sizes, {plain[c] for c in common})
+        return head_matrix_placement(self.model, name, param, heads[:2], sizes, {contiguous[c] for c in common})
 
     def _check_mid(self, fqn: str, cols: set[str], layer: str) -> None:
         module = self.modules[fqn]
