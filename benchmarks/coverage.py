@@ -718,11 +718,17 @@ def load_results(path: Path) -> dict[str, Row]:
 NOTES: dict[str, str] = {
     "inkling_text": "transformers' `colwise` on the packed `experts.gate_up_proj` is corrected to SS(1,2) (the "
     "experts split it with `chunk(2)`), and the shared experts' gating weights (`gammas`, a second input of the "
-    "sharded block) are declared R -> R so their gradient is reduced; the attention stays replicated.",
+    "sharded block) are declared R -> R so their gradient is reduced; the attention, which transformers' plan "
+    "leaves replicated, is completed from the source: q/k/v/r columns, the short convolutions on k and v "
+    "sharded with their channels, the relative-logits matrix (the same map for each head) replicated with its "
+    "gradient reduced.",
     "inkling2_text": "transformers' `colwise` on the packed `experts.gate_up_proj` is corrected to SS(1,2) "
-    "(`_apply_gate` splits it with `chunk(2)`); transformers' plan shards only the experts: the attention (short "
-    "convolutions on q/k/v, per-head norms, a gated output) stays replicated.",
-    "inkling2_loop_text": "as inkling2_text: only the experts are sharded; the attention stays replicated.",
+    "(`_apply_gate` splits it with `chunk(2)`); transformers' plan shards only the experts, and the attention is "
+    "completed from the source: the q/k/v/relative/sink/gate projections as columns, the short convolutions "
+    "(static and dynamic taps) and the per-head L2-clip scales sharded with their heads, the relative-position "
+    "matrix (the same map for each head) replicated with its gradient reduced.",
+    "inkling2_loop_text": "as inkling2_text: the experts by transformers' plan, the attention completed from the "
+    "source.",
     "gemma3n_text": "the MLP's activation sparsity (`_gaussian_topk`: mean and std over the intermediate "
     "features) would run on the colwise-sharded intermediate, so hpgen keeps the MLPs of the sparse layers "
     "(`activation_sparsity` > 0: two of the tiny config's four) replicated and shards the others; with the "

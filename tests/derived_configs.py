@@ -150,6 +150,18 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             num_hidden_layers=2, **_TINY,
         ),
     ),
+    # transformers' plan shards only the experts; the derivation completes the attention: per-head L2-clip
+    # scales, dynamic convolutions whose taps (4, as many as the heads) come per head from weight_proj;
+    # d_rel 4: the relative projection's 16 rows hold 4 heads of 4 (its module's num_heads), not one of 16
+    "inkling2": (
+        "Inkling2TextConfig",
+        dict(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=8, d_rel=4,
+            rel_extent=16, sconv_kernel_size=4, layer_types=["hybrid_sliding", "hybrid"], n_routed_experts=4,
+            num_experts_per_tok=2, intermediate_size=32, unpadded_vocab_size=127, **_TINY,
+        ),
+    ),
 }
 
 

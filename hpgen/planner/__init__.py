@@ -27,6 +27,8 @@ Deriving a plan from the modeling source (:mod:`~hpgen.planner.derive`):
   attention heads, fused layouts, the attributes to divide;
 - :mod:`~hpgen.planner.latent`: latent down-projections (MLA) kept replicated in the block;
 - :mod:`~hpgen.planner.mixers`: a linear-attention mixer's depthwise conv and per-head tensors;
+- :mod:`~hpgen.planner.head_maps`, :mod:`~hpgen.planner.head_params`: a leaf applying one matrix to each
+  head's features, and the per-head scales, shared maps and channel weights read between the projections;
 - :mod:`~hpgen.planner.derived_blocks`: the boundaries of a group;
 - :mod:`~hpgen.planner.split_rows`: a row-parallel projection on its split replicated input,
   where no group shards it;

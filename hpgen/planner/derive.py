@@ -12,7 +12,8 @@ file) :mod:`hpgen.planner.flow` gives the graph of its layers: which ``nn.Linear
    an adapter's second projection added to them). A norm over the whole width, a
    convolution or any other layer on the way ends the walk: what it makes is not a shard.
 2. **Checks.** Each group is sharded only when everything between its columns and rows
-   works on shards: the columns' outputs reach nothing but the rows and per-head norms;
+   works on shards: the columns' outputs reach nothing but the rows and per-head layers
+   (norms, per-head scales, a relative-position map applied to each head alike);
    no norm over the full sharded width sits between them (BitNet's ``attn_sub_norm``); a
    per-head tensor made outside the module (MPT's ``position_bias``, BLOOM's ``alibi``) is cut
    to this rank's heads on entry; head counts
@@ -96,6 +97,7 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, HeadParts, ReshapeRules, Block
         self._group_latent: set[str] = set()
         self._group_flow: Flow | None = None
         self._group_parts: Parts | None = None
+        self._layer_flow: Flow | None = None
 
     def run(self) -> Derivation:
         for layer in self._layers():
@@ -144,6 +146,7 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, HeadParts, ReshapeRules, Block
 
     def _layer(self, layer: str) -> None:
         flow = self._flow(layer)
+        self._layer_flow = flow
         linears = {fqn for fqn in flow.edges if is_linear(self.modules.get(fqn))}
         linears -= self._channel_mixers(layer)
         depth = depths(flow)

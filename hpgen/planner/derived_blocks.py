@@ -146,10 +146,13 @@ class BlockChoice:
         for piece in pieces:  # replicated layers the sharded body runs through: their gradients are partial
             if piece.kind in ("block", "col_block"):
                 for leaf in self._pre.get(piece.fqn, set()) | mids:
-                    if leaf.startswith(piece.fqn + "."):
-                        piece.grad_reduce |= {
-                            join(relative(leaf, piece.fqn), n) for n, _ in self.modules[leaf].named_parameters()
-                        }
+                    if not leaf.startswith(piece.fqn + "."):
+                        continue
+                    names = {join(relative(leaf, piece.fqn), n) for n, _ in self.modules[leaf].named_parameters()}
+                    if leaf in mids and self._scales_heads(leaf):  # type: ignore[attr-defined]
+                        piece.params.update(dict.fromkeys(names, "S(0)"))  # [heads, d]: this rank's heads' rows
+                    else:
+                        piece.grad_reduce |= names
         for piece in pieces:
             if piece.fqn in self.result.placed:
                 raise Refused(f"{relative(piece.fqn, layer) or layer} would hold two groups")

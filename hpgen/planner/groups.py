@@ -17,9 +17,10 @@ from typing import Any
 
 from hpgen.planner.entries import Derivation, Refused
 from hpgen.planner.flow import Flow
+from hpgen.planner.head_params import head_matrix_placement, view_sizes
 from hpgen.planner.heads import normalized_heads
 from hpgen.planner.latent import pre_projections, replicated_closure
-from hpgen.planner.mixers import absent, conv_placement, per_head_placement
+from hpgen.planner.mixers import absent, conv_placement, per_head_placement, single_column_conv
 from hpgen.planner.modules import in_features, out_features, positive_int, relative
 
 __all__ = ["GroupFinding", "Sources", "depths", "first_marker", "sources"]
@@ -95,12 +96,17 @@ class GroupFinding:
 
         One value per feature of a plainly sharded column (a learned scale on ``q``): sharded
         with it, ``S(0)``; a scalar or one head's worth (DiffLlama's lambdas): replicated, its
-        gradient reduced by the block; anything else cannot follow the shards.
+        gradient reduced by the block; a depthwise conv's weight over the columns
+        (:mod:`hpgen.planner.mixers`); a per-head scale ``[heads, d]``, a map of each head's
+        features ``[d, e]`` or a weight over a column's channels (:mod:`hpgen.planner.head_params`);
+        anything else cannot follow the shards.
         """
         found: dict[str, str] = {}
         head_dim = heads[2] if heads is not None else None
         widths = {out_features(self.modules[c]) for c in cols if layouts[c] == ("S", 1)}
         col_widths = [out_features(self.modules[c]) for c in cols if layouts[c] == ("S", 1)]
+        plain = {c: out_features(self.modules[c]) for c in cols if layouts[c] == ("S", 1)}
+        contiguous = {c: out_features(self.modules[c]) for c in cols if layouts[c][0] == "S"}  # S(0) weights
         shapes = self._group_flow.shapes if self._group_flow is not None else []
         for name in raw:
             if absent(self.model, name):
@@ -112,8 +118,11 @@ class GroupFinding:
                     f"the code between the projections reads a parameter hpgen cannot place ({name})"
                 ) from None
             parts = self._group_parts
-            special = conv_placement(self.model, name, param, col_widths, shapes) or per_head_placement(
-                param, heads[0] if heads is not None else None
+            special = (
+                conv_placement(self.model, name, param, col_widths, shapes)
+                or (single_column_conv(self.model, name, param, self._group_flow, plain) if self._group_flow else None)
+                or per_head_placement(param, heads[0] if heads is not None else None)
+                or self._head_matrix(name, param, contiguous, heads)
             )
             if parts is not None and heads is not None:  # heads in parts: a per-head vector takes every part's chunk
                 found[name] = _parts_placement(param, heads, parts.k, relative(name, layer))
@@ -130,6 +139,30 @@ class GroupFinding:
                 )
         return found
 
+    def _head_matrix(
+        self, name: str, param: Any, contiguous: Mapping[str, int], heads: tuple[int, int, int] | None
+    ) -> str | None:
+        """A 2-D parameter per head, shared by the heads, or over a column's channels (:mod:`hpgen.planner.head_params`).
+
+        ``contiguous``: the columns whose weights shard contiguously (``S(0)``) and their widths. The
+        columns a parameter is computed with are those in every recorded value that reads it
+        and holds a column (the flow over-approximates origins, never under).
+        """
+        flow = self._group_flow
+        if flow is None or heads is None or param.dim() != 2:
+            return None
+        sizes = {heads[2]}
+        for col, width in contiguous.items():
+            sizes |= view_sizes(flow, frozenset({col}), width)
+        origin = f"param:{name}"
+        mixed = [
+            {o for o in found if o in contiguous}
+            for found in [*flow.edges.values(), *(use.receiver for use in flow.shapes)]
+            if origin in found
+        ]
+        common = set.intersection(*[m for m in mixed if m]) if any(mixed) else set()
+        return head_matrix_placement(self.model, name, param, heads[:2], sizes, {contiguous[c] for c in common})
+
     def _check_mid(self, fqn: str, cols: set[str], layer: str, rows: set[str]) -> None:
         module = self.modules[fqn]
         head_dim = self._head_dim(cols)
@@ -139,12 +172,16 @@ class GroupFinding:
             width = normalized_heads(module, {head_dim} if head_dim else set())
             if width is not None and all(width < in_features(self.modules[r]) for r in rows):
                 return
+            if self._norms_heads(fqn):  # type: ignore[attr-defined]
+                return  # a norm of the file without parameters over a per-head view
             raise Refused(
                 f"{relative(fqn, layer)} ({type(module).__name__}) sits between the column- and row-parallel "
                 "projections and normalises across the sharded features"
             )
         if all(len(s) == 1 for s in shapes) and head_dim is not None and sizes <= {head_dim}:
             return  # a per-head norm (q_norm): runs on whole heads; its gradient is reduced
+        if self._maps_heads(fqn) or self._norms_heads(fqn) or self._scales_heads(fqn):  # type: ignore[attr-defined]
+            return  # one matrix for each head's features, a norm or a per-head scale over a per-head view
         raise Refused(
             f"{relative(fqn, layer)} ({type(module).__name__}, parameters {shapes}) sits between the column- and "
             "row-parallel projections and works across the sharded features"

@@ -64,6 +64,8 @@ PER_HEAD_INPUTS = ("alibi", "position_bias", "attn_bias", "rel_pos", "relative_p
 class HeadRules:
     """The attention rules of the deriver."""
 
+    _layer_flow: Any  # the flow of the decoder layer whose groups are being found (set by the deriver)
+
     model: Any
     tp: int | None
     source: Path
@@ -87,6 +89,8 @@ class HeadRules:
     def _runtime_head_check(self, cols: set[str], layer: str) -> None:
         """``parallelize`` refuses a row shard of a linear, in a module with a ``head_dim``, that would cut
         a head: refuse it here, with the module named, rather than write a plan it will not install."""
+        from hpgen.runtime.params import row_heads
+
         if self.tp is None:
             return
         for col in sorted(cols):  # sorted: the message names the same projection on every run
@@ -95,10 +99,15 @@ class HeadRules:
                 if not (path == layer or path.startswith(layer + ".")):
                     continue
                 head_dim = positive_int(getattr(self.modules.get(path), "head_dim", None))
-                if head_dim and n % head_dim == 0 and (n // head_dim) % self.tp:
+                if not head_dim or n % head_dim:
+                    continue
+                held = row_heads(self.modules[path], relative(col, path), n, head_dim)  # as parallelize counts
+                if held % self.tp:
+                    where = relative(path, layer) or "the layer"
+                    size = f"{where}'s head_dim {head_dim}" if held * head_dim == n else f"{n // held} features ({where})"
                     raise Refused(
-                        f"{relative(col, layer)} has {n} outputs, {n // head_dim} heads of {relative(path, layer) or 'the layer'}'s "
-                        f"head_dim {head_dim}, which do not divide over --tp {self.tp}"
+                        f"{relative(col, layer)} has {n} outputs, {held} heads of {size}, which do not divide over "
+                        f"--tp {self.tp}"
                     )
 
     def _per_head(self, fqn: str) -> bool:
@@ -111,9 +120,70 @@ class HeadRules:
             self._head_sizes = {size for size in sizes if size}
         module = self.modules[fqn]
         params = list(module.parameters())
-        if not params:
-            return normalized_heads(module, self._head_sizes) is not None
-        return all(p.dim() == 1 and p.numel() in self._head_sizes for p in params)
+        if params and all(p.dim() == 1 and p.numel() in self._head_sizes for p in params):
+            return True
+        if not params and normalized_heads(module, self._head_sizes) is not None:
+            return True  # torch's weightless norm over whole heads
+        return self._maps_heads(fqn) or self._norms_heads(fqn) or self._scales_heads(fqn)
+
+    def _head_view(self, fqn: str) -> int | None:
+        """``d`` when leaf ``fqn`` reads a per-head view ``[..., heads, d]`` of one column's output."""
+        from hpgen.planner.head_params import per_head_view
+        from hpgen.planner.modules import is_linear
+
+        flow = getattr(self, "_layer_flow", None)
+        if flow is None:
+            return None
+        widths = {f: out_features(m) for f, m in self.modules.items() if is_linear(m)}
+        return per_head_view(flow, fqn, widths)
+
+    def _norms_heads(self, fqn: str) -> bool:
+        """A norm without parameters over a per-head view (an unweighted RMSNorm of each value head).
+
+        A norm of the modeling file normalises the last dim (one head's features here); torch's
+        norms only when their ``normalized_shape`` is that one dim (a ``GroupNorm`` mixes channels).
+        """
+        import torch.nn as nn
+
+        from hpgen.planner.flow.runner import is_norm
+
+        module = self.modules[fqn]
+        if any(True for _ in module.parameters()) or not is_norm(module) or isinstance(module, nn.GroupNorm):
+            return False
+        size = self._head_view(fqn)
+        if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            return size is not None and tuple(module.normalized_shape) == (size,)
+        return size is not None
+
+    def _scales_heads(self, fqn: str) -> bool:
+        """A leaf over a per-head view whose parameters are per-head scales ``[heads, d]`` (sharded ``S(0)``)."""
+        from hpgen.planner.head_params import param_use
+
+        params = dict(self.modules[fqn].named_parameters())
+        size = self._head_view(fqn) if params else None
+        if size is None:
+            return False
+        counts = self._all_head_counts()
+        return all(
+            p.dim() == 2 and p.shape[1] == size and p.shape[0] in counts and param_use(self.model, f"{fqn}.{n}") == "scale"
+            for n, p in params.items()
+        )
+
+    def _all_head_counts(self) -> set[int]:
+        """Every head count a module or the config holds (``num_heads``, ``num_key_value_heads``...)."""
+        if not hasattr(self, "_counts_seen"):
+            counts = {positive_int(self._config(n)) for n in (*HEADS_ATTRS, *KV_HEADS_ATTRS)}
+            for module in self.modules.values():
+                counts |= {positive_int(getattr(module, n, None)) for n in (*HEADS_ATTRS, *KV_HEADS_ATTRS)}
+            self._counts_seen = {c for c in counts if c}
+        return self._counts_seen
+
+    def _maps_heads(self, fqn: str) -> bool:
+        """A leaf applying one matrix to each head's features alone (:mod:`hpgen.planner.head_maps`)."""
+        from hpgen.planner.head_maps import per_head_map
+
+        flow = getattr(self, "_layer_flow", None)
+        return flow is not None and per_head_map(self.modules, fqn, flow) is not None
 
     def _switched_off(self, name: str) -> bool:
         """An ``alibi`` input of a model whose config turns alibi off (Falcon's default): it arrives as None."""

@@ -86,6 +86,8 @@ def layout_of(use: ShapeUse, n: int, heads: tuple[int, int, int] | None) -> tupl
             return "S", 1
         if len(suffix) == 2 and lead in (q, kv) and lead * suffix[1] == n:
             return "S", lead  # [heads, features of one head] of another width (MLA's key and value per head)
+        if lead in (q, kv) and n % head_dim and n % lead == 0:
+            return "S", lead  # [heads, 1, taps]: a few values per head, no head_dim (per-head conv taps)
         return "unknown", None
     return "unknown", None
 

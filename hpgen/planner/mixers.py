@@ -9,7 +9,8 @@ shards exactly:
   channel from that channel alone, so with ``k`` equal sharded columns concatenated its
   weight ``[k * width, 1, kernel]`` is ``k`` packed blocks, ``SS(0,k)``: each rank keeps its
   chunk of every block, as the local ``cat`` lays its channels out (one block: ``S(0)``);
-  a convolution that mixes channels is refused;
+  a convolution that mixes channels is refused; one over a single column's output
+  alone (a short convolution on the keys) is ``S(0)`` (:func:`single_column_conv`);
 - a tensor with a single non-1 dim of the query-head count is one value per head:
   ``S(d)`` on that dim.
 
@@ -20,9 +21,10 @@ A bias the layer does not have (``bias=False``: the code reads ``self.conv1d.bia
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["absent", "conv_placement", "per_head_placement"]
+__all__ = ["absent", "conv_placement", "per_head_placement", "single_column_conv"]
 
 
 def absent(model: Any, name: str) -> bool:
@@ -55,6 +57,46 @@ def conv_placement(model: Any, name: str, param: Any, col_widths: list[int], sha
     if blocks is None or len(set(blocks)) != 1 or Counter(col_widths)[blocks[0]] < len(blocks):
         return None
     return f"SS(0,{len(blocks)})" if len(blocks) > 1 else "S(0)"
+
+
+def single_column_conv(model: Any, name: str, param: Any, flow: Any, widths: Mapping[str, int]) -> str | None:
+    """``S(0)`` for the weight of a depthwise ``nn.Conv1d`` whose input is one plainly sharded column's output.
+
+    ``widths``: the plainly sharded columns (``S(1)``) and their output widths. The column the
+    conv reads is the one layer output that every value computed with the weight depends on
+    (the flow over-approximates origins, never under), and the conv must have as many channels
+    as that column has outputs: a ``cat`` of several columns, or of a column and the stream,
+    shows more layers there and more channels. A reshape of the column's output on its own
+    (a ``view``/``split`` before the conv could reorder its features) refuses it. Masks and a
+    cache's conv state (``in:`` markers, the state of the same channels' earlier tokens) may be
+    mixed in: they are per channel too.
+    """
+    import torch.nn as nn
+
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    if not isinstance(module, nn.Conv1d) or leaf != "weight" or param.dim() != 3 or param.shape[1] != 1:
+        return None
+    channels = param.shape[0]
+    if not (module.groups == module.in_channels == module.out_channels == channels):
+        return None
+    origin = f"param:{name}"
+    seen = [set(o) for o in flow.edges.values() if origin in o]
+    seen += [set(use.receiver) for use in flow.shapes if origin in use.receiver]
+    if origin in flow.result.whole():
+        seen.append(set(flow.result.whole()))
+    layers = [{o for o in found if not o.startswith(("in:", "param:"))} for found in seen]
+    common = set.intersection(*layers) if layers else set()
+    if len(common) != 1:
+        return None
+    (column,) = common
+    if widths.get(column) != channels:
+        return None
+    for use in flow.shapes:
+        if column in use.receiver and origin not in use.receiver:
+            if {o for o in use.receiver if not o.startswith(("in:", "param:"))} == {column}:
+                return None  # the column's output reshaped on its own: its features may not reach the conv in order
+    return "S(0)"
 
 
 def _split_blocks(shapes: Any, origin: str, channels: int) -> list[int] | None:

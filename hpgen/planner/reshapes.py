@@ -115,8 +115,9 @@ class ReshapeRules:
                         f"{relative(use.module, layer) or 'the layer'} reshapes the sharded values to a width read "
                         f"from an unsharded tensor's size (line {use.line}), which a shard does not have"
                     )
+            inner = _within_heads(use) if origins & sharded else set()
             for module, attr in arg_reads(use):
-                if attr.startswith(("missing:", "method:")):
+                if attr.startswith(("missing:", "method:")) or (module, attr) in inner:
                     continue
                 value = self._value(module, attr)
                 if not isinstance(value, int) or isinstance(value, bool) or value not in counts:
@@ -149,6 +150,25 @@ class ReshapeRules:
         for part in attr.split("."):
             obj = getattr(obj, part, None)
         return obj
+
+
+def _within_heads(use: Any) -> set[tuple[str, str]]:
+    """Attributes read only by the dims after a head count in a ``view``/``reshape`` (``(..., self.num_heads, 1,
+    self.conv_kernel_size)``): sizes within one head, which sharding the heads leaves whole."""
+    from hpgen.planner.heads import HEADS_ATTRS, KV_HEADS_ATTRS
+
+    if use.method not in ("view", "reshape"):
+        return set()
+    values = list(use.arg_vals[0].items) if len(use.arg_vals) == 1 and use.arg_vals[0].items else list(use.arg_vals)
+    counts = set(HEADS_ATTRS) | set(KV_HEADS_ATTRS)
+    first = next(
+        (i for i, v in enumerate(values) if any(attr.rpartition(".")[2] in counts for _, attr in v.all_reads())), None
+    )
+    if first is None:
+        return set()
+    before = set().union(*(v.all_reads() for v in values[: first + 1]))
+    after = set().union(*(v.all_reads() for v in values[first + 1 :])) if values[first + 1 :] else set()
+    return after - before
 
 
 def linear_origins(origins: frozenset[str], flow: Flow) -> set[str]:

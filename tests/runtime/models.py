@@ -95,6 +95,34 @@ FAMILIES = {
         # intermediate size of 89 floats fails inside transformers even unsharded
         extra=dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48),
     ),
+    # short convolutions on k and v, a relative-logits matrix per head (d_rel 8: not the head size),
+    # sliding and full attention with log scaling, routed + shared experts, conv states in the cache
+    "inkling": Family(
+        "transformers.models.inkling.modeling_inkling",
+        "InklingTextConfig",
+        "InklingForCausalLM",
+        extra=dict(
+            swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=8,
+            d_rel=8, rel_extent=16, log_scaling_n_floor=4, layer_types=["hybrid_sliding", "hybrid"],
+            mlp_layer_types=["sparse", "sparse"], n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+            moe_intermediate_size=32,
+        ),
+    ),
+    # + query/key-value projection modules, dynamic convolutions (per-head taps from weight_proj), per-head
+    # L2-clip scales, sinks per head, a gated output, and full attention reading three normed inputs
+    "inkling2": Family(
+        "transformers.models.inkling2.modeling_inkling2",
+        "Inkling2TextConfig",
+        "Inkling2ForCausalLM",
+        extra=dict(
+            swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=8,
+            # d_rel 4: the relative projection's 16 rows are 4 heads of 4, not one head of head_dim 16
+            d_rel=4, rel_extent=16, log_scaling_n_floor=4, sconv_kernel_size=3, unpadded_vocab_size=127,
+            layer_types=["hybrid_sliding", "hybrid"],
+            # its intermediate_size is the experts' (an alias): grouped_mm needs 16-byte rows
+            n_routed_experts=4, num_experts_per_tok=2, intermediate_size=32,
+        ),
+    ),
 }
 
 

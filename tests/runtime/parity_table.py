@@ -67,6 +67,19 @@ def hpgen_plan(family: str, **options: Any) -> Callable[[], dict[str, Any]]:
     return make
 
 
+def hpgen_plan_completed(family: str, **options: Any) -> Callable[[], dict[str, Any]]:
+    """What ``hpgen plan`` writes: transformers' plan, completed from the source where it leaves blocks replicated."""
+
+    def make() -> dict[str, Any]:
+        from hpgen.planner.load import meta_model
+        from hpgen.planner.make import plan_model
+
+        return plan_model(meta_model(make_config(family)), name=family, **options)
+
+    make.__name__ = f"hpgen_plan_completed_{family}"
+    return make
+
+
 def moe_with_inner_wrapper() -> dict[str, Any]:
     """The MoE plan with an ``inner_wrapper`` around the experts' local compute function."""
     plan = load_plan_dict("qwen3_moe_tp_ep")
@@ -128,6 +141,12 @@ PARITY: dict[str, Row] = {
     "qwen3_moe_hpgen_tp_unaligned": Row("qwen3_moe", hpgen_plan("qwen3_moe", tp=2), {"moe_intermediate_size": 36}),
     # hpgen plan --ep 2: whole experts per rank
     "qwen3_moe_hpgen_ep": Row("qwen3_moe", hpgen_plan("qwen3_moe", tp=2, ep=2)),
+    # transformers' plan shards the experts; the attention is completed from the source: short convolutions
+    # on k/v sharded with their channels (and their cached conv states local), the relative-logits matrix
+    # replicated with its gradient reduced
+    "inkling_completed": Row("inkling", hpgen_plan_completed("inkling", tp=2)),
+    # the same for Inkling2: dynamic convolutions' static taps S(1) and per-head taps, per-head L2-clip scales S(0)
+    "inkling2_completed": Row("inkling2", hpgen_plan_completed("inkling2", tp=2)),
     # sequence-parallel nn.LayerNorm entries on a class outside the file
     "starcoder2_sp_norms": Row("starcoder2", starcoder2_norm_entries),
 }

@@ -73,3 +73,23 @@ def test_replica_groups_are_runs_of_consecutive_ranks_of_each_copy_of_the_axis()
     # the axis need not be the last: on dp, each column is a copy of it
     assert replica_rank_lists(mesh, 0, 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert replica_rank_lists([[0, 1, 2, 3]], 1, 4) == [[0, 1, 2, 3]]
+
+
+def test_the_heads_a_linears_rows_hold_follow_the_module_that_holds_it() -> None:
+    """A relative-position projection of ``num_heads * d_rel`` rows inside its own module holds that module's
+    heads; a key projection directly in the attention holds rows / head_dim heads, whatever the attention's
+    ``num_heads``."""
+    from torch import nn
+
+    from hpgen.runtime.params import row_heads
+
+    attention = nn.Module()
+    attention.num_heads, attention.head_dim = 4, 16
+    attention.k_proj = nn.Linear(64, 32, device="meta")  # 2 key/value heads of 16
+    attention.relative = nn.Module()
+    attention.relative.num_heads = 4
+    attention.relative.linear = nn.Linear(64, 16, device="meta")  # 4 heads of d_rel 4
+    assert row_heads(attention, "k_proj", 32, 16) == 2
+    assert row_heads(attention, "relative.linear", 16, 16) == 4
+    attention.relative.num_heads = 1  # one head of 16: the plain count
+    assert row_heads(attention, "relative.linear", 16, 16) == 1

@@ -32,3 +32,12 @@ def test_gradients(parity: list[dict], name: str) -> None:
 @pytest.mark.parametrize("name", PARITY)
 def test_greedy_generation(parity: list[dict], name: str) -> None:
     check_generation(parity, name)
+
+
+@pytest.mark.parametrize("name", ["inkling_completed", "inkling2_completed"])
+def test_the_completed_inkling_plans_hold_at_most_two_thirds_per_rank(parity: list[dict], name: str) -> None:
+    """transformers' plans shard only Inkling's and Inkling2's experts; with the attention completed from the
+    source (convolutions, per-head scales and the relative-position matrix included) no rank holds more than
+    0.65 of the parameters."""
+    shares = [by_case[name].local_bytes / by_case[name].full_bytes for by_case in parity]
+    assert max(shares) <= 0.65, shares
