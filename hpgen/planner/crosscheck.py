@@ -31,22 +31,14 @@ __all__ = ["drop_contradicted", "drop_feature_statistics", "drop_regathered"]
 def drop_contradicted(plan: dict[str, Any], derivation: Derivation) -> dict[str, Any]:
     """``plan`` without the blocks whose sharded modules the derivation found contradicted."""
     contradicted = [note for note in derivation.notes if note.needs_whole and not note.sharded]
-    dropped: dict[str, str] = {}
-    for key, entry in plan["param_plan"].items():
-        sharded = {
-            name.rpartition(".")[0] for name, layout in entry.get("params", {}).items() if set(layout.values()) != {"R"}
-        }
-        for note in contradicted:
-            consumer = note.needs_whole[len(key) + 1 :] if note.needs_whole.startswith(key + ".") else None
-            if consumer is not None and consumer in sharded:  # transformers shards what needs the value whole
-                dropped[key] = (
-                    f"transformers' plan shards {consumer} here, but the source contradicts it: {note.text}; "
-                    "kept replicated, as the plan derived from the source does"
-                )
-                break
-    if not dropped:
-        return plan
-    return _without(plan, dropped)
+    dropped = {
+        key: (
+            f"transformers' plan shards {consumer} here, but the source contradicts it: {note.text}; "
+            "kept replicated, as the plan derived from the source does"
+        )
+        for key, consumer, note in _sharding_consumers(plan, contradicted)
+    }
+    return _without(plan, dropped) if dropped else plan
 
 
 def drop_regathered(plan: dict[str, Any], derivation: Derivation) -> tuple[dict[str, Any], set[str]]:
@@ -55,23 +47,31 @@ def drop_regathered(plan: dict[str, Any], derivation: Derivation) -> tuple[dict[
     The keys dropped are for the derived blocks to take their place (:func:`hpgen.planner.make.plan_model`).
     """
     gathered = [note for note in derivation.notes if note.needs_whole and note.sharded]
-    dropped: dict[str, str] = {}
+    dropped = {
+        key: (
+            f"transformers' plan shards {consumer} here, but it reads a sharded projection's output whole; "
+            f"derived from the source instead: {consumer} is column-parallel over its outputs (one per head) "
+            "and gathers its input on entry"
+        )
+        for key, consumer, _ in _sharding_consumers(plan, gathered)
+    }
+    return (_without(plan, dropped), set(dropped)) if dropped else (plan, set())
+
+
+def _sharding_consumers(plan: dict[str, Any], notes: list[Any]) -> list[tuple[str, str, Any]]:
+    """(plan key, consumer, note) for each entry of ``plan`` that shards the module a note says needs its
+    input whole (``note.needs_whole``, relative to the entry's key); the first such note per entry."""
+    found = []
     for key, entry in plan["param_plan"].items():
         sharded = {
             name.rpartition(".")[0] for name, layout in entry.get("params", {}).items() if set(layout.values()) != {"R"}
         }
-        for note in gathered:
+        for note in notes:
             consumer = note.needs_whole[len(key) + 1 :] if note.needs_whole.startswith(key + ".") else None
-            if consumer is not None and consumer in sharded:
-                dropped[key] = (
-                    f"transformers' plan shards {consumer} here, but it reads a sharded projection's output whole; "
-                    f"derived from the source instead: {consumer} is column-parallel over its outputs (one per head) "
-                    "and gathers its input on entry"
-                )
+            if consumer is not None and consumer in sharded:  # transformers shards what needs the value whole
+                found.append((key, consumer, note))
                 break
-    if not dropped:
-        return plan, set()
-    return _without(plan, dropped), set(dropped)
+    return found
 
 
 def _without(plan: dict[str, Any], dropped: dict[str, str]) -> dict[str, Any]:

@@ -44,15 +44,9 @@ def conv_placement(model: Any, name: str, param: Any, col_widths: list[int], sha
     equal constant sizes adding up to the channels; blocks of unequal sizes (queries and keys
     narrower than values) have no packed placement.
     """
-    import torch.nn as nn
-
-    owner, _, leaf = name.rpartition(".")
-    module = model.get_submodule(owner) if owner else model
-    if not isinstance(module, nn.Conv1d) or leaf != "weight" or param.dim() != 3 or param.shape[1] != 1:
+    channels = _depthwise_channels(model, name, param)
+    if channels is None:
         return None
-    channels = param.shape[0]
-    if not (module.groups == module.in_channels == module.out_channels == channels):
-        return None  # mixes channels: a shard of them is not this rank's share of the convolution
     blocks = _split_blocks(shapes, f"param:{name}", channels)
     if blocks is None or len(set(blocks)) != 1 or Counter(col_widths)[blocks[0]] < len(blocks):
         return None
@@ -71,14 +65,8 @@ def single_column_conv(model: Any, name: str, param: Any, flow: Any, widths: Map
     cache's conv state (``in:`` markers, the state of the same channels' earlier tokens) may be
     mixed in: they are per channel too.
     """
-    import torch.nn as nn
-
-    owner, _, leaf = name.rpartition(".")
-    module = model.get_submodule(owner) if owner else model
-    if not isinstance(module, nn.Conv1d) or leaf != "weight" or param.dim() != 3 or param.shape[1] != 1:
-        return None
-    channels = param.shape[0]
-    if not (module.groups == module.in_channels == module.out_channels == channels):
+    channels = _depthwise_channels(model, name, param)
+    if channels is None:
         return None
     origin = f"param:{name}"
     seen = [set(o) for o in flow.edges.values() if origin in o]
@@ -97,6 +85,22 @@ def single_column_conv(model: Any, name: str, param: Any, flow: Any, widths: Map
             if {o for o in use.receiver if not o.startswith(("in:", "param:"))} == {column}:
                 return None  # the column's output reshaped on its own: its features may not reach the conv in order
     return "S(0)"
+
+
+def _depthwise_channels(model: Any, name: str, param: Any) -> int | None:
+    """The channels of ``name`` when it is the weight of a depthwise ``nn.Conv1d``, else None.
+
+    A convolution that mixes channels (``groups`` below the channel count) is not one a shard
+    of the channels computes its share of.
+    """
+    import torch.nn as nn
+
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    if not isinstance(module, nn.Conv1d) or leaf != "weight" or param.dim() != 3 or param.shape[1] != 1:
+        return None
+    channels = param.shape[0]
+    return channels if module.groups == module.in_channels == module.out_channels == channels else None
 
 
 def _split_blocks(shapes: Any, origin: str, channels: int) -> list[int] | None:
