@@ -378,9 +378,23 @@ def _return_shape(statement: ast.Return) -> ReturnShape:
     if isinstance(value, ast.Tuple):
         starred = any(isinstance(element, ast.Starred) for element in value.elts)
         return ReturnShape("tuple", line, length=None if starred else len(value.elts))
-    if isinstance(value, ast.Call) and not value.args and value.keywords and all(k.arg for k in value.keywords):
+    if is_record_call(value):
         return ReturnShape("record", line, keywords=tuple(keyword.arg for keyword in value.keywords))
     return ReturnShape("value", line)
+
+
+def is_record_call(value: ast.AST) -> bool:
+    """Whether ``value`` builds an output record: a class called with keyword arguments only.
+
+    ``BaseModelOutputWithPast(last_hidden_state=...)`` or ``modeling_outputs.CausalLMOutput(...)``
+    (a capitalised name, as classes are spelled); a method call with keywords only, such as
+    ``hidden_states.to(dtype=input_dtype)``, returns a tensor, not a record with a ``dtype`` field.
+    """
+    if not (isinstance(value, ast.Call) and not value.args and value.keywords and all(k.arg for k in value.keywords)):
+        return False
+    func = value.func
+    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+    return name[:1].isupper()
 
 
 def _index_children(init: ast.FunctionDef) -> dict[str, tuple[Child, ...]]:

@@ -148,6 +148,9 @@ def test_output_addresses():
     assert contract(tuple_source, **OUT).outputs[0].address == ("index", 0)
     record = "class A:\n    def forward(self, x):\n        return Out(o=x, cache=None)\n"
     assert contract(record, **OUT).outputs[0].address == ("attr", "o")
+    cast = "class A:\n    def forward(self, x):\n        return x.to(dtype=torch.float32)\n"
+    found = contract(cast, **OUT)  # a tensor, not a record with a ``dtype`` field
+    assert found.form != "generic" and found.outputs[0].address == ("whole",)
     named = {"out_names": ["a", "b"], "out_src": {"b": {"tp": "P(sum)"}}}
     assert contract("class A:\n    def forward(self, x):\n        return y\n", **named).outputs[1].address == ("index", 1)
 

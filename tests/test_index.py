@@ -72,11 +72,22 @@ def test_return_kinds():
                     return Out(last_hidden_state=x, cache=None)
                 if x > 1:
                     return (*x,)
+                if x > 2:
+                    return outputs.CausalLMOutput(logits=x)
+                if x > 3:
+                    return x.to(dtype=torch.float32)  # a tensor method with keywords only: not a record
                 return x
         """
     ).classes["A"].forward
     kinds = [(r.kind, r.length, r.keywords) for r in forward.returns]
-    assert kinds == [("none", None, ()), ("record", None, ("last_hidden_state", "cache")), ("tuple", None, ()), ("value", None, ())]
+    assert kinds == [
+        ("none", None, ()),
+        ("record", None, ("last_hidden_state", "cache")),
+        ("tuple", None, ()),
+        ("record", None, ("logits",)),
+        ("value", None, ()),
+        ("value", None, ()),
+    ]
 
 
 def test_falls_off_end_and_one_line_forward():

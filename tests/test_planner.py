@@ -1108,3 +1108,18 @@ def test_inkling2_attention_is_completed_with_its_per_head_scales_taps_and_share
         assert full["params"][f"{side}_proj.sconv.weight_proj.weight"] == {"tp": "S(0)"}
         assert entry(plan, f"model.layers.1.self_attn.{side}_proj.sconv")["tp_divide_attrs"] == ["num_heads"]
     assert entry(plan, "model.layers.*.self_attn.relative_position_bias")["tp_divide_attrs"] == ["num_heads"]
+
+
+def test_output_names_come_from_records_not_from_a_tensor_method_with_keywords() -> None:
+    # Inkling2's short convolution ends ``return hidden_states.to(dtype=input_dtype)``: one tensor, named
+    # ``output``; a ``dtype`` output would make the generated forward assign ``outputs.dtype``
+    from hpgen.index import parse_source
+    from hpgen.planner.signatures import return_names
+
+    source = (
+        "class Conv:\n    def forward(self, x):\n        return x.to(dtype=x.dtype)\n\n"
+        "class Model:\n    def forward(self, x):\n        return BaseModelOutput(last_hidden_state=x)\n"
+    )
+    parsed = parse_source(source)
+    assert return_names(parsed, "Conv") == ("output",)
+    assert return_names(parsed, "Model") == ("last_hidden_state",)

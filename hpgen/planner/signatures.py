@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpgen.errors import HpgenError
+from hpgen.index import is_record_call
 from hpgen.planner.boundary import Boundary
 from hpgen.planner.checks import is_attention
 from hpgen.planner.load import index_source, source_file
@@ -175,8 +176,8 @@ def return_names(parsed: ParsedSource, class_name: str) -> tuple[str, ...]:
     returns = [r for r in _own_returns(forward) if r.value is not None and not _is_none(r.value)]
     tuples = [r.value for r in returns if isinstance(r.value, ast.Tuple)]
     if not returns or len(tuples) != len(returns):
-        records = [r.value for r in returns if isinstance(r.value, ast.Call) and r.value.keywords and not r.value.args]
-        if records and len(records) == len(returns) and records[0].keywords[0].arg:
+        records = [r.value for r in returns if is_record_call(r.value)]
+        if records and len(records) == len(returns):
             return (records[0].keywords[0].arg,)
         return ("output",)
     lengths = {len(t.elts) for t in tuples}
