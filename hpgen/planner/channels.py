@@ -139,12 +139,9 @@ def _gathered(
         if modules[col].bias is not None:
             piece.params["bias"] = "S(0)"
         mixer.reduced.append(piece)
-    piece = Placed(out, "split_row", why="state-space mixer: row-parallel on this rank's split of the scan's output")
-    piece.params["weight"] = "S(1)"
-    if modules[out].bias is not None:
-        piece.params["bias"] = "R"
-        piece.deferred.add("bias")
-    mixer.reduced.append(piece)
+    mixer.reduced.append(
+        _row(out, modules[out], "split_row", "state-space mixer: row-parallel on this rank's split of the scan's output")
+    )
     return mixer
 
 
@@ -182,12 +179,8 @@ def _channel_parallel(
         f for f in linears - handled if in_features(modules[f]) == channels and out_features(modules[f]) != channels
     )
     for row in reduced:
-        piece = Placed(row, "reduce_leaf", why="state-space mixer: row-parallel projection of the channels, reduced")
-        piece.params["weight"] = "S(1)"
-        if modules[row].bias is not None:
-            piece.params["bias"] = "R"
-            piece.deferred.add("bias")
-        mixer.reduced.append(piece)
+        why = "state-space mixer: row-parallel projection of the channels, reduced"
+        mixer.reduced.append(_row(row, modules[row], "reduce_leaf", why))
         handled.add(row)
     # every other parameter follows the channels (first dim C, or heads of C // heads channels each)
     # or lies on the reduced path
@@ -369,3 +362,13 @@ def _fed_only_by(flow: Flow, fqn: str, rows: set[str]) -> bool:
         return False
     layers = {o for o in origins if not o.startswith(("in:", "param:"))}
     return bool(layers) and layers <= rows
+
+
+def _row(fqn: str, module: Any, kind: str, why: str) -> Placed:
+    """A row-parallel ``nn.Linear`` of a mixer: weight ``S(1)``, its bias added once after the reduction."""
+    piece = Placed(fqn, kind, why=why)
+    piece.params["weight"] = "S(1)"
+    if module.bias is not None:
+        piece.params["bias"] = "R"
+        piece.deferred.add("bias")
+    return piece
