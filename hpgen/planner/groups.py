@@ -103,9 +103,8 @@ class GroupFinding:
         """
         found: dict[str, str] = {}
         head_dim = heads[2] if heads is not None else None
-        widths = {out_features(self.modules[c]) for c in cols if layouts[c] == ("S", 1)}
-        col_widths = [out_features(self.modules[c]) for c in cols if layouts[c] == ("S", 1)]
         plain = {c: out_features(self.modules[c]) for c in cols if layouts[c] == ("S", 1)}
+        widths, col_widths = set(plain.values()), list(plain.values())
         contiguous = {c: out_features(self.modules[c]) for c in cols if layouts[c][0] == "S"}  # S(0) weights
         shapes = self._group_flow.shapes if self._group_flow is not None else []
         for name in raw:

@@ -134,8 +134,9 @@ class HeadRules:
         flow = getattr(self, "_layer_flow", None)
         if flow is None:
             return None
-        widths = {f: out_features(m) for f, m in self.modules.items() if is_linear(m)}
-        return per_head_view(flow, fqn, widths)
+        if not hasattr(self, "_linear_widths"):  # the model's modules do not change during a derivation
+            self._linear_widths = {f: out_features(m) for f, m in self.modules.items() if is_linear(m)}
+        return per_head_view(flow, fqn, self._linear_widths)
 
     def _norms_heads(self, fqn: str) -> bool:
         """A norm without parameters over a per-head view (an unweighted RMSNorm of each value head).
