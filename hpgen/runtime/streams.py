@@ -18,7 +18,7 @@ states are put back when it returns:
   ``torch.initial_seed()`` taken at ``parallelize`` (the same on every rank of the plan's
   axes), ``step`` counts the train-mode forwards. Code outside the sharded bodies (the
   embeddings' dropout, a decoder layer's ``F.dropout``) draws from it.
-- :class:`BodyStreams` (pre-hook and hook of each boundary whose body is sharded): the
+- :class:`BodyStreams` (around the body of each boundary sharded on some axis): the
   value's layout changes inside the body at known places, and the stream follows it.
   The body starts *local* when its inputs arrive sharded (a sequence-sharded decoder
   layer) and *replicated* otherwise; after a column-parallel projection (its output
@@ -189,24 +189,29 @@ def _generators(model: nn.Module) -> list[torch.Generator]:
 
 
 class BodyStreams:
-    """Pre-hook and hook of a boundary whose body is sharded: its frame of the streams."""
+    """The body of a boundary sharded on some axis (its ``_forward_impl`` or ``__hp_compute__``), run in a
+    frame of the streams.
 
-    def __init__(self, streams: ModelStreams, local: bool, coordinates: Sequence[int]) -> None:
+    It wraps the body the generated ``forward`` calls, not the module's ``__call__``: transformers'
+    gradient checkpointing wraps ``forward`` and leaves module hooks outside, so only what runs inside
+    ``forward`` is recomputed, from the generator state checkpointing restores.
+    """
+
+    def __init__(self, streams: ModelStreams, module: nn.Module, body: Any, local: bool, coordinates: Sequence[int]) -> None:
         self.streams = streams
+        self.module = module
+        self.body = body
         self.local = local
         self.coordinates = tuple(coordinates)
 
-    def enter(self, module: nn.Module, args: Any) -> None:
-        if self.streams.active(module):
-            self.streams.enter_body(self.local, self.coordinates)
-
-    def exit(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.streams.active(module):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.streams.active(self.module):
+            return self.body(*args, **kwargs)
+        self.streams.enter_body(self.local, self.coordinates)
+        try:
+            return self.body(*args, **kwargs)
+        finally:
             self.streams.exit_body()
-        return None
-
-    def __deepcopy__(self, memo: dict) -> BodyStreams:
-        return self
 
 
 class LayoutChange:
@@ -291,9 +296,11 @@ def install_streams(model: nn.Module, bodies: Sequence[tuple[Any, Any]], plan: A
         if not sharded:
             continue
         local = any(layout.on(a).kind in ("S", "SS", "RS") for layout in entry.in_dst.values() for a in sharded)
-        body = BodyStreams(streams, local, [axes[a].rank for a in sharded])
-        item.module.register_forward_pre_hook(body.enter)
-        item.module.register_forward_hook(body.exit, always_call=True)
+        name = "__hp_compute__" if form == "region" else "_forward_impl"  # what the generated forward calls
+        body = getattr(item.module, name, None)
+        if body is None:
+            continue
+        setattr(item.module, name, BodyStreams(streams, item.module, body, local, [axes[a].rank for a in sharded]))
         hooked: set[int] = set()
         for name, layout in entry.params.items():
             owner_path, _, leaf = name.rpartition(".")
