@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["BodyStreams", "LayoutChange", "ModelStreams", "mix"]
+__all__ = ["BodyStreams", "LayoutChange", "ModelStreams", "mix", "reseed_random_streams"]
 
 _MASK = (1 << 64) - 1
 # domains, so that no two kinds of derived seed collide
@@ -104,7 +104,9 @@ class ModelStreams:
     # ---- the model's forward ----------------------------------------------------------
 
     def enter_model(self, module: nn.Module, args: Any) -> None:
-        if not module.training or _compiling() or not self._draws():
+        if _compiling():  # traced: the graph keeps the user's generators (see the module docstring)
+            return
+        if not module.training or not self._draws():
             self._saved.append(None)
             self.enabled = False
             return
@@ -115,6 +117,8 @@ class ModelStreams:
         self.step += 1
 
     def exit_model(self, module: nn.Module, args: Any, output: Any) -> None:
+        if _compiling():
+            return None
         saved = self._saved.pop() if self._saved else None
         if saved is not None:
             for generator, state in zip(self.generators, saved):
@@ -313,3 +317,15 @@ def install_streams(model: nn.Module, bodies: Sequence[tuple[Any, Any]], plan: A
                 owner.register_forward_hook(LayoutChange(streams, kind == "column"))
     model._hp_streams = streams
     return streams
+
+
+def reseed_random_streams(model: nn.Module, seed: int, step: int = 0) -> None:
+    """Start a parallelized model's random streams again from ``seed`` at train-mode forward ``step``.
+
+    Call it with the same ``seed`` on every rank (when resuming a run, with the ``step`` it
+    had reached: ``model._hp_streams.step``). A model that was not parallelized has none.
+    """
+    streams = getattr(model, "_hp_streams", None)
+    if not isinstance(streams, ModelStreams):
+        raise ValueError(f"{type(model).__name__} was not parallelized: it has no random streams to reseed")
+    streams.reseed(seed, step)

@@ -193,6 +193,8 @@ def _sharded_heads_draw_apart(plan: dict, generated: str, mesh: Any) -> float:
 
 def _checkpointing(family: str, plan: dict, generated: str, mesh: Any) -> float:
     """The largest gradient difference between a step with and without gradient checkpointing."""
+    from hpgen.runtime import reseed_random_streams
+
     _, model = _models(family, plan, generated, mesh)
     ids = _batches(model.config.vocab_size)[0]
     model.train()
@@ -200,7 +202,7 @@ def _checkpointing(family: str, plan: dict, generated: str, mesh: Any) -> float:
     for checkpointing in (False, True):
         if checkpointing:
             model.gradient_checkpointing_enable()
-        model._hp_streams.reseed(99)
+        reseed_random_streams(model, 99)
         model(input_ids=ids, labels=ids).loss.backward()
         grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
         model.zero_grad(set_to_none=True)
@@ -209,7 +211,7 @@ def _checkpointing(family: str, plan: dict, generated: str, mesh: Any) -> float:
 
 
 def _autocast_and_bf16(plan: dict, generated: str, mesh: Any) -> dict[str, float]:
-    _, model = _models("llama", plan, generated, mesh)
+    _, model = _models("opt", plan, generated, mesh)
     ids = _batches(model.config.vocab_size)[0]
     model.train()
     spreads: dict[str, float] = {}
@@ -274,7 +276,7 @@ def _rank(rank: int, world_size: int, files: dict[str, tuple[dict, str]]) -> dic
         "gpt2": _checkpointing("gpt2", *files["gpt2"], mesh),
         "llama_sp": _checkpointing("llama", *files["llama_sp"], mesh),
     }
-    report["precision"] = _autocast_and_bf16(*files["llama"], mesh)
+    report["precision"] = _autocast_and_bf16(*files["opt"], mesh)
     report["generate"] = _generation(*files["gpt2"], mesh)
     report["inputs"] = _different_inputs(*files["gpt2"], mesh)
     return report
