@@ -67,8 +67,11 @@ def import_package(target: Target, text: str) -> str | None:
     stripped = text.removeprefix("\ufeff")
     relative = index_module(parse_source(stripped, name=str(target.source))).relative_imports
     if relative:
+        where = "" if target.origin == "command line" else f" ({target.origin})"
         raise HpgenError(
-            "a relative import needs the source's package when the output is written elsewhere: pass --package",
+            "a relative import needs the source's package when the output is written elsewhere: pass --package PKG "
+            f"on the command line, or give the target{where} a package key in [tool.hpgen] "
+            '(package = "transformers.models.llama")',
             file=str(target.source),
             where=f"{relative[0].line}:1",
         )
