@@ -270,3 +270,17 @@ def test_the_sizing_report_speaks_of_size_exchanges_only_when_a_gather_makes_one
     explained, sizing = _llama_sizing(gathered, tmp_path)
     assert "exchanged: one all-gather of an int64 per rank" in explained
     assert "each call first exchanges them" in sizing and "all_gather of x at model.layers.*.mlp" in sizing
+
+
+def test_the_fast_modules_import_without_torch_and_transformers(tmp_path: Path) -> None:
+    """``python -m pytest -m fast`` is the generator-only subset: none of its modules needs the runtime."""
+    from .conftest import FAST_MODULES
+
+    (tmp_path / "sitecustomize.py").write_text(_BLOCKER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    imports = "; ".join(f"import tests.{name}" for name in FAST_MODULES)
+    done = subprocess.run([sys.executable, "-c", imports], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for name in FAST_MODULES:  # and none of them starts a process
+        text = (ROOT / "tests" / f"{name}.py").read_text()
+        assert not any(word in text for word in ("subprocess", "run_distributed", "multiprocessing")), name
