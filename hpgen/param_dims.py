@@ -11,10 +11,11 @@ and the like (:func:`hpgen.index._parameter_dims`). Anything else is left to the
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from hpgen.errors import HpgenError
 from hpgen.index import ClassInfo, ModuleIndex
 from hpgen.plan import Plan
-from hpgen.resolve import ResolvedClass
+from hpgen.resolve import ResolvedClass, resolve_key
 
 # Parameters of torch's modules whose dims do not depend on the arguments.
 _MODULE_PARAM_DIMS = {"Linear": {"weight": 2, "bias": 1}, "Embedding": {"weight": 2}}
@@ -30,8 +31,19 @@ class StaticDims:
 
 
 def check_param_dims(plan: Plan, index: ModuleIndex, resolved: dict[str, ResolvedClass], *, source_name: str) -> None:
-    """Raise ``HpgenError`` for a placement naming a dim its parameter (known from the source) lacks."""
-    for key, found in sorted(resolved.items()):
+    """Raise ``HpgenError`` for a placement naming a dim its parameter (known from the source) lacks.
+
+    ``resolved`` holds the boundaries' classes; entries that only shard parameters are
+    resolved here, and skipped where their class cannot be found (the runtime checks them).
+    """
+    classes = dict(resolved)
+    for key, entry in plan.entries.items():
+        if key not in classes and entry.params and not entry.skip_source_lowering:
+            try:
+                classes[key] = resolve_key(plan, index, key, source_name=source_name)
+            except HpgenError:
+                continue
+    for key, found in sorted(classes.items()):
         if found.elsewhere:
             continue
         owner: ClassInfo | str = found.name if found.external else index.classes[found.name]

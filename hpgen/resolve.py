@@ -47,6 +47,11 @@ def resolve_boundaries(plan: Plan, index: ModuleIndex, *, source_name: str) -> d
     }
 
 
+def resolve_key(plan: Plan, index: ModuleIndex, key: str, *, source_name: str) -> ResolvedClass:
+    """The class of one entry key, boundary or not (an entry that only shards parameters)."""
+    return _Resolver(plan, index, source_name).resolve(key)
+
+
 class _Resolver:
     def __init__(self, plan: Plan, index: ModuleIndex, source_name: str) -> None:
         self.plan = plan

@@ -241,6 +241,11 @@ def test_the_dims_of_nn_parameter_factories_are_read_from_init(tmp_path: Path) -
     plan.write_text(json.dumps({"mesh_dim_names": ["tp"], "param_plan": {"scale": entry}}))
     # shift's dims are not known statically (torch.zeros(config.size)): left to parallelize
     assert hpgen("lower", str(source), str(plan)).exit_code == 0
+    # an entry that only shards parameters (no rewrite) is checked too
+    only_params = {"params": {"weight": {"tp": "S(-3)"}}}
+    plan.write_text(json.dumps({"mesh_dim_names": ["tp"], "param_plan": {"scale": only_params}}))
+    result = hpgen("lower", str(source), str(plan))
+    assert result.exit_code == 2 and 'param_plan["scale"].params["weight"].tp: S(-3) names dim -3' in result.stderr
 
 
 def _llama_sizing(plan: Path, tmp_path: Path) -> tuple[str, str]:
@@ -269,7 +274,7 @@ def test_the_sizing_report_speaks_of_size_exchanges_only_when_a_gather_makes_one
     gathered.write_text(json.dumps(plan))
     explained, sizing = _llama_sizing(gathered, tmp_path)
     assert "exchanged: one all-gather of an int64 per rank" in explained
-    assert "each call first exchanges them" in sizing and "all_gather of x at model.layers.*.mlp" in sizing
+    assert "gathers that exchange their shard sizes first" in sizing and "counted above: all_gather of x at model.layers.*.mlp" in sizing
 
 
 def test_the_fast_modules_import_without_torch_and_transformers(tmp_path: Path) -> None:

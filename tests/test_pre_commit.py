@@ -38,14 +38,21 @@ def pre_commit(repo: Path, hook: str, env: dict[str, str]) -> subprocess.Complet
     )
 
 
-def stale_file(repo: Path) -> None:
-    """A generated file from another plan: stale for the target's plan."""
+def stale_project(tmp_path: Path) -> Path:
+    """A project with one [tool.hpgen] target whose generated file, from another plan, is stale."""
+    repo = tmp_path / "repo"
+    for folder in ("models", "plans", "gen"):
+        (repo / folder).mkdir(parents=True)
+    shutil.copy(FIXTURES / "modeling_tiny.py", repo / "models" / "modeling_tiny.py")
+    shutil.copy(FIXTURES / "plan_tp.json", repo / "plans" / "tp.json")
+    (repo / "pyproject.toml").write_text(PYPROJECT)
     subprocess.run(
         [sys.executable, "-m", "hpgen", "lower", "models/modeling_tiny.py", str(FIXTURES / "plan_tp_sp.json"), "-o", "gen/modeling_tiny_tp.py"],
         cwd=repo,
         check=True,
         capture_output=True,
     )
+    return repo
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +62,7 @@ def hook_home(tmp_path_factory):
 
 
 def test_hooks_fail_on_a_stale_file_and_pass_after_regeneration(tmp_path, hook_home):
-    repo = tmp_path / "repo"
-    for folder in ("models", "plans", "gen"):
-        (repo / folder).mkdir(parents=True)
-    shutil.copy(FIXTURES / "modeling_tiny.py", repo / "models" / "modeling_tiny.py")
-    shutil.copy(FIXTURES / "plan_tp.json", repo / "plans" / "tp.json")
-    (repo / "pyproject.toml").write_text(PYPROJECT)
-    stale_file(repo)
+    repo = stale_project(tmp_path)
     env = {**os.environ, "PRE_COMMIT_HOME": str(hook_home), "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
            "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
     git(repo, "init", "-q")
@@ -92,14 +93,8 @@ def _documented_configs() -> list[str]:
 def test_the_documented_local_hook_runs_the_installed_hpgen(tmp_path: Path) -> None:
     """docs/cli.md's ``repo: local`` config, verbatim, in a fresh repository: no hook environment to build."""
     (local,) = [config for config in _documented_configs() if "repo: local" in config]
-    repo = tmp_path / "repo"
-    for folder in ("models", "plans", "gen"):
-        (repo / folder).mkdir(parents=True)
-    shutil.copy(FIXTURES / "modeling_tiny.py", repo / "models" / "modeling_tiny.py")
-    shutil.copy(FIXTURES / "plan_tp.json", repo / "plans" / "tp.json")
-    (repo / "pyproject.toml").write_text(PYPROJECT)
+    repo = stale_project(tmp_path)
     (repo / ".pre-commit-config.yaml").write_text(local)
-    stale_file(repo)
     # the hpgen of this environment on PATH, as an activated environment has it
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "PRE_COMMIT_HOME": str(tmp_path / "home"), "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",

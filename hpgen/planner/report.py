@@ -137,9 +137,9 @@ class SizeReport:
         exchanging = self.size_exchanges()
         if exchanging:
             lines.append(
-                "  shard sizes that nothing earlier in the forward records (no wrapped layer's full size, no split of "
-                "that dim), so each call first exchanges them, one more all-gather of one int64 per rank (counted "
-                "above): " + "; ".join(exchanging)
+                "  gathers that exchange their shard sizes first (nothing earlier in the forward records them: no "
+                "wrapped layer's full size, no split of that dim), one more all-gather of an int64 per rank each "
+                "call, counted above: " + "; ".join(exchanging)
             )
         if self.optional:
             lines.append(
