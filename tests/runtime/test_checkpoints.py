@@ -141,6 +141,7 @@ class RankResults:
     saved_keys: dict[str, list[str]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     strided: list[str] = field(default_factory=list)
+    kills: dict[str, Any] = field(default_factory=dict)  # case -> what each kill of a save left (rank 0)
 
 
 def _inputs() -> torch.Tensor:
@@ -282,6 +283,26 @@ def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> 
         out.saved_keys[f"{name} (transformers)"] = sorted(
             key for file in Path(case.folder).glob("*.safetensors") for key in safe_open(file, "pt").keys()
         )
+
+    # ---- transformers' keywords, over a folder that holds other files
+    folder = Path(f"{root}/saved_keywords")
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text("{}")
+    models["llama"].save_pretrained(folder, is_main_process=rank == 0, max_shard_size="100KB", safe_serialization=True)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
+    out.logits["llama: save_pretrained(is_main_process, max_shard_size)"] = (
+        (_logits(loaded) - _logits(references["llama"])).abs().max().item(),
+        tolerance(_logits(references["llama"])),
+    )
+    out.saved_keys["keywords: files"] = sorted(p.name for p in folder.parent.iterdir() if p.name.startswith(".saved"))
+    out.saved_keys["keywords: folder"] = sorted(p.name for p in folder.iterdir())
+    models["llama"].save_pretrained(folder, is_main_process=False)  # nobody writes; every rank still gathers
+    out.saved_keys["keywords: not main"] = sorted(p.name for p in folder.iterdir())
+
+    # ---- save_pretrained killed at every step of its write
+    from tests.runtime.checkpoint_kills import kill_saves
+
+    out.kills = kill_saves(models["llama"], transformers.LlamaForCausalLM, root, rank, _inputs())
 
     # ---- load_state_dict(full unsharded) after parallelize
     case = cases[0]
@@ -496,6 +517,32 @@ def test_save_pretrained_writes_transformers_layout(results: list[RankResults]) 
         assert saved[name] == saved[f"{name} (transformers)"]  # per-expert MoE keys, tied lm_head dropped
     assert any(".experts.0.gate_proj.weight" in key for key in saved["qwen3_moe"])
     assert "lm_head.weight" not in saved["llama_tied"]
+
+
+def test_save_pretrained_takes_transformers_keywords(results: list[RankResults]) -> None:
+    for rank, result in enumerate(results):
+        err, tol = result.logits["llama: save_pretrained(is_main_process, max_shard_size)"]
+        assert err <= tol, f"rank {rank}: {err} > {tol}"
+    saved = results[0].saved_keys
+    assert saved["keywords: files"] == []  # no temporary folder beside it
+    assert "tokenizer.json" in saved["keywords: folder"] and "model.safetensors.index.json" in saved["keywords: folder"]
+    assert not any(name.startswith(".") for name in saved["keywords: folder"])
+    assert saved["keywords: not main"] == saved["keywords: folder"]
+
+
+def test_a_killed_save_pretrained_leaves_the_old_or_the_new_checkpoint(results: list[RankResults]) -> None:
+    """SIGKILL at every file-system step of the write (one file, shards, the two-rename fallback)."""
+    kills = results[0].kills
+    assert set(kills) == {"one file", "sharded", "sharded, two renames"}
+    for label, found in kills.items():
+        assert found["kills"] == found["steps"] >= 10, (label, found["steps"])
+        outcomes = found["outcomes"]
+        assert outcomes[0] == "new", (label, outcomes[0])  # the save that was not killed
+        assert set(outcomes) <= {"old", "new"}, (label, [o for o in outcomes if o not in ("old", "new")])
+        assert {"old", "new"} <= set(outcomes[1:]), label  # kills before and after the swap
+        assert found["leftovers"] == [], (label, found["leftovers"][:3])
+        assert all(found["kept"]), label  # the folder's other files survive
+    assert sum(found["kills"] for found in kills.values()) >= 40
 
 
 def test_refusals_are_clear(results: list[RankResults]) -> None:
