@@ -4,7 +4,8 @@ Importable without libcst. ``parallelize``, ``from_pretrained`` (load a transfor
 checkpoint, each rank reading its slices), ``save_pretrained`` / ``full_state_dict``
 (the unsharded checkpoint of a parallelized model), ``local_state_dict`` (plain local
 shards) and ``optimizer_state_dict`` / ``load_optimizer_state_dict`` (optimizer state for
-DCP, sharded like the parameters) are loaded on first use so that generated files, which import
+DCP, sharded like the parameters) and ``checked_reader`` (a DCP reader that checks the
+checkpoint's files before reading any) are loaded on first use so that generated files, which import
 ``hpgen.runtime.defaults``, do not pay for them.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "checked_reader",
     "from_pretrained",
     "full_state_dict",
     "load_optimizer_state_dict",
@@ -23,6 +25,7 @@ __all__ = [
 ]
 
 _LAZY = {
+    "checked_reader": "hpgen.runtime.dcp_files",
     "parallelize": "hpgen.runtime.install",
     "from_pretrained": "hpgen.runtime.loading",
     "save_pretrained": "hpgen.runtime.saving",

@@ -236,10 +236,36 @@ def _load_pre_hook(
             record = sharded[attr]
             value = state_dict[key]
             state_dict[key] = fsdp_value(record, current, value) if fsdp else record.to_local(value)
+            if _misshapen(state_dict[key], current):
+                # torch would compare it with the local shard and call that "the shape in current model"
+                error_msgs.append(_size_mismatch(key, value, record))
+                del state_dict[key]
+                module.__dict__.setdefault("_hp_rejected", set()).add(key)  # not "missing": _drop_rejected
         elif fsdp:
             state_dict[key] = _into_fsdp(current, state_dict[key])
         elif isinstance(state_dict[key], DTensor):
             state_dict[key] = state_dict[key].full_tensor()  # sharded elsewhere, replicated here
+
+
+def _misshapen(value: Any, current: Any) -> bool:
+    return isinstance(value, Tensor) and current is not None and tuple(value.shape) != tuple(current.shape)
+
+
+def _size_mismatch(key: str, value: Any, record: ShardedParam) -> str:
+    """torch's words for a size mismatch, with the parameter's full shape and this rank's part of it."""
+    return (
+        f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from checkpoint, the "
+        f"parameter's full shape is {record.global_shape} (this rank holds {record.local_shape} of it: "
+        f"{_layout_text(record)})"
+    )
+
+
+def _drop_rejected(module: nn.Module, incompatible_keys: Any) -> None:
+    """A load post-hook: keys refused as misshapen were reported as such, not as missing."""
+    rejected = module.__dict__.pop("_hp_rejected", set())
+    for key in rejected:
+        while key in incompatible_keys.missing_keys:
+            incompatible_keys.missing_keys.remove(key)
 
 
 def _into_fsdp(param: DTensor, value: Any) -> Any:
@@ -290,6 +316,7 @@ def install_state_dict_hooks(
     for module in model.modules():
         if (module._parameters or module._buffers) and not module.__dict__.get("_hp_load_hook"):
             module.register_load_state_dict_pre_hook(_load_pre_hook)
+            module.register_load_state_dict_post_hook(_drop_rejected)
             module._hp_load_hook = True
 
 

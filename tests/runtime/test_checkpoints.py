@@ -92,6 +92,19 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     weights = load_file(root / "llama_broken" / "model.safetensors")
     del weights["model.layers.1.mlp.down_proj.weight"]
     save_file(weights, root / "llama_broken" / "model.safetensors", metadata={"format": "pt"})
+    # unreadable files: cut short, not safetensors at all, a shard gone, a shard cut short
+    for name, damage in [("llama_truncated", "cut"), ("llama_text", "text")]:
+        shutil.copytree(root / "llama", root / name)
+        file = root / name / "model.safetensors"
+        data = file.read_bytes()
+        file.write_bytes(data[: len(data) // 2] if damage == "cut" else b"version https://git-lfs.github.com/spec/v1\n")
+    for name in ("llama_tied_shard_missing", "llama_tied_shard_truncated"):
+        shutil.copytree(root / "llama_tied", root / name)
+        shard = sorted((root / name).glob("model-*.safetensors"))[1]
+        if name.endswith("missing"):
+            shard.unlink()
+        else:
+            shard.write_bytes(shard.read_bytes()[:-100])
 
     cases = [
         Checkpoint(
@@ -286,8 +299,10 @@ def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> 
 
     # ---- transformers' keywords, over a folder that holds other files
     folder = Path(f"{root}/saved_keywords")
-    folder.mkdir()
-    (folder / "tokenizer.json").write_text("{}")
+    if rank == 0:
+        folder.mkdir()
+        (folder / "tokenizer.json").write_text("{}")
+    torch.distributed.barrier()
     models["llama"].save_pretrained(folder, is_main_process=rank == 0, max_shard_size="100KB", safe_serialization=True)
     loaded = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
     out.logits["llama: save_pretrained(is_main_process, max_shard_size)"] = (
@@ -318,16 +333,72 @@ def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> 
 
     # ---- refusals
     module = import_file(case.generated)
-    for label, folder in [("missing weight", f"{root}/llama_broken"), ("not a checkpoint", f"{root}/nowhere")]:
+    unreadable = [
+        ("missing weight", f"{root}/llama_broken"),
+        ("not a checkpoint", f"{root}/nowhere"),
+        ("truncated file", f"{root}/llama_truncated"),
+        ("not safetensors", f"{root}/llama_text"),
+        ("shard missing", f"{root}/llama_tied_shard_missing"),
+        ("truncated shard", f"{root}/llama_tied_shard_truncated"),
+    ]
+    for label, folder in unreadable:
         try:
             from_pretrained(module.LlamaForCausalLM, folder, load_plan_dict(case.plan), mesh, config=reference.config)
             out.errors[label] = "no error"
         except ParallelizeError as error:
             out.errors[label] = str(error)
 
+    _misshapen_state_dict(out, case, reference, mesh)
+    _failed_dcp_loads(out, case, models["llama"], root, mesh)
     out.strided = _strided_shard_checks(mesh, rank, world_size)
     _train_save_resume(out, cases[0], references["llama"], models["llama"], root, mesh, rank, world_size)
     return out
+
+
+def _misshapen_state_dict(out: RankResults, case: Checkpoint, reference: Any, mesh: Any) -> None:
+    """``load_state_dict`` of a full state dict with one parameter of the wrong full shape."""
+    from hpgen.runtime import parallelize
+
+    model = import_file(case.generated).LlamaForCausalLM(reference.config)
+    parallelize(model, load_plan_dict(case.plan), mesh)
+    state = dict(reference.state_dict())
+    state["model.embed_tokens.weight"] = torch.zeros(TINY["vocab_size"] + 1, TINY["hidden_size"])
+    try:
+        model.load_state_dict(state)
+        out.errors["misshapen state dict"] = "no error"
+    except RuntimeError as error:
+        out.errors["misshapen state dict"] = str(error)
+
+
+def _failed_dcp_loads(out: RankResults, case: Checkpoint, model: Any, root: str, mesh: Any) -> None:
+    """A DCP checkpoint with one ``.distcp`` file gone: with hpgen's checked reader nothing is touched."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from hpgen.runtime import checked_reader
+
+    folder = Path(f"{root}/dcp_missing_file")
+    with torch.no_grad():
+        source = {key: value * 2 if value.is_floating_point() else value for key, value in model.state_dict().items()}
+    dcp.save(source, checkpoint_id=folder)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        sorted(folder.glob("*.distcp"))[-1].unlink()
+    dist.barrier()
+    for label, reader in [("checked", checked_reader(folder)), ("plain", None)]:
+        before = {name: param.detach().clone() for name, param in model.named_parameters()}
+        state = model.state_dict()
+        try:
+            dcp.load(state, checkpoint_id=None if reader else folder, storage_reader=reader)
+            out.errors[f"dcp load, {label}"] = "no error"
+        except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP's is a BaseException
+            out.errors[f"dcp load, {label}"] = str(error)
+        changed = [name for name, param in model.named_parameters() if not torch.equal(param, before[name])]
+        out.dcp[f"dcp load, {label}: changed"] = changed
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(before[name])
 
 
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
@@ -546,10 +617,35 @@ def test_a_killed_save_pretrained_leaves_the_old_or_the_new_checkpoint(results: 
 
 
 def test_refusals_are_clear(results: list[RankResults]) -> None:
-    errors = results[0].errors
-    assert "has no weights for 1 parameter(s)" in errors["missing weight"]
-    assert "model.layers.1.mlp.down_proj.weight" in errors["missing weight"]
-    assert "not a safetensors checkpoint folder" in errors["not a checkpoint"]
+    for errors in (result.errors for result in results):  # on every rank
+        assert "has no weights for 1 parameter(s)" in errors["missing weight"]
+        assert "model.layers.1.mlp.down_proj.weight" in errors["missing weight"]
+        assert "not a safetensors checkpoint folder" in errors["not a checkpoint"]
+        assert "llama_truncated/model.safetensors is truncated: its tensors need" in errors["truncated file"]
+        assert "llama_text/model.safetensors is not a safetensors file" in errors["not safetensors"]
+        assert "model.safetensors.index.json names shard files that are not in" in errors["shard missing"]
+        assert "llama_tied_shard_missing" in errors["shard missing"] and "-of-" in errors["shard missing"]
+        assert "llama_tied_shard_truncated/model-00002-of-" in errors["truncated shard"]
+        assert "is truncated" in errors["truncated shard"]
+
+
+def test_misshapen_state_dict_names_the_full_and_the_local_shape(results: list[RankResults]) -> None:
+    for rank, result in enumerate(results):
+        message = result.errors["misshapen state dict"]
+        local = (TINY["vocab_size"] + 1 - rank) // 2  # tensor_split of 127 rows: 64, 63
+        assert "size mismatch for model.embed_tokens.weight: copying a param with shape (128, 64)" in message
+        assert f"full shape is (127, 64) (this rank holds ({local}, 64) of it: tp S(0) over 2)" in message
+        assert "Missing key" not in message and "shape in current model" not in message
+
+
+def test_a_failed_dcp_load_with_the_checked_reader_touches_nothing(results: list[RankResults]) -> None:
+    for rank, result in enumerate(results):
+        message = result.errors["dcp load, checked"]
+        assert "cannot be loaded, nothing was read" in message and ".distcp is missing" in message, message
+        assert result.dcp["dcp load, checked: changed"] == [], f"rank {rank}"
+        assert result.errors["dcp load, plain"] != "no error"
+    # torch's own reader fails part way: what it read before the missing file is in the model
+    assert any(result.dcp["dcp load, plain: changed"] for result in results)
 
 
 def test_dtensor_strided_shard_is_hpgen_ss(results: list[RankResults]) -> None:
