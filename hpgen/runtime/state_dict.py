@@ -369,7 +369,10 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
     torch's ``get_optimizer_state_dict``, with every state tensor of a sharded parameter's
     local shape given that parameter's DTensor form, so that DCP saves all its shards
-    (plain tensors would read as replicated) and can load them at another layout.
+    (plain tensors would read as replicated) and can load them at another layout. Under
+    FSDP2 (``fully_shard`` on ``dp`` after ``parallelize``) a state tensor is FSDP2's ``dp``
+    DTensor of the local shard, presented over (``dp``, plan axes) with the global shape,
+    exactly as the parameter is in ``model.state_dict()``.
     """
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -380,11 +383,17 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
         if record is None:
             continue
         # a new dict: the inner ones are the optimizer's own state
-        state["state"][fqn] = {
-            name: record.to_dtensor(value) if _is_local_state(value, record) else value
-            for name, value in per_param.items()
-        }
+        state["state"][fqn] = {name: _presented(value, record) for name, value in per_param.items()}
     return state
+
+
+def _presented(value: Any, record: ShardedParam) -> Any:
+    """An optimizer state tensor of a sharded parameter in the parameter's state-dict form; others as they are."""
+    if _is_local_state(value, record):
+        return record.to_dtensor(value)
+    if is_fsdp_shard(value, record):
+        return composed_dtensor(record, value)
+    return value
 
 
 def _is_local_state(value: Any, record: ShardedParam) -> bool:
@@ -397,14 +406,21 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     records = sharded_params(model)
+    params = dict(model.named_parameters(remove_duplicate=False))
     local: dict[str, Any] = dict(state)
     local["state"] = {}
     for fqn, per_param in state.get("state", {}).items():
-        record = records.get(fqn)
+        record, param = records.get(fqn), params.get(fqn)
         converted = {}
         for name, value in per_param.items():
-            if record is not None:
+            if not isinstance(value, Tensor) or value.ndim == 0:
+                pass  # ``step`` and other scalars: as they are
+            elif record is not None and isinstance(param, DTensor):  # FSDP2 over hpgen's shard
+                value = fsdp_value(record, param, value)
+            elif record is not None:
                 value = record.to_local(value)
+            elif isinstance(param, DTensor):  # replicated by hpgen, sharded by FSDP2
+                value = _into_fsdp(param, value)
             elif isinstance(value, DTensor):
                 value = value.full_tensor()
             converted[name] = value
