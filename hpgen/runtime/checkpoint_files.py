@@ -11,10 +11,12 @@ A large slice that is one contiguous run of bytes (a whole tensor, or rows of it
 its CPU parameters: nothing is copied, the mapping is copy-on-write, and only pages that
 are used become resident (an embedding's rows that no token looks up never do). Every
 other slice is copied out of a second mapping of the file that :meth:`CheckpointFiles.drop_copies`
-unmaps after each parameter, so the file pages it touched (all of a tensor's pages for
-columns, ``S(1)``) leave the rank's memory at once. Small slices are copied rather than
-viewed because the kernel maps file pages in folios of up to a few MiB: a view of a
-small slice can make the whole tensor resident.
+unmaps once the tensors copied out of it since the last unmapping reach ``COPY_WINDOW_BYTES``,
+so the file pages it touched (all of a tensor's pages for columns, ``S(1)``) leave the
+rank's memory soon, without reopening every file after every parameter (a header parsed
+again each time). Small slices are copied rather than viewed because the kernel maps file
+pages in folios of up to a few MiB: a view of a small slice can make a much larger part
+of the tensor resident.
 
 Every file is opened (its header read) when the folder is, so a truncated file, a file
 that is not safetensors, a shard the index names but the folder lacks, or a tensor the
@@ -42,8 +44,15 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-VIEW_MIN_BYTES = 32 * 2**20
-"""Contiguous slices at least this large are views of the mapped file; smaller ones are copied."""
+VIEW_MIN_BYTES = 4 * 2**20
+"""Contiguous slices at least this large are views of the mapped file; smaller ones are copied.
+
+4 MiB: a few folios, so the pages a view makes resident beyond its own are a few percent
+of it (about 5% more peak memory than copying everything, at a third of the load time's
+copying; ``benchmarks/checkpoint_memory.py``)."""
+
+COPY_WINDOW_BYTES = 32 * 2**20
+"""Tensor bytes copied out of the copying mappings after which :meth:`CheckpointFiles.drop_copies` unmaps them."""
 
 _ITEM_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
 
@@ -122,6 +131,7 @@ class CheckpointFiles:
         self.views = True  # False: copy every slice (a parameter going to another device or dtype)
         self._open: dict[str, Any] = {}  # file -> handle that views are taken from
         self._copying: dict[str, Any] = {}  # file -> handle that copies are read from
+        self._touched = 0  # tensor bytes copied out of ``_copying`` since it was last unmapped
 
     def _weight_map(self) -> dict[str, str]:
         single, index = self.folder / SINGLE_FILE, self.folder / INDEX_FILE
@@ -183,16 +193,22 @@ class CheckpointFiles:
             return mapped[index] if index else mapped[...]
         source = self._handle(key, "copy").get_slice(key)
         view = source[index] if index else source[...]
+        # the pages touched: the slice's for rows, every page of the tensor for columns
+        self._touched += _nbytes(shape, index if _contiguous(shape, index) else (), mapped.get_dtype())
         return torch.empty(view.shape, dtype=view.dtype).copy_(view)
 
-    def drop_copies(self) -> None:
-        """Unmap the files that copies were read from (their touched pages stop counting as ours)."""
+    def drop_copies(self, *, now: bool = False) -> None:
+        """Unmap the files copies were read from (their touched pages stop counting as ours), once
+        ``COPY_WINDOW_BYTES`` were copied since the last time, or ``now``."""
+        if not now and self._touched < COPY_WINDOW_BYTES:
+            return
         for handle in self._copying.values():
             handle.__exit__(None, None, None)
         self._copying.clear()
+        self._touched = 0
 
     def close(self) -> None:
-        self.drop_copies()
+        self.drop_copies(now=True)
         for handle in self._open.values():
             handle.__exit__(None, None, None)
         self._open.clear()
