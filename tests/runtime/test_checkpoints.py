@@ -313,6 +313,25 @@ def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> 
     out.saved_keys["keywords: folder"] = sorted(p.name for p in folder.iterdir())
     models["llama"].save_pretrained(folder, is_main_process=False)  # nobody writes; every rank still gathers
     out.saved_keys["keywords: not main"] = sorted(p.name for p in folder.iterdir())
+    models["llama"].save_pretrained(f"{root}/saved_given", state_dict=models["llama"].state_dict())  # DTensors
+    loaded = transformers.LlamaForCausalLM.from_pretrained(f"{root}/saved_given").eval()
+    out.logits["llama: save_pretrained(state_dict=model.state_dict())"] = (
+        (_logits(loaded) - _logits(references["llama"])).abs().max().item(),
+        tolerance(_logits(references["llama"])),
+    )
+    if rank == 0:
+        Path(f"{root}/a_file").write_text("not a folder")
+    torch.distributed.barrier()
+    for label, call in [
+        ("state_dict on rank 0 only", lambda: models["llama"].save_pretrained(
+            f"{root}/saved_refused", state_dict=references["llama"].state_dict() if rank == 0 else None)),
+        ("writer fails", lambda: models["llama"].save_pretrained(f"{root}/a_file")),
+    ]:
+        try:
+            call()
+            out.errors[label] = "no error"
+        except ParallelizeError as error:
+            out.errors[label] = str(error)
 
     # ---- save_pretrained killed at every step of its write
     from tests.runtime.checkpoint_kills import kill_saves
@@ -599,6 +618,12 @@ def test_save_pretrained_takes_transformers_keywords(results: list[RankResults])
     assert "tokenizer.json" in saved["keywords: folder"] and "model.safetensors.index.json" in saved["keywords: folder"]
     assert not any(name.startswith(".") for name in saved["keywords: folder"])
     assert saved["keywords: not main"] == saved["keywords: folder"]
+    for rank, result in enumerate(results):
+        err, tol = result.logits["llama: save_pretrained(state_dict=model.state_dict())"]
+        assert err <= tol, f"rank {rank}: {err} > {tol}"
+        assert "ranks [0] passed state_dict= and the others did not" in result.errors["state_dict on rank 0 only"]
+        assert "a_file is a file, not a folder" in result.errors["writer fails"], result.errors["writer fails"]
+    assert results[1].errors["writer fails"].startswith("rank 0 could not write the checkpoint, so this rank stops")
 
 
 def test_a_killed_save_pretrained_leaves_the_old_or_the_new_checkpoint(results: list[RankResults]) -> None:
