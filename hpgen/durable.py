@@ -24,9 +24,15 @@ _UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP}
 
 
 def fsync_path(path: str | os.PathLike[str]) -> None:
-    """Flush ``path`` (a file's bytes, or a folder's entries) to disk."""
-    flags = os.O_RDONLY | (os.O_DIRECTORY if Path(path).is_dir() else 0)
-    fd = os.open(path, flags)
+    """Flush ``path`` (a file's bytes, or a folder's entries) to disk.
+
+    Windows cannot open a folder for flushing (nor needs to: its renames are recorded with
+    the files): there a folder is skipped.
+    """
+    folder = Path(path).is_dir()
+    if folder and os.name == "nt":
+        return
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if folder else 0))
     try:
         os.fsync(fd)
     finally:

@@ -123,7 +123,8 @@ def _remove_leftovers(target: Path, folder: Path) -> None:
     """Delete the temporary files of ``target`` that an interrupted (killed) write left behind."""
     if not folder.is_dir():
         return
-    for leftover in folder.glob(f"{glob.escape(_temporary_prefix(target))}*{_TEMPORARY_SUFFIX}"):
+    # mkstemp's names: the prefix, 8 random characters, the suffix
+    for leftover in folder.glob(f"{glob.escape(_temporary_prefix(target))}{'?' * 8}{_TEMPORARY_SUFFIX}"):
         try:
             leftover.unlink()
         except OSError:
