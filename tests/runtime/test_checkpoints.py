@@ -11,8 +11,16 @@ runs every case on both ranks and reports numbers that the tests check:
   those of transformers' unsharded ``from_pretrained`` of the same folder;
 - DCP: ``dcp.save(model.state_dict())`` at tp=2, loaded into a fresh parallelized model
   (bit-exact), into the unsharded transformers model, and into another plan;
-- ``model.save_pretrained(dir)`` at tp=2, loaded by transformers' own class;
-- ``load_state_dict(full unsharded state dict)`` after ``parallelize``;
+- ``model.save_pretrained(dir)`` at tp=2, loaded by transformers' own class; with
+  transformers' keywords (``is_main_process=rank == 0``, ``max_shard_size``,
+  ``safe_serialization``, ``state_dict=model.state_dict()``) over a folder whose other
+  files survive; refusals on every rank (``state_dict`` on one rank only, a target that is
+  a file); and killed (SIGKILL) at every step of its write (``checkpoint_kills.py``);
+- ``load_state_dict(full unsharded state dict)`` after ``parallelize``, and one with a
+  misshapen tensor (the message names the full shape and this rank's part);
+- unreadable checkpoints named with their file on every rank (cut short, not safetensors,
+  a shard missing or cut short), and a DCP checkpoint missing a ``.distcp`` file: with
+  hpgen's checked reader the load fails before any tensor is touched;
 - training: one AdamW step at tp=2, model and optimizer saved with DCP
   (``optimizer_state_dict``), resumed at tp=2 and in transformers' unsharded model with its
   own optimizer (tp=1); the next step matches the run that went on;
