@@ -161,7 +161,8 @@ def _optimizer_resume(
     out: CheckpointResult, case: CheckpointCase, model: Any, reference: Any, fsdp_model: Any, ids: Any, mesh: Any
 ) -> None:
     """One AdamW step on the FSDP2 x tp model; model and optimizer saved with DCP, resumed at dp x tp = 2 x 2
-    (fresh FSDP2 x hpgen), at tp 2 alone (hpgen) and unsharded (transformers' model and optimizer, torch's calls)."""
+    (fresh FSDP2 x hpgen), at tp 2 alone (hpgen), unsharded and at dp x tp = 4 x 1 (transformers' model, alone
+    and under FSDP2, with torch's calls)."""
     import torch.distributed.checkpoint as dcp
     import transformers
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
@@ -219,6 +220,26 @@ def _optimizer_resume(
             else:
                 worst = max(worst, ((full - want).abs().max() / (want.abs().max() + 1e-12)).item())
     out.logits["optimizer: unsharded vs the unsharded step"] = (worst, 1e-3)
+
+    # dp x tp = 4 x 1: transformers' model under FSDP2 alone on all 4 ranks, torch's own calls
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dp4 = init_device_mesh("cpu", (mesh.size(),), mesh_dim_names=("dp",))
+    fsdp_plain = getattr(transformers, FAMILIES[case.family].model)(reference.config)
+    for layer in fsdp_plain.model.layers:
+        fully_shard(layer, mesh=dp4)
+    fully_shard(fsdp_plain, mesh=dp4)
+    fsdp_plain_optimizer = resume(fsdp_plain, False)
+    plain_params = dict(plain.named_parameters())
+    out.mismatches["optimizer: fsdp2 4 x 1"] = [
+        f"{name} {key}"
+        for name, param in fsdp_plain.named_parameters()
+        for key in ("exp_avg", "exp_avg_sq")
+        if not torch.equal(
+            fsdp_plain_optimizer.state[param][key].full_tensor(), plain_optimizer.state[plain_params[name]][key]
+        )
+    ]
 
 
 def run_checkpoint_cases(rank: int, world_size: int, cases: list[CheckpointCase]) -> dict[str, CheckpointResult]:

@@ -18,7 +18,8 @@
   fresh FSDP2 x hpgen model (bit-exact weights and logits), transformers' unsharded model
   and an hpgen model on ``tp`` alone; a full state dict loads into FSDP2's pieces; the
   optimizer state after an AdamW step (``optimizer_state_dict``) resumes into the same
-  three (bit-exact moments, the unsharded ones those of the same step taken unsharded).
+  three and into transformers' model under FSDP2 alone on 4 ranks (bit-exact moments, the
+  unsharded ones those of the same step taken unsharded).
 - Refusals instead of partial gradients: ``fully_shard`` or DDP before ``parallelize``, an
   FSDP2 unit inside a boundary that reduces a gradient, and replicated KV heads whose
   ``num_key_value_groups`` the plan does not divide.
@@ -211,7 +212,7 @@ def test_fsdp2_state_dict_is_global(results: list[dict], name: str) -> None:
 @pytest.mark.parametrize(
     "target",
     ["fsdp2 x tp", "unsharded", "tp only", "full state dict", "optimizer: fsdp2 x tp", "optimizer: tp only",
-     "optimizer: unsharded"],
+     "optimizer: unsharded", "optimizer: fsdp2 4 x 1"],
 )
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_fsdp2_checkpoint_loads_back(results: list[dict], name: str, target: str) -> None:
