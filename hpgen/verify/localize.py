@@ -191,14 +191,39 @@ def first_difference(
         ref = by_point.get((record.fqn, record.what))
         if ref is None:
             continue
-        value = gathered(record.value, ref, _partial_axes(plan, record, side), mesh)
-        if value is None or found is not None:
+        declared = _declared_shards(plan, record, side)
+        value = gathered(record.value, ref, _partial_axes(plan, record, side), mesh, declared)
+        if found is not None:
             continue  # every rank still takes part in every record's collectives
+        name = record.what.split("#")[0]
+        if value is _MISSHAPEN:
+            shape = tuple(record.value.shape)
+            found = Difference(record.fqn, classes.get(record.fqn, "?"), side,
+                               f"{name} (shape {shape} on this rank, {tuple(ref.shape)} unsharded)", float("inf"), 0.0)
+            continue
+        if value is None:
+            continue
         err = (value.float() - ref.float()).abs().max().item() if value.numel() else 0.0
         tol = tolerance(ref)
         if not err <= tol:
-            found = Difference(record.fqn, classes.get(record.fqn, "?"), side, record.what.split("#")[0], err, tol)
+            found = Difference(record.fqn, classes.get(record.fqn, "?"), side, name, err, tol)
     return found
+
+
+_MISSHAPEN = torch.empty(0)  # a boundary's output whose declared layout does not explain its shape
+
+
+def _declared_shards(plan: Any, record: Record, side: str) -> set[tuple[str, int]] | None:
+    """(axis, dim) a boundary's output is declared sharded on (``out_dst`` ``S``); None off boundaries."""
+    if side != "forward":
+        return None
+    entry = plan.entry_for(record.fqn)
+    if entry is None or not entry.is_boundary:
+        return None
+    layout = entry.out_dst.get(record.what.split("#")[0])
+    if layout is None:
+        return set()
+    return {(axis, placement.dim) for axis, placement in layout.placements if placement.is_shard}
 
 
 def _partial_axes(plan: Any, record: Record, side: str) -> list[tuple[str, str]]:
@@ -218,8 +243,16 @@ def _partial_axes(plan: Any, record: Record, side: str) -> list[tuple[str, str]]
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.SUM}
 
 
-def gathered(local: torch.Tensor, ref: torch.Tensor, partial: list[tuple[str, str]], mesh: Any) -> torch.Tensor | None:
-    """``local`` in its full form to compare with ``ref``; None where no gather makes the shapes agree."""
+def gathered(
+    local: torch.Tensor, ref: torch.Tensor, partial: list[tuple[str, str]], mesh: Any,
+    declared: set[tuple[str, int]] | None = None,
+) -> torch.Tensor | None:
+    """``local`` in its full form to compare with ``ref``; None where no gather makes the shapes agree.
+
+    ``declared``: the (axis, dim) a boundary's output is declared sharded on; a shape its
+    layout does not explain gives :data:`_MISSHAPEN`. Off boundaries (None) any axis whose
+    shards add up to the reference's size is gathered.
+    """
     value = local.detach().float().contiguous()
     for axis, op in partial:
         group = mesh.get_group(axis)
@@ -232,15 +265,18 @@ def gathered(local: torch.Tensor, ref: torch.Tensor, partial: list[tuple[str, st
     shapes = [torch.empty_like(shape) for _ in range(dist.get_world_size())]
     dist.all_gather(shapes, shape)
     table = torch.stack(shapes)
+    misshapen = None if declared is None else _MISSHAPEN
     if any(int((row >= 0).sum()) != ref.dim() for row in table):
-        return None
+        return misshapen
     mismatched = [d for d in range(ref.dim()) if any(int(row[d]) != ref.shape[d] for row in table)]
     if not mismatched:
         return value
     if len(mismatched) != 1:
-        return None
+        return misshapen
     dim = mismatched[0]
     for axis in mesh.mesh_dim_names:
+        if declared is not None and not any(a == axis and d % ref.dim() == dim for a, d in declared):
+            continue
         group = mesh.get_group(axis)
         members = dist.get_process_group_ranks(group)
         # the groups of one axis are alike: every rank tests its own and all agree
@@ -248,7 +284,7 @@ def gathered(local: torch.Tensor, ref: torch.Tensor, partial: list[tuple[str, st
         if sum(sizes) != ref.shape[dim]:
             continue
         return _gather_uneven(value, dim, sizes, group)
-    return None
+    return misshapen
 
 
 def _gather_uneven(value: torch.Tensor, dim: int, sizes: list[int], group: Any) -> torch.Tensor:

@@ -36,6 +36,7 @@ class Prepared:
     others: tuple[str, ...]  # lowered files of the other modeling files the boundaries live in
     mesh: tuple[tuple[str, int], ...]  # (axis, size) in mesh order
     source: str  # the modeling file that was lowered
+    layers: tuple[str, ...] = ()  # numbered layers folded (:func:`fewer_layers`): what each tiny one stands for
 
     @property
     def world_size(self) -> int:
@@ -71,13 +72,21 @@ def prepare(
         sizes = axis_sizes(loaded, ranks)
     except ValueError as error:
         raise HpgenError(str(error)) from None
+    document, layers = fewer_layers(document)
+    loaded = plan_from_dict(document, name=plan_name)
     config = _config(loaded, model, plan_name)
+    shape = shape_for(loaded, sizes)
+    if any(getattr(config, key, None) for key in _EXPERT_COUNTS):
+        # transformers' default experts kernel (grouped_mm) needs 16-byte rows: the tiny 89 is odd
+        shape = {**shape, "intermediate_size": 96}
     try:
-        config = tiny_config(config, shape_for(loaded, sizes))
+        config = tiny_config(config, shape)
     except HpgenError:
         raise
     except Exception as error:  # noqa: BLE001 - transformers refuses the shrunk config
         raise HpgenError(f"cannot shrink the config for the check: {type(error).__name__}: {error}") from None
+    if len(layers) > 2:  # one tiny layer per distinct contract of the numbered layers
+        config.num_hidden_layers = len(layers)
     cls = _model_class(loaded, config, plan_name)
     if source is None:
         source_path = Path(inspect.getsourcefile(cls) or "")
@@ -118,7 +127,59 @@ def prepare(
         others=tuple(others),
         mesh=tuple(sizes.items()),
         source=str(source_path),
+        layers=tuple(layers),
     )
+
+
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def fewer_layers(document: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The plan with its numbered layers (``model.layers.7``) folded to as few as tell them apart.
+
+    ``hpgen plan --sp`` names each decoder layer of the full config (the first enters from the
+    replicated embedding); the tiny copy has a few. A run of consecutive layers whose entries
+    are alike becomes one layer, so the tiny model has one layer per distinct contract, in
+    order (at least two); the second list says which original layers each tiny one stands for.
+    """
+    entries = document.get("param_plan", {})
+    numbered: dict[str, dict[int, dict[str, Any]]] = {}  # the list's path -> index -> {rest of key: entry}
+    for key, entry in entries.items():
+        parts = key.split(".")
+        for at, part in enumerate(parts):
+            if part.isdigit():
+                numbered.setdefault(".".join(parts[:at]), {}).setdefault(int(part), {})[".".join(parts[at + 1 :])] = entry
+                break
+    if len(numbered) != 1:
+        return document, []
+    (path, by_index), = numbered.items()
+    count = max(by_index) + 1
+    runs: list[list[int]] = []
+    for index in range(count):
+        if runs and _same(by_index.get(index), by_index.get(runs[-1][0])):
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    if len(runs) == 1 and count > 1:  # every layer alike: still two of them
+        runs = [runs[0][:1], runs[0][1:]]
+    if len(runs) == count:
+        return document, []
+    folded = {key: entry for key, entry in entries.items() if not _under(key, path)}
+    for tiny, run in enumerate(runs):
+        for rest, entry in by_index.get(run[0], {}).items():
+            folded[".".join(part for part in (path, str(tiny), rest) if part)] = entry
+    result = {**document, "param_plan": folded}
+    names = [f"{path}.{run[0]}" + (f"-{run[-1]}" if len(run) > 1 else "") for run in runs]
+    return result, names
+
+
+def _same(first: Any, second: Any) -> bool:
+    return json.dumps(first, sort_keys=True) == json.dumps(second, sort_keys=True)
+
+
+def _under(key: str, path: str) -> bool:
+    rest = key[len(path) + 1 :] if key.startswith(path + ".") else ""
+    return bool(rest) and rest.split(".")[0].isdigit()
 
 
 def _config(plan: Any, model: str | None, plan_name: str) -> Any:

@@ -46,8 +46,9 @@ def finding(verdict: Verdict, planner: dict[str, Any] | None) -> Finding | None:
         key, entry_fqn = _entry_of(plan, fqn)
         where = f"{fqn} ({raised.cls})" if fqn else "the model"
         message = f"{where}: the {raised.stage} raised {raised.error}"
+        focus = ("prefix", fqn[len(entry_fqn) + 1 :] + ".") if entry_fqn and fqn != entry_fqn else None
         return _with_plan(Finding(fqn=fqn, cls=raised.cls, side=raised.stage, message=message), plan, key,
-                          entry_fqn, fqn, planner, None)
+                          entry_fqn, fqn, planner, focus)
     located = verdict.forward or verdict.backward
     if located is not None:
         kind = "output" if located.side == "forward" else "gradient of input"
@@ -143,6 +144,12 @@ def _focused(fields: dict[str, Any], focus: tuple[str, str] | None, keep_all: bo
             picked[field_name] = {name: value[name]}
         elif kind == "param" and field_name in ("grad_reduce_params", "deferred_bias_params"):
             picked[field_name] = value
+        elif kind == "prefix" and field_name == "params" and isinstance(value, dict):
+            inside = {key: layout for key, layout in value.items() if key.startswith(name)}
+            if inside:
+                picked[field_name] = inside
+    if kind == "param" and not keep_all:
+        picked.setdefault("grad_reduce_params", None)
     if keep_all:
         picked.update({k: v for k, v in fields.items() if k not in picked})
     return picked or fields
@@ -151,7 +158,7 @@ def _focused(fields: dict[str, Any], focus: tuple[str, str] | None, keep_all: bo
 def _text(fields: dict[str, Any]) -> str:
     parts = []
     for name, value in fields.items():
-        if value is None:
+        if value is None or value == []:
             parts.append(f"no {name}")
         elif isinstance(value, dict):
             inner = ", ".join(f"{key} {' '.join(f'{a} {p}' for a, p in layout.items()) if isinstance(layout, dict) else layout}"
@@ -179,7 +186,7 @@ def _hint(declared: dict[str, Any], changed: dict[str, Any], theirs_entry: Any) 
                         if rows:
                             text += f" (the body returns a partial sum: {', '.join(rows)} row-parallel)"
                     return text
-        return f"{name} {theirs}"
+        return f"no {name}" if theirs is None else f"{name} {theirs}"
     return ""
 
 
@@ -253,6 +260,7 @@ def report_json(verdict: Verdict, found: Finding | None, seconds: float | None =
         "plan": verdict.case.plan_name,
         "model_class": verdict.case.class_name,
         "mesh": dict(verdict.case.mesh),
+        "layers": list(verdict.case.layers),
         "exact": verdict.exact,
         "checks": [asdict(check) for check in verdict.checks],
         "finding": dict(found) if found else None,
@@ -266,6 +274,8 @@ def report_text(verdict: Verdict, found: Finding | None) -> str:
     mesh = " x ".join(f"{axis} {size}" for axis, size in verdict.case.mesh)
     lines = [f"{verdict.case.plan_name}: {verdict.case.class_name} (tiny config) on {mesh} gloo ranks "
              "against the unsharded model (tolerance 1e-5 + 1e-4 x max |reference|)"]
+    if verdict.case.layers:
+        lines.append(f"  numbered layers folded to one tiny layer per distinct contract: {', '.join(verdict.case.layers)}")
     for check in verdict.checks:
         mark = "ok" if check.ok else "DIFFERS"
         lines.append(f"  {check.name}: {mark}: max {check.err:.3g} (tolerance {check.tol:.3g})"
