@@ -31,7 +31,7 @@ class Wrong:
     model_type: str
     edit: Callable[[dict[str, Any]], None]
     fqn: str  # the located module's FQN starts with this
-    side: str  # "forward", "backward", "raised" (forward), "parallelize"
+    side: str  # "forward", "backward", "raised" (the forward raised there), "parallelize" (refused, naming it)
     flags: tuple[tuple[str, Any], ...] = ()
     entry: str | None = None  # the plan key the report must name
 
@@ -100,17 +100,17 @@ WRONG: dict[str, Wrong] = {
     # out_names in the wrong order: the reduction lands on the attention weights
     "out_names_order": Wrong("llama", _reversed_out_names, "model.layers.0.self_attn", "forward",
                              entry="model.layers.*.self_attn"),
-    # the embedding's vocabulary-parallel lookup is a partial sum
+    # the embedding's vocabulary-parallel lookup is a partial sum (parallelize refuses: it wraps the embedding)
     "embedding_out_R_for_P": Wrong("llama", _set("model.embed_tokens", "out_src", "output", {"tp": "R"}),
-                                   "model.embed_tokens", "forward", entry="model.embed_tokens"),
-    # a column-parallel lm_head whose output is declared whole: never gathered
+                                   "model.embed_tokens", "parallelize"),
+    # a column-parallel lm_head whose output is declared whole: never gathered (parallelize refuses)
     "lm_head_not_gathered": Wrong("llama", _set("lm_head", "out_src", "output", {"tp": "R"}),
-                                  "lm_head", "forward", entry="lm_head"),
+                                  "lm_head", "parallelize"),
     # sequence parallelism: the norms of a sequence-sharded stream see half the tokens each
     "sp_missing_grad_reduce": Wrong("llama", _drop_grad_reduce("model.layers."), "model.layers.", "backward", SP),
     # sequence parallelism: the attention's input declared whole while the stream is cut by tokens
     "sp_input_declared_R": Wrong("llama", _set("model.layers.*.self_attn", "in_src", "hidden_states", {"tp": "R"}),
-                                 "model.layers.0.self_attn", "forward", SP, entry="model.layers.*.self_attn"),
+                                 "model.layers.0.self_attn", "raised", SP, entry="model.layers.*.self_attn"),
     # per-head q/k norms on head-sharded activations: partial weight gradients
     "qk_norm_missing_grad_reduce": Wrong("qwen3", _drop_grad_reduce("model.layers.*.self_attn"),
                                          "model.layers.", "backward", entry="model.layers.*.self_attn"),
