@@ -138,8 +138,6 @@ CORRECT: dict[str, tuple[str, tuple[tuple[str, Any], ...]]] = {
     "qwen2": ("qwen2", ()),
     "qwen3": ("qwen3", ()),
     "qwen3_sp": ("qwen3", SP),
-    "mistral": ("mistral", ()),
-    "gemma": ("gemma", ()),
     "gpt2": ("gpt2", ()),
     "starcoder2_sp": ("starcoder2", SP),
     "olmo2": ("olmo2", ()),

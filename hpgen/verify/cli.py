@@ -15,8 +15,11 @@ from pathlib import Path
 __all__ = ["verify_command"]
 
 
+_STARTED = time.monotonic()
+
+
 def _progress(text: str) -> None:
-    print(f"hpgen verify: {text}", file=sys.stderr, flush=True)
+    print(f"hpgen verify: [{time.monotonic() - _STARTED:5.1f}s] {text}", file=sys.stderr, flush=True)
 
 
 def verify_command(plan: str, model: str | None, source: str | None, ranks: int | None, as_json: bool) -> int:
@@ -25,7 +28,8 @@ def verify_command(plan: str, model: str | None, source: str | None, ranks: int 
     from hpgen.verify.report import finding, planner_plan, report_json, report_text
     from hpgen.verify.run import verify_many
 
-    started = time.monotonic()
+    global _STARTED
+    started = _STARTED = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hpgen-verify-") as folder:
         _progress(f"shrinking the config and lowering the modeling file with {plan}")
         case = prepare(plan, Path(folder), model=model, source=source, ranks=ranks)

@@ -4,7 +4,7 @@ The located module (the first whose output or input gradient departs, the owner 
 differing gradient, or the module that raised) is named by FQN and class, with the plan's
 entry for it (its own, or the nearest one above it that names it) and, where ``hpgen plan``
 reads the source otherwise (:func:`planner_plans`: the planner's plan for the same tiny
-config, with and without ``--sp``), what the planner would declare there.
+config, with ``--sp`` where the user's plan has it), what the planner would declare there.
 """
 
 from __future__ import annotations
@@ -206,8 +206,9 @@ _PLANS: dict[str, dict[str, Any]] = {}
 
 
 def planner_plan(verdict: Verdict) -> dict[str, Any] | None:
-    """hpgen plan's plan for the case's tiny config, with or without ``--sp`` (and ``--ep``), whichever
-    is nearest the user's; None where the planner cannot plan the model."""
+    """hpgen plan's plan for the case's tiny config, with ``--sp`` where the user's plan cuts the stream
+    by tokens (an input ``S(1)``), ``--ep`` on an ``ep`` axis or where it injects an experts region
+    (then the nearer of the two); None where the planner cannot plan the model."""
     from hpgen.plan import plan_from_dict
     from hpgen.planner.load import meta_model
     from hpgen.planner.make import plan_model
@@ -216,13 +217,17 @@ def planner_plan(verdict: Verdict) -> dict[str, Any] | None:
     sizes = dict(case.mesh)
     user = plan_from_dict(case.plan, name=case.plan_name)
     tp = sizes.get("tp", max(sizes.values()))
-    options: list[dict[str, Any]] = [{}, {"sp": True}]
+    sharded_stream = any(
+        placement.kind == "S" and placement.dim == 1
+        for entry in user.entries.values() for layout in entry.in_src.values() for _, placement in layout.placements
+    )
+    options: list[dict[str, Any]] = [{"sp": True} if sharded_stream else {}]
     if "ep" in sizes:
-        options.append({"ep": sizes["ep"], "ep_axis": "ep"})
+        options = [{**options[0], "ep": sizes["ep"], "ep_axis": "ep"}]
     elif user.injections:
         options.append({"ep": tp})
     best, best_score = None, None
-    for extra in options:
+    for extra in options:  # the user's plan's own flags first; the nearest of the plans that load
         key = json.dumps([case.class_name, case.config.to_json_string(), tp, extra], sort_keys=True, default=str)
         if key not in _PLANS:
             try:
