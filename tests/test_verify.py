@@ -107,3 +107,41 @@ def test_the_command_line(tmp_path: Path) -> None:
         done = _hpgen("verify", *args, cwd=tmp_path)
         assert done.returncode == 2, done.stderr
         assert "Traceback" not in done.stderr and where in done.stderr, done.stderr
+
+
+def test_the_tiny_copy_keeps_the_users_options(tmp_path: Path) -> None:
+    # a config.json (as in a checkpoint folder): its own options stay, its sizes shrink
+    from transformers import LlamaConfig
+
+    from hpgen.verify.prepare import prepare
+
+    LlamaConfig(attention_bias=True, rms_norm_eps=1e-5, num_hidden_layers=40, hidden_size=8192).save_pretrained(tmp_path)
+    plan = written_plan("llama")
+    case = prepare(plan, tmp_path / "out", model=str(tmp_path))
+    assert case.config.attention_bias is True and case.config.rms_norm_eps == 1e-5
+    assert (case.config.hidden_size, case.config.num_hidden_layers, case.config.num_key_value_heads) == (64, 2, 2)
+    assert case.mesh == (("tp", 2),) and case.reference_file is None
+    # without MODEL: the plan's model_class, transformers' default config
+    assert prepare(plan, tmp_path / "default").config.hidden_size == 64
+    # --source: that file is lowered, and the unsharded class comes from it
+    import transformers.models.llama.modeling_llama as source
+
+    case = prepare(plan, tmp_path / "source", source=source.__file__)
+    assert case.reference_file == str(Path(source.__file__).resolve())
+    assert case.reference_package == "transformers.models.llama"
+    assert "_forward_impl" in Path(case.generated).read_text()
+
+
+def test_larger_axes_scale_the_heads(tmp_path: Path) -> None:
+    # Mistral's 8 key/value heads on --tp 16 are replicated RS(0,2): the tiny copy runs on 2 x 2 ranks,
+    # 8 query heads and 2 key/value heads; --ranks 8 doubles them
+    from hpgen.planner.make import make_plan
+    from hpgen.verify.prepare import prepare
+
+    plan = make_plan("mistral", tp=16)
+    case = prepare(plan, tmp_path / "4", model="mistral")
+    assert case.mesh == (("tp", 4),)
+    assert (case.config.num_attention_heads, case.config.num_key_value_heads) == (8, 2)
+    case = prepare(plan, tmp_path / "8", model="mistral", ranks=8)
+    assert case.mesh == (("tp", 8),)
+    assert (case.config.num_attention_heads, case.config.num_key_value_heads) == (16, 4)
