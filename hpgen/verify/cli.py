@@ -12,6 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from hpgen.errors import HpgenError
+
 __all__ = ["verify_command"]
 
 
@@ -23,7 +25,8 @@ def _progress(text: str) -> None:
 
 
 def verify_command(plan: str, model: str | None, source: str | None, ranks: int | None, as_json: bool) -> int:
-    """Exit 0 when the plan is exact on the tiny model, 1 with the report; bad input raises HpgenError."""
+    """Exit 0 when the plan is exact on the tiny model, 1 with the report; bad input (and a tiny copy that
+    transformers' own model cannot run) raises HpgenError."""
     from hpgen.verify.prepare import prepare
     from hpgen.verify.report import finding, planner_plan, report_json, report_text
     from hpgen.verify.run import verify_many
@@ -35,6 +38,8 @@ def verify_command(plan: str, model: str | None, source: str | None, ranks: int 
         case = prepare(plan, Path(folder), model=model, source=source, ranks=ranks)
         _progress(f"lowered {Path(case.source).name}; spawning {case.world_size} gloo ranks")
         (verdict,) = verify_many([case])
+    if verdict.reference_error:  # the tiny config, not the plan: nothing was proven either way
+        raise HpgenError(f"cannot verify on a tiny copy: {verdict.reference_error}")
     found = None
     if not verdict.exact:
         _progress("localizing: asking hpgen plan what it would declare")
