@@ -70,10 +70,6 @@ class Outcome:
     params: list[Difference] = field(default_factory=list)  # differing parameter gradients, backward order
     reference_error: str = ""  # transformers' own model fails on the tiny config
 
-    @property
-    def exact(self) -> bool:
-        return not self.raised and not self.reference_error and all(check.ok for check in self.checks)
-
 
 def run_cases(rank: int, world_size: int, cases: list[Prepared], progress: bool = True) -> list[Outcome]:
     """Rank body: each case's outcome; a barrier between cases keeps the ranks in step."""

@@ -274,6 +274,16 @@ def report_json(verdict: Verdict, found: Finding | None, seconds: float | None =
     }
 
 
+def _stands_for(layers: tuple[str, ...], fqn: str) -> str:
+    """Which layers of the user's model a tiny folded layer stands for (``model.layers.1-31``)."""
+    for index, name in enumerate(layers):
+        path = name.rpartition(".")[0]
+        tiny = f"{path}.{index}"
+        if name != tiny and (fqn == tiny or fqn.startswith(tiny + ".")):
+            return f" (tiny {tiny} stands for {name})"
+    return ""
+
+
 def report_text(verdict: Verdict, found: Finding | None) -> str:
     """The verdict as lines: one a check, then where the plan is wrong."""
     mesh = " x ".join(f"{axis} {size}" for axis, size in verdict.case.mesh)
@@ -286,7 +296,7 @@ def report_text(verdict: Verdict, found: Finding | None) -> str:
         lines.append(f"  {check.name}: {mark}: max {check.err:.3g} (tolerance {check.tol:.3g})"
                      + (f"; {check.detail}" if check.detail else ""))
     if found is not None:
-        lines.append(f"  {found['message']}")
+        lines.append(f"  {found['message']}" + _stands_for(verdict.case.layers, found.get("fqn", "")))
         more = [d.what for d in verdict.params[1:6]]
         if more:
             lines.append(f"  other gradients that differ: {', '.join(more)}" + (" ..." if len(verdict.params) > 6 else ""))
