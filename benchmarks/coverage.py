@@ -56,7 +56,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from hpgen.verify.shrink import _configs, tiny_config  # noqa: E402 - the tiny configs hpgen verify runs on too
+from hpgen.verify.shrink import all_configs, tiny_config  # noqa: E402 - the tiny configs hpgen verify runs on too
 
 TABLE = REPO / "docs" / "coverage.md"
 SEED = 0
@@ -678,7 +678,7 @@ def _has_expert_plan(model_type: str) -> bool:
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type)
-    return any(getattr(sub, "base_model_ep_plan", None) for sub in _configs(config))
+    return any(getattr(sub, "base_model_ep_plan", None) for sub in all_configs(config))
 
 
 def _mark(value: bool | None) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CONFIG_FIXES", "TINY", "axis_sizes", "shape_for", "tiny_config"]
+__all__ = ["CONFIG_FIXES", "TINY", "all_configs", "axis_sizes", "shape_for", "tiny_config"]
 
 # The tiny shape, applied to the keys a config has: head_dim 16 with 4 query and 2 KV heads
 # (GQA), 4 experts of which 2 are routed per token, and odd sizes where a shard may be
@@ -243,7 +243,7 @@ def tiny_config(model: str | Any, shape: dict[str, Any] | None = None) -> Any:
     built = model_and_config(config)[1]
     if built is not config:  # the causal LM is built from a sub-config (llama4 -> llama4_text): shrink that
         return tiny_config(built if not isinstance(model, str) else built.model_type, shape)
-    for sub in list(_configs(config))[1:]:  # vision, audio, text parts of a multimodal config: tiny too
+    for sub in list(all_configs(config))[1:]:  # vision, audio, text parts of a multimodal config: tiny too
         for key, value in _overrides(sub.to_dict(), getattr(sub, "attribute_map", {}) or {}, shape).items():
             try:
                 setattr(sub, key, value)
@@ -254,7 +254,7 @@ def tiny_config(model: str | Any, shape: dict[str, Any] | None = None) -> Any:
         config.is_decoder = True
     # Attention and experts implementations stay transformers' defaults (sdpa, grouped_mm):
     # what users get.
-    for sub in _configs(config):
+    for sub in all_configs(config):
         if hasattr(sub, "use_cache"):
             sub.use_cache = False
     return config
@@ -303,7 +303,7 @@ def _rescaled(sections: list[int], total: int) -> list[int]:
     return found
 
 
-def _configs(config: Any) -> Iterable[Any]:
+def all_configs(config: Any) -> Iterable[Any]:
     """The config and its sub-configs (text, vision...), each once."""
     seen, pending = set(), [config]
     while pending:
