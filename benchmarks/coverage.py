@@ -146,7 +146,7 @@ TRAIN_BEGIN, TRAIN_END = "<!-- train-mode: begin -->", "<!-- train-mode: end -->
 def dropout_keys(config: Any) -> list[str]:
     """The config's dropout probabilities (``attention_dropout``, ``resid_pdrop``, ...), in its text config too."""
     found = []
-    for part in _configs(config):
+    for part in all_configs(config):
         found += [
             key for key, value in vars(part).items()
             if "drop" in key.lower() and isinstance(value, float) and not key.startswith("_")
@@ -434,7 +434,7 @@ def _train_rank(
     generator = torch.Generator().manual_seed(seed + 1)
     for shape in (None, KERNEL_SHAPE):
         cls, config = model_and_config(tiny_config(model_type, shape))
-        for part in _configs(config):
+        for part in all_configs(config):
             for key in dropout_keys(part):
                 if key in vars(part):
                     setattr(part, key, TRAIN_DROPOUT)
