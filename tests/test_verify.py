@@ -43,7 +43,7 @@ def verdicts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_written_plans_are_exact(verdicts: dict[str, Any], name: str) -> None:
     verdict, located = verdicts[name]
     assert verdict.exact, located["message"] if located else verdict
-    assert {check.name for check in verdict.checks} == {"logits", "gradients", "greedy generation"}
+    assert {"logits", "gradients", "greedy generation"} <= {check.name for check in verdict.checks}
 
 
 @pytest.mark.parametrize("name", sorted(WRONG))

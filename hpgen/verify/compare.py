@@ -194,6 +194,66 @@ def _run_case(case: Prepared, mesh: Any, outcome: Outcome) -> None:
             recorder.grads, reference_recorder.grads, "backward", recorder.classes, plan, mesh
         )
     outcome.checks.append(_generation(model, reference, ids))
+    if _with_dropout(model, TRAIN_DROPOUT):
+        outcome.checks.append(_train_mode(model, ids, layouts, plan, mesh))
+
+
+TRAIN_DROPOUT = 0.1
+
+
+def _with_dropout(model: nn.Module, p: float) -> bool:
+    """Set every dropout of ``model`` to ``p`` (its config's ``*drop*`` probabilities, ``nn.Dropout``
+    modules and the float ``*dropout*`` attributes attention modules copied at init); whether it has any."""
+    from hpgen.verify.shrink import all_configs
+
+    found = False
+    for part in all_configs(model.config):  # what the modeling code (and the random streams) read at call time
+        for name, value in vars(part).items():
+            if "drop" in name.lower() and isinstance(value, float) and not name.startswith("_"):
+                setattr(part, name, p)
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.p, found = p, True
+            continue
+        for name, value in vars(module).items():
+            if "dropout" in name.lower() and isinstance(value, float) and not name.startswith("_"):
+                setattr(module, name, p)
+                found = True
+    return found
+
+
+def _train_mode(
+    model: nn.Module, ids: torch.Tensor, layouts: Mapping[str, Mapping[str, str]], plan: Any, mesh: Any
+) -> Check:
+    """Train mode with dropout, each rank seeded apart (as data-loading code does): the ranks must
+    still agree, on the logits and on every replicated parameter's gradient (hpgen's random streams
+    draw one mask where a value is replicated or partial)."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1234 + dist.get_rank())
+    logits = model(input_ids=ids).logits.float()
+    logits.square().mean().backward()
+    model.eval()
+    values = [("logits", logits.detach())]
+    values += [
+        (name, param.grad)
+        for name, param in model.named_parameters()
+        if param.grad is not None and all(p == "R" for p in layouts.get(name, {}).values())
+    ]
+    worst, tol_of_worst, differ = 0.0, 0.0, []
+    for name, value in values:
+        pieces = [torch.empty_like(value) for _ in range(dist.get_world_size())]
+        dist.all_gather(pieces, value.contiguous())
+        err = max((piece - pieces[0]).abs().max().item() for piece in pieces)
+        tol = tolerance(pieces[0])
+        if err / max(tol, 1e-30) >= worst / max(tol_of_worst, 1e-30):
+            worst, tol_of_worst = err, tol
+        if not err <= tol:
+            differ.append(name)
+    detail = f"dropout {TRAIN_DROPOUT}, ranks seeded apart: {len(values)} values agree across ranks"
+    if differ:
+        detail = f"dropout {TRAIN_DROPOUT}, ranks seeded apart: differ across ranks: {', '.join(differ[:5])}"
+    return Check("train mode", worst, tol_of_worst, not differ, detail)
 
 
 def _generation(model: nn.Module, reference: nn.Module, ids: torch.Tensor) -> Check:

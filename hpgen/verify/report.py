@@ -69,6 +69,11 @@ def finding(verdict: Verdict, planner: dict[str, Any] | None) -> Finding | None:
         return _with_plan(Finding(fqn=first.fqn, cls=first.cls, side="backward", message=message), plan, key,
                           entry_fqn, first.fqn, planner, ("param", name[len(entry_fqn) + 1 :] if entry_fqn else name))
     failed = [check.name for check in verdict.checks if not check.ok]
+    if failed == ["train mode"]:
+        detail = next(check.detail for check in verdict.checks if check.name == "train mode")
+        return Finding(fqn="", cls="", side="train", entry=None, message=(
+            f"train mode: exact in eval mode, but with dropout the ranks disagree ({detail}): a random op draws "
+            "different numbers on ranks where its value is replicated or a partial sum"))
     return Finding(fqn="", cls="", side="", message=f"{', '.join(failed)} differ; no boundary departs before the output",
                    entry=None)
 
