@@ -304,8 +304,8 @@ def verify_command(plan: str, model: str | None, source: str | None, ranks: int 
     MODEL is a model type, config.json or checkpoint folder (only its config is read); without
     it, the plan's model_class with transformers' default config. The config is shrunk so that
     every sharded dim still divides; the parallelized model is compared with the unsharded one
-    (logits, every gradient, greedy generation). Exit 0 exact, 1 with a report naming the first
-    boundary that differs, 2 bad input.
+    (logits, every gradient, greedy generation; in train mode with dropout, the ranks agree). Exit 0
+    exact, 1 with a report naming the first boundary that differs, 2 bad input.
     """
 
     def run() -> int:

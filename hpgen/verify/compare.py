@@ -5,7 +5,8 @@ prepared case it builds the reference (transformers' class, or the ``--source`` 
 model of the generated file from one seed, perturbs the weights (transformers initialises
 biases to zero and norms to one, which would hide a bias added twice or a norm gradient not
 reduced), parallelizes, and compares logits, every parameter's gradient (this rank's shard of
-the reference's) and greedy generation. Where they differ, :mod:`hpgen.verify.localize` finds
+the reference's) and greedy generation; then, where the model has dropout, train mode with the
+ranks seeded apart must still agree across ranks (:func:`_train_mode`). Where they differ, :mod:`hpgen.verify.localize` finds
 the first boundary that departs. A refusal by ``parallelize`` and an exception are outcomes
 too, with the module that was running.
 """
