@@ -195,7 +195,7 @@ def _run_case(case: Prepared, mesh: Any, outcome: Outcome) -> None:
             recorder.grads, reference_recorder.grads, "backward", recorder.classes, plan, mesh
         )
     outcome.checks.append(_generation(model, reference, ids))
-    if _with_dropout(model, TRAIN_DROPOUT):
+    if _with_dropout(model, TRAIN_DROPOUT):  # last: it sets the dropouts of the config both models share
         outcome.checks.append(_train_mode(model, ids, layouts, plan, mesh))
 
 
