@@ -99,14 +99,20 @@ def test_the_command_line(tmp_path: Path) -> None:
     assert report["finding"]["fqn"] == "model.layers.0.self_attn" and report["finding"]["side"] == "forward"
     stages = [line for line in done.stderr.splitlines() if line.startswith("hpgen verify:")]
     assert len(stages) >= 4, done.stderr  # a progress line per stage
-    # bad input: exit 2, one line naming the file, no traceback
+    # bad input: exit 2, one line naming the file or the place, no traceback (in-process: nothing spawns)
+    from click.testing import CliRunner
+
+    from hpgen.cli import cli
+
     bad = tmp_path / "bad.json"
     bad.write_text('{"mesh_dim_names": ["tp"], "param_plan": {"x": {"out_src": {"output": {"tp": "S(x)"}}}}}')
     for args, where in (((str(bad), "llama"), "bad.json"), ((str(plan), "no_such_model_type"), "no_such_model_type"),
-                        ((str(plan), "llama", "--ranks", "0"), "--ranks")):
-        done = _hpgen("verify", *args, cwd=tmp_path)
-        assert done.returncode == 2, done.stderr
-        assert "Traceback" not in done.stderr and where in done.stderr, done.stderr
+                        ((str(plan), "llama", "--ranks", "0"), "--ranks"),
+                        ((str(plan), "llama", "--source", str(tmp_path / "missing.py")), "missing.py")):
+        result = CliRunner().invoke(cli, ["verify", *args])
+        assert result.exit_code == 2, result.output
+        assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+        assert "Traceback" not in result.output and where in result.output, result.output
 
 
 def test_the_tiny_copy_keeps_the_users_options(tmp_path: Path) -> None:

@@ -61,6 +61,8 @@ def prepare(
     from hpgen.plan import load_plan, plan_from_dict
     from hpgen.verify.shrink import axis_sizes, shape_for, tiny_config
 
+    if source is not None and not Path(source).is_file():
+        raise HpgenError("no such modeling file", file=str(source))
     if isinstance(plan, dict):
         document, plan_name = plan, f"{name or 'plan'}.json"
         loaded = plan_from_dict(document, name=plan_name)
@@ -93,8 +95,6 @@ def prepare(
         reference_file, reference_package = None, None
     else:
         source_path = Path(source)
-        if not source_path.is_file():
-            raise HpgenError("no such modeling file", file=str(source))
         reference_file, reference_package = str(source_path.resolve()), infer_package(source_path)
     text, _ = read_source(source_path)
     if cls.__name__ not in text:
