@@ -162,7 +162,7 @@ def _run_case(case: Prepared, mesh: Any, outcome: Outcome) -> None:
         recorder.remove()
         return
     tol = tolerance(ref_logits)
-    if logits.shape != ref_logits.shape:
+    if _on_any_rank(logits.shape != ref_logits.shape):
         outcome.checks.append(Check("logits", float("inf"), tol, False, f"shape {tuple(logits.shape)} on this rank, "
                                     f"{tuple(ref_logits.shape)} unsharded"))
         outcome.forward = first_difference(
@@ -187,7 +187,7 @@ def _run_case(case: Prepared, mesh: Any, outcome: Outcome) -> None:
     outcome.checks.append(
         Check("gradients", err, tol, not outcome.params, f"{len(outcome.params)} of {checked} parameters differ")
     )
-    if not all(check.ok for check in outcome.checks):
+    if _on_any_rank(not all(check.ok for check in outcome.checks)):  # every rank localizes, or none
         outcome.forward = first_difference(
             recorder.outputs, reference_recorder.outputs, "forward", recorder.classes, plan, mesh
         )
@@ -197,6 +197,13 @@ def _run_case(case: Prepared, mesh: Any, outcome: Outcome) -> None:
     outcome.checks.append(_generation(model, reference, ids))
     if _with_dropout(model, TRAIN_DROPOUT):  # last: it sets the dropouts of the config both models share
         outcome.checks.append(_train_mode(model, ids, layouts, plan, mesh))
+
+
+def _on_any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on some rank: a decision every rank takes alike (the next steps run collectives)."""
+    value = torch.tensor([int(flag)])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 TRAIN_DROPOUT = 0.1
