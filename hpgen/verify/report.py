@@ -301,7 +301,11 @@ def report_text(verdict: Verdict, found: Finding | None) -> str:
         lines.append(f"  {check.name}: {mark}: max {check.err:.3g} (tolerance {check.tol:.3g})"
                      + (f"; {check.detail}" if check.detail else ""))
     if found is not None:
-        lines.append(f"  {found['message']}" + _stands_for(verdict.case.layers, found.get("fqn", "")))
+        text = found["message"]
+        for marker in ("; the plan's entry", "; the plan has no entry", "; hpgen plan "):  # one clause a line
+            text = text.replace(marker, "\n    " + marker[2:])
+        first, _, rest = text.partition("\n")
+        lines.append("  " + first + _stands_for(verdict.case.layers, found.get("fqn", "")) + (f"\n{rest}" if rest else ""))
         more = [d.what for d in verdict.params[1:6]]
         if more:
             lines.append(f"  other gradients that differ: {', '.join(more)}" + (" ..." if len(verdict.params) > 6 else ""))
