@@ -69,10 +69,15 @@ def finding(verdict: Verdict, planner: dict[str, Any] | None) -> Finding | None:
         return _with_plan(Finding(fqn=first.fqn, cls=first.cls, side="backward", message=message), plan, key,
                           entry_fqn, first.fqn, planner, ("param", name[len(entry_fqn) + 1 :] if entry_fqn else name))
     failed = [check.name for check in verdict.checks if not check.ok]
-    if failed == ["train mode"]:
-        detail = next(check.detail for check in verdict.checks if check.name == "train mode")
+    if failed == ["train mode, dropout 0"] or failed == ["train mode, dropout 0", "train mode, dropout 0.1"]:
+        detail = next(check.detail for check in verdict.checks if check.name == failed[0])
         return Finding(fqn="", cls="", side="train", entry=None, message=(
-            f"train mode: exact in eval mode, but with dropout the ranks disagree ({detail}): a random op draws "
+            f"train mode: exact in eval mode, but not in train mode without dropout ({detail}): a path only "
+            "training takes differs (a deferred bias shared before the reduction, a module's own train branch)"))
+    if failed == ["train mode, dropout 0.1"]:
+        detail = next(check.detail for check in verdict.checks if check.name == failed[0])
+        return Finding(fqn="", cls="", side="train", entry=None, message=(
+            f"train mode: exact without dropout, but with dropout the ranks disagree ({detail}): a random op draws "
             "different numbers on ranks where its value is replicated or a partial sum"))
     return Finding(fqn="", cls="", side="", message=f"{', '.join(failed)} differ; no boundary departs before the output",
                    entry=None)
