@@ -3,7 +3,7 @@
 The located module (the first whose output or input gradient departs, the owner of a
 differing gradient, or the module that raised) is named by FQN and class, with the plan's
 entry for it (its own, or the nearest one above it that names it) and, where ``hpgen plan``
-reads the source otherwise (:func:`planner_plans`: the planner's plan for the same tiny
+reads the source otherwise (:func:`planner_plan`: the planner's plan for the same tiny
 config, with ``--sp`` where the user's plan has it), what the planner would declare there.
 """
 
