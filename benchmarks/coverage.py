@@ -11,8 +11,9 @@
 For every model type that has a causal-LM class (transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING``),
 with or without a ``base_model_tp_plan``:
 
-1. **plan**: a tiny config of the architecture (:func:`tiny_config`; :data:`CONFIG_FIXES` for the
-   few whose config needs one more change to be valid), the model on the meta device, and
+1. **plan**: a tiny config of the architecture (:func:`hpgen.verify.shrink.tiny_config`, which
+   ``hpgen verify`` uses too, with its ``CONFIG_FIXES`` for the few whose config needs one more
+   change to be valid), the model on the meta device, and
    :func:`hpgen.planner.make.plan_model` with ``tp=2`` (and ``sp=True`` with ``--sp``, ``ep=2`` with
    ``--ep``: whole experts per rank, for the models that have an expert plan):
    transformers' plan where it shards the decoder layers, otherwise the plan derived from the
@@ -55,13 +56,14 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from hpgen.verify.shrink import all_configs, tiny_config  # noqa: E402 - the tiny configs hpgen verify runs on too
 
 TABLE = REPO / "docs" / "coverage.md"
 SEED = 0
@@ -70,133 +72,6 @@ SEED = 0
 # model fails so, the case is run once more with this size, even per rank as well.
 KERNEL_SHAPE = {"intermediate_size": 96}
 
-# The tiny shape, applied to the keys a config has: head_dim 16 with 4 query and 2 KV heads
-# (GQA), 4 experts of which 2 are routed per token, and odd sizes where a shard may be
-# uneven (vocabulary rows, MLP intermediate), so the uneven tensor_split chunks run too.
-TINY: dict[str, Any] = {
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_attention_heads_per_layer": 4,
-    "head_dim": 16,
-    "intermediate_size": 89,
-    "vocab_size": 127,
-    "max_position_embeddings": 128,
-    "num_experts": 4,
-    "num_local_experts": 4,
-    "n_routed_experts": 4,
-    "moe_num_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_topk": 2,
-    "moe_k": 2,
-    "top_k_experts": 2,
-    "moe_intermediate_size": 24,
-    "shared_expert_intermediate_size": 32,
-    "shared_intermediate_size": 32,
-    "moe_shared_expert_intermediate_size": 32,
-    "n_shared_experts": 1,
-    "num_shared_experts": 1,
-    "moe_num_shared_experts": 1,
-    "n_group": 1,
-    "topk_group": 1,
-    "num_expert_group": 1,
-    "first_k_dense_replace": 1,
-    "decoder_sparse_step": 1,
-    "q_lora_rank": 32,
-    "kv_lora_rank": 32,
-    "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 16,
-    "qk_head_dim": 24,
-    "v_head_dim": 16,
-    "index_n_heads": 2,
-    "index_head_dim": 16,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-    "linear_num_heads": 4,
-    "linear_head_dim": 16,
-    "mamba_n_heads": 8,
-    "mamba_num_heads": 8,
-    "mamba_d_head": 16,
-    "mamba_head_dim": 16,
-    "mamba_d_state": 16,
-    "mamba_d_ssm": 128,
-    "ssm_state_size": 16,
-    "mamba_n_groups": 1,
-    "n_groups": 1,
-    "mamba_chunk_size": 16,
-    "chunk_size": 16,
-    "sliding_window": 16,
-    "swa_num_attention_heads": 4,
-    "swa_num_key_value_heads": 2,
-    "swa_head_dim": 16,
-    "hidden_size_per_layer_input": 16,
-    "vocab_size_per_layer_input": 127,
-    "num_kv_shared_layers": 0,
-    "num_nextn_predict_layers": 0,
-    "intermediate_size_mlp": 89,
-    "dense_intermediate_size": 89,
-    "moe_hidden_size": 24,
-    "embedding_rank": 32,
-    "rotary_dim": 8,
-    "unpadded_vocab_size": 127,
-    # the feed-forward width and heads of the encoder-decoder and CTRL-style configs (even: some require it);
-    # GPT-2-style configs keep n_inner None: 4 x hidden, their own default
-    "ffn_dim": 90,
-    "decoder_ffn_dim": 90,
-    "encoder_ffn_dim": 90,
-    "dff": 90,
-    "decoder_attention_heads": 4,
-    "encoder_attention_heads": 4,
-}
-# Model types whose default config, made tiny, needs one more change to be a valid config at all. Each
-# fixes only what the config's own validator or transformers' model code demands, as the comment says.
-CONFIG_FIXES: dict[str, dict[str, Any]] = {
-    # 7 tokens are too few for block-sparse attention; transformers itself falls back to full attention
-    # then, swapping the attention modules at run time
-    "big_bird": {"attention_type": "original_full"},
-    # hidden 64 * expand 2 must equal num_heads * head_dim 16
-    "mamba2": {"num_heads": 8},
-    # "ZAYA currently supports num_experts_per_tok=1 only"
-    "zaya": {"num_experts_per_tok": 1},
-    # the default lists attention and MLP blocks separately (halved at load) and splits the layers into
-    # input, recurrent and output groups, which must add up
-    "dory": {
-        "num_hidden_layers": 3,
-        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
-        "n_input_layers": 1,
-        "n_recurrent_layers": 1,
-        "n_output_layers": 1,
-    },
-    # the shared transformer is tied across hybrid layers: at least two of them
-    "zamba": {"num_hidden_layers": 3, "layers_block_type": ["mamba", "hybrid", "hybrid"]},
-    # a causal LM only as a decoder; axial position embeddings add up to the hidden size and the positions
-    "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32], "axial_pos_shape": [8, 16]},
-    # the default attention config lacks rope_theta and clip_qkv (transformers' own default does not build)
-    "dbrx": {
-        "attn_config": {"rope_theta": 10000.0, "kv_n_heads": 2, "clip_qkv": 8.0},
-        "ffn_config": {"ffn_hidden_size": 89, "moe_num_experts": 4, "moe_top_k": 2},
-    },
-    # the default has no layer_types (transformers' own default does not build)
-    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
-    # the causal LM takes one row of ids per codebook: two codebooks for the batch of two sequences
-    "musicgen_decoder": {"num_codebooks": 2},
-    "musicgen_melody_decoder": {"num_codebooks": 2},
-    # BLT's nested configs: the byte-group hash embeddings have 500002 rows per group size (192M
-    # parameters, a vocabulary TINY does not reach); the global transformer's hidden size must be the
-    # local encoder's times cross_attn_k (default 1024 x 2 = 2048), and BltConfig computes the global
-    # input size from the encoder config it is given (before the sub-configs are made tiny): every
-    # hidden size 64, one cross-attention repeat, the local decoder reading the global size 64
-    "blt": {
-        "encoder_hash_byte_group_vocab": 127,
-        "cross_attn_k": 1,
-        "encoder_config": {"hidden_size": 64, "hidden_size_global": 64, "cross_attn_k": 1},
-        "decoder_config": {"hidden_size_global": 64, "cross_attn_k": 1},
-    },
-    # rope parameters are per layer type (transformers' own default has none)
-    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
-}
 # Models compared in train mode, with these config changes: Reformer's reversible layers run their
 # backward only in train mode (transformers asserts it). There its dropout is off, and transformers
 # requires the axial position shape to multiply to the sequence length (7 tokens) and the sequence to be
@@ -213,158 +88,8 @@ TRAIN_MODE: dict[str, dict[str, Any]] = {
         "local_attn_chunk_length": 7,
     },
 }
-LAYERS = 2
-MAX_LAYERS = 4
 MAX_PARAMS = 60_000_000
 TARGET_SHARE = 0.65  # "layers sharded": each rank holds at most this share of the parameters
-# Layer counts under other names (encoder-decoder halves, GPT-2 style configs without an attribute_map entry).
-LAYER_KEYS = ("decoder_layers", "num_decoder_layers", "n_layer", "n_layers", "num_layers")
-
-
-# --------------------------------------------------------------------------- tiny configs
-
-
-def _per_layer_lists(defaults: dict[str, Any], count: int) -> list[str]:
-    """Config keys holding one value per layer (a list as long as the layer count)."""
-    return sorted(
-        key for key, value in defaults.items() if isinstance(value, (list, tuple)) and len(value) == count and count > 1
-    )
-
-
-def _layer_choice(defaults: dict[str, Any], keys: list[str], count: int) -> list[int]:
-    """Layer indices covering each distinct per-layer combination once (at least two layers)."""
-    seen, chosen = set(), []
-    for index in range(count):
-        combination = tuple(json.dumps(defaults[key][index], sort_keys=True, default=str) for key in keys)
-        if combination not in seen:
-            seen.add(combination)
-            chosen.append(index)
-    chosen = chosen[:MAX_LAYERS]
-    while len(chosen) < LAYERS:
-        chosen.append(next(i for i in range(count) if i not in chosen))
-    return sorted(chosen)
-
-
-def _overrides(defaults: dict[str, Any], aliases: dict[str, str], shape: dict[str, Any] | None) -> dict[str, Any]:
-    """The tiny shape as keyword arguments for a config whose defaults are ``defaults``."""
-    overrides: dict[str, Any] = {}
-    for key, value in {**TINY, **(shape or {})}.items():
-        key = aliases.get(key, key)
-        if key in defaults:
-            overrides[key] = _fit(value, defaults[key])
-    mla = "kv_lora_rank" in defaults
-    if mla and "num_key_value_heads" in defaults:  # MLA: as many key/value heads as query heads
-        overrides["num_key_value_heads"] = TINY["num_attention_heads"]
-    if mla and defaults.get("head_dim"):  # rotary on the qk_rope_head_dim part of each head
-        overrides["head_dim"] = overrides.get("qk_rope_head_dim", TINY["qk_rope_head_dim"])
-    if "qk_head_dim" in defaults and {"qk_nope_head_dim", "qk_rope_head_dim"} <= set(overrides):
-        overrides["qk_head_dim"] = overrides["qk_nope_head_dim"] + overrides["qk_rope_head_dim"]
-    layers_key = aliases.get("num_hidden_layers", "num_hidden_layers")
-    if layers_key not in defaults:  # encoder-decoder halves and older configs name it otherwise
-        layers_key = next((k for k in LAYER_KEYS if isinstance(defaults.get(k), int)), layers_key)
-    for key in ("encoder_layers", "num_encoder_layers", *LAYER_KEYS):  # the other half's (or stack's) count
-        if key != layers_key and isinstance(defaults.get(key), int) and defaults[key] > LAYERS:
-            overrides[key] = LAYERS
-    count = defaults.get(layers_key)
-    if isinstance(count, int):
-        keys = _per_layer_lists(defaults, count)
-        chosen = _layer_choice(defaults, keys, count) if keys else list(range(LAYERS))
-        overrides[layers_key] = len(chosen)
-        for key in keys:
-            values = overrides.get(key, defaults[key])
-            overrides[key] = [values[index] for index in chosen]
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if key in defaults and defaults[key] is not None:
-            overrides[key] = 0
-    rope = defaults.get("rope_parameters")
-    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list):
-        rotary = overrides.get("qk_rope_head_dim") if mla else overrides.get("head_dim", TINY["head_dim"])
-        overrides["rope_parameters"] = {**rope, "mrope_section": _rescaled(rope["mrope_section"], rotary // 2)}
-    return overrides
-
-
-def tiny_config(model_type: str, shape: dict[str, Any] | None = None) -> Any:
-    """A small config of ``model_type``: the tiny shape (``TINY`` updated with ``shape``) on the keys it has.
-
-    Per-layer lists (``layer_types``, ``mlp_layer_types``, ...) keep one layer of each
-    distinct combination, so a hybrid or partly-MoE model keeps every kind of layer. A key
-    whose default is 0 stays 0 (it turns a feature off, e.g. no rotary part in an MLA head);
-    a per-layer list of sizes gets the tiny size on every layer; multimodal rotary sections
-    are rescaled to the tiny head. A config that rejects grouped-query attention is retried
-    with as many key/value heads as query heads.
-    """
-    from transformers import AutoConfig
-
-    from hpgen.planner.load import model_and_config
-
-    default = AutoConfig.for_model(model_type)
-    overrides = _overrides(default.to_dict(), getattr(default, "attribute_map", {}) or {}, shape)
-    overrides.update(CONFIG_FIXES.get(model_type, {}))
-    try:
-        config = AutoConfig.for_model(model_type, **overrides)
-    except Exception:  # e.g. an architecture without grouped-query attention
-        if "num_key_value_heads" not in overrides:
-            raise
-        config = AutoConfig.for_model(model_type, **{**overrides, "num_key_value_heads": TINY["num_attention_heads"]})
-    built = model_and_config(config)[1]
-    if built is not config:  # the causal LM is built from a sub-config (llama4 -> llama4_text): shrink that
-        return tiny_config(built.model_type, shape)
-    for sub in list(_configs(config))[1:]:  # vision, audio, text parts of a multimodal config: tiny too
-        for key, value in _overrides(sub.to_dict(), getattr(sub, "attribute_map", {}) or {}, shape).items():
-            try:
-                setattr(sub, key, value)
-            except Exception:  # a validated field that refuses the tiny value keeps its default
-                continue
-    config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-    if _reads_is_decoder(model_and_config(config)[0]):  # BERT-style models are causal LMs only as decoders
-        config.is_decoder = True
-    # Attention and experts implementations stay transformers' defaults (sdpa, grouped_mm):
-    # the table shows what users get.
-    for sub in _configs(config):
-        if hasattr(sub, "use_cache"):
-            sub.use_cache = False
-    return config
-
-
-def _reads_is_decoder(cls: type) -> bool:
-    """Whether the model's modeling file reads ``config.is_decoder`` (a BERT-style encoder used as a decoder)."""
-    try:
-        return "config.is_decoder" in Path(inspect.getsourcefile(cls) or "").read_text(encoding="utf-8")
-    except (OSError, TypeError):
-        return False
-
-
-def _fit(value: Any, default: Any) -> Any:
-    """The tiny value in the default's form: 0 stays 0, a per-layer list of ints stays a list."""
-    if isinstance(default, bool) or not isinstance(value, int):
-        return value
-    if isinstance(default, int) and default == 0:
-        return 0
-    if isinstance(default, list) and default and all(isinstance(item, int) for item in default):
-        return [value] * len(default)
-    return value
-
-
-def _rescaled(sections: list[int], total: int) -> list[int]:
-    """Integer sections proportional to ``sections`` that add up to ``total`` (each at least 1)."""
-    scale = total / sum(sections)
-    found = [max(1, int(section * scale)) for section in sections]
-    found[0] += total - sum(found)
-    return found
-
-
-def _configs(config: Any) -> Iterable[Any]:
-    """The config and its sub-configs (text, vision...), each once."""
-    seen, pending = set(), [config]
-    while pending:
-        current = pending.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        yield current
-        for value in vars(current).values():
-            if hasattr(value, "to_dict") and hasattr(value, "model_type"):
-                pending.append(value)
 
 
 def is_decoder_only_causal_lm(cls: type, config: Any) -> bool:
@@ -421,7 +146,7 @@ TRAIN_BEGIN, TRAIN_END = "<!-- train-mode: begin -->", "<!-- train-mode: end -->
 def dropout_keys(config: Any) -> list[str]:
     """The config's dropout probabilities (``attention_dropout``, ``resid_pdrop``, ...), in its text config too."""
     found = []
-    for part in _configs(config):
+    for part in all_configs(config):
         found += [
             key for key, value in vars(part).items()
             if "drop" in key.lower() and isinstance(value, float) and not key.startswith("_")
@@ -491,7 +216,7 @@ def prepare(model_type: str, directory: Path, *, variant: str = "tp") -> tuple[R
             return row, None
         size = sum(param.numel() for param in model.parameters())
         if size > MAX_PARAMS:  # two ranks, each holding the reference and the parallel copy, on a shared CPU
-            row.reason = f"parity not run: the tiny config still has {size / 1e6:.0f}M parameters (sizes TINY does not reach)"
+            row.reason = f"parity not run: the tiny config still has {size / 1e6:.0f}M parameters (sizes the tiny shape does not reach)"
             return row, None
         generated = directory / f"{model_type}_{variant}.py"
         generated.write_text(text, encoding="utf-8")
@@ -709,7 +434,7 @@ def _train_rank(
     generator = torch.Generator().manual_seed(seed + 1)
     for shape in (None, KERNEL_SHAPE):
         cls, config = model_and_config(tiny_config(model_type, shape))
-        for part in _configs(config):
+        for part in all_configs(config):
             for key in dropout_keys(part):
                 if key in vars(part):
                     setattr(part, key, TRAIN_DROPOUT)
@@ -1073,7 +798,7 @@ def _has_expert_plan(model_type: str) -> bool:
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type)
-    return any(getattr(sub, "base_model_ep_plan", None) for sub in _configs(config))
+    return any(getattr(sub, "base_model_ep_plan", None) for sub in all_configs(config))
 
 
 def _mark(value: bool | None) -> str:

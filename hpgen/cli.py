@@ -318,6 +318,30 @@ def plan_command(
     run_guarded(run)
 
 
+@cli.command("verify")
+@click.argument("plan")
+@click.argument("model", required=False)
+@click.option("--source", metavar="MODELING.py", help="The modeling file to lower (default: the installed transformers').")
+@click.option("--ranks", type=click.IntRange(min=1), help="Gloo ranks (default: 2 an axis, the product over the plan's axes).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text (for CI).")
+def verify_command(plan: str, model: str | None, source: str | None, ranks: int | None, as_json: bool) -> None:
+    """Prove PLAN exact on a tiny copy of its model, on gloo ranks on the CPU.
+
+    MODEL is a model type, config.json or checkpoint folder (only its config is read); without
+    it, the plan's model_class with transformers' default config. The config is shrunk so that
+    every sharded dim still divides; the parallelized model is compared with the unsharded one
+    (logits, every gradient, greedy generation; in train mode with dropout, the ranks agree). Exit 0
+    exact, 1 with a report naming the first boundary that differs, 2 bad input.
+    """
+
+    def run() -> int:
+        from hpgen.verify.cli import verify_command as body
+
+        return body(plan, model, source, ranks, as_json)
+
+    run_guarded(run)
+
+
 def main() -> None:
     """Console-script entry point."""
     cli(prog_name="hpgen")

@@ -343,14 +343,10 @@ def test_hpgen_explain_adds_the_sizing_report_with_config(tmp_path: Path) -> Non
 
 
 def _translated(model_type: str) -> tuple[Any, dict[str, Any]]:
-    """transformers' plan of ``model_type``'s tiny coverage config, on the meta device."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from coverage import tiny_config
-
-    from hpgen.planner.make import plan_model
+    """transformers' plan of ``model_type``'s tiny config (the coverage table's), on the meta device."""
     from hpgen.planner.load import meta_model
+    from hpgen.planner.make import plan_model
+    from hpgen.verify.shrink import tiny_config
 
     model = meta_model(tiny_config(model_type))
     return model, plan_model(model, tp=2, name=model_type)

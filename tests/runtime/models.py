@@ -26,6 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
+# the unsharded model's perturbation, the expected shards and the tolerance: hpgen verify's own (re-exported here)
+from hpgen.verify.compare import expected_shard, perturb_
+from hpgen.verify.localize import tolerance
+
+
 REPO = Path(__file__).resolve().parents[2]
 PLANS = REPO / "tests" / "plans"
 
@@ -198,18 +203,6 @@ def reference_model(family: str, config: Any, seed: int) -> nn.Module:
     return model.eval()
 
 
-def perturb_(model: nn.Module, seed: int, scale: float = 0.2) -> None:
-    """Add seeded N(0, scale²) noise to every parameter (tied ones once).
-
-    The scale is large enough that greedy decoding of a random tiny model does not
-    settle on one repeated token, so the generation test sees many different steps.
-    """
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * scale)
-
-
 def generated_model(module: ModuleType, family: str, config: Any, reference: nn.Module) -> nn.Module:
     """The same model built from the generated file, holding the reference's weights."""
     model = getattr(module, FAMILIES[family].model)(config)
@@ -233,22 +226,6 @@ def param_layouts(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, dict[s
     return result
 
 
-def expected_shard(full: torch.Tensor, placement: str, rank: int, size: int) -> torch.Tensor:
-    """Rank ``rank``'s chunk of ``full`` for one placement, written independently of hpgen."""
-    text = placement.replace(" ", "")
-    if text == "R":
-        return full
-    if text.startswith("RS("):  # size / r chunks, chunk rank // r
-        dim, replicas = (int(part) for part in text[3:-1].split(","))
-        return full.tensor_split(size // replicas, dim)[rank // replicas]
-    if text.startswith("SS("):
-        dim, blocks = (int(part) for part in text[3:-1].split(","))
-        return torch.cat([block.tensor_split(size, dim)[rank] for block in full.chunk(blocks, dim)], dim)
-    if text.startswith("S("):
-        return full.tensor_split(size, int(text[2:-1]))[rank]
-    raise ValueError(placement)
-
-
 def expected_local(full: torch.Tensor, layout: Mapping[str, str], plan_axes: Any, mesh: Any) -> torch.Tensor:
     """This rank's chunk of ``full`` under ``layout`` ({axis: placement}), axes in plan order.
 
@@ -259,11 +236,6 @@ def expected_local(full: torch.Tensor, layout: Mapping[str, str], plan_axes: Any
         if axis in names:
             full = expected_shard(full, layout.get(axis, "R"), mesh.get_local_rank(axis), mesh.size(names.index(axis)))
     return full
-
-
-def tolerance(reference: torch.Tensor) -> float:
-    """1e-5 absolute plus 1e-4 of the reference's scale (its max abs)."""
-    return 1e-5 + 1e-4 * reference.abs().max().item()
 
 
 # --------------------------------------------------------------------------- parity on ranks

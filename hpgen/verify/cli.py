@@ -1,0 +1,53 @@
+"""``hpgen verify``'s command body: prepare, run on ranks, report; progress on stderr.
+
+Kept apart from :mod:`hpgen.cli` so that the command line imports torch and transformers
+only for the commands that build a model.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from hpgen.errors import HpgenError
+
+__all__ = ["verify_command"]
+
+
+_STARTED = time.monotonic()
+
+
+def _progress(text: str) -> None:
+    print(f"hpgen verify: [{time.monotonic() - _STARTED:5.1f}s] {text}", file=sys.stderr, flush=True)
+
+
+def verify_command(plan: str, model: str | None, source: str | None, ranks: int | None, as_json: bool) -> int:
+    """Exit 0 when the plan is exact on the tiny model, 1 with the report; bad input (and a tiny copy that
+    transformers' own model cannot run) raises HpgenError."""
+    from hpgen.verify.prepare import prepare
+    from hpgen.verify.report import finding, planner_plan, report_json, report_text
+    from hpgen.verify.run import verify_many
+
+    global _STARTED
+    started = _STARTED = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="hpgen-verify-") as folder:
+        _progress(f"shrinking the config and lowering the modeling file with {plan}")
+        case = prepare(plan, Path(folder), model=model, source=source, ranks=ranks)
+        _progress(f"lowered {Path(case.source).name}; spawning {case.world_size} gloo ranks")
+        (verdict,) = verify_many([case])
+    if verdict.reference_error:  # the tiny config, not the plan: nothing was proven either way
+        raise HpgenError(f"cannot verify on a tiny copy: {verdict.reference_error}")
+    found = None
+    if not verdict.exact:
+        _progress("localizing: asking hpgen plan what it would declare")
+        found = finding(verdict, planner_plan(verdict))
+    seconds = time.monotonic() - started
+    _progress(f"done in {seconds:.1f}s")
+    if as_json:
+        sys.stdout.write(json.dumps(report_json(verdict, found, seconds), indent=2, sort_keys=True) + "\n")
+    else:
+        sys.stdout.write(report_text(verdict, found))
+    return 0 if verdict.exact else 1

@@ -1,0 +1,160 @@
+"""Run a function on several real processes joined in a ``torch.distributed`` group, on the CPU.
+
+``hpgen verify`` runs its checks this way, and so do hpgen's own tests (``tests/dist.py``).
+Each rank is a fresh ``spawn``-ed interpreter, so ``fn`` and its arguments travel by
+pickle: ``fn`` must be a module-level function of an importable module (no lambdas, no
+nested functions), and its arguments and return value must be picklable. The ranks
+rendezvous through a file store in a temporary directory (no ports to race for) and use
+one CPU thread each.
+
+No failure hangs the caller: the first rank to raise has its traceback re-raised in the
+parent as :class:`RankFailed` and the other ranks are killed (they may be stuck in a
+collective waiting for it); a rank that dies without reporting, or a run that exceeds
+``timeout``, fails the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["RankFailed", "run_distributed"]
+
+
+class RankFailed(RuntimeError):
+    """A rank of :func:`run_distributed` raised, died, or did not finish in time.
+
+    ``failures`` maps each failed rank to its traceback text (or what happened to it).
+    """
+
+    def __init__(self, failures: dict[int, str], world_size: int) -> None:
+        self.failures = failures
+        super().__init__(
+            "\n".join(
+                f"rank {rank} of {world_size} failed:\n{text}" for rank, text in sorted(failures.items())
+            )
+        )
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    *args: Any,
+    world_size: int = 2,
+    backend: str = "gloo",
+    timeout: float = 60.0,
+) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results by rank.
+
+    ``fn`` must be a module-level function (see the module docstring). ``timeout`` (seconds)
+    bounds the whole run, process start-up included, and is also the process group's
+    collective timeout. With ``backend="nccl"`` rank ``r`` uses ``cuda:r``.
+    """
+    try:
+        pickle.dumps((fn, args))
+    except Exception as error:
+        raise TypeError(f"run_distributed needs a module-level fn and picklable args: {error}") from error
+    context = mp.get_context("spawn")
+    deadline = time.monotonic() + timeout
+    with tempfile.TemporaryDirectory(prefix="hpgen-dist-") as tmp:
+        init_method = "file://" + os.path.join(tmp, "store")
+        processes, receivers, pipes = [], [], {}
+        try:
+            for rank in range(world_size):
+                receiver, sender = context.Pipe(duplex=False)
+                process = context.Process(
+                    target=_rank_main,
+                    args=(rank, world_size, backend, init_method, timeout, fn, args, sender),
+                    name=f"rank{rank}",
+                    daemon=True,
+                )
+                process.start()
+                sender.close()  # the rank holds the only writer: its exit reads as EOF here
+                processes.append(process)
+                receivers.append(receiver)
+                pipes[rank] = receiver
+            return _collect(processes, pipes, deadline, timeout)
+        finally:
+            for process in processes:
+                process.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+            for receiver in receivers:
+                receiver.close()
+
+
+def _collect(
+    processes: list[Any], pipes: dict[int, Connection], deadline: float, timeout: float
+) -> list[Any]:
+    """Read every rank's report; raise as soon as one rank failed (the caller kills the rest)."""
+    world_size = len(processes)
+    results: dict[int, Any] = {}
+    while pipes:
+        ready = wait(list(pipes.values()), timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise RankFailed(
+                {rank: f"did not finish within {timeout:g}s (a hung collective?)" for rank in sorted(pipes)},
+                world_size,
+            )
+        failures = {}
+        for rank, pipe in list(pipes.items()):
+            if pipe not in ready:
+                continue
+            del pipes[rank]
+            try:
+                status, value = pickle.loads(pipe.recv_bytes())
+            except EOFError:
+                processes[rank].join(timeout=1.0)
+                status, value = "error", f"exited with code {processes[rank].exitcode} without reporting"
+            if status == "ok":
+                results[rank] = value
+            else:
+                failures[rank] = value
+        if failures:
+            for process in processes:  # peers may be blocked in a collective with the failed rank
+                if process.is_alive():
+                    process.kill()
+            raise RankFailed(failures, world_size)
+    return [results[rank] for rank in range(world_size)]
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    backend: str,
+    init_method: str,
+    timeout: float,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    pipe: Connection,
+) -> None:
+    """Body of one rank: join the group, run ``fn``, report, leave the group."""
+    torch.set_num_threads(1)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+        report = pickle.dumps(("ok", fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        report = pickle.dumps(("error", traceback.format_exc()))
+    pipe.send_bytes(report)  # before tearing down, so the parent hears of a failure at once
+    pipe.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
