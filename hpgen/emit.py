@@ -20,6 +20,7 @@ import libcst as cst
 
 from hpgen.classify import Contract, ValueOps
 from hpgen.header import Header
+from hpgen.summed_edit import rewrite_summed
 
 
 @functools.lru_cache(maxsize=1)
@@ -260,6 +261,8 @@ def rewrite_class(
     base = contracts[0]
     # Comments between the decorators and the def travel with the decorators.
     impl = original.with_changes(name=cst.Name("_forward_impl"), decorators=(), lines_after_decorators=())
+    if base.summed is not None:  # the one edit inside a body (lower checks every contract agrees)
+        impl = rewrite_summed(impl, base.summed)
     replacement: list[cst.BaseStatement] = [impl]
     if any(contract.region_target for contract in contracts):
         # Region instances run the body through __hp_compute__; by default it is the body itself.
