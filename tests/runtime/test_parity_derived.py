@@ -50,9 +50,9 @@ FAMILIES = (
 )  # fmt: skip
 # families planned as `hpgen plan` does by default: transformers' plan, its blocks cross-checked against the
 # source (Doge's attention replaced by the derived one, whose dt_proj gathers the values on entry)
-TRANSFORMERS_PLAN = ("doge",)
+TRANSFORMERS_PLAN = ("doge", "gptj", "phi", "cohere")
 # families also planned with --sp (the sequence-sharded stream around the same blocks), as case "<family>_sp"
-SP = ("doge",)
+SP = ("doge", "gptj", "phi", "cohere", "stablelm", "gpt_neox")
 CASES = FAMILIES + tuple(f"{family}_sp" for family in SP)
 # families also compared on greedy generation with the cache, by prompt length. RecurrentGemma keeps its states
 # on the modules and allocates them afresh when the batch size changes: the 1-token prompt, right after the
