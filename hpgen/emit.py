@@ -181,6 +181,7 @@ def render_forward(
         result=_fresh_name("outputs", taken),
         region_target=contract.region_target,
         gate_failures=contract.gate_failures,
+        summed_notes=_summed_notes(contract),
     )
     if generic:
         text = render("generic.py.j2", **values)
@@ -209,6 +210,20 @@ def render_forward(
         lines_after_decorators=original.lines_after_decorators,
         leading_lines=[cst.EmptyLine(indent=False)],
     )
+
+
+def _summed_notes(contract: Contract) -> list[str]:
+    """What a summed block's forward says about the reduction in its body and its shared input."""
+    summed = contract.summed
+    if summed is None:
+        return []
+    notes = [f"summed reduction: {' + '.join(summed.branches)} reduced once, in _forward_impl (marked there)"]
+    if summed.shared_input is not None and summed.shared is not None:
+        notes.append(
+            f"{summed.shared_input} output: {summed.axis} {summed.shared.src} -> {summed.shared.dst} ==> "
+            f"{summed.shared.described()} for both branches, a hook parallelize installs"
+        )
+    return notes
 
 
 def _by_axis(values: list[_Value], axes: tuple[str, ...]) -> list[tuple[str, list[tuple[_Value, _TemplateOp]]]]:
