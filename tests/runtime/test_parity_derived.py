@@ -53,7 +53,7 @@ FAMILIES = (
 # source (Doge's attention replaced by the derived one, whose dt_proj gathers the values on entry)
 TRANSFORMERS_PLAN = ("doge", "gptj", "phi", "cohere")
 # families also planned with --sp (the sequence-sharded stream around the same blocks), as case "<family>_sp"
-SP = ("doge", "gptj", "phi", "cohere", "stablelm", "gpt_neox")
+SP = ("doge", "gptj", "cohere", "gpt_neox")  # the summed blocks: one norm for both branches (sums a + m + x, x + a + m), two norms
 # parallel-residual blocks, planned with the summed reduction (one all-reduce a layer: the embedding's, then one
 # per layer forward; backward one per layer where both branches read one norm, two for GPT-NeoX's two norms)
 SUMMED = {"gptj": 1, "phi": 1, "cohere": 1, "stablelm": 1, "gpt_neox": 2}
