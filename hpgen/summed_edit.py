@@ -9,8 +9,8 @@ statement gets a comment line saying so; every other statement of the body is le
 exactly as it was.
 
 A branch's value is a name assigned from ``self.<branch>(...)`` (the first item when the
-call's result is unpacked) or from a one-argument call of such a value or call
-(``self.post_attention_dropout(attn_output)``). The planner has checked that what lies
+call's result is unpacked) or from a one-argument call of one of the block's modules on
+such a value or call (``self.post_attention_dropout(attn_output)``). The planner has checked that what lies
 between a branch and the sum is linear; here the site is only located, and it must be
 the only one.
 """
@@ -75,7 +75,7 @@ class _BranchValues:
         if path in self.branches:
             return path
         positional = [arg for arg in node.args if arg.keyword is None and not arg.star]
-        if len(node.args) == 1 and len(positional) == 1:
+        if path is not None and len(node.args) == 1 and len(positional) == 1:  # a module of the block: a dropout
             return self.branch_of(positional[0].value)
         return None
 
@@ -162,9 +162,8 @@ def _walk(statements: list[cst.BaseStatement], values: _BranchValues, sites: lis
             paths = []
             branch: cst.BaseSuite | cst.If | cst.Else | None = statement
             while branch is not None:
-                statement_test = branch.test if isinstance(branch, cst.If) else None
-                if statement_test is not None:
-                    statement_test.visit(_FindSites(values, sites))
+                if isinstance(branch, cst.If):
+                    branch.test.visit(_FindSites(values, sites))
                 path = values.copy()
                 _walk(_body(branch.body), path, sites)
                 paths.append(path)
@@ -208,18 +207,15 @@ class _Rewrite(cst.CSTTransformer):
         self.site = site
         self.reduced = reduced  # "self._hp_tp.all_reduce({})"
         self.comment = comment
-        self.inside = 0
-        self.done = False
-
-    def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> None:
-        self.inside += 1
+        self.done = False  # the site is rewritten
+        self.marked = False  # the statement holding it carries the comment
 
     def leave_SimpleStatementLine(
         self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
     ) -> cst.SimpleStatementLine:
-        self.inside -= 1
-        if self.done and not getattr(self, "_marked", False):
-            self._marked = True
+        # the first statement line to end after the rewrite is the one that holds it
+        if self.done and not self.marked:
+            self.marked = True
             line = cst.EmptyLine(indent=True, comment=cst.Comment(f"# {self.comment}"))
             return updated_node.with_changes(leading_lines=[*updated_node.leading_lines, line])
         return updated_node

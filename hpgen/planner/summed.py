@@ -258,7 +258,10 @@ def add_summed_reductions(model: Any, plan: dict[str, Any]) -> dict[str, Any]:
         if len(branches) < 2 or len({axis for _, _, axis in branches.values()}) != 1:
             continue
         inputs = {name: _single_input(loaded, key) for name, (key, _, _) in branches.items()}
-        block = find_summed_block(module, tuple(branches), {k: v for k, v in inputs.items() if v})
+        try:
+            block = find_summed_block(module, tuple(branches), {k: v for k, v in inputs.items() if v})
+        except Exception:  # noqa: BLE001 - the summed reduction is an optimisation: a block it cannot read keeps two
+            block = None
         if block is not None and block.shared_input is not None and not all(inputs[b] for b in block.branches):
             block = SummedBlock(block.branches, None)  # an undeclared input would get a copy of its own
         if block is not None:
