@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from handwritten_tp import _keep_rows
 from torch import nn
 
 # model type -> (layers attribute path, attention, its column projections, its row projection, mlp, columns, row)
@@ -24,15 +25,6 @@ LAYOUTS = {
     "gptj": ("transformer.h", "attn", ("q_proj", "k_proj", "v_proj"), "out_proj", "mlp", ("fc_in",), "fc_out"),
     "phi": ("model.layers", "self_attn", ("q_proj", "k_proj", "v_proj"), "dense", "mlp", ("fc1",), "fc2"),
 }
-
-
-def _keep_rows(linear: nn.Linear, rank: int, size: int) -> None:
-    """Column-parallel: this rank keeps its contiguous block of output features (and bias)."""
-    rows = linear.out_features // size
-    linear.weight = nn.Parameter(linear.weight.detach()[rank * rows : (rank + 1) * rows].clone())
-    if linear.bias is not None:
-        linear.bias = nn.Parameter(linear.bias.detach()[rank * rows : (rank + 1) * rows].clone())
-    linear.out_features = rows
 
 
 def _keep_columns(linear: nn.Linear, rank: int, size: int) -> None:

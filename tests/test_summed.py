@@ -30,6 +30,9 @@ BLOCKS = {
     "cohere": ("cohere", "CohereDecoderLayer", ("self_attn", "mlp"), "input_layernorm"),
     "stablelm": ("stablelm", "StableLmDecoderLayer", ("self_attn", "mlp"), "input_layernorm"),
     "gpt_neox": ("gpt_neox", "GPTNeoXLayer", ("mlp", "attention"), None),  # two norms: each branch copies its own
+    # lowered here only (their default configs): parity runs on the others
+    "cohere2": ("cohere2", "Cohere2DecoderLayer", ("self_attn", "mlp"), "input_layernorm"),
+    "codegen": ("codegen", "CodeGenBlock", ("attn", "mlp"), "ln_1"),
 }
 
 
@@ -38,11 +41,12 @@ def _plan_document() -> dict:
 
 
 def _planned(family: str, **options: object) -> dict:
-    from hpgen.planner.load import meta_model
+    from hpgen.planner.load import load_config, meta_model
     from hpgen.planner.make import plan_model
-    from tests.derived_configs import tiny
+    from tests.derived_configs import CONFIGS, tiny
 
-    return plan_model(meta_model(tiny(family)), tp=2, name=family, **options)
+    config = tiny(family) if family in CONFIGS else load_config(family)
+    return plan_model(meta_model(config), tp=2, name=family, **options)
 
 
 def _function(tree: ast.Module, cls: str, name: str) -> ast.FunctionDef:
