@@ -172,3 +172,15 @@ def test_a_body_without_the_sum_exits_2_and_writes_nothing(tmp_path: Path) -> No
     assert result.exit_code == 2
     assert "modeling_tiny_parallel.py" in result.output and "no expression adds the outputs of self.attn and self.mlp" in result.output
     assert "Traceback" not in result.output and not output.exists()
+
+
+def test_hpgen_plan_writes_it_unless_told_not_to(tmp_path: Path) -> None:
+    from tests.derived_configs import tiny
+
+    tiny("gptj").save_pretrained(tmp_path)
+    config, runner = str(tmp_path / "config.json"), CliRunner()
+    summed = runner.invoke(cli, ["plan", config, "--tp", "2", "--explain"], catch_exceptions=False)
+    two = runner.invoke(cli, ["plan", config, "--tp", "2", "--no-summed-reduction"], catch_exceptions=False)
+    assert summed.exit_code == two.exit_code == 0
+    assert "reduced once: transformer.h.*: attn + mlp reduced once, summed" in summed.stderr
+    assert '"summed_reduction"' in summed.stdout and '"summed_reduction"' not in two.stdout
