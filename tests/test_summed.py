@@ -184,3 +184,38 @@ def test_hpgen_plan_writes_it_unless_told_not_to(tmp_path: Path) -> None:
     assert summed.exit_code == two.exit_code == 0
     assert "reduced once: transformer.h.*: attn + mlp reduced once, summed" in summed.stderr
     assert '"summed_reduction"' in summed.stdout and '"summed_reduction"' not in two.stdout
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ((), (("attn", "mlp"), "ln_1")),
+        # a non-linear module between a branch and the sum: not a summed block
+        (("attn_output = self.resid_dropout(attn_output)", "attn_output = self.ln_1(attn_output)"), None),
+        # the branch's output read again: not a summed block
+        (("return attn_output + feed_forward_hidden_states + residual", "return attn_output + feed_forward_hidden_states + residual + attn_output.mean()"), None),
+        # the norm's output read by something else too: summed, but each branch keeps its own copy
+        (("return attn_output + feed_forward_hidden_states + residual", "return attn_output + feed_forward_hidden_states + residual + hidden_states"), (("attn", "mlp"), None)),
+        # the norm also run for something else: a hook on it would copy that output too
+        (("residual = hidden_states", "residual = hidden_states + 0 * self.ln_1(hidden_states)"), (("attn", "mlp"), None)),
+    ],
+)
+def test_the_planner_reads_the_block_from_its_source(tmp_path: Path, change: tuple[str, ...], expected) -> None:
+    import importlib.util
+    import sys
+
+    from hpgen.planner.summed import find_summed_block
+
+    text = SOURCE.read_text()
+    if change:
+        assert change[0] in text
+        text = text.replace(change[0], change[1])
+    path = tmp_path / f"modeling_variant_{abs(hash(change))}.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    block = module.TinyParallelBlock(module.TinyParallelConfig())
+    found = find_summed_block(block, ("attn", "mlp"), {"attn": "hidden_states", "mlp": "hidden_states"})
+    assert (None if found is None else (found.branches, found.shared_input)) == expected

@@ -67,6 +67,7 @@ class _Reader(Constants):
         self.candidates = candidates
         self.inputs = inputs  # branch -> its declared input name (a keyword of its call)
         self.calls: dict[str, int] = {name: 0 for name in candidates}
+        self.child_calls: dict[str, int] = {}  # every child module called, how often
         self.branch_inputs: dict[str, str | None] = {}  # branch -> child module that made its input
         self.sites: list[tuple[str, str]] = []  # the branches each sum adds, in source order
         self.stray: set[str] = set()  # branches whose value is read other than by the sum
@@ -103,6 +104,9 @@ class _Reader(Constants):
         if node is None:
             return
         for sub in ast.walk(node):
+            if isinstance(sub, ast.Call) and self._child(sub.func) is not None:
+                child = self._child(sub.func)
+                self.child_calls[child] = self.child_calls.get(child, 0) + 1
             if isinstance(sub, ast.Call) and self._child(sub.func) in self.candidates:
                 branch = self._child(sub.func)
                 self.calls[branch] += 1
@@ -222,8 +226,13 @@ def find_summed_block(module: Any, candidates: tuple[str, ...], inputs: Mapping[
     if reader.calls.get(first) != 1 or reader.calls.get(second) != 1 or {first, second} & reader.stray:
         return None
     shared = reader.branch_inputs.get(first)
-    if shared is None or shared != reader.branch_inputs.get(second) or reader.producer_reads.get(shared) != 2:
-        shared = None  # each branch reads its own input (two norms), or the norm's output is read elsewhere
+    if (
+        shared is None
+        or shared != reader.branch_inputs.get(second)
+        or reader.producer_reads.get(shared) != 2
+        or reader.child_calls.get(shared) != 1
+    ):
+        shared = None  # each branch reads its own input (two norms), or the norm runs or is read elsewhere too
     return SummedBlock((first, second), shared)
 
 
