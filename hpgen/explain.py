@@ -7,9 +7,8 @@ from typing import Any
 import libcst as cst
 
 from hpgen.classify import DEFAULT_BACKWARD, Contract, Op, is_identity_contract, value_ops
-from hpgen.index import ForwardInfo
 from hpgen.lower import Analysis
-from hpgen.plan import Plan, body_is_sharded
+from hpgen.plan import Plan
 from hpgen.summed_edit import SummedSiteError, rewrite_summed
 
 # Inputs the runtime's wrappers know (hpgen.runtime.targets.KNOWN_INPUTS, kept apart
@@ -77,23 +76,14 @@ def _why(op: Op) -> str:
     return f"{op.axis} {op.src} -> {op.dst} lowers to {op.kind}"
 
 
-def _untouched(plan: Plan, contract: Contract, forward: ForwardInfo | None) -> list[str]:
-    """``forward`` parameters the plan does not declare, of a body sharded on some axis:
-    they reach the body as the caller passed them (no collective, no gradient reduction)."""
-    entry = plan.entries[contract.keys[0]]
-    if forward is None or not any(body_is_sharded(entry, axis) for axis in plan.mesh_dim_names):
-        return []
-    declared = set(entry.input_names)
-    return [
-        parameter.name
-        for parameter in forward.parameters[1:]  # self
-        if parameter.kind not in ("var_positional", "var_keyword") and parameter.name not in declared
-    ]
+def _undeclared(contract: Contract) -> list[dict[str, Any]]:
+    """``forward`` arguments the plan does not declare, of a body sharded on some axis: ``R`` there,
+    copied in (gradient all-reduced) when they require grad, passed on untouched otherwise."""
+    names = [*contract.undeclared, *([f"**{contract.undeclared_kwargs}"] if contract.undeclared_kwargs else [])]
+    return [{"value": name, "axes": list(contract.undeclared_axes)} for name in names]
 
 
-def _contract_record(
-    contract: Contract, class_name: str, untouched: list[str], made: dict[tuple[str, object], set[str]]
-) -> dict[str, Any]:
+def _contract_record(contract: Contract, class_name: str, made: dict[tuple[str, object], set[str]]) -> dict[str, Any]:
     ops = [op for value in (*contract.inputs, *contract.outputs) for op in value.active]
     return {
         "class": class_name,
@@ -104,7 +94,7 @@ def _contract_record(
         "region": contract.region_target,
         "ops": [_op_record(op, sizes_note(op, made)) for op in ops],
         "collectives_per_call": contract.collectives_per_call(),
-        "untouched_inputs": untouched,
+        "undeclared_inputs": _undeclared(contract),
         "summed": None,
     }
 
@@ -200,9 +190,8 @@ def explain(analysis: Analysis) -> dict[str, Any]:
     made = made_shards(analysis.plan)
     nodes = {node.name.value: node for node in analysis.parsed.module.body if isinstance(node, cst.ClassDef)}
     for name, lowering in analysis.classes.items():
-        forward = lowering.info.forward
         for contract, subclass in zip(lowering.contracts, [name, *lowering.subclass_names]):
-            record = _contract_record(contract, subclass, _untouched(analysis.plan, contract, forward), made)
+            record = _contract_record(contract, subclass, made)
             record["summed"] = _summed_record(contract, nodes.get(name))
             classes.append(record)
         if lowering.identity_keys:
@@ -216,7 +205,7 @@ def explain(analysis: Analysis) -> dict[str, Any]:
                     "region": None,
                     "ops": [],
                     "collectives_per_call": {},
-                    "untouched_inputs": [],
+                    "undeclared_inputs": [],
                     "summed": None,
                 }
             )
@@ -263,8 +252,13 @@ def explain_text(report: dict[str, Any]) -> str:
             if summed["shared"] is not None:
                 lines.append(f"  {summed['shared_input']}'s output, read by both branches (a hook of parallelize):")
                 lines += _op_lines([summed["shared"]])
-        for name in record["untouched_inputs"]:
-            lines.append(f"  {name}: not declared in the plan: passed on untouched")
+        for value in record["undeclared_inputs"]:
+            axes = ", ".join(value["axes"])
+            lines.append(
+                f"  {value['value']}: not declared in the plan: R on {axes}, copied into the sharded body (its "
+                "gradient all-reduced) when it is a tensor, or a tuple/list of tensors, that requires grad; "
+                "otherwise passed on untouched"
+            )
         counts = record["collectives_per_call"]
         total = sum(counts.values())
         detail = ", ".join(f"{count} {kind}" for kind, count in sorted(counts.items()))
