@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
-from handwritten_tp import _keep_rows
+from handwritten_tp import _keep_rows, reduce_output_hook
 from torch import nn
 
 # model type -> (layers attribute path, attention, its column projections, its row projection, mlp, columns, row)
@@ -41,15 +40,7 @@ def shard_parallel_residual_(model: nn.Module, group: dist.ProcessGroup, *, func
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     path, attention, columns, row, mlp, mlp_columns, mlp_row = LAYOUTS[model.config.model_type]
 
-    def all_reduce_output(module: nn.Module, args: tuple, output):
-        dist.all_reduce(output[0] if isinstance(output, tuple) else output, group=group)
-
-    def functional_all_reduce_output(module: nn.Module, args: tuple, output):
-        if isinstance(output, tuple):
-            return (funcol.all_reduce(output[0], "sum", group), *output[1:])
-        return funcol.all_reduce(output, "sum", group)
-
-    hook = functional_all_reduce_output if functional else all_reduce_output
+    hook = reduce_output_hook(group, functional=functional)
     for layer in model.get_submodule(path):
         for block, block_columns, block_row in ((attention, columns, row), (mlp, mlp_columns, mlp_row)):
             module = layer.get_submodule(block)
