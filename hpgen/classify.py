@@ -267,10 +267,10 @@ def summed_ops(plan: Plan, key: str) -> SummedOps | None:
         layout = entry.input_layouts(name, mesh)[1].on(axis)
         if not layout.is_replicate:
             stream = layout
-    reduce = transition(axis, "summed", Placement.parse("P(sum)"), stream, side="out", sharded_body=True)
+    reduce = transition(axis, " + ".join(summed.branches), Placement.parse("P(sum)"), stream, side="out", sharded_body=True)
     shared = None
     if summed.shared_input is not None:
-        shared = transition(axis, summed.shared_input, stream, REPLICATE, side="in", sharded_body=True)
+        shared = transition(axis, f"{summed.shared_input} output", stream, REPLICATE, side="in", sharded_body=True)
     outputs = (branches[0].output, branches[1].output)
     return SummedOps(axis, summed.branches, outputs, reduce, summed.shared_input, shared)
 

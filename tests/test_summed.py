@@ -142,7 +142,7 @@ def test_explain_shows_the_edit_and_the_shared_input() -> None:
     assert result.exit_code == 0
     assert "summed reduction of attn + mlp, once (the one edit in the body):" in result.output
     assert "return self._hp_tp.all_reduce(attn_output + feed_forward_hidden_states) + residual" in result.output
-    assert "ln_1: tp R -> R ==> copy, backward all_reduce" in result.output
+    assert "ln_1 output: tp R -> R ==> copy, backward all_reduce" in result.output
 
 
 @pytest.mark.parametrize(

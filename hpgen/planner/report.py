@@ -309,12 +309,12 @@ def _collectives(
     summed = summed_ops(plan, entry.key)
     if summed is not None and summed.axis == "tp" and isinstance(hidden, int):
         # the block's one reduction of both branches, and its shared input's transition (on the stream's width)
-        for name, op in (("summed", summed.reduce), (summed.shared_input, summed.shared)):
-            if op is None or name is None:
+        for op in (summed.reduce, summed.shared):
+            if op is None:
                 continue
             for phase, kind in (("forward", op.kind), ("backward", op.backward or DEFAULT_BACKWARD.get(op.kind))):
                 if kind in COMMUNICATING:
-                    found.append(Collective(_generic(fqn), name, kind, phase, hidden * element, 0.0, 1))
+                    found.append(Collective(_generic(fqn), op.name, kind, phase, hidden * element, 0.0, 1))
     return found
 
 
