@@ -219,3 +219,15 @@ def test_the_planner_reads_the_block_from_its_source(tmp_path: Path, change: tup
     block = module.TinyParallelBlock(module.TinyParallelConfig())
     found = find_summed_block(block, ("attn", "mlp"), {"attn": "hidden_states", "mlp": "hidden_states"})
     assert (None if found is None else (found.branches, found.shared_input)) == expected
+
+
+def test_a_sum_written_in_place_becomes_one_reduced_assignment() -> None:
+    """Falcon's form, ``mlp_output += attention_output``: the augmented assignment is the site."""
+    text = SOURCE.read_text().replace(
+        "        return attn_output + feed_forward_hidden_states + residual\n",
+        "        feed_forward_hidden_states += attn_output\n        return feed_forward_hidden_states + residual\n",
+    )
+    generated = lower(text, load_plan(PLAN), source_name=SOURCE.name)
+    expected = "        feed_forward_hidden_states = self._hp_tp.all_reduce(feed_forward_hidden_states + attn_output)\n"
+    assert expected in generated
+    assert "        return feed_forward_hidden_states + residual\n" in generated
