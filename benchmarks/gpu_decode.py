@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node N benchmarks/gpu_decode.py [--layers 8] [--steps 64] [--json out.json]
     python benchmarks/gpu_decode.py --cpu-smoke      # 2 gloo ranks, a tiny model, a few steps
+    torchrun --nproc-per-node N benchmarks/gpu_decode.py --model gpt_neox   # a parallel-residual model
 
 With N GPUs, one rank a GPU over NCCL, tensor parallel over all N (one GPU: ``tp`` of size
 1, every collective a no-op, still a comparison of the frameworks' overheads). A
@@ -14,6 +15,13 @@ Llama-shaped model (hidden 4096, 32 heads, 8 key/value heads, MLP 14336, vocab 3
 - ``hpgen``: ``modeling_llama.py`` lowered under ``tests/plans/llama_tp.json``, parallelized;
 - ``transformers``: ``from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))``
   from a checkpoint rank 0 writes.
+
+``--model gpt_neox``: a Pythia-6.9B-shaped GPT-NeoX instead (hidden 4096, 32 heads, MLP
+16384, vocab 50432, parallel residual), hand-written with two all-reduces a layer
+(:mod:`handwritten_parallel`, as vLLM's GPT-NeoX), and hpgen twice: ``hpgen`` with the
+summed reduction (one all-reduce a layer) and ``hpgen two`` without it; both from
+``hpgen plan --tp N``'s decoder-layer entries (embedding and ``lm_head`` replicated, as
+hand-written).
 
 Each runs eagerly (decode over a ``DynamicCache``) and compiled with
 ``torch.compile(mode="reduce-overhead")`` (CUDA graphs; decode over a ``StaticCache``,
@@ -47,6 +55,7 @@ import transformers
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from handwritten_parallel import shard_parallel_residual_
 from handwritten_tp import shard_llama_
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,7 +79,19 @@ TINY = {
     "max_position_embeddings": 128,
     "tie_word_embeddings": False,
 }
-FRAMEWORKS = ("hand-written", "hpgen", "transformers")
+NEOX = {  # Pythia-6.9B's shapes, fewer layers by default
+    "vocab_size": 50432,
+    "hidden_size": 4096,
+    "intermediate_size": 16384,
+    "num_attention_heads": 32,
+    "max_position_embeddings": 4096,
+    "use_parallel_residual": True,
+    "tie_word_embeddings": False,
+}
+TINY_NEOX = {**NEOX, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}
+TINY_NEOX["max_position_embeddings"] = 128
+SHAPES = {"llama": (LLAMA, TINY, "LlamaConfig", "LlamaForCausalLM"), "gpt_neox": (NEOX, TINY_NEOX, "GPTNeoXConfig", "GPTNeoXForCausalLM")}
+FRAMEWORKS = {"llama": ("hand-written", "hpgen", "transformers"), "gpt_neox": ("hand-written", "hpgen", "hpgen two", "transformers")}
 
 
 @dataclass
@@ -85,10 +106,17 @@ class Options:
     backend: str = "inductor"
     mode: str | None = "reduce-overhead"
     folder: str = ""  # shared by the ranks: the generated file and the checkpoint
+    model: str = "llama"  # or gpt_neox
 
     @property
     def config(self) -> dict[str, Any]:
-        return {**(TINY if self.smoke else LLAMA), "num_hidden_layers": self.layers}
+        full, tiny, _, _ = SHAPES[self.model]
+        return {**(tiny if self.smoke else full), "num_hidden_layers": self.layers}
+
+    @property
+    def classes(self) -> tuple[Any, Any]:
+        _, _, config, model = SHAPES[self.model]
+        return getattr(transformers, config), getattr(transformers, model)
 
 
 @dataclass
@@ -112,17 +140,50 @@ def _sync(device: torch.device) -> None:
 
 def build_reference(options: Options, device: torch.device, dtype: torch.dtype) -> nn.Module:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**options.config, initializer_range=0.1)
+    config_class, model_class = options.classes
+    config = config_class(**options.config, initializer_range=0.1)
     config._attn_implementation = "sdpa"
     with device:
-        return transformers.LlamaForCausalLM(config).to(dtype).eval()
+        return model_class(config).to(dtype).eval()
+
+
+def _generated(framework: str, options: Options) -> tuple[Path, Path]:
+    """Where rank 0 lowers ``framework``'s file, and its plan."""
+    path = Path(options.folder) / f"modeling_{options.model}_{framework.replace(' ', '_')}.py"
+    return path, PLAN if options.model == "llama" else path.with_suffix(".json")
+
+
+def lower_all(options: Options, reference: nn.Module) -> None:
+    """Rank 0: the hpgen variants' files (and, for GPT-NeoX, their plans: ``hpgen plan``'s layer entries)."""
+    if options.model == "llama":
+        from tp_decode import lower_llama
+
+        lower_llama(PLAN, _generated("hpgen", options)[0])
+        return
+    from hpgen.generate import infer_package
+    from hpgen.lower import lower
+    from hpgen.plan import plan_from_dict
+    from hpgen.planner.make import plan_model
+
+    world = dist.get_world_size()
+    with torch.device("meta"):
+        meta = type(reference)(reference.config)
+    source = Path(sys.modules[type(reference).__module__].__file__)
+    for framework, summed in (("hpgen", True), ("hpgen two", False)):
+        plan = plan_model(meta, tp=world, name=options.model, summed=summed)
+        plan["param_plan"] = {key: entry for key, entry in plan["param_plan"].items() if "*" in key}
+        path, plan_path = _generated(framework, options)
+        plan_path.write_text(json.dumps(plan))
+        text = lower(source.read_text(), plan_from_dict(plan), source_name=source.name, package=infer_package(source))
+        path.write_text(text)
 
 
 def build(framework: str, reference: nn.Module, options: Options, mesh: Any, *, functional: bool) -> nn.Module:
     """The model of ``framework`` holding the reference's weights, on the reference's device."""
     device, dtype = reference.device, reference.dtype
+    model_class = type(reference)
     if framework == "transformers":
-        return transformers.LlamaForCausalLM.from_pretrained(
+        return model_class.from_pretrained(
             Path(options.folder) / "checkpoint",
             distributed_config=transformers.DistributedConfig(tp_plan="auto"),
             dtype=dtype,
@@ -130,22 +191,23 @@ def build(framework: str, reference: nn.Module, options: Options, mesh: Any, *, 
         ).eval()
     if framework == "hand-written":
         with device:
-            model = transformers.LlamaForCausalLM(reference.config).to(dtype).eval()
+            model = model_class(reference.config).to(dtype).eval()
         model.load_state_dict(reference.state_dict())
-        return shard_llama_(model, mesh.get_group("tp"), functional=functional)
+        shard = shard_llama_ if options.model == "llama" else shard_parallel_residual_
+        return shard(model, mesh.get_group("tp"), functional=functional)
     import importlib.util
 
     from hpgen.runtime import parallelize
 
-    path = Path(options.folder) / "modeling_llama_hpgen.py"
-    spec = importlib.util.spec_from_file_location("_gpu_bench_hpgen", path)
+    path, plan = _generated(framework, options)
+    spec = importlib.util.spec_from_file_location(f"_gpu_bench_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     with device:
-        model = module.LlamaForCausalLM(reference.config).to(dtype).eval()
+        model = getattr(module, model_class.__name__)(reference.config).to(dtype).eval()
     model.load_state_dict(reference.state_dict())
-    return parallelize(model, PLAN, mesh)
+    return parallelize(model, plan, mesh)
 
 
 def variant(framework: str, model: nn.Module, options: Options, *, compiled: bool) -> Variant:
@@ -204,10 +266,8 @@ def run_benchmark(rank: int, world: int, options: Options) -> dict[str, Any] | N
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
     reference = build_reference(options, device, dtype)
     if rank == 0:
-        from tp_decode import lower_llama
-
         reference.save_pretrained(Path(options.folder) / "checkpoint")
-        lower_llama(PLAN, Path(options.folder) / "modeling_llama_hpgen.py")
+        lower_all(options, reference)
     dist.barrier()
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, options.config["vocab_size"], (1, options.prompt), generator=generator).to(device)
@@ -215,7 +275,7 @@ def run_benchmark(rank: int, world: int, options: Options) -> dict[str, Any] | N
     variants, parity, compile_s = [], {}, {}
     with torch.no_grad():
         want = variant("unsharded", reference, options, compiled=False).decode(prompt)
-        for framework in FRAMEWORKS:
+        for framework in FRAMEWORKS[options.model]:
             eager_model = build(framework, reference, options, mesh, functional=False)
             compiled_model = (
                 build(framework, reference, options, mesh, functional=True)
@@ -257,7 +317,7 @@ def run_benchmark(rank: int, world: int, options: Options) -> dict[str, Any] | N
             "backend": dist.get_backend(),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "dtype": str(dtype),
-            "model": options.config,
+            "model": {"model_type": options.model, **options.config},
             "steps": options.steps,
             "prompt": options.prompt,
             "rounds": options.rounds,
@@ -276,6 +336,8 @@ RATIOS = (
     ("hpgen eager", "hand-written eager"),
     ("hpgen compiled", "transformers compiled"),
     ("hpgen compiled", "hpgen eager"),
+    ("hpgen eager", "hpgen two eager"),  # GPT-NeoX: one reduction a layer against two
+    ("hpgen compiled", "hpgen two compiled"),
 )
 
 
@@ -284,7 +346,7 @@ def report(results: dict[str, Any]) -> str:
     lines = [
         (
             f"{s['ranks']} ranks ({s['backend']}, {s['device']}, {s['dtype']}), torch {s['torch']}, transformers "
-            f"{s['transformers']}; Llama-shaped, {s['model']['num_hidden_layers']} layers, random weights. "
+            f"{s['transformers']}; {s['model']['model_type']}-shaped, {s['model']['num_hidden_layers']} layers, random weights. "
             f"Decode: batch 1, {s['steps']} greedy tokens after a {s['prompt']}-token prompt; prefill: "
             f"{s['prompt']} tokens. Compiled: backend {s['compile']['backend']}, mode {s['compile']['mode']}. "
             f"Median over {s['rounds']} rounds (slower rank)."
@@ -301,14 +363,18 @@ def report(results: dict[str, Any]) -> str:
         )
     lines += ["", "| tokens/s ratio | decode | prefill |", "|---|---:|---:|"]
     for a, b in RATIOS:
+        if a not in tps or b not in tps:
+            continue
         cells = [f"{statistics.median(tps[a][k]) / statistics.median(tps[b][k]):.3f}" for k in ("decode", "prefill")]
         lines.append(f"| {a} / {b} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines)
 
 
-def smoke_options(folder: str) -> Options:
+def smoke_options(folder: str, model: str = "llama") -> Options:
     """The settings of ``--cpu-smoke``: tiny, float32, Dynamo's eager backend, a few steps."""
-    return Options(layers=1, steps=2, prompt=8, rounds=1, smoke=True, backend="eager", mode=None, folder=folder)
+    return Options(
+        layers=1, steps=2, prompt=8, rounds=1, smoke=True, backend="eager", mode=None, folder=folder, model=model
+    )
 
 
 def main() -> None:
@@ -318,6 +384,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512, help="prompt (prefill) length")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cpu-smoke", action="store_true", help="2 gloo ranks, tiny model: checks the script runs")
+    parser.add_argument("--model", choices=sorted(SHAPES), default="llama", help="llama, or gpt_neox (parallel residual)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     transformers.utils.logging.disable_progress_bar()
@@ -327,16 +394,16 @@ def main() -> None:
         from tests.dist import run_distributed
 
         with tempfile.TemporaryDirectory(prefix="hpgen_gpu_bench_") as folder:
-            results = run_distributed(run_benchmark, smoke_options(folder), timeout=600)[0]
+            results = run_distributed(run_benchmark, smoke_options(folder, args.model), timeout=600)[0]
     else:
         dist.init_process_group("gloo" if args.cpu_smoke else "nccl")
         rank, world = dist.get_rank(), dist.get_world_size()
         shared = [tempfile.mkdtemp(prefix="hpgen_gpu_bench_") if rank == 0 else None]
         dist.broadcast_object_list(shared, src=0)
         options = (
-            smoke_options(shared[0])
+            smoke_options(shared[0], args.model)
             if args.cpu_smoke
-            else Options(args.layers, args.steps, args.prompt, args.rounds, folder=shared[0])
+            else Options(args.layers, args.steps, args.prompt, args.rounds, folder=shared[0], model=args.model)
         )
         results = run_benchmark(rank, world, options)
         dist.destroy_process_group()

@@ -37,6 +37,21 @@ def _keep_columns(linear: nn.Linear, rank: int, size: int) -> None:
     linear.in_features = columns
 
 
+def reduce_output_hook(group: dist.ProcessGroup, *, functional: bool = False):
+    """A forward hook all-reducing a block's output (the first item of a tuple): in place with
+    ``dist.all_reduce``, or, ``functional``, returning torch's functional ``all_reduce`` (traced by Dynamo)."""
+
+    def all_reduce_output(module: nn.Module, args: tuple, output):
+        dist.all_reduce(output[0] if isinstance(output, tuple) else output, group=group)
+
+    def functional_all_reduce_output(module: nn.Module, args: tuple, output):
+        if isinstance(output, tuple):
+            return (funcol.all_reduce(output[0], "sum", group), *output[1:])
+        return funcol.all_reduce(output, "sum", group)
+
+    return functional_all_reduce_output if functional else all_reduce_output
+
+
 def shard_llama_(model: nn.Module, group: dist.ProcessGroup, *, functional: bool = False) -> nn.Module:
     """Shard every decoder layer of a transformers ``LlamaForCausalLM`` over ``group`` in place.
 
@@ -49,15 +64,6 @@ def shard_llama_(model: nn.Module, group: dist.ProcessGroup, *, functional: bool
     if config.num_attention_heads % size or config.num_key_value_heads % size or config.intermediate_size % size:
         raise ValueError(f"heads, KV heads and the MLP width must divide by the TP size {size}")
 
-    def all_reduce_output(module: nn.Module, args: tuple, output):
-        # The attention returns (attn_output, attn_weights); the MLP a tensor. Reduce in place.
-        dist.all_reduce(output[0] if isinstance(output, tuple) else output, group=group)
-
-    def functional_all_reduce_output(module: nn.Module, args: tuple, output):
-        if isinstance(output, tuple):
-            return (funcol.all_reduce(output[0], "sum", group), *output[1:])
-        return funcol.all_reduce(output, "sum", group)
-
     for layer in model.model.layers:
         attention, mlp = layer.self_attn, layer.mlp
         for projection in (attention.q_proj, attention.k_proj, attention.v_proj):
@@ -66,7 +72,7 @@ def shard_llama_(model: nn.Module, group: dist.ProcessGroup, *, functional: bool
         for projection in (mlp.gate_proj, mlp.up_proj):
             _keep_rows(projection, rank, size)
         _keep_columns(mlp.down_proj, rank, size)
-        hook = functional_all_reduce_output if functional else all_reduce_output
+        hook = reduce_output_hook(group, functional=functional)
         attention.register_forward_hook(hook)
         mlp.register_forward_hook(hook)
     return model

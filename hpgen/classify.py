@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hpgen.placement import Placement
-from hpgen.plan import Plan, body_is_sharded, contract_signature
+from hpgen.placement import REPLICATE, Placement
+from hpgen.plan import Plan, body_is_sharded, contract_signature, summed_branches
 
 if TYPE_CHECKING:
     from hpgen.index import ForwardInfo
@@ -197,6 +197,7 @@ class Contract:
     undeclared: tuple[str, ...] = ()
     undeclared_kwargs: str | None = None  # the **kwargs parameter, whose undeclared values get the same
     undeclared_axes: tuple[str, ...] = ()
+    summed: SummedOps | None = None  # the one edit inside the body (a parallel-residual block)
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -206,6 +207,8 @@ class Contract:
             for op in value.active:
                 if op.axis not in seen:
                     seen.append(op.axis)
+        if self.summed is not None and self.summed.axis not in seen:
+            seen.append(self.summed.axis)
         if self.undeclared or self.undeclared_kwargs:
             seen += [axis for axis in self.undeclared_axes if axis not in seen]
         return tuple(seen)
@@ -213,11 +216,63 @@ class Contract:
     def collectives_per_call(self) -> dict[str, int]:
         """Forward communication per call of ``forward``, by op kind."""
         counts: dict[str, int] = {}
-        for value in (*self.inputs, *self.outputs):
-            for op in value.active:
-                if op.communicates or op.kind == "generic":
-                    counts[op.kind] = counts.get(op.kind, 0) + 1
+        ops = [op for value in (*self.inputs, *self.outputs) for op in value.active]
+        if self.summed is not None:
+            ops.append(self.summed.reduce)
+        for op in ops:
+            if op.communicates or op.kind == "generic":
+                counts[op.kind] = counts.get(op.kind, 0) + 1
         return counts
+
+
+@dataclass(frozen=True)
+class SummedOps:
+    """The summed reduction of a parallel-residual block: which branches, and the one collective.
+
+    ``reduce`` takes the sum of both branches' partial outputs to the layout of the block's
+    stream (``all_reduce``, or ``reduce_scatter`` on a sequence-sharded stream); ``shared``
+    is the op the branches' shared input gets once, on the output of ``shared_input``
+    (``copy``, or ``all_gather`` from the sequence-sharded stream); None without one.
+    """
+
+    axis: str
+    branches: tuple[str, str]
+    outputs: tuple[str, str]  # each branch's partial output
+    reduce: Op
+    shared_input: str | None
+    shared: Op | None
+
+    def comment(self) -> str:
+        """The marker comment written above the edited expression."""
+        return (
+            f"hpgen summed reduction: {self.branches[0]} + {self.branches[1]} on {self.axis} "
+            f"P(sum) -> {self.reduce.dst} ==> {self.reduce.described()} once"
+        )
+
+
+def summed_ops(plan: Plan, key: str) -> SummedOps | None:
+    """The summed reduction of the block entry ``key``, or None when it has none.
+
+    The stream's layout on the axis is the block body's layout of its declared input
+    (``S(1)`` with sequence parallelism), ``R`` when it declares none.
+    """
+    entry = plan.entries[key]
+    summed = entry.summed_reduction
+    if summed is None:
+        return None
+    mesh = plan.mesh_dim_names
+    axis, branches = summed_branches(plan.entries, mesh, key)
+    stream = REPLICATE
+    for name in entry.input_names:
+        layout = entry.input_layouts(name, mesh)[1].on(axis)
+        if not layout.is_replicate:
+            stream = layout
+    reduce = transition(axis, " + ".join(summed.branches), Placement.parse("P(sum)"), stream, side="out", sharded_body=True)
+    shared = None
+    if summed.shared_input is not None:
+        shared = transition(axis, f"{summed.shared_input} output", stream, REPLICATE, side="in", sharded_body=True)
+    outputs = (branches[0].output, branches[1].output)
+    return SummedOps(axis, summed.branches, outputs, reduce, summed.shared_input, shared)
 
 
 def value_ops(
@@ -235,8 +290,10 @@ def value_ops(
     inputs = []
     for name in sorted({*entry.input_names, *known_inputs}):
         src, dst = entry.input_layouts(name, mesh)
+        # in_grad_partial: the gradient leaves partial, for the caller to reduce (no copy)
+        into_shards = {axis: sharded[axis] and name not in entry.in_grad_partial for axis in mesh}
         ops = tuple(
-            transition(axis, name, src.on(axis), dst.on(axis), side="in", sharded_body=sharded[axis]) for axis in mesh
+            transition(axis, name, src.on(axis), dst.on(axis), side="in", sharded_body=into_shards[axis]) for axis in mesh
         )
         inputs.append(ValueOps(name, ops))
     outputs = []
@@ -266,7 +323,7 @@ def is_identity_contract(plan: Plan, key: str, *, known_inputs: tuple[str, ...] 
     ``known_inputs`` as for :func:`value_ops`.
     """
     entry = plan.entries[key]
-    if plan.injection_for(key) is not None or entry.region_dispatch:
+    if plan.injection_for(key) is not None or entry.region_dispatch or entry.summed_reduction is not None:
         return False
     inputs, outputs = value_ops(plan, key, known_inputs=known_inputs)
     return all(op.is_identity for value in (*inputs, *outputs) for op in value.ops)
@@ -311,6 +368,7 @@ def classify_contract(plan: Plan, keys: tuple[str, ...], forward: ForwardInfo | 
         undeclared,
         undeclared_kwargs,
         undeclared_axes,
+        summed=summed_ops(plan, key),
     )
 
 

@@ -277,6 +277,12 @@ def explain_command(source: str, plan: str, as_json: bool, config: str | None, t
     help="Put the experts on an axis of their own (mesh NAME x tp); without it they share tp.",
 )
 @click.option("--from-source", is_flag=True, help="Derive the plan from the modeling source even where transformers has one.")
+@click.option(
+    "--no-summed-reduction",
+    "no_summed",
+    is_flag=True,
+    help="Reduce a parallel-residual block's attention and MLP separately (two collectives, not one).",
+)
 @click.option("--explain", "show_notes", is_flag=True, help="Say on stderr what was sharded and why the rest was not.")
 @click.option("--dtype", default="bfloat16", show_default=True, help="Dtype of the sizing report printed on stderr.")
 @click.option("-o", "--output", help="Write the plan here instead of stdout ('-' is stdout).")
@@ -287,6 +293,7 @@ def plan_command(
     ep: int | None,
     ep_axis: str | None,
     from_source: bool,
+    no_summed: bool,
     show_notes: bool,
     dtype: str,
     output: str | None,
@@ -304,7 +311,15 @@ def plan_command(
 
         with plan_extra("hpgen plan"):
             text, messages = plan_with_report(
-                model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, notes=show_notes, dtype=dtype
+                model,
+                tp=tp,
+                ep=ep,
+                sp=sp,
+                ep_axis=ep_axis,
+                from_source=from_source,
+                summed=not no_summed,
+                notes=show_notes,
+                dtype=dtype,
             )
         for message in messages:
             click.echo(message, err=True)

@@ -20,6 +20,7 @@ import libcst as cst
 
 from hpgen.classify import Contract, ValueOps
 from hpgen.header import Header
+from hpgen.summed_edit import rewrite_summed
 
 
 @functools.lru_cache(maxsize=1)
@@ -180,6 +181,7 @@ def render_forward(
         result=_fresh_name("outputs", taken),
         region_target=contract.region_target,
         gate_failures=contract.gate_failures,
+        summed_notes=_summed_notes(contract),
         **_undeclared_values(contract, parameters, kwargs_name),
     )
     if generic:
@@ -209,6 +211,20 @@ def render_forward(
         lines_after_decorators=original.lines_after_decorators,
         leading_lines=[cst.EmptyLine(indent=False)],
     )
+
+
+def _summed_notes(contract: Contract) -> list[str]:
+    """What a summed block's forward says about the reduction in its body and its shared input."""
+    summed = contract.summed
+    if summed is None:
+        return []
+    notes = [f"summed reduction: {' + '.join(summed.branches)} reduced once, in _forward_impl (marked there)"]
+    if summed.shared_input is not None and summed.shared is not None:
+        notes.append(
+            f"{summed.shared_input} output: {summed.axis} {summed.shared.src} -> {summed.shared.dst} ==> "
+            f"{summed.shared.described()} for both branches, a hook parallelize installs"
+        )
+    return notes
 
 
 def _undeclared_values(contract: Contract, parameters: set[str], kwargs_name: str | None) -> dict[str, object]:
@@ -277,6 +293,8 @@ def rewrite_class(
     base = contracts[0]
     # Comments between the decorators and the def travel with the decorators.
     impl = original.with_changes(name=cst.Name("_forward_impl"), decorators=(), lines_after_decorators=())
+    if base.summed is not None:  # the one edit inside a body (lower checks every contract agrees)
+        impl = rewrite_summed(impl, base.summed)
     replacement: list[cst.BaseStatement] = [impl]
     if any(contract.region_target for contract in contracts):
         # Region instances run the body through __hp_compute__; by default it is the body itself.

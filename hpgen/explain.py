@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import libcst as cst
+
 from hpgen.classify import DEFAULT_BACKWARD, Contract, Op, is_identity_contract, value_ops
 from hpgen.lower import Analysis
 from hpgen.plan import Plan
+from hpgen.summed_edit import SummedSiteError, rewrite_summed
 
 # Inputs the runtime's wrappers know (hpgen.runtime.targets.KNOWN_INPUTS, kept apart
 # because the generator never imports the runtime).
@@ -92,7 +95,40 @@ def _contract_record(contract: Contract, class_name: str, made: dict[tuple[str, 
         "ops": [_op_record(op, sizes_note(op, made)) for op in ops],
         "collectives_per_call": contract.collectives_per_call(),
         "undeclared_inputs": _undeclared(contract),
+        "summed": None,
     }
+
+
+def _summed_record(contract: Contract, node: cst.ClassDef | None) -> dict[str, Any] | None:
+    """A summed block's reduction, its shared input's op, and the one edited line of its body."""
+    summed = contract.summed
+    if summed is None:
+        return None
+    edit = None
+    forward = _forward_node(node)
+    if forward is not None:
+        try:
+            code = cst.Module([]).code_for_node(rewrite_summed(forward, summed))
+        except SummedSiteError as exc:
+            edit = f"none: {exc}"
+        else:
+            lines = code.splitlines()
+            marker = next(i for i, line in enumerate(lines) if line.strip() == f"# {summed.comment()}")
+            edit = lines[marker + 1].strip()
+    return {
+        "branches": list(summed.branches),
+        "reduce": _op_record(summed.reduce),
+        "shared_input": summed.shared_input,
+        "shared": _op_record(summed.shared) if summed.shared is not None else None,
+        "edit": edit,
+    }
+
+
+def _forward_node(node: cst.ClassDef | None) -> cst.FunctionDef | None:
+    if node is None or not isinstance(node.body, cst.IndentedBlock):
+        return None
+    found = [s for s in node.body.body if isinstance(s, cst.FunctionDef) and s.name.value == "forward"]
+    return found[-1] if found else None
 
 
 def _wrapper_runs(plan: Plan, key: str, class_name: str) -> str:
@@ -152,9 +188,12 @@ def explain(analysis: Analysis) -> dict[str, Any]:
     """A JSON-ready description of what lowering does and why."""
     classes = []
     made = made_shards(analysis.plan)
+    nodes = {node.name.value: node for node in analysis.parsed.module.body if isinstance(node, cst.ClassDef)}
     for name, lowering in analysis.classes.items():
         for contract, subclass in zip(lowering.contracts, [name, *lowering.subclass_names]):
-            classes.append(_contract_record(contract, subclass, made))
+            record = _contract_record(contract, subclass, made)
+            record["summed"] = _summed_record(contract, nodes.get(name))
+            classes.append(record)
         if lowering.identity_keys:
             classes.append(
                 {
@@ -167,6 +206,7 @@ def explain(analysis: Analysis) -> dict[str, Any]:
                     "ops": [],
                     "collectives_per_call": {},
                     "undeclared_inputs": [],
+                    "summed": None,
                 }
             )
     wrapped = [_external_record(analysis.plan, key, found.name, made) for key, found in analysis.external.items()]
@@ -204,6 +244,14 @@ def explain_text(report: dict[str, Any]) -> str:
         for reason in record["reasons"]:
             lines.append(f"  generic because {reason}")
         lines += _op_lines(record["ops"])
+        summed = record.get("summed")
+        if summed:
+            lines.append(f"  summed reduction of {' + '.join(summed['branches'])}, once (the one edit in the body):")
+            lines.append(f"      {summed['edit']}")
+            lines += _op_lines([summed["reduce"]])
+            if summed["shared"] is not None:
+                lines.append(f"  {summed['shared_input']}'s output, read by both branches (a hook of parallelize):")
+                lines += _op_lines([summed["shared"]])
         for value in record["undeclared_inputs"]:
             axes = ", ".join(value["axes"])
             lines.append(

@@ -22,6 +22,7 @@ from hpgen.index import ClassInfo, ModuleIndex, ParsedSource, index_module, pars
 from hpgen.param_dims import check_param_dims
 from hpgen.plan import Plan, contract_signature, is_dotted_path
 from hpgen.resolve import ResolvedClass, resolve_boundaries
+from hpgen.summed_edit import SummedSiteError
 
 MODES = ("default", "toggle")
 BOM = "\ufeff"
@@ -101,6 +102,15 @@ def _lower_class(plan: Plan, index: ModuleIndex, info: ClassInfo, keys: list[str
     # The most common contract lives in the class; ties go to the first signature.
     ordered = sorted(groups.items(), key=lambda item: (-len(item[1]), item[0]))
     contracts = [classify_contract(plan, tuple(group), forward) for _, group in ordered]
+    differing = [contract for contract in contracts if contract.summed != contracts[0].summed]
+    if differing:
+        first, other = contracts[0].keys[0], differing[0].keys[0]
+        raise HpgenError(
+            f"the boundaries of class {info.name} disagree on summed_reduction ({first!r} and {other!r}); "
+            "its body is shared, so every one must reduce the same branches the same way",
+            file=plan.name,
+            where=f'param_plan["{first}"]',
+        )
     taken = set(index.classes)
     subclass_names = []
     for number in range(1, len(contracts)):
@@ -229,7 +239,11 @@ def lower(
     for position, statement in enumerate(module.body):
         lowering = analysis.classes.get(statement.name.value) if isinstance(statement, cst.ClassDef) else None
         if lowering is not None and lowering.rewritten:
-            body += rewrite_class(statement, lowering.contracts, lowering.subclass_names, style, mode=mode)
+            try:
+                body += rewrite_class(statement, lowering.contracts, lowering.subclass_names, style, mode=mode)
+            except SummedSiteError as exc:
+                line = lowering.info.forward.line if lowering.info.forward is not None else lowering.info.line
+                raise HpgenError(f"{lowering.info.name}.forward: {exc}", file=source_name, where=f"{line}:1") from None
         else:
             body.append(statement)
         if needs_runtime and position == analysis.index.last_import_index:

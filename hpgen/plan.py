@@ -32,6 +32,8 @@ _ENTRY_KEYS = {
     "deferred_bias_params",
     "grad_reduce_params",
     "out_grad_partial",
+    "in_grad_partial",
+    "summed_reduction",
     "tp_divide_attrs",
     "divide_attrs",
     "is_boundary",
@@ -39,6 +41,7 @@ _ENTRY_KEYS = {
     "skip_source_lowering",
 }
 _INJECTION_KEYS = {"match", "local_compute_fn", "inner_wrapper"}
+_SUMMED_KEYS = {"branches", "shared_input"}
 # An axis's collectives live on a boundary module as ``_hp_<axis>``. hpgen's other ``_hp_``
 # attributes (the generated class defaults, what the runtime binds) end in these names,
 # so an axis called so would overwrite one of them.
@@ -126,6 +129,20 @@ class Injection:
 
 
 @dataclass(frozen=True)
+class SummedReduction:
+    """A parallel-residual block whose two branches' partial outputs are reduced once, summed.
+
+    ``branches``: the two child modules (paths relative to the block) whose outputs the
+    block's body adds; their entries leave those outputs ``P(sum)``. ``shared_input``: the
+    child whose output both branches read (the norm before them), where their input's
+    transition runs once; None when each branch keeps its own.
+    """
+
+    branches: tuple[str, str]
+    shared_input: str | None = None
+
+
+@dataclass(frozen=True)
 class Entry:
     """One ``param_plan`` entry: the contract of the boundaries its key matches."""
 
@@ -141,6 +158,10 @@ class Entry:
     # outputs whose caller computes on shards with them (Mamba's reduced x_proj output feeding the
     # channel-sharded scan): their gradient arrives partial, so the output's collective reduces it too
     out_grad_partial: tuple[str, ...] = ()
+    # inputs whose gradient leaves the body partial: the caller reduces it (a summed
+    # reduction's branches, whose shared input's transition runs once, on the norm's output)
+    in_grad_partial: tuple[str, ...] = ()
+    summed_reduction: SummedReduction | None = None
     tp_divide_attrs: tuple[str, ...] = ()
     divide_attrs: tuple[tuple[str, int], ...] = ()  # (attribute, divisor), sorted by attribute
     is_boundary: bool = True
@@ -391,6 +412,9 @@ class _PlanReader:
                         f"matches the same modules as {first!r}: an FQN may be matched by one key only",
                     )
 
+        for key in keys:
+            if entries[key].summed_reduction is not None:
+                self.check_summed(entries, key)
         injections = tuple(
             self.injection(item, f"injections[{index}]", keys)
             for index, item in enumerate(self.expect_list(top.get("injections", []), "injections"))
@@ -486,6 +510,16 @@ class _PlanReader:
         for name in partial:
             if name not in declared:
                 raise self.fail(partial_where, f"{name!r} is not a declared output ({', '.join(declared) or 'none'})")
+        in_partial = self.name_list(doc.get("in_grad_partial", []), _path_join(where, "in_grad_partial"))
+        inputs = sorted({*layouts["in_src"], *layouts["in_dst"]})
+        for name in in_partial:
+            if name not in inputs:
+                raise self.fail(
+                    _path_join(where, "in_grad_partial"), f"{name!r} is not a declared input ({', '.join(inputs) or 'none'})"
+                )
+        summed = None
+        if "summed_reduction" in doc:
+            summed = self.summed(doc["summed_reduction"], _path_join(where, "summed_reduction"))
         divide = self.name_list(doc.get("tp_divide_attrs", []), _path_join(where, "tp_divide_attrs"))
         if divide and "tp" not in self.mesh:
             raise self.fail(_path_join(where, "tp_divide_attrs"), "needs a 'tp' axis in mesh_dim_names")
@@ -500,7 +534,7 @@ class _PlanReader:
             for part in ("is_boundary", "region_dispatch", "skip_source_lowering")
             if part in doc
         }
-        has_io = any(layouts[part] for part in _LAYOUT_KEYS)
+        has_io = any(layouts[part] for part in _LAYOUT_KEYS) or summed is not None
         return Entry(
             key=key,
             in_src=layouts["in_src"],
@@ -512,12 +546,40 @@ class _PlanReader:
             deferred_bias_params=tuple(sorted(lists["deferred_bias_params"])),
             grad_reduce_params=tuple(sorted(lists["grad_reduce_params"])),
             out_grad_partial=tuple(sorted(partial)),
+            in_grad_partial=tuple(sorted(in_partial)),
+            summed_reduction=summed,
             tp_divide_attrs=tuple(sorted(divide)),
             divide_attrs=divisors,
             is_boundary=flags.get("is_boundary", has_io),
             region_dispatch=flags.get("region_dispatch", False),
             skip_source_lowering=flags.get("skip_source_lowering", False),
         )
+
+    def check_summed(self, entries: Mapping[str, Entry], key: str) -> None:
+        """Each branch of a summed block is an entry leaving one output ``P(sum)``, on one common axis."""
+        where = _path_join(_path_join("param_plan", key), "summed_reduction")
+        try:
+            summed_branches(entries, self.mesh, key)
+        except ValueError as exc:
+            raise self.fail(where, str(exc)) from None
+
+    def summed(self, value: object, where: str) -> SummedReduction:
+        """``summed_reduction``: two distinct branch paths and an optional shared input path."""
+        doc = self.expect_object(value, where)
+        self.check_keys(doc, _SUMMED_KEYS, where, "a summed_reduction")
+        if "branches" not in doc:
+            raise self.fail(where, "missing required key 'branches'")
+        branches_where = _path_join(where, "branches")
+        branches = self.name_list(doc["branches"], branches_where, is_dotted_path, "a child module path")
+        if len(branches) != 2:
+            raise self.fail(branches_where, f"needs exactly two branches, got {len(branches)}")
+        shared = None
+        if "shared_input" in doc:
+            shared_where = _path_join(where, "shared_input")
+            shared = self.expect_name(doc["shared_input"], shared_where, is_dotted_path, "a child module path")
+            if shared in branches:
+                raise self.fail(shared_where, f"{shared!r} is a branch; the shared input is the module both read")
+        return SummedReduction((branches[0], branches[1]), shared)
 
     def target(self, value: object, where: str) -> Target:
         if isinstance(value, str):
@@ -575,6 +637,51 @@ def iter_layouts(entry: Entry) -> Iterator[tuple[str, str, Layout]]:
             yield part, name, layouts[name]
 
 
+@dataclass(frozen=True)
+class SummedBranch:
+    """One branch of a summed block: its entry key and the partial output the block adds."""
+
+    path: str  # relative to the block
+    key: str  # the branch's param_plan key
+    output: str
+
+
+def summed_branches(entries: Mapping[str, Entry], mesh: tuple[str, ...], key: str) -> tuple[str, tuple[SummedBranch, ...]]:
+    """(the axis of the single reduction, both branches) of the summed block ``key``.
+
+    Raises ``ValueError`` saying what is wrong: a branch without an entry, an output that is
+    not left ``P(sum)``, branches partial on different axes.
+    """
+    summed = entries[key].summed_reduction
+    assert summed is not None
+    found, axes = [], set()
+    for path in summed.branches:
+        fqn = f"{key}.{path}"
+        matching = [other for other in entries if fqn_matches(other, fqn)]
+        if not matching:
+            raise ValueError(f"branch {path!r}: no param_plan entry matches {fqn!r}")
+        entry = entries[matching[0]]
+        partial = []
+        for name in entry.output_names:
+            src, dst = entry.output_layouts(name, mesh)
+            on = [axis for axis in mesh if src.on(axis).is_partial]
+            if on:
+                partial.append((name, on, dst))
+        if len(partial) != 1 or len(partial[0][1]) != 1:
+            raise ValueError(f"branch {path!r} ({matching[0]!r}) needs exactly one output P(sum) on one axis")
+        name, (axis,), dst = partial[0]
+        if str(entry.output_layouts(name, mesh)[0].on(axis)) != "P(sum)" or str(dst.on(axis)) != "P(sum)":
+            raise ValueError(
+                f"branch {path!r} ({matching[0]!r}): output {name!r} must stay P(sum) on {axis} (out_src and "
+                "out_dst), the block reduces it"
+            )
+        axes.add(axis)
+        found.append(SummedBranch(path, matching[0], name))
+    if len(axes) != 1:
+        raise ValueError(f"the branches are partial on different axes ({', '.join(sorted(axes))})")
+    return axes.pop(), tuple(found)
+
+
 def contract_signature(plan: Plan, key: str) -> str:
     """A canonical text of what a boundary's ``forward`` depends on (``params`` aside).
 
@@ -587,7 +694,8 @@ def contract_signature(plan: Plan, key: str) -> str:
     parts = []
     for name in entry.input_names:
         src, dst = entry.input_layouts(name, mesh)
-        parts.append(f"in {name}: " + ", ".join(f"{a} {src.on(a)}->{dst.on(a)}" for a in mesh))
+        partial = " (gradient partial)" if name in entry.in_grad_partial else ""
+        parts.append(f"in {name}: " + ", ".join(f"{a} {src.on(a)}->{dst.on(a)}" for a in mesh) + partial)
     for name in entry.output_names:
         src, dst = entry.output_layouts(name, mesh)
         partial = " (gradient partial)" if name in entry.out_grad_partial else ""
@@ -597,6 +705,10 @@ def contract_signature(plan: Plan, key: str) -> str:
         parts.append("sharded body: " + ", ".join(sharded))
     if entry.out_names is not None:
         parts.append("out_names: " + ", ".join(entry.out_names))
+    if entry.summed_reduction is not None:
+        summed = entry.summed_reduction
+        shared = f" from {summed.shared_input}" if summed.shared_input else ""
+        parts.append(f"summed reduction: {' + '.join(summed.branches)}{shared}")
     injection = plan.injection_for(key)
     if injection is not None:
         parts.append(f"region: {injection.local_compute_fn.path}")

@@ -53,6 +53,26 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
     "falcon": ("FalconConfig", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=127)),
+    # parallel-residual blocks (attention and MLP read one input, their outputs summed): one reduction a layer
+    "gptj": ("GPTJConfig", dict(n_embd=64, n_head=4, n_layer=2, n_inner=90, rotary_dim=8, vocab_size=127, n_positions=64)),
+    "phi": (
+        "PhiConfig",
+        dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=90, **_TINY),
+    ),
+    "cohere": (
+        "CohereConfig",
+        dict(
+            hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=90,
+            **_TINY,
+        ),
+    ),
+    "stablelm": (
+        "StableLmConfig",
+        dict(
+            hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=90,
+            use_parallel_residual=True, **_TINY,
+        ),
+    ),
     "bitnet": (
         "BitNetConfig",
         dict(

@@ -22,14 +22,19 @@ CASES = {
     "tiny_generic": PLANS / "tiny_generic.json",  # SS placement: generic form
     "tiny_region": PLANS / "tiny_region.json",  # injection: region form
     "tiny_2d": PLANS / "tiny_2d.json",  # two axes composed; all_to_all; P(max)
+    # a parallel-residual block: its attention and MLP reduced once (summed reduction), on fixtures/modeling_tiny_parallel.py
+    "tiny_parallel_summed": FIXTURES / "plan_tp_summed.json",
 }
+SOURCES = {"tiny_parallel_summed": FIXTURES / "modeling_tiny_parallel.py"}  # the others lower modeling_tiny.py
 UPDATE = os.environ.get("HPGEN_UPDATE_GOLDEN") == "1"
 
 
 @pytest.mark.parametrize("mode", ["default", "toggle"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_golden(case, mode, tiny_source):
-    generated = lower(tiny_source, load_plan(CASES[case]), mode=mode, source_name="modeling_tiny.py")
+    source = SOURCES[case].read_text() if case in SOURCES else tiny_source
+    name = SOURCES[case].name if case in SOURCES else "modeling_tiny.py"
+    generated = lower(source, load_plan(CASES[case]), mode=mode, source_name=name)
     golden = GOLDEN / f"{case}.{mode}.py"
     if UPDATE:
         golden.write_text(generated)

@@ -174,7 +174,15 @@ def test_sequence_parallel_gathers_at_the_last_layer_when_the_final_norm_is_torc
     assert [str(layout.on("tp")) for layout in (*last.out_src.values(), *last.out_dst.values())] == ["S(1)", "R"]
     assert "gpt_neox.final_layer_norm" not in found
     attention = found["gpt_neox.layers.*.attention"]
-    # the deferred row-parallel bias is added to a sequence shard: its gradient is partial too
+    # a parallel-residual layer: the block reduce-scatters the sum of both branches once (summed reduction), so
+    # the attention's output stays partial and its bias, added into that sum on one rank, gets its whole gradient
+    assert found["gpt_neox.layers.1"].summed_reduction is not None
+    assert attention.deferred_bias_params == ("dense.bias",) and "dense.bias" not in attention.grad_reduce_params
+    assert str(attention.out_dst["attn_output"].on("tp")) == "P(sum)"
+    two = entries(generated(str(tmp_path / "config.json"), "--tp", "2", "--sp", "--no-summed-reduction"))
+    attention = two["gpt_neox.layers.*.attention"]
+    # reduced by the attention itself, the deferred row-parallel bias is added to a sequence shard: its gradient
+    # is partial too
     assert attention.deferred_bias_params == ("dense.bias",) and "dense.bias" in attention.grad_reduce_params
     assert str(attention.out_dst["attn_output"].on("tp")) == "S(1)"
 

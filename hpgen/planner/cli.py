@@ -21,6 +21,7 @@ def plan_with_report(
     sp: bool,
     from_source: bool,
     ep_axis: str | None = None,
+    summed: bool = True,
     notes: bool,
     dtype: str,
 ) -> tuple[str, list[str]]:
@@ -31,7 +32,7 @@ def plan_with_report(
     from hpgen.planner.report import size_report
 
     model = meta_model(load_config(target))
-    plan = plan_model(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, name=target)
+    plan = plan_model(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, name=target, summed=summed)
     comments = plan.get("comments", {})
     messages = [f"{target}: {comments.get('plan_source', 'plan')}"]
     if comments.get("modeling_files"):  # one `hpgen lower` per file; parallelize(..., generated=[...]) takes them
@@ -43,6 +44,7 @@ def plan_with_report(
             ("kept replicated", "replicated"),
             ("transformers' plan corrected", "corrected"),
             ("derived in place of transformers' plan", "replaced"),
+            ("reduced once", "summed_reduction"),
         ):
             for pattern, text in sorted(comments.get(key, {}).items()):
                 messages.append(f"  {heading}: {pattern}: {text}")

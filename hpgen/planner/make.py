@@ -31,12 +31,20 @@ def make_plan(
     sp: bool = False,
     ep_axis: str | None = None,
     from_source: bool = False,
+    summed: bool = True,
 ) -> dict[str, Any]:
     """The frozen plan for a model type or config.json (see :func:`plan_model`)."""
     from hpgen.planner.load import load_config, meta_model
 
     return plan_model(
-        meta_model(load_config(target)), tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, name=target
+        meta_model(load_config(target)),
+        tp=tp,
+        ep=ep,
+        sp=sp,
+        ep_axis=ep_axis,
+        from_source=from_source,
+        name=target,
+        summed=summed,
     )
 
 
@@ -60,14 +68,19 @@ def plan_model(
     from_source: bool = False,
     ep_axis: str | None = None,
     name: str | None = None,
+    summed: bool = True,
 ) -> dict[str, Any]:
     """The frozen plan for ``model`` (an instance, normally on the meta device); ``ep_axis`` as for
     :func:`hpgen.planner.translator.plan_for_model` (transformers' plans only). A plan whose boundaries live
-    in several modeling files names each class by file (:func:`hpgen.planner.files.name_files`)."""
+    in several modeling files names each class by file (:func:`hpgen.planner.files.name_files`).
+    ``summed``: parallel-residual blocks reduce their two branches once (:mod:`hpgen.planner.summed`)."""
     from hpgen.planner.files import name_files
+    from hpgen.planner.summed import add_summed_reductions
 
     name = name or type(model).__name__
     plan = _plan_model(model, tp=tp, ep=ep, sp=sp, from_source=from_source, ep_axis=ep_axis, name=name)
+    if summed:
+        plan = add_summed_reductions(model, plan)
     return name_files(model, plan)
 
 

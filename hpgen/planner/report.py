@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpgen.classify import COMMUNICATING, DEFAULT_BACKWARD, value_ops
+from hpgen.classify import COMMUNICATING, DEFAULT_BACKWARD, summed_ops, value_ops
 from hpgen.plan import Plan, plan_from_dict
 
 __all__ = ["Collective", "SizeReport", "format_bytes", "size_report"]
@@ -306,6 +306,15 @@ def _collectives(
                         continue
                     calls = 2 if phase == "forward" and exchanges else 1
                     found.append(Collective(_generic(fqn), value.name, kind, phase, width * element, 0.0, calls))
+    summed = summed_ops(plan, entry.key)
+    if summed is not None and summed.axis == "tp" and isinstance(hidden, int):
+        # the block's one reduction of both branches, and its shared input's transition (on the stream's width)
+        for op in (summed.reduce, summed.shared):
+            if op is None:
+                continue
+            for phase, kind in (("forward", op.kind), ("backward", op.backward or DEFAULT_BACKWARD.get(op.kind))):
+                if kind in COMMUNICATING:
+                    found.append(Collective(_generic(fqn), op.name, kind, phase, hidden * element, 0.0, 1))
     return found
 
 

@@ -122,13 +122,17 @@ class DeferredBias:
         self.boundary.register_forward_hook(BiasAdder(self.owner, self.output_names, self.output))
 
 
-def survey_deferred_biases(matched: Iterable[Matched], plan: Plan) -> list[DeferredBias]:
-    """Check each ``deferred_bias_params`` entry and say where its bias goes."""
+def survey_deferred_biases(matched: Iterable[Matched], plan: Plan, branches: frozenset[str] = frozenset()) -> list[DeferredBias]:
+    """Check each ``deferred_bias_params`` entry and say where its bias goes.
+
+    ``branches``: FQNs of summed reductions' branches, whose biases their block places
+    (:mod:`hpgen.runtime.summed`).
+    """
     mesh = plan.mesh_dim_names
     found = []
     for item in matched:
         entry = item.entry
-        if not entry.deferred_bias_params:
+        if not entry.deferred_bias_params or item.fqn in branches:
             continue
         where = f"{item.fqn} ({type(item.module).__name__})"
         partial = [

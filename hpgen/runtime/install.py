@@ -75,6 +75,7 @@ from hpgen.runtime.saving import bind_save_pretrained
 from hpgen.runtime.streams import install_streams
 from hpgen.runtime.stubs import refuse_replaced_stubs
 from hpgen.runtime.state_dict import install_state_dict_hooks
+from hpgen.runtime.summed import SummedBlock, branch_fqns, survey_summed
 from hpgen.runtime.targets import Target, resolve
 
 __all__ = ["ParallelizeError", "parallelize"]
@@ -189,6 +190,7 @@ class _Survey:
     grad_reduces: list[GradReduce]
     divides: list[tuple[nn.Module, str, int]]
     mesh: DeviceMesh
+    summed: list[SummedBlock]
 
     def install(self, axes: Mapping[str, AxisCollectives], mesh_names: tuple[str, ...]) -> None:
         replaced = shard_params(self.shards)
@@ -204,6 +206,8 @@ class _Survey:
             print(f"hpgen: {first}{more} run the eager experts loop: the local shard {why}", file=sys.stderr)
         for bias in self.biases:
             bias.install(axes)
+        for block in self.summed:
+            block.install()
         install_grad_reduce(self.grad_reduces, replaced, axes, self.mesh)
         for module, attr, value in self.divides:
             setattr(module, attr, value)
@@ -220,10 +224,11 @@ def _survey(
     refuse_replaced_stubs(model, matched)  # a fused kernel bound in place of the torch path the plan shards
     shards = survey_params(model, plan, matched, axes)
     targets = [resolve(item, plan, mesh, axes, generated) for item in matched]
-    biases = survey_deferred_biases(matched, plan)
+    biases = survey_deferred_biases(matched, plan, frozenset(branch_fqns(matched, plan)))
+    summed = survey_summed(matched, plan, axes)
     grad_reduces = survey_grad_reduce(matched, plan)
     divides = survey_attrs(matched, plan, axes)
-    return _Survey(targets, shards, biases, grad_reduces, divides, mesh)
+    return _Survey(targets, shards, biases, grad_reduces, divides, mesh, summed)
 
 
 def match_modules(model: nn.Module, plan: Plan) -> list[Matched]:

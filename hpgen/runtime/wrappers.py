@@ -37,7 +37,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["BiasShare", "DeferredBiasLinear", "ParallelEmbedding", "ParallelLinear", "PartialIdentity", "is_conv1d", "subclass_with"]
+__all__ = [
+    "BiasShare",
+    "DeferredBiasLinear",
+    "ParallelEmbedding",
+    "ParallelLinear",
+    "PartialBiasLinear",
+    "PartialIdentity",
+    "is_conv1d",
+    "subclass_with",
+]
 
 Mover = Callable[[Any], Any]
 
@@ -143,6 +152,25 @@ class _DeferredBiasConv1DMixin:
         return torch.mm(x.view(-1, x.size(-1)), self.weight).view(size_out)  # type: ignore[attr-defined]
 
 
+class _PartialBiasMixin:
+    """An ``nn.Linear`` of a summed reduction's branch: its bias joins the partial sum on one rank.
+
+    The block reduces the sum of both branches' partial outputs once; the bias goes into
+    the partial output of the axis's first rank only, so the reduction adds it exactly
+    once, and it stays wherever the source applies it (inside a dropout the branch's
+    output goes through). The other ranks add ``bias - bias.detach()``, zero, so every
+    rank's bias gets the whole gradient: the gradient reaching a branch's partial output
+    is the same on every rank.
+    """
+
+    _hp_first = True  # this rank's partial output carries the bias
+
+    def forward(self, input: Tensor) -> Tensor:
+        bias = self.bias  # type: ignore[attr-defined]
+        output = F.linear(input, self.weight)  # type: ignore[attr-defined]
+        return output + (bias if self._hp_first else bias - bias.detach())
+
+
 def is_conv1d(module: nn.Module) -> bool:
     """transformers' ``Conv1D`` (GPT-2): ``nf`` outputs, ``nx`` inputs, weight ``[nx, nf]``, forward untouched."""
     weight = getattr(module, "weight", None)
@@ -187,10 +215,15 @@ class DeferredBiasLinear(_DeferredBiasMixin, nn.Linear):
     """``nn.Linear`` that leaves its bias to the enclosing boundary (``deferred_bias_params``)."""
 
 
+class PartialBiasLinear(_PartialBiasMixin, nn.Linear):
+    """``nn.Linear`` adding its bias on one rank of a summed reduction (see :class:`_PartialBiasMixin`)."""
+
+
 _PREDEFINED: dict[tuple[type, type], type] = {
     (_ParallelEmbeddingMixin, nn.Embedding): ParallelEmbedding,
     (_ParallelLinearMixin, nn.Linear): ParallelLinear,
     (_DeferredBiasMixin, nn.Linear): DeferredBiasLinear,
+    (_PartialBiasMixin, nn.Linear): PartialBiasLinear,
     (_PartialIdentityMixin, nn.Identity): PartialIdentity,
 }
 _MADE: dict[tuple[type, type], type] = {}
@@ -199,6 +232,7 @@ MIXINS = {
     "linear": _ParallelLinearMixin,
     "deferred_bias": _DeferredBiasMixin,
     "deferred_bias_conv1d": _DeferredBiasConv1DMixin,
+    "partial_bias": _PartialBiasMixin,
     "identity_expert": _PartialIdentityMixin,
 }
 
@@ -214,6 +248,7 @@ def subclass_with(cls: type[nn.Module], role: str) -> type[nn.Module]:
     if key in _PREDEFINED:
         return _PREDEFINED[key]
     if key not in _MADE:
-        prefix = {"embedding": "Parallel", "linear": "Parallel", "identity_expert": "Partial"}.get(role, "DeferredBias")
+        prefixes = {"embedding": "Parallel", "linear": "Parallel", "identity_expert": "Partial", "partial_bias": "PartialBias"}
+        prefix = prefixes.get(role, "DeferredBias")
         _MADE[key] = type(f"{prefix}{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
     return _MADE[key]

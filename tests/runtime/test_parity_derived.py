@@ -47,18 +47,29 @@ from tests.dist import run_distributed
 FAMILIES = (
     "gpt2", "gpt_neox", "opt", "gpt_bigcode", "bloom", "mpt", "xlstm", "fuyu", "mamba", "zamba", "mamba2",
     "deepseek_v3", "kimi_linear", "diffllama", "diffllama_grouped", "recurrent_gemma", "doge",
+    "gptj", "phi", "cohere", "stablelm",
 )  # fmt: skip
 # families planned as `hpgen plan` does by default: transformers' plan, its blocks cross-checked against the
 # source (Doge's attention replaced by the derived one, whose dt_proj gathers the values on entry)
-TRANSFORMERS_PLAN = ("doge",)
+TRANSFORMERS_PLAN = ("doge", "gptj", "phi", "cohere")
 # families also planned with --sp (the sequence-sharded stream around the same blocks), as case "<family>_sp"
-SP = ("doge",)
-CASES = FAMILIES + tuple(f"{family}_sp" for family in SP)
+SP = ("doge", "gptj", "cohere", "gpt_neox")  # the summed blocks: one norm for both branches (sums a + m + x, x + a + m), two norms
+# parallel-residual blocks, planned with the summed reduction (one all-reduce a layer: the embedding's, then one
+# per layer forward; backward one per layer where both branches read one norm, two for GPT-NeoX's two norms)
+SUMMED = {"gptj": 1, "phi": 1, "cohere": 1, "stablelm": 1, "gpt_neox": 2}
+# in bfloat16, with and without the summed reduction ("<family>_two_bf16": two reductions a layer)
+BF16 = ("gptj", "gpt_neox")
+VARIANTS = {
+    **{f"{family}_sp": (family, {"sp": True}) for family in SP},
+    **{f"{family}_bf16": (family, {"dtype": "bfloat16"}) for family in BF16},
+    **{f"{family}_two_bf16": (family, {"dtype": "bfloat16", "summed": False}) for family in BF16},
+}
+CASES = FAMILIES + tuple(VARIANTS)
 # families also compared on greedy generation with the cache, by prompt length. RecurrentGemma keeps its states
 # on the modules and allocates them afresh when the batch size changes: the 1-token prompt, right after the
 # batch-of-2 forward, decodes from the zero states it allocates (the convolution's at ``self.hidden_size``)
 # Doge's 5-token prompt already holds more keys than its keep window of 4
-GENERATES = {"recurrent_gemma": (1, 5), "doge": (5,)}
+GENERATES = {"recurrent_gemma": (1, 5), "doge": (5,), **{family: (5,) for family in SUMMED}}
 NEW_TOKENS = 4
 SEED = 0
 SHARE_LIMIT: dict[str, float] = {}  # every family here shards to at most 0.65 of the parameters per rank
@@ -66,7 +77,11 @@ BATCH, SEQ = 2, 7
 
 
 def _family(case: str) -> str:
-    return case[: -len("_sp")] if case.endswith("_sp") and case[: -len("_sp")] in SP else case
+    return VARIANTS[case][0] if case in VARIANTS else case
+
+
+def _options(case: str) -> dict[str, Any]:
+    return VARIANTS[case][1] if case in VARIANTS else {}
 
 
 def _plan_and_generated(case: str, directory: Path) -> tuple[dict, str]:
@@ -78,7 +93,15 @@ def _plan_and_generated(case: str, directory: Path) -> tuple[dict, str]:
 
     family = _family(case)
     from_source = family not in TRANSFORMERS_PLAN
-    plan = plan_model(meta_model(tiny(family)), tp=2, sp=case != family, from_source=from_source, name=family)
+    options = _options(case)
+    plan = plan_model(
+        meta_model(tiny(family)),
+        tp=2,
+        sp=options.get("sp", False),
+        from_source=from_source,
+        name=family,
+        summed=options.get("summed", True),
+    )
     source = Path(inspect.getsourcefile(model_class_for(tiny(family))) or "")
     text = lower(source.read_text(), plan_from_dict(plan), source_name=source.name, package=infer_package(source))
     path = directory / f"{case}_derived.py"
@@ -160,6 +183,8 @@ def _run(case: str, plan: dict, generated: str, mesh: Any, counter: _CollectiveC
     model.load_state_dict(reference.state_dict())
     model.eval()
     parallelize(model, plan, mesh)
+    if _options(case).get("dtype") == "bfloat16":
+        return _bf16_error(model, reference, config)
     rank_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
     generator = torch.Generator().manual_seed(SEED + 1)
@@ -214,6 +239,18 @@ def _run(case: str, plan: dict, generated: str, mesh: Any, counter: _CollectiveC
     }
 
 
+def _bf16_error(model: Any, reference: Any, config: Any) -> dict:
+    """How far the parallel model's bfloat16 logits are from the float32 unsharded model's."""
+    import torch
+
+    generator = torch.Generator().manual_seed(SEED + 2)
+    ids = torch.randint(0, config.get_text_config().vocab_size, (BATCH, SEQ), generator=generator)
+    with torch.no_grad():
+        exact = reference(input_ids=ids).logits
+        logits = model.to(torch.bfloat16)(input_ids=ids).logits.float()
+    return {"bf16_err": (logits - exact).abs().max().item()}
+
+
 def _greedy(model: Any, reference: Any, prompt: Any) -> dict:
     """Greedy tokens and per-step logits of both models with the cache (``use_cache=True``)."""
     import torch
@@ -246,7 +283,7 @@ def test_greedy_generation_with_the_cache_matches(results: tuple[dict, list[dict
             assert got["scores_err"] <= got["scores_tol"], (rank, length, got["scores_err"])
 
 
-@pytest.mark.parametrize("family", CASES)
+@pytest.mark.parametrize("family", [case for case in CASES if "dtype" not in _options(case)])
 def test_logits_and_every_gradient_match(results: tuple[dict, list[dict]], family: str) -> None:
     _, ranks = results
     for rank, by_family in enumerate(ranks):
@@ -257,7 +294,7 @@ def test_logits_and_every_gradient_match(results: tuple[dict, list[dict]], famil
 
 # Fuyu's parameters are mostly its vision patch projection (replicated, never run by the text-only
 # causal LM): its language model's MLP shards, but no rank gets under 0.65 of the whole model.
-@pytest.mark.parametrize("family", [f for f in CASES if f != "fuyu"])
+@pytest.mark.parametrize("family", [f for f in CASES if f != "fuyu" and "dtype" not in _options(f)])
 def test_each_rank_holds_at_most_two_thirds_of_the_parameters(results: tuple[dict, list[dict]], family: str) -> None:
     _, ranks = results
     share = max(by_family[family]["rank_bytes"] for by_family in ranks) / ranks[0][family]["full_bytes"]
@@ -292,3 +329,29 @@ def test_the_sizing_report_matches_the_run(results: tuple[dict, list[dict]], fam
             # an uneven shard is padded to the largest: at most one element per rank and token more
             moved = sizes.get((phase, "all_gather", "data"), 0)
             assert gather_bytes * tokens <= moved <= gather_bytes * tokens + 2 * tokens * report.element_size
+
+
+LAYERS = 2  # every tiny config's
+
+
+@pytest.mark.parametrize("family", sorted(SUMMED))
+def test_a_parallel_residual_block_reduces_once_a_layer(results: tuple[dict, list[dict]], family: str) -> None:
+    """Counted on the run: the embedding's all-reduce, then one per layer; backward the lm_head input's, then one
+    per layer (both branches' shared norm) or two (GPT-NeoX: one per norm). With --sp one reduce-scatter a layer."""
+    _, ranks = results
+    for by_family in ranks:
+        calls = by_family[family]["calls"]
+        assert calls[("forward", "all_reduce", "data")] == 1 + LAYERS, calls
+        assert calls[("backward", "all_reduce", "data")] == 1 + SUMMED[family] * LAYERS, calls
+        if f"{family}_sp" in by_family:
+            sp = by_family[f"{family}_sp"]["calls"]
+            assert sp[("forward", "reduce_scatter", "data")] == LAYERS, sp
+            assert sp[("backward", "reduce_scatter", "data")] == SUMMED[family] * LAYERS, sp
+
+
+@pytest.mark.parametrize("family", BF16)
+def test_one_reduction_is_no_further_from_the_float32_model_in_bfloat16(results: tuple[dict, list[dict]], family: str) -> None:
+    _, ranks = results
+    for by_family in ranks:
+        summed, two = by_family[f"{family}_bf16"]["bf16_err"], by_family[f"{family}_two_bf16"]["bf16_err"]
+        assert summed <= two, (summed, two)

@@ -1,8 +1,8 @@
 """Train mode and sampling as users run them, on 2 gloo ranks seeded ``torch.manual_seed(1234 + rank)``.
 
 GPT-2 and OPT with the plans of ``hpgen plan --tp 2`` and every dropout at 0.1, Llama with
-``attention_dropout`` 0.1 and biases (its plan from ``hpgen plan`` too), all with transformers'
-defaults (sdpa attention). One spawn runs everything; the tests read its report:
+``attention_dropout`` 0.1 and biases (its plan from ``hpgen plan`` too), GPT-NeoX and GPT-J (one
+summed reduction a layer) with every dropout at 0.1, all with transformers' defaults (sdpa attention). One spawn runs everything; the tests read its report:
 
 - the residual stream entering the final norm is the same on both ranks, bit for bit, at every
   step (dropout on replicated values draws one stream), and every parameter the plan keeps
@@ -40,6 +40,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "gpt2": dict(resid_pdrop=DROPOUT, embd_pdrop=DROPOUT, attn_pdrop=DROPOUT),
     "opt": dict(dropout=DROPOUT, attention_dropout=DROPOUT, activation_dropout=DROPOUT),
     "llama": dict(attention_dropout=DROPOUT, attention_bias=True, mlp_bias=True),
+    # parallel-residual blocks under the summed reduction: the dropouts of the branches' partial outputs
+    # (GPT-NeoX's post_attention_dropout, post_mlp_dropout) draw one stream, the biases inside them on one rank
+    "gpt_neox": dict(hidden_dropout=DROPOUT, attention_dropout=DROPOUT),
+    "gptj": dict(resid_pdrop=DROPOUT, embd_pdrop=DROPOUT, attn_pdrop=DROPOUT),
 }
 FAMILIES = tuple(OVERRIDES)
 
@@ -95,7 +99,7 @@ def _models(family: str, plan: dict, generated: str, mesh: Any, **config: Any) -
 
 
 def _final_norm(model: Any) -> Any:
-    names = ("transformer.ln_f", "model.decoder.final_layer_norm", "model.norm")
+    names = ("transformer.ln_f", "model.decoder.final_layer_norm", "model.norm", "gpt_neox.final_layer_norm")
     return next(module for name, module in model.named_modules() if name in names)
 
 
