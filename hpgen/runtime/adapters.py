@@ -1,0 +1,392 @@
+"""peft's LoRA adapters on a parallelized model: each adapter laid out like its base layer.
+
+A plan is written for the base model: ``q_proj.weight`` S(0). peft puts a tuner layer in
+the linear's place and moves the linear to ``q_proj.base_layer``. :func:`resolve_tuner_names`
+reads the plan through that indirection (``q_proj.weight`` is ``q_proj.base_layer.weight``),
+so one plan serves the base model and its peft model, in either order of ``parallelize``
+and ``get_peft_model``.
+
+Each LoRA adapter pair (``lora_A`` [r, in], ``lora_B`` [out, r]) takes its base layer's
+layout (:func:`adapter_layouts`), as Megatron's LoRA layers and vLLM's do:
+
+- base sharded on its outputs (column-parallel): ``B`` sharded on its outputs like the
+  base, ``A`` replicated, and ``A``'s gradient, partial on each rank (``B``'s rows see only
+  this rank's outputs), all-reduced over the axis;
+- base sharded on its inputs (row-parallel): ``A`` sharded on its inputs, so ``B A x`` is a
+  partial sum added to the base's partial output before the boundary's single reduction
+  (no collective of its own); ``B`` replicated, its gradient (``A x`` is partial) all-reduced.
+
+Nothing runs in the forward: peft's own ``forward`` computes on the local shards. The
+adapters are adopted (:class:`AdapterWatch`) at ``parallelize`` when they exist already
+(sharded then, from their full shape), and otherwise when first seen after
+``get_peft_model`` or ``PeftModel.from_pretrained``: before the forward of the boundary
+holding them, and before any ``state_dict()`` or ``load_state_dict()`` of the model.
+Adopting a replicated adapter broadcasts it from the axis's first rank (peft draws ``A``
+at random on each rank), hooks the gradient reductions, and records the sharded ones for
+the state dict, where they appear as full tensors (gathered), so that peft's
+``save_pretrained`` writes a normal adapter and one loaded on one process is sliced.
+
+Methods whose arithmetic is not sharded like this (DoRA and peft's other LoRA variants,
+``lora_bias`` on a row-parallel base, IA3 and other tuners) are refused, naming the method.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from hpgen.placement import REPLICATE, Placement
+from hpgen.plan import Layout, body_is_sharded
+from hpgen.runtime.collectives import AxisCollectives
+from hpgen.runtime.errors import ParallelizeError
+from hpgen.runtime.hooks import GradAllReduce
+from hpgen.runtime.params import Matched
+from hpgen.runtime.sharding import local_chunk, local_shape, normalize_dim
+from hpgen.runtime.state_dict import ShardRecorder
+from hpgen.runtime.wrappers import is_conv1d
+
+__all__ = [
+    "AdapterWatch",
+    "adapter_layouts",
+    "is_tuner_layer",
+    "peft_base_model",
+    "resolve_tuner_names",
+    "survey_adapters",
+    "watch_adapters",
+]
+
+
+def is_tuner_layer(module: nn.Module) -> bool:
+    """A peft tuner layer (``lora.Linear``, ``IA3Layer``...): it holds the original module as ``base_layer``."""
+    return isinstance(getattr(module, "base_layer", None), nn.Module) and hasattr(type(module), "adapter_layer_names")
+
+
+def peft_base_model(model: nn.Module) -> nn.Module | None:
+    """The transformers model inside a ``PeftModel``, or None for any other model."""
+    get_base = getattr(type(model), "get_base_model", None)
+    if get_base is None or not hasattr(model, "peft_config") or not isinstance(getattr(model, "base_model", None), nn.Module):
+        return None
+    return model.get_base_model()
+
+
+def _base_path(module: nn.Module, path: str) -> str:
+    """``path`` (a submodule of ``module``, '' for itself) through every tuner layer's ``base_layer``."""
+    current = module.get_submodule(path) if path else module
+    while is_tuner_layer(current):
+        current = current.base_layer
+        path = f"{path}.base_layer" if path else "base_layer"
+    return path
+
+
+def _renamed(module: nn.Module, name: str) -> str:
+    owner, _, leaf = name.rpartition(".")
+    try:
+        base = _base_path(module, owner)
+    except AttributeError:
+        return name  # not a submodule: check_param_names reports it
+    return f"{base}.{leaf}" if base else leaf
+
+
+def resolve_tuner_names(matched: Iterable[Matched]) -> list[Matched]:
+    """Each entry's parameter names read through peft's ``base_layer`` where a tuner layer holds them."""
+    resolved = []
+    for item in matched:
+        entry = item.entry
+        names = [*entry.params, *entry.deferred_bias_params, *entry.grad_reduce_params]
+        rename = {name: _renamed(item.module, name) for name in names}
+        if all(old == new for old, new in rename.items()):
+            resolved.append(item)
+            continue
+        entry = dataclasses.replace(
+            entry,
+            params={rename[name]: layout for name, layout in entry.params.items()},
+            deferred_bias_params=tuple(rename[name] for name in entry.deferred_bias_params),
+            grad_reduce_params=tuple(rename[name] for name in entry.grad_reduce_params),
+        )
+        resolved.append(dataclasses.replace(item, entry=entry))
+    return resolved
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+@dataclass(frozen=True)
+class AdapterLayout:
+    """Where one adapter pair's tensors lie, and over which axes their gradients are summed."""
+
+    a: Layout  # lora_A.weight [r, in]
+    b: Layout  # lora_B.weight [out, r] (and lora_B.bias [out], on dim 0)
+    a_reduce: tuple[str, ...]
+    b_reduce: tuple[str, ...]
+    sharded_inputs: tuple[str, ...]  # axes on which the base's inputs are sharded (row-parallel)
+    replicated_inputs: tuple[str, ...]  # sharded axes on which the base's input is replicated (column-parallel)
+
+
+def adapter_layouts(
+    where: str, base: Layout, axes: Sequence[str], *, transposed: bool, reduced: Sequence[str]
+) -> AdapterLayout:
+    """The adapters' layout for a base weight laid out as ``base`` (``transposed``: Conv1D's [in, out]).
+
+    ``reduced``: axes over which the plan already sums the base weight's gradient; the
+    adapters' gradients are partial there too.
+    """
+    out_dim, in_dim = (1, 0) if transposed else (0, 1)
+    a, b, a_reduce, b_reduce, sharded_in, replicated_in = [], [], list(reduced), list(reduced), [], []
+    for axis in axes:
+        p = base.on(axis)
+        if p.kind == "R":
+            continue
+        if p.kind not in ("S", "SS"):
+            raise ParallelizeError(
+                f"{where}: LoRA on a base weight laid out {p} on axis {axis!r} is not supported (only S(d) and "
+                "SS(d,k): a replicated-shard's adapters would count each chunk's gradient once per replica)"
+            )
+        dim = normalize_dim(p.dim, 2)
+        if dim == out_dim:
+            b.append((axis, Placement(p.kind, dim=0, blocks=p.blocks)))
+            a_reduce.append(axis)
+            replicated_in.append(axis)
+        else:
+            a.append((axis, Placement(p.kind, dim=1, blocks=p.blocks)))
+            b_reduce.append(axis)
+            sharded_in.append(axis)
+    return AdapterLayout(
+        Layout(tuple(a)),
+        Layout(tuple(b)),
+        tuple(dict.fromkeys(a_reduce)),
+        tuple(dict.fromkeys(b_reduce)),
+        tuple(sharded_in),
+        tuple(replicated_in),
+    )
+
+
+def _method_problem(layer: nn.Module, name: str, layout: AdapterLayout) -> str | None:
+    """Why the adapter ``name`` of the tuner ``layer`` cannot be sharded like its base, or None."""
+    cls = type(layer)
+    if not (cls.__module__.startswith("peft.tuners.lora") and hasattr(layer, "lora_A") and hasattr(layer, "lora_B")):
+        return f"the peft tuner layer {cls.__qualname__} ({cls.__module__}) is not supported: only LoRA (lora.Linear)"
+    if cls.__name__ != "Linear":
+        return f"LoRA's {cls.__qualname__} layer is not supported on a parallelized model: only lora.Linear"
+    variant = getattr(layer, "lora_variant", {}).get(name)
+    if variant is not None:
+        method = "DoRA (use_dora=True)" if getattr(layer, "use_dora", {}).get(name) else type(variant).__name__
+        return f"adapter {name!r} uses {method}, which is not supported on a parallelized model: use plain LoRA"
+    if getattr(layer, "lora_bias", {}).get(name) and layout.sharded_inputs:
+        return (
+            f"adapter {name!r} has lora_bias=True on a row-parallel base layer (inputs sharded on "
+            f"{', '.join(layout.sharded_inputs)}): its bias would be added once per rank; use lora_bias=False"
+        )
+    return None
+
+
+# --------------------------------------------------------------------------- adoption
+
+
+@dataclass
+class _Slot:
+    """A planned linear that peft may wrap: where it sits, the plan's layout of its weight."""
+
+    where: str  # the linear's FQN
+    boundary: nn.Module  # the planned module whose forward runs it
+    parent: nn.Module
+    attr: str
+    base: nn.Module  # the (sharded) base layer
+    weight_shape: tuple[int, ...]  # the base weight's full shape
+    layout: AdapterLayout
+    transposed: bool  # transformers' Conv1D: weight [in, out] (read before a deferred bias swaps its class)
+    adopted: set[str] = field(default_factory=set)
+
+    def layer(self) -> nn.Module | None:
+        """The tuner layer wrapping the base layer now, or None."""
+        current = self.parent._modules.get(self.attr)
+        if current is None or current is self.base or not is_tuner_layer(current):
+            return None
+        base = current
+        while is_tuner_layer(base):
+            base = base.base_layer
+        return current if base is self.base else None
+
+    def problem(self, layer: nn.Module, name: str) -> None:
+        """Refuse (the same on every rank: they hold the same peft config) an adapter that cannot be sharded."""
+        problem = _method_problem(layer, name, self.layout)
+        if problem is None and (getattr(self.base, "_hp_out", None) is not None or getattr(self.base, "_hp_in", None) is not None):
+            problem = (
+                f"peft wrapped a module that parallelize had already made a parallel boundary "
+                f"({type(self.base).__name__}); call get_peft_model before parallelize to put LoRA on it"
+            )
+        if problem is not None:
+            raise ParallelizeError(f"{self.where}: {problem}")
+
+
+def _adapter_names(layer: nn.Module) -> tuple[str, ...]:
+    """The adapters of a tuner layer (a LoRA layer's ``lora_A`` keys; a name for any other tuner)."""
+    lora_a = getattr(layer, "lora_A", None)
+    if isinstance(lora_a, nn.ModuleDict):
+        return tuple(lora_a.keys())
+    return ("<" + type(layer).__name__ + ">",)
+
+
+class AdapterWatch:
+    """Adopts the adapters peft puts on the planned linears of a parallelized model (see the module docstring)."""
+
+    def __init__(
+        self, slots: Sequence[_Slot], axes: Mapping[str, AxisCollectives], recorder: ShardRecorder, model: nn.Module
+    ) -> None:
+        self.slots = list(slots)
+        self.axes = dict(axes)
+        self.recorder = recorder
+        self.model = model
+        self.names = tuple(axes)
+
+    def __deepcopy__(self, memo: dict) -> AdapterWatch:
+        return self  # holds process groups
+
+    def pending(self) -> list[tuple[_Slot, nn.Module, str]]:
+        """(slot, tuner layer, adapter name) of every adapter not adopted yet."""
+        found = []
+        for slot in self.slots:
+            layer = slot.layer()
+            if layer is not None:
+                found += [(slot, layer, name) for name in _adapter_names(layer) if name not in slot.adopted]
+        return found
+
+    def adopt(self) -> None:
+        """Shard, align and hook every adapter not adopted yet (all ranks call it at the same point)."""
+        pending = self.pending()
+        if not pending:
+            return
+        for slot, layer, name in pending:
+            slot.problem(layer, name)
+        for slot, layer, name in pending:
+            self._adopt(slot, layer, name)
+            slot.adopted.add(name)
+        ShardRecorder.hook_loading(self.model)
+
+    def _adopt(self, slot: _Slot, layer: nn.Module, name: str) -> None:
+        out_dim, in_dim = (1, 0) if slot.transposed else (0, 1)
+        rank = layer.lora_A[name].weight.shape[0]
+        out, inp = slot.weight_shape[out_dim], slot.weight_shape[in_dim]
+        parts = [
+            (layer.lora_A[name], "weight", (rank, inp), slot.layout.a, slot.layout.a_reduce, "lora_A"),
+            (layer.lora_B[name], "weight", (out, rank), slot.layout.b, slot.layout.b_reduce, "lora_B"),
+        ]
+        if getattr(layer.lora_B[name], "bias", None) is not None:
+            parts.append((layer.lora_B[name], "bias", (out,), slot.layout.b, slot.layout.b_reduce, "lora_B"))
+        for owner, attr, shape, layout, reduce, label in parts:
+            where = f"{slot.where}.{label}.{name}.{attr}"
+            shares = tuple((layout.on(axis), self.axes[axis].rank, self.axes[axis].size) for axis in self.names)
+            param = self._local(owner, attr, shape, shares, where)
+            self._align(param, layout)
+            groups = [self.axes[axis].group for axis in reduce if self.axes[axis].size > 1]
+            if groups:
+                reducer = GradAllReduce(groups, where)
+                param.register_hook(reducer)
+                param._hp_grad_reduce = reducer
+            self.recorder.record([(owner, attr)], where, shape, shares, gathered=True)
+
+    def _local(
+        self, owner: nn.Module, attr: str, shape: tuple[int, ...], shares: tuple, where: str
+    ) -> nn.Parameter:
+        """The parameter holding this rank's chunk: cut from the full one (peft made it before parallelize)."""
+        param = owner._parameters[attr]
+        local = local_shape(shape, shares)
+        current = tuple(param.shape)
+        if current == local:
+            return param
+        if current != shape:
+            raise ParallelizeError(
+                f"{where} has shape {current}; its base layer's plan gives it {shape} (this rank: {local})"
+            )
+        with torch.no_grad():
+            chunk = local_chunk(param.detach(), shares).clone(memory_format=torch.contiguous_format)
+        new = nn.Parameter(chunk, requires_grad=param.requires_grad)
+        setattr(owner, attr, new)
+        if isinstance(owner, nn.Linear):
+            owner.out_features, owner.in_features = owner.weight.shape
+        return new
+
+    def _align(self, param: Tensor, layout: Layout) -> None:
+        """A tensor replicated on an axis takes the values of the axis's first rank (peft draws A per rank)."""
+        for axis in self.names:
+            ax = self.axes[axis]
+            if layout.on(axis) == REPLICATE and ax.size > 1:
+                with torch.no_grad():
+                    dist.broadcast(param.data, group=ax.group, group_src=0)
+
+
+def survey_adapters(model: nn.Module, matched: Iterable[Matched], mesh_names: Sequence[str]) -> list[_Slot]:
+    """The planned linears of ``model`` that peft may wrap (or has wrapped), read before any shard is cut.
+
+    Refuses, before ``parallelize`` touches anything, adapters present now that cannot be sharded.
+    """
+    slots: list[_Slot] = []
+    modules = dict(model.named_modules())
+    for item in matched:
+        for name, layout in item.entry.params.items():
+            path, _, leaf = name.rpartition(".")
+            base = item.module.get_submodule(path) if path else item.module
+            if leaf != "weight" or not (isinstance(base, nn.Linear) or is_conv1d(base)):
+                continue
+            fqn = f"{item.fqn}.{path}" if path else item.fqn
+            parent_fqn, _, attr = fqn.rpartition(".")
+            if attr == "base_layer" and is_tuner_layer(modules[parent_fqn]):  # get_peft_model came first
+                fqn = parent_fqn
+                parent_fqn, _, attr = fqn.rpartition(".")
+            if parent_fqn not in modules:
+                continue
+            grad_reduced = name in item.entry.grad_reduce_params
+            reduced = [axis for axis in mesh_names if grad_reduced and body_is_sharded(item.entry, axis)]
+            transposed = is_conv1d(base)
+            layouts = adapter_layouts(fqn, layout, mesh_names, transposed=transposed, reduced=reduced)
+            slots.append(
+                _Slot(fqn, item.module, modules[parent_fqn], attr, base, tuple(base.weight.shape), layouts, transposed)
+            )
+    for slot in slots:
+        layer = slot.layer()
+        for name in _adapter_names(layer) if layer is not None else ():
+            slot.problem(layer, name)
+    return slots
+
+
+def watch_adapters(
+    model: nn.Module, slots: Sequence[_Slot], axes: Mapping[str, AxisCollectives], recorder: ShardRecorder
+) -> AdapterWatch:
+    """Adopt the adapters present now; then new ones before each watched boundary's forward and
+    before the model's ``state_dict()`` and ``load_state_dict()``."""
+    watch = AdapterWatch(slots, axes, recorder, model)
+    watch.adopt()
+    if slots:
+        for boundary in {id(slot.boundary): slot.boundary for slot in slots}.values():
+            boundary.register_forward_pre_hook(_AdoptFirst(watch))
+        model.register_state_dict_pre_hook(_AdoptBeforeStateDict(watch))
+        model.register_load_state_dict_pre_hook(_AdoptBeforeLoad(watch))
+    return watch
+
+
+class _AdoptFirst:
+    """Forward pre-hook: adopt the adapters peft added since the last call."""
+
+    def __init__(self, watch: AdapterWatch) -> None:
+        self.watch = watch
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        self.watch.adopt()
+
+    def __deepcopy__(self, memo: dict) -> _AdoptFirst:
+        return self
+
+
+class _AdoptBeforeStateDict(_AdoptFirst):
+    def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:  # type: ignore[override]
+        self.watch.adopt()
+
+
+class _AdoptBeforeLoad(_AdoptFirst):
+    def __call__(self, module: nn.Module, *args: Any) -> None:  # type: ignore[override]
+        self.watch.adopt()

@@ -1,0 +1,108 @@
+"""peft's LoRA on parallelized models, 2 gloo ranks, every case in one spawn (``tests/runtime/lora.py``).
+
+Llama planned by ``hpgen plan --tp 2`` (with the o_proj/down_proj biases deferred) with
+LoRA on q, k, v, o and the MLP projections, in both orders of ``parallelize`` and
+``get_peft_model``; the attention of Qwen3-MoE (its experts untouched); GPT-2's ``Conv1D``
+layers (the fused ``c_attn`` as three packed blocks); methods that cannot be sharded
+(DoRA, ``lora_bias`` on a row-parallel layer), refused on every rank; and the adapter's
+lifecycle (``tests/runtime/lora_lifecycle.py``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.dist import run_distributed
+from tests.runtime.lora import LoraCase, LoraResult, run_lora_cases
+from tests.runtime.models import generated_plan, lower_family
+
+LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+BIASES = {"attention_bias": True, "mlp_bias": True}
+
+
+def _gpt2(directory: Path) -> tuple[dict[str, Any], str]:
+    from hpgen.generate import infer_package
+    from hpgen.lower import lower
+    from hpgen.plan import plan_from_dict
+    from hpgen.planner.load import meta_model, model_class_for
+    from hpgen.planner.make import plan_model
+    from tests.derived_configs import tiny
+
+    plan = plan_model(meta_model(tiny("gpt2")), tp=2, from_source=True, name="gpt2")
+    source = Path(inspect.getsourcefile(model_class_for(tiny("gpt2"))) or "")
+    text = lower(source.read_text(), plan_from_dict(plan), source_name=source.name, package=infer_package(source))
+    path = directory / "gpt2_lora.py"
+    path.write_text(text)
+    return plan, str(path)
+
+
+def _cases(directory: Path) -> list[LoraCase]:
+    llama_plan = generated_plan("llama", BIASES, tp=2)
+    llama = str(lower_family("llama", llama_plan, directory))
+    moe_plan = generated_plan("qwen3_moe", tp=2)
+    moe = str(lower_family("qwen3_moe", moe_plan, directory))
+    gpt2_plan, gpt2 = _gpt2(directory)
+    no_dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    attention = ("q_proj", "k_proj", "v_proj", "o_proj")
+    return [
+        LoraCase("llama_parallelize_first", "llama", llama, llama_plan, LLAMA_TARGETS, config=BIASES),
+        LoraCase("llama_peft_first", "llama", llama, llama_plan, LLAMA_TARGETS, "peft_first", config=BIASES),
+        LoraCase("qwen3_moe_attention", "qwen3_moe", moe, moe_plan, attention),
+        LoraCase("gpt2_conv1d", "gpt2", gpt2, gpt2_plan, ("c_attn", "c_proj", "c_fc"), "peft_first", config=no_dropout),
+        LoraCase(
+            "gpt2_conv1d_parallelize_first", "gpt2", gpt2, gpt2_plan, ("c_attn", "c_proj", "c_fc"), config=no_dropout
+        ),
+        LoraCase("dora", "llama", llama, llama_plan, ("q_proj",), config=BIASES, peft={"use_dora": True}),
+        LoraCase("row_bias", "llama", llama, llama_plan, ("o_proj",), "peft_first", BIASES, {"lora_bias": True}),
+    ]
+
+
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, LoraResult]]:
+    directory = tmp_path_factory.mktemp("lora")
+    return run_distributed(run_lora_cases, _cases(directory), str(directory), timeout=300)
+
+
+TRAINED = ("llama_parallelize_first", "llama_peft_first", "qwen3_moe_attention", "gpt2_conv1d", "gpt2_conv1d_parallelize_first")
+
+
+@pytest.mark.parametrize("case", TRAINED)
+def test_training_matches_peft_on_one_process(lora: list[dict[str, LoraResult]], case: str) -> None:
+    for rank, by_case in enumerate(lora):
+        result = by_case[case]
+        assert result.error is None, f"rank {rank}: {result.error}"
+        assert len(result.losses) >= 3
+        for loss, want in zip(result.losses, result.reference_losses):
+            assert abs(loss - want) <= 1e-5 + 1e-5 * abs(want), f"rank {rank}: {result.losses} vs {result.reference_losses}"
+        assert result.grads_checked > 0
+        assert not result.grad_failures, f"rank {rank}: " + "; ".join(result.grad_failures)
+        assert not result.param_failures, f"rank {rank} after the steps: " + "; ".join(result.param_failures)
+
+
+@pytest.mark.parametrize("case", TRAINED)
+def test_replicated_adapters_stay_equal_across_ranks(lora: list[dict[str, LoraResult]], case: str) -> None:
+    first, second = (by_case[case].replicated for by_case in lora)
+    assert first and first.keys() == second.keys()
+    assert all(first[name] == second[name] for name in first)
+
+
+def test_every_llama_adapter_is_checked(lora: list[dict[str, LoraResult]]) -> None:
+    # 2 layers x 7 projections x (A, B, and no lora bias)
+    assert all(by_case["llama_parallelize_first"].grads_checked == 28 for by_case in lora)
+    assert all(by_case["llama_peft_first"].grads_checked == 28 for by_case in lora)
+
+
+def test_dora_is_refused_on_every_rank_naming_it(lora: list[dict[str, LoraResult]]) -> None:
+    errors = [by_case["dora"].error for by_case in lora]
+    assert errors[0] == errors[1] and errors[0] is not None
+    assert "DoRA (use_dora=True)" in errors[0] and "self_attn.q_proj" in errors[0]
+
+
+def test_lora_bias_on_a_row_parallel_layer_is_refused(lora: list[dict[str, LoraResult]]) -> None:
+    errors = [by_case["row_bias"].error for by_case in lora]
+    assert errors[0] == errors[1] and errors[0] is not None
+    assert "lora_bias=True" in errors[0] and "o_proj" in errors[0]
