@@ -18,12 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import PurePath
 
-from hpgen.classify import is_identity_contract
 from hpgen.errors import HpgenError
 from hpgen.index import ClassInfo, ModuleIndex
 from hpgen.plan import Plan
 
-# Classes not defined in the source that the runtime wraps (SPEC §4).
+# Classes not defined in the source that the runtime wraps with a wrapper of their own (others: the generic one).
 WRAPPED_EXTERNAL = ("Embedding", "Linear", "Identity")
 TORCH_MODULES = ("torch", "nn")  # prefixes of torch's own classes: there is no source to lower
 
@@ -103,15 +102,9 @@ class _Resolver:
         return self.external(key, name)
 
     def external(self, key: str, name: str) -> ResolvedClass:
-        # A contract that moves nothing needs no rewrite, whatever the class (a sequence-
-        # parallel nn.LayerNorm with only params and grad_reduce_params).
-        if name.rsplit(".", 1)[-1] not in WRAPPED_EXTERNAL and not is_identity_contract(self.plan, key):
-            raise self.fail(
-                key,
-                f"its class {name} is not defined in {self.source_name}; the runtime wraps only "
-                f"nn.Embedding and nn.Linear from outside the file, and other outside classes take only "
-                f"contracts that move nothing",
-            )
+        # No file to rewrite: the runtime wraps the instance (nn.Embedding, nn.Linear, nn.Identity
+        # by their own wrappers; any other class, nn.LayerNorm or peft's lora.Linear, by the
+        # generic one around its own forward), whatever the contract.
         return ResolvedClass(name, external=True)
 
     def unresolved(self, key: str, why: str) -> HpgenError:

@@ -49,7 +49,9 @@ from hpgen.runtime.hooks import GradAllReduce
 from hpgen.runtime.params import Matched
 from hpgen.runtime.sharding import local_chunk, local_shape, normalize_dim
 from hpgen.runtime.state_dict import ShardRecorder
-from hpgen.runtime.wrappers import is_conv1d
+from hpgen.runtime.wrappers import MIXINS, is_conv1d
+
+WRAPPER_MIXINS = set(MIXINS.values())
 
 __all__ = [
     "AdapterWatch",
@@ -168,7 +170,11 @@ def adapter_layouts(
 
 def _method_problem(layer: nn.Module, name: str, layout: AdapterLayout) -> str | None:
     """Why the adapter ``name`` of the tuner ``layer`` cannot be sharded like its base, or None."""
-    cls = type(layer)
+    # the class peft made (parallelize may have swapped in its wrapper subclass)
+    cls = next(
+        (c for c in type(layer).__mro__ if c.__module__.startswith("peft.") and not set(c.__bases__) & WRAPPER_MIXINS),
+        type(layer),
+    )
     if not (cls.__module__.startswith("peft.tuners.lora") and hasattr(layer, "lora_A") and hasattr(layer, "lora_B")):
         return f"the peft tuner layer {cls.__qualname__} ({cls.__module__}) is not supported: only LoRA (lora.Linear)"
     if cls.__name__ != "Linear":
@@ -331,8 +337,8 @@ def survey_adapters(model: nn.Module, matched: Iterable[Matched], mesh_names: Se
         for name, layout in item.entry.params.items():
             path, _, leaf = name.rpartition(".")
             base = item.module.get_submodule(path) if path else item.module
-            if leaf != "weight" or not (isinstance(base, nn.Linear) or is_conv1d(base)):
-                continue
+            if leaf != "weight" or not isinstance(base, (nn.Linear, nn.Embedding)) and not is_conv1d(base):
+                continue  # an nn.Embedding is watched too: peft's LoRA on it is refused
             fqn = f"{item.fqn}.{path}" if path else item.fqn
             parent_fqn, _, attr = fqn.rpartition(".")
             if attr == "base_layer" and is_tuner_layer(modules[parent_fqn]):  # get_peft_model came first
