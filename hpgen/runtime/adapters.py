@@ -292,7 +292,10 @@ class AdapterWatch:
             groups = [self.axes[axis].group for axis in reduce if self.axes[axis].size > 1]
             if groups:
                 reducer = GradAllReduce(groups, where)
+                frozen = not param.requires_grad  # a loaded adapter (is_trainable=False) may be unfrozen later
+                param.requires_grad_(True)
                 param.register_hook(reducer)
+                param.requires_grad_(not frozen)
                 param._hp_grad_reduce = reducer
             self.recorder.record([(owner, attr)], where, shape, shares, gathered=True)
 

@@ -112,8 +112,7 @@ def sharded_peft(case: LoraCase, base: nn.Module, adapters: dict[str, torch.Tens
 
     from hpgen.runtime import parallelize
 
-    model = _model_class(import_file(case.generated), case.family)(base.config)
-    model.load_state_dict(base.state_dict())
+    model = fresh_generated(case, base)
     if case.order == "parallelize_first":
         parallelize(model, case.plan, mesh)
         peft_model = get_peft_model(model, lora_config(case))
@@ -123,6 +122,13 @@ def sharded_peft(case: LoraCase, base: nn.Module, adapters: dict[str, torch.Tens
         set_peft_model_state_dict(peft_model, adapters)
         parallelize(peft_model, case.plan, mesh)
     return peft_model.train()
+
+
+def fresh_generated(case: LoraCase, base: nn.Module) -> nn.Module:
+    """A model of the generated file holding ``base``'s weights."""
+    model = _model_class(import_file(case.generated), case.family)(base.config)
+    model.load_state_dict(base.state_dict())
+    return model
 
 
 def adapter_layout(base_placement: str, part: str, *, transposed: bool) -> str:
@@ -174,7 +180,7 @@ def run_lora_case(case: LoraCase, mesh: Any, workdir: str) -> LoraResult:
     adapters = get_peft_model_state_dict(reference)
     try:
         model = sharded_peft(case, base, adapters, mesh)
-        ids = _batches(base.config.vocab_size)
+        ids = lora_batches(base.config.vocab_size)
         model(ids[0])  # the adapters of "parallelize_first" may be adopted here, if not at loading
     except ParallelizeError as error:
         return LoraResult([], [], [], 0, [], {}, error=str(error))
@@ -220,11 +226,11 @@ def run_lora_case(case: LoraCase, mesh: Any, workdir: str) -> LoraResult:
     if case.lifecycle:
         from tests.runtime.lora_lifecycle import lifecycle
 
-        result.lifecycle = lifecycle(case, model, reference, base, optimizer, ref_optimizer, mesh, workdir)
+        result.lifecycle = lifecycle(case, model, reference, base, optimizer, mesh, workdir)
     return result
 
 
-def _batches(vocab: int) -> list[torch.Tensor]:
+def lora_batches(vocab: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(11)
     return [torch.randint(0, vocab, (2, 7), generator=generator) for _ in range(STEPS)]
 

@@ -49,7 +49,7 @@ def _cases(directory: Path) -> list[LoraCase]:
     no_dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
     attention = ("q_proj", "k_proj", "v_proj", "o_proj")
     return [
-        LoraCase("llama_parallelize_first", "llama", llama, llama_plan, LLAMA_TARGETS, config=BIASES),
+        LoraCase("llama_parallelize_first", "llama", llama, llama_plan, LLAMA_TARGETS, config=BIASES, lifecycle=True),
         # lm_head's LoRA layer is a boundary itself: the generic wrapper of an outside class runs it
         LoraCase("llama_peft_first", "llama", llama, llama_plan, (*LLAMA_TARGETS, "lm_head"), "peft_first", BIASES),
         LoraCase("qwen3_moe_attention", "qwen3_moe", moe, moe_plan, attention),
@@ -114,3 +114,33 @@ def test_lora_on_a_boundary_made_by_parallelize_is_refused(lora: list[dict[str, 
     errors = [by_case["lm_head_after_parallelize"].error for by_case in lora]
     assert errors[0] == errors[1] and errors[0] is not None
     assert errors[0].startswith("lm_head:") and "call get_peft_model before parallelize" in errors[0]
+
+
+def test_save_pretrained_writes_a_normal_adapter_that_peft_loads_on_one_process(lora: list[dict[str, LoraResult]]) -> None:
+    for by_case in lora:
+        life = by_case["llama_parallelize_first"].lifecycle
+        assert life["saved_shapes_match"] and life["saved_config"] == "LORA"
+        err, tol = life["save"]
+        assert err <= tol, f"{err} > {tol}"
+
+
+def test_an_adapter_saved_on_one_process_loads_onto_a_parallelized_base(lora: list[dict[str, LoraResult]]) -> None:
+    for by_case in lora:
+        err, tol = by_case["llama_parallelize_first"].lifecycle["load"]
+        assert err <= tol, f"{err} > {tol}"
+
+
+def test_merge_and_unload_gives_the_slices_of_the_unsharded_merge(lora: list[dict[str, LoraResult]]) -> None:
+    for by_case in lora:
+        life = by_case["llama_parallelize_first"].lifecycle
+        checked, failures = life["merge"]
+        assert checked > 20 and not failures, failures
+        err, tol = life["merge_logits"]
+        assert err <= tol, f"{err} > {tol}"
+
+
+def test_dcp_of_the_trainable_state_resumes_training(lora: list[dict[str, LoraResult]]) -> None:
+    for by_case in lora:
+        kept_going, resumed = by_case["llama_parallelize_first"].lifecycle["dcp"]
+        assert len(resumed) == 3
+        assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(kept_going, resumed)), (kept_going, resumed)
