@@ -176,7 +176,11 @@ def _method_problem(layer: nn.Module, name: str, layout: AdapterLayout) -> str |
         type(layer),
     )
     if not (cls.__module__.startswith("peft.tuners.lora") and hasattr(layer, "lora_A") and hasattr(layer, "lora_B")):
-        return f"the peft tuner layer {cls.__qualname__} ({cls.__module__}) is not supported: only LoRA (lora.Linear)"
+        tuner = cls.__module__.split(".")[2].upper() if cls.__module__.startswith("peft.tuners.") else cls.__module__
+        return (
+            f"the peft method {tuner} ({cls.__module__}.{cls.__qualname__}) is not supported on a parallelized "
+            "model: only LoRA (lora.Linear)"
+        )
     if cls.__name__ != "Linear":
         return f"LoRA's {cls.__qualname__} layer is not supported on a parallelized model: only lora.Linear"
     variant = getattr(layer, "lora_variant", {}).get(name)

@@ -38,6 +38,7 @@ class LoraCase:
     config: dict[str, Any] = field(default_factory=dict)  # overrides of the family's tiny config
     peft: dict[str, Any] = field(default_factory=dict)  # extra LoraConfig keywords
     lifecycle: bool = False  # also save / load / merge / DCP (tests/runtime/lora_lifecycle.py)
+    tuner: str = "lora"  # or "ia3": another peft method, which is refused
 
 
 @dataclass
@@ -86,8 +87,10 @@ def _model_class(module: Any, family: str) -> type:
 
 
 def lora_config(case: LoraCase) -> Any:
-    from peft import LoraConfig
+    from peft import IA3Config, LoraConfig
 
+    if case.tuner == "ia3":
+        return IA3Config(target_modules=list(case.targets), feedforward_modules=[])
     return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(case.targets), **case.peft)
 
 

@@ -59,6 +59,8 @@ def _cases(directory: Path) -> list[LoraCase]:
         ),
         LoraCase("dora", "llama", llama, llama_plan, ("q_proj",), config=BIASES, peft={"use_dora": True}),
         LoraCase("lm_head_after_parallelize", "llama", llama, llama_plan, ("lm_head",), config=BIASES),
+        LoraCase("ia3", "llama", llama, llama_plan, ("v_proj",), config=BIASES, tuner="ia3"),
+        LoraCase("embedding", "llama", llama, llama_plan, ("embed_tokens",), "peft_first", BIASES),
         LoraCase("row_bias", "llama", llama, llama_plan, ("o_proj",), "peft_first", BIASES, {"lora_bias": True}),
     ]
 
@@ -102,6 +104,19 @@ def test_dora_is_refused_on_every_rank_naming_it(lora: list[dict[str, LoraResult
     errors = [by_case["dora"].error for by_case in lora]
     assert errors[0] == errors[1] and errors[0] is not None
     assert "DoRA (use_dora=True)" in errors[0] and "self_attn.q_proj" in errors[0]
+
+
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [
+        ("ia3", ("self_attn.v_proj", "IA3", "only LoRA")),
+        ("embedding", ("embed_tokens", "Embedding", "not supported")),
+    ],
+)
+def test_other_peft_methods_are_refused_naming_them(lora: list[dict[str, LoraResult]], case: str, words: tuple) -> None:
+    errors = [by_case[case].error for by_case in lora]
+    assert errors[0] == errors[1] and errors[0] is not None
+    assert all(word in errors[0] for word in words), errors[0]
 
 
 def test_lora_bias_on_a_row_parallel_layer_is_refused(lora: list[dict[str, LoraResult]]) -> None:
