@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import PurePath
 
+from hpgen.classify import is_identity_contract
 from hpgen.errors import HpgenError
 from hpgen.index import ClassInfo, ModuleIndex
 from hpgen.plan import Plan
@@ -104,7 +105,17 @@ class _Resolver:
     def external(self, key: str, name: str) -> ResolvedClass:
         # No file to rewrite: the runtime wraps the instance (nn.Embedding, nn.Linear, nn.Identity
         # by their own wrappers; any other class, nn.LayerNorm or peft's lora.Linear, by the
-        # generic one around its own forward), whatever the contract.
+        # generic one around its own forward), whatever the contract. A bare name the file does
+        # not define may be a class of this file hpgen cannot see (nested in another class): a
+        # contract that moves values on it is refused rather than silently left unlowered.
+        short = name.rsplit(".", 1)[-1]
+        if "." not in name and short not in WRAPPED_EXTERNAL and not is_identity_contract(self.plan, key):
+            raise self.fail(
+                key,
+                f"its class {name} is not defined in {self.source_name} (at module level); if it is a class from "
+                "outside the file, name it by its module in boundary_classes (e.g. 'torch.nn.LayerNorm') and the "
+                "runtime wraps it",
+            )
         return ResolvedClass(name, external=True)
 
     def unresolved(self, key: str, why: str) -> HpgenError:

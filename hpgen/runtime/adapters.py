@@ -210,7 +210,7 @@ class _Slot:
     weight_shape: tuple[int, ...]  # the base weight's full shape
     layout: AdapterLayout
     transposed: bool  # transformers' Conv1D: weight [in, out] (read before a deferred bias swaps its class)
-    adopted: set[str] = field(default_factory=set)
+    adopted: dict[str, nn.Module] = field(default_factory=dict)  # adapter name -> its lora_A, when adopted
 
     def layer(self) -> nn.Module | None:
         """The tuner layer wrapping the base layer now, or None."""
@@ -221,6 +221,11 @@ class _Slot:
         while is_tuner_layer(base):
             base = base.base_layer
         return current if base is self.base else None
+
+    def has_adopted(self, layer: nn.Module, name: str) -> bool:
+        """The adapter ``name`` of ``layer`` is the one adopted under that name (not one made anew since)."""
+        lora_a = getattr(layer, "lora_A", None)
+        return isinstance(lora_a, nn.ModuleDict) and name in lora_a and self.adopted.get(name) is lora_a[name]
 
     def problem(self, layer: nn.Module, name: str) -> None:
         """Refuse (the same on every rank: they hold the same peft config) an adapter that cannot be sharded."""
@@ -257,25 +262,26 @@ class AdapterWatch:
     def __deepcopy__(self, memo: dict) -> AdapterWatch:
         return self  # holds process groups
 
-    def pending(self) -> list[tuple[_Slot, nn.Module, str]]:
-        """(slot, tuner layer, adapter name) of every adapter not adopted yet."""
+    def pending(self, slots: Sequence[_Slot] | None = None) -> list[tuple[_Slot, nn.Module, str]]:
+        """(slot, tuner layer, adapter name) of every adapter of ``slots`` (default: all) not adopted yet."""
         found = []
-        for slot in self.slots:
+        for slot in self.slots if slots is None else slots:
             layer = slot.layer()
             if layer is not None:
-                found += [(slot, layer, name) for name in _adapter_names(layer) if name not in slot.adopted]
+                found += [(slot, layer, name) for name in _adapter_names(layer) if not slot.has_adopted(layer, name)]
         return found
 
-    def adopt(self) -> None:
-        """Shard, align and hook every adapter not adopted yet (all ranks call it at the same point)."""
-        pending = self.pending()
+    def adopt(self, slots: Sequence[_Slot] | None = None) -> None:
+        """Shard, align and hook every adapter of ``slots`` (default: all) not adopted yet (all ranks call
+        it at the same point)."""
+        pending = self.pending(slots)
         if not pending:
             return
         for slot, layer, name in pending:
             slot.problem(layer, name)
         for slot, layer, name in pending:
             self._adopt(slot, layer, name)
-            slot.adopted.add(name)
+            slot.adopted[name] = layer.lora_A[name]
         ShardRecorder.hook_loading(self.model)
 
     def _adopt(self, slot: _Slot, layer: nn.Module, name: str) -> None:
@@ -375,21 +381,25 @@ def watch_adapters(
     watch = AdapterWatch(slots, axes, recorder, model)
     watch.adopt()
     if slots:
-        for boundary in {id(slot.boundary): slot.boundary for slot in slots}.values():
-            boundary.register_forward_pre_hook(_AdoptFirst(watch))
+        by_boundary: dict[int, tuple[nn.Module, list[_Slot]]] = {}
+        for slot in slots:
+            by_boundary.setdefault(id(slot.boundary), (slot.boundary, []))[1].append(slot)
+        for boundary, own in by_boundary.values():
+            boundary.register_forward_pre_hook(_AdoptFirst(watch, own))
         model.register_state_dict_pre_hook(_AdoptBeforeStateDict(watch))
         model.register_load_state_dict_pre_hook(_AdoptBeforeLoad(watch))
     return watch
 
 
 class _AdoptFirst:
-    """Forward pre-hook: adopt the adapters peft added since the last call."""
+    """Forward pre-hook of a boundary: adopt the adapters peft added to its linears since the last call."""
 
-    def __init__(self, watch: AdapterWatch) -> None:
+    def __init__(self, watch: AdapterWatch, slots: Sequence[_Slot] | None = None) -> None:
         self.watch = watch
+        self.slots = slots
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        self.watch.adopt()
+        self.watch.adopt(self.slots)
 
     def __deepcopy__(self, memo: dict) -> _AdoptFirst:
         return self
