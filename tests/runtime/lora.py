@@ -34,7 +34,7 @@ class LoraCase:
     generated: str
     plan: dict[str, Any]
     targets: tuple[str, ...]
-    order: str = "parallelize_first"  # or "peft_first"
+    order: str = "parallelize_first"  # or "peft_first" (parallelize(peft_model)), "peft_base" (its base model)
     config: dict[str, Any] = field(default_factory=dict)  # overrides of the family's tiny config
     peft: dict[str, Any] = field(default_factory=dict)  # extra LoraConfig keywords
     lifecycle: bool = False  # also save / load / merge / DCP (tests/runtime/lora_lifecycle.py)
@@ -120,10 +120,10 @@ def sharded_peft(case: LoraCase, base: nn.Module, adapters: dict[str, torch.Tens
         parallelize(model, case.plan, mesh)
         peft_model = get_peft_model(model, lora_config(case))
         set_peft_model_state_dict(peft_model, adapters)  # full tensors: each rank keeps its slice
-    else:
+    else:  # "peft_first": the peft model itself, or "peft_base": its get_base_model()
         peft_model = get_peft_model(model, lora_config(case))
         set_peft_model_state_dict(peft_model, adapters)
-        parallelize(peft_model, case.plan, mesh)
+        parallelize(peft_model if case.order == "peft_first" else peft_model.get_base_model(), case.plan, mesh)
     return peft_model.train()
 
 

@@ -52,6 +52,7 @@ def _cases(directory: Path) -> list[LoraCase]:
         LoraCase("llama_parallelize_first", "llama", llama, llama_plan, LLAMA_TARGETS, config=BIASES, lifecycle=True),
         # lm_head's LoRA layer is a boundary itself: the generic wrapper of an outside class runs it
         LoraCase("llama_peft_first", "llama", llama, llama_plan, (*LLAMA_TARGETS, "lm_head"), "peft_first", BIASES),
+        LoraCase("llama_peft_base", "llama", llama, llama_plan, ("q_proj", "o_proj"), "peft_base", BIASES),
         LoraCase("qwen3_moe_attention", "qwen3_moe", moe, moe_plan, attention),
         LoraCase("gpt2_conv1d", "gpt2", gpt2, gpt2_plan, ("c_attn", "c_proj", "c_fc"), "peft_first", config=no_dropout),
         LoraCase(
@@ -71,7 +72,14 @@ def lora(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, LoraResult]
     return run_distributed(run_lora_cases, _cases(directory), str(directory), timeout=300)
 
 
-TRAINED = ("llama_parallelize_first", "llama_peft_first", "qwen3_moe_attention", "gpt2_conv1d", "gpt2_conv1d_parallelize_first")
+TRAINED = (
+    "llama_parallelize_first",
+    "llama_peft_first",
+    "llama_peft_base",
+    "qwen3_moe_attention",
+    "gpt2_conv1d",
+    "gpt2_conv1d_parallelize_first",
+)
 
 
 @pytest.mark.parametrize("case", TRAINED)
