@@ -1,10 +1,6 @@
 """peft's LoRA adapters on a parallelized model: each adapter laid out like its base layer.
 
-A plan is written for the base model: ``q_proj.weight`` S(0). peft puts a tuner layer in
-the linear's place and moves the linear to ``q_proj.base_layer``. :func:`resolve_tuner_names`
-reads the plan through that indirection (``q_proj.weight`` is ``q_proj.base_layer.weight``),
-so one plan serves the base model and its peft model, in either order of ``parallelize``
-and ``get_peft_model``.
+The plan is the base model's, read through peft's ``base_layer`` (:mod:`hpgen.runtime.tuners`).
 
 Each LoRA adapter pair (``lora_A`` [r, in], ``lora_B`` [out, r]) takes its base layer's
 layout (:func:`adapter_layouts`), as Megatron's LoRA layers and vLLM's do:
@@ -26,13 +22,13 @@ at random on each rank), hooks the gradient reductions, and records the sharded 
 the state dict, where they appear as full tensors (gathered), so that peft's
 ``save_pretrained`` writes a normal adapter and one loaded on one process is sliced.
 
-Methods whose arithmetic is not sharded like this (DoRA and peft's other LoRA variants,
-``lora_bias`` on a row-parallel base, IA3 and other tuners) are refused, naming the method.
+Methods whose arithmetic is not sharded like this are refused, naming the method
+(:func:`hpgen.runtime.tuners.method_problem`).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,70 +45,10 @@ from hpgen.runtime.hooks import GradAllReduce
 from hpgen.runtime.params import Matched
 from hpgen.runtime.sharding import local_chunk, local_shape, normalize_dim
 from hpgen.runtime.state_dict import ShardRecorder
-from hpgen.runtime.wrappers import MIXINS, is_conv1d
+from hpgen.runtime.tuners import is_tuner_layer, method_problem
+from hpgen.runtime.wrappers import is_conv1d
 
-WRAPPER_MIXINS = set(MIXINS.values())
-
-__all__ = [
-    "AdapterWatch",
-    "adapter_layouts",
-    "is_tuner_layer",
-    "peft_base_model",
-    "resolve_tuner_names",
-    "survey_adapters",
-    "watch_adapters",
-]
-
-
-def is_tuner_layer(module: nn.Module) -> bool:
-    """A peft tuner layer (``lora.Linear``, ``IA3Layer``...): it holds the original module as ``base_layer``."""
-    return isinstance(getattr(module, "base_layer", None), nn.Module) and hasattr(type(module), "adapter_layer_names")
-
-
-def peft_base_model(model: nn.Module) -> nn.Module | None:
-    """The transformers model inside a ``PeftModel``, or None for any other model."""
-    get_base = getattr(type(model), "get_base_model", None)
-    if get_base is None or not hasattr(model, "peft_config") or not isinstance(getattr(model, "base_model", None), nn.Module):
-        return None
-    return model.get_base_model()
-
-
-def _base_path(module: nn.Module, path: str) -> str:
-    """``path`` (a submodule of ``module``, '' for itself) through every tuner layer's ``base_layer``."""
-    current = module.get_submodule(path) if path else module
-    while is_tuner_layer(current):
-        current = current.base_layer
-        path = f"{path}.base_layer" if path else "base_layer"
-    return path
-
-
-def _renamed(module: nn.Module, name: str) -> str:
-    owner, _, leaf = name.rpartition(".")
-    try:
-        base = _base_path(module, owner)
-    except AttributeError:
-        return name  # not a submodule: check_param_names reports it
-    return f"{base}.{leaf}" if base else leaf
-
-
-def resolve_tuner_names(matched: Iterable[Matched]) -> list[Matched]:
-    """Each entry's parameter names read through peft's ``base_layer`` where a tuner layer holds them."""
-    resolved = []
-    for item in matched:
-        entry = item.entry
-        names = [*entry.params, *entry.deferred_bias_params, *entry.grad_reduce_params]
-        rename = {name: _renamed(item.module, name) for name in names}
-        if all(old == new for old, new in rename.items()):
-            resolved.append(item)
-            continue
-        entry = dataclasses.replace(
-            entry,
-            params={rename[name]: layout for name, layout in entry.params.items()},
-            deferred_bias_params=tuple(rename[name] for name in entry.deferred_bias_params),
-            grad_reduce_params=tuple(rename[name] for name in entry.grad_reduce_params),
-        )
-        resolved.append(dataclasses.replace(item, entry=entry))
-    return resolved
+__all__ = ["AdapterWatch", "adapter_layouts", "survey_adapters", "watch_adapters"]
 
 
 # --------------------------------------------------------------------------- layouts
@@ -127,7 +63,6 @@ class AdapterLayout:
     a_reduce: tuple[str, ...]
     b_reduce: tuple[str, ...]
     sharded_inputs: tuple[str, ...]  # axes on which the base's inputs are sharded (row-parallel)
-    replicated_inputs: tuple[str, ...]  # sharded axes on which the base's input is replicated (column-parallel)
 
 
 def adapter_layouts(
@@ -139,7 +74,7 @@ def adapter_layouts(
     adapters' gradients are partial there too.
     """
     out_dim, in_dim = (1, 0) if transposed else (0, 1)
-    a, b, a_reduce, b_reduce, sharded_in, replicated_in = [], [], list(reduced), list(reduced), [], []
+    a, b, a_reduce, b_reduce, sharded_in = [], [], list(reduced), list(reduced), []
     for axis in axes:
         p = base.on(axis)
         if p.kind == "R":
@@ -153,7 +88,6 @@ def adapter_layouts(
         if dim == out_dim:
             b.append((axis, Placement(p.kind, dim=0, blocks=p.blocks)))
             a_reduce.append(axis)
-            replicated_in.append(axis)
         else:
             a.append((axis, Placement(p.kind, dim=1, blocks=p.blocks)))
             b_reduce.append(axis)
@@ -164,35 +98,7 @@ def adapter_layouts(
         tuple(dict.fromkeys(a_reduce)),
         tuple(dict.fromkeys(b_reduce)),
         tuple(sharded_in),
-        tuple(replicated_in),
     )
-
-
-def _method_problem(layer: nn.Module, name: str, layout: AdapterLayout) -> str | None:
-    """Why the adapter ``name`` of the tuner ``layer`` cannot be sharded like its base, or None."""
-    # the class peft made (parallelize may have swapped in its wrapper subclass)
-    cls = next(
-        (c for c in type(layer).__mro__ if c.__module__.startswith("peft.") and not set(c.__bases__) & WRAPPER_MIXINS),
-        type(layer),
-    )
-    if not (cls.__module__.startswith("peft.tuners.lora") and hasattr(layer, "lora_A") and hasattr(layer, "lora_B")):
-        tuner = cls.__module__.split(".")[2].upper() if cls.__module__.startswith("peft.tuners.") else cls.__module__
-        return (
-            f"the peft method {tuner} ({cls.__module__}.{cls.__qualname__}) is not supported on a parallelized "
-            "model: only LoRA (lora.Linear)"
-        )
-    if cls.__name__ != "Linear":
-        return f"LoRA's {cls.__qualname__} layer is not supported on a parallelized model: only lora.Linear"
-    variant = getattr(layer, "lora_variant", {}).get(name)
-    if variant is not None:
-        method = "DoRA (use_dora=True)" if getattr(layer, "use_dora", {}).get(name) else type(variant).__name__
-        return f"adapter {name!r} uses {method}, which is not supported on a parallelized model: use plain LoRA"
-    if getattr(layer, "lora_bias", {}).get(name) and layout.sharded_inputs:
-        return (
-            f"adapter {name!r} has lora_bias=True on a row-parallel base layer (inputs sharded on "
-            f"{', '.join(layout.sharded_inputs)}): its bias would be added once per rank; use lora_bias=False"
-        )
-    return None
 
 
 # --------------------------------------------------------------------------- adoption
@@ -229,7 +135,7 @@ class _Slot:
 
     def problem(self, layer: nn.Module, name: str) -> None:
         """Refuse (the same on every rank: they hold the same peft config) an adapter that cannot be sharded."""
-        problem = _method_problem(layer, name, self.layout)
+        problem = method_problem(layer, name, self.layout.sharded_inputs)
         if problem is None and (getattr(self.base, "_hp_out", None) is not None or getattr(self.base, "_hp_in", None) is not None):
             problem = (
                 f"peft wrapped a module that parallelize had already made a parallel boundary "
@@ -314,6 +220,12 @@ class AdapterWatch:
     ) -> nn.Parameter:
         """The parameter holding this rank's chunk: cut from the full one (peft made it before parallelize)."""
         param = owner._parameters[attr]
+        dtensor = sys.modules.get("torch.distributed.tensor")  # nothing is a DTensor before it is imported
+        if dtensor is not None and isinstance(param, dtensor.DTensor):
+            raise ParallelizeError(
+                f"{where} is already a DTensor: fully_shard ran before hpgen saw this adapter. Put the adapters on "
+                "first: get_peft_model, then parallelize, then fully_shard"
+            )
         local = local_shape(shape, shares)
         current = tuple(param.shape)
         if current == local:

@@ -55,7 +55,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hpgen.errors import HpgenError
 from hpgen.plan import Plan, load_plan, plan_from_dict
-from hpgen.runtime.adapters import peft_base_model, resolve_tuner_names, survey_adapters, watch_adapters
+from hpgen.runtime.adapters import survey_adapters, watch_adapters
 from hpgen.runtime.agreement import check_ranks_agree, raise_together
 from hpgen.runtime.attrs import survey_attrs
 from hpgen.runtime.collectives import AxisCollectives, scope_shard_sizes
@@ -74,6 +74,7 @@ from hpgen.runtime.saving import bind_save_pretrained
 from hpgen.runtime.stubs import refuse_replaced_stubs
 from hpgen.runtime.state_dict import install_state_dict_hooks
 from hpgen.runtime.targets import Target, resolve
+from hpgen.runtime.tuners import peft_base_model, resolve_tuner_names
 
 __all__ = ["ParallelizeError", "parallelize"]
 

@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from hpgen.classify import is_identity_contract
 from hpgen.plan import Plan, contract_signature
 from hpgen.plan import Target as PlanTarget
-from hpgen.runtime.adapters import is_tuner_layer
+from hpgen.runtime.tuners import is_tuner_layer
 from hpgen.runtime.boundary import GenericBoundary, StaticMove, boundary_movers, generic_boundary
 from hpgen.runtime.collectives import AxisCollectives
 from hpgen.runtime.counterparts import GeneratedModule, counterpart
