@@ -41,7 +41,7 @@ from hpgen.placement import REPLICATE, Placement
 from hpgen.plan import Layout, body_is_sharded
 from hpgen.runtime.collectives import AxisCollectives
 from hpgen.runtime.errors import ParallelizeError
-from hpgen.runtime.hooks import GradAllReduce
+from hpgen.runtime.hooks import FollowReducedParameters, GradAllReduce
 from hpgen.runtime.params import Matched
 from hpgen.runtime.sharding import local_chunk, local_shape, normalize_dim
 from hpgen.runtime.state_dict import ShardRecorder
@@ -63,27 +63,28 @@ class AdapterLayout:
     a_reduce: tuple[str, ...]
     b_reduce: tuple[str, ...]
     sharded_inputs: tuple[str, ...]  # axes on which the base's inputs are sharded (row-parallel)
+    unsupported: str | None = None  # why no adapter can go on this base layer (refused only if one does)
 
 
-def adapter_layouts(
-    where: str, base: Layout, axes: Sequence[str], *, transposed: bool, reduced: Sequence[str]
-) -> AdapterLayout:
+def adapter_layouts(base: Layout, axes: Sequence[str], *, transposed: bool, reduced: Sequence[str]) -> AdapterLayout:
     """The adapters' layout for a base weight laid out as ``base`` (``transposed``: Conv1D's [in, out]).
 
     ``reduced``: axes over which the plan already sums the base weight's gradient; the
     adapters' gradients are partial there too.
     """
-    out_dim, in_dim = (1, 0) if transposed else (0, 1)
+    out_dim = 1 if transposed else 0
     a, b, a_reduce, b_reduce, sharded_in = [], [], list(reduced), list(reduced), []
+    unsupported = None
     for axis in axes:
         p = base.on(axis)
         if p.kind == "R":
             continue
         if p.kind not in ("S", "SS"):
-            raise ParallelizeError(
-                f"{where}: LoRA on a base weight laid out {p} on axis {axis!r} is not supported (only S(d) and "
-                "SS(d,k): a replicated-shard's adapters would count each chunk's gradient once per replica)"
+            unsupported = (
+                f"LoRA on a base weight laid out {p} on axis {axis!r} is not supported (only S(d) and SS(d,k): "
+                "a replicated shard's adapters would count each chunk's gradient once per replica)"
             )
+            continue
         dim = normalize_dim(p.dim, 2)
         if dim == out_dim:
             b.append((axis, Placement(p.kind, dim=0, blocks=p.blocks)))
@@ -98,6 +99,7 @@ def adapter_layouts(
         tuple(dict.fromkeys(a_reduce)),
         tuple(dict.fromkeys(b_reduce)),
         tuple(sharded_in),
+        unsupported,
     )
 
 
@@ -135,7 +137,7 @@ class _Slot:
 
     def problem(self, layer: nn.Module, name: str) -> None:
         """Refuse (the same on every rank: they hold the same peft config) an adapter that cannot be sharded."""
-        problem = method_problem(layer, name, self.layout.sharded_inputs)
+        problem = method_problem(layer, name, self.layout.sharded_inputs) or self.layout.unsupported
         if problem is None and (getattr(self.base, "_hp_out", None) is not None or getattr(self.base, "_hp_in", None) is not None):
             problem = (
                 f"peft wrapped a module that parallelize had already made a parallel boundary "
@@ -200,6 +202,7 @@ class AdapterWatch:
         ]
         if getattr(layer.lora_B[name], "bias", None) is not None:
             parts.append((layer.lora_B[name], "bias", (out,), slot.layout.b, slot.layout.b_reduce, "lora_B"))
+        reduced: list[tuple[nn.Module, str, GradAllReduce]] = []
         for owner, attr, shape, layout, reduce, label in parts:
             where = f"{slot.where}.{label}.{name}.{attr}"
             shares = tuple((layout.on(axis), self.axes[axis].rank, self.axes[axis].size) for axis in self.names)
@@ -213,7 +216,10 @@ class AdapterWatch:
                 param.register_hook(reducer)
                 param.requires_grad_(not frozen)
                 param._hp_grad_reduce = reducer
+                reduced.append((owner, attr, reducer))
             self.recorder.record([(owner, attr)], where, shape, shares, gathered=True)
+        if reduced:  # FSDP2 registers parameters of its own for the forward: the reduction follows them
+            layer.register_forward_pre_hook(FollowReducedParameters(f"{slot.where} ({name})", reduced))
 
     def _local(
         self, owner: nn.Module, attr: str, shape: tuple[int, ...], shares: tuple, where: str
@@ -274,7 +280,7 @@ def survey_adapters(model: nn.Module, matched: Iterable[Matched], mesh_names: Se
             grad_reduced = name in item.entry.grad_reduce_params
             reduced = [axis for axis in mesh_names if grad_reduced and body_is_sharded(item.entry, axis)]
             transposed = is_conv1d(base)
-            layouts = adapter_layouts(fqn, layout, mesh_names, transposed=transposed, reduced=reduced)
+            layouts = adapter_layouts(layout, mesh_names, transposed=transposed, reduced=reduced)
             slots.append(
                 _Slot(fqn, item.module, modules[parent_fqn], attr, base, tuple(base.weight.shape), layouts, transposed)
             )

@@ -244,3 +244,58 @@ def run_lora_cases(rank: int, world_size: int, cases: list[LoraCase], workdir: s
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
     return {case.name: run_lora_case(case, mesh, workdir) for case in cases}
+
+
+def run_lora_fsdp_case(case: LoraCase, mesh: Any) -> LoraResult:
+    """``case`` on a ``dp x tp`` mesh: peft, then ``parallelize`` on ``tp``, then FSDP2 on ``dp`` (torchtitan's
+    order: each decoder layer, then the root); each ``dp`` rank trains on its share of the batch.
+
+    The losses (averaged over ``dp``) and, after the steps, every adapter (FSDP2's ``dp`` pieces gathered:
+    this ``tp`` rank's slice) are compared with peft's LoRA on the whole batch on one process.
+    """
+    import torch.distributed as dist
+    from peft import get_peft_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    base, reference = peft_reference(case)
+    model = sharded_peft(case, base, get_peft_model_state_dict(reference), mesh)
+    for layer in model.get_base_model().model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    dp, dp_rank = mesh["dp"].size(), mesh.get_local_rank("dp")
+    tp, tp_rank = mesh["tp"].size(), mesh.get_local_rank("tp")
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR, momentum=0.9)
+    ref_optimizer = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=LR, momentum=0.9)
+    losses, ref_losses = [], []
+    for batch in lora_batches(base.config.vocab_size):
+        rows = batch[dp_rank * len(batch) // dp : (dp_rank + 1) * len(batch) // dp]
+        loss = model(rows, labels=rows).loss
+        loss.backward()
+        ref_loss = reference(batch, labels=batch).loss
+        ref_loss.backward()
+        for opt in (optimizer, ref_optimizer):
+            opt.step()
+            opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=mesh.get_group("dp"))
+        losses.append(mean.item() / dp)
+        ref_losses.append(ref_loss.item())
+    layouts = expected_layouts(reference, case.plan)
+    mine, ref_params = dict(model.named_parameters()), dict(reference.named_parameters())
+    failures, replicated = [], {}
+    for name, placement in layouts.items():
+        got = mine[name].full_tensor().detach()  # FSDP2's dp pieces: this tp rank's adapter
+        want = expected_shard(ref_params[name].detach(), placement, tp_rank, tp)
+        if got.shape != want.shape or not (got - want).abs().max().item() <= tolerance(want):
+            failures.append(f"{name} ({placement})")
+        if placement == "R":
+            replicated[name] = got.flatten()[:8].tolist()
+    return LoraResult(losses, ref_losses, [], len(layouts), failures, replicated)
+
+
+def run_lora_fsdp_cases(rank: int, world_size: int, cases: list[LoraCase]) -> dict[str, LoraResult]:
+    """Rank body: every case on a ``dp`` 2 x ``tp`` 2 mesh (4 ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    return {case.name: run_lora_fsdp_case(case, mesh) for case in cases}

@@ -22,6 +22,7 @@ from tests.runtime.models import generated_plan, lower_family
 
 LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 BIASES = {"attention_bias": True, "mlp_bias": True}
+KV1 = {"num_key_value_heads": 1}
 
 
 def _gpt2(directory: Path) -> tuple[dict[str, Any], str]:
@@ -46,6 +47,8 @@ def _cases(directory: Path) -> list[LoraCase]:
     moe_plan = generated_plan("qwen3_moe", tp=2)
     moe = str(lower_family("qwen3_moe", moe_plan, directory))
     gpt2_plan, gpt2 = _gpt2(directory)
+    kv1_plan = generated_plan("llama", KV1, tp=2)  # its one key/value head on both ranks: k_proj RS(0,2)
+    kv1 = str(lower_family("llama", kv1_plan, directory))
     no_dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
     attention = ("q_proj", "k_proj", "v_proj", "o_proj")
     return [
@@ -62,6 +65,7 @@ def _cases(directory: Path) -> list[LoraCase]:
         LoraCase("lm_head_after_parallelize", "llama", llama, llama_plan, ("lm_head",), config=BIASES),
         LoraCase("ia3", "llama", llama, llama_plan, ("v_proj",), config=BIASES, tuner="ia3"),
         LoraCase("embedding", "llama", llama, llama_plan, ("embed_tokens",), "peft_first", BIASES),
+        LoraCase("replicated_heads", "llama", kv1, kv1_plan, ("k_proj",), "peft_first", KV1),
         LoraCase("row_bias", "llama", llama, llama_plan, ("o_proj",), "peft_first", BIASES, {"lora_bias": True}),
     ]
 
@@ -119,9 +123,10 @@ def test_dora_is_refused_on_every_rank_naming_it(lora: list[dict[str, LoraResult
     [
         ("ia3", ("self_attn.v_proj", "IA3", "only LoRA")),
         ("embedding", ("embed_tokens", "Embedding", "not supported")),
+        ("replicated_heads", ("self_attn.k_proj", "RS(0,2)", "not supported")),
     ],
 )
-def test_other_peft_methods_are_refused_naming_them(lora: list[dict[str, LoraResult]], case: str, words: tuple) -> None:
+def test_what_cannot_be_sharded_is_refused_naming_it(lora: list[dict[str, LoraResult]], case: str, words: tuple) -> None:
     errors = [by_case[case].error for by_case in lora]
     assert errors[0] == errors[1] and errors[0] is not None
     assert all(word in errors[0] for word in words), errors[0]
