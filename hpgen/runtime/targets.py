@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,14 +40,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from hpgen.classify import is_identity_contract
 from hpgen.plan import Plan, contract_signature
 from hpgen.plan import Target as PlanTarget
-from hpgen.runtime.tuners import is_tuner_layer
 from hpgen.runtime.boundary import GenericBoundary, StaticMove, boundary_movers, generic_boundary
 from hpgen.runtime.collectives import AxisCollectives
-from hpgen.runtime.counterparts import GeneratedModule, counterpart
+from hpgen.runtime.counterparts import GeneratedModule, counterpart, is_generated_file
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.kernels import instance_forward_problem, route_dispatch
 from hpgen.runtime.params import Matched
 from hpgen.runtime.sharding import local_range, normalize_dim
+from hpgen.runtime.tuners import is_tuner_layer
 from hpgen.runtime.wrappers import is_conv1d, subclass_with
 
 __all__ = ["Target", "resolve"]
@@ -150,13 +151,14 @@ def is_outside_class(module: nn.Module) -> bool:
     """A class no modeling file defines (torch's, peft's, the user's): the generic wrapper runs its forward.
 
     A class of a transformers modeling file (``transformers.models.*``, a ``modeling_*.py``)
-    is not: it needs the generated forward of that file.
+    or of a generated file is not: it needs a generated forward for the plan.
     """
     cls = type(module)
     if is_tuner_layer(module):
         return True
     stem = cls.__module__.rpartition(".")[2]
-    return not (cls.__module__.startswith("transformers.models.") or stem.startswith("modeling_"))
+    modeling = cls.__module__.startswith("transformers.models.") or stem.startswith("modeling_")
+    return not modeling and not is_generated_file(sys.modules.get(cls.__module__))
 
 
 def _outside(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, AxisCollectives]) -> Target:
