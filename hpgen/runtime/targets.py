@@ -168,8 +168,8 @@ def _outside(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, Axi
     base = item.module.get_base_layer() if is_tuner_layer(item.module) else None
     if base is not None and not (isinstance(base, nn.Linear) or is_conv1d(base)):
         raise ParallelizeError(
-            f"{where}: peft's {type(item.module).__qualname__} on a boundary {type(base).__name__} is not supported "
-            "on a parallelized model (LoRA on an nn.Linear or Conv1D only)"
+            f"{item.fqn}: peft's {type(item.module).__qualname__} ({type(item.module).__module__}) on a boundary "
+            f"{type(base).__name__} is not supported on a parallelized model (LoRA on an nn.Linear or Conv1D only)"
         )
     for name in item.entry.input_names:
         if name not in signature.parameters:
