@@ -138,7 +138,8 @@ class _Slot:
     def problem(self, layer: nn.Module, name: str) -> None:
         """Refuse (the same on every rank: they hold the same peft config) an adapter that cannot be sharded."""
         problem = method_problem(layer, name, self.layout.sharded_inputs) or self.layout.unsupported
-        if problem is None and (getattr(self.base, "_hp_out", None) is not None or getattr(self.base, "_hp_in", None) is not None):
+        made_boundary = any(getattr(self.base, mover, None) is not None for mover in ("_hp_in", "_hp_out"))
+        if problem is None and made_boundary:
             problem = (
                 f"peft wrapped a module that parallelize had already made a parallel boundary "
                 f"({type(self.base).__name__}); call get_peft_model before parallelize to put LoRA on it"

@@ -174,7 +174,8 @@ def _outside(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, Axi
     for name in item.entry.input_names:
         if name not in signature.parameters:
             raise ParallelizeError(
-                f"{where}: declares input {name!r}, but its forward takes {', '.join(signature.parameters) or 'nothing'}"
+                f"{where}: declares input {name!r}, but its forward takes "
+                f"{', '.join(signature.parameters) or 'nothing'}"
             )
     known = tuple(
         name

@@ -32,8 +32,8 @@ def is_tuner_layer(module: nn.Module) -> bool:
 
 def peft_base_model(model: nn.Module) -> nn.Module | None:
     """The transformers model inside a ``PeftModel``, or None for any other model."""
-    get_base = getattr(type(model), "get_base_model", None)
-    if get_base is None or not hasattr(model, "peft_config") or not isinstance(getattr(model, "base_model", None), nn.Module):
+    has_base = hasattr(type(model), "get_base_model") and isinstance(getattr(model, "base_model", None), nn.Module)
+    if not has_base or not hasattr(model, "peft_config"):
         return None
     return model.get_base_model()
 

@@ -106,7 +106,8 @@ def lifecycle(
     batches = lora_batches(base.config.vocab_size)
     kept_going = _steps(model, optimizer, batches)
     resumed = _fresh_peft(case, base, mesh)
-    fresh_optimizer = torch.optim.SGD([p for p in resumed.parameters() if p.requires_grad], lr=optimizer.defaults["lr"], momentum=0.9)
+    trainable = [p for p in resumed.parameters() if p.requires_grad]
+    fresh_optimizer = torch.optim.SGD(trainable, lr=optimizer.defaults["lr"], momentum=0.9)
     _steps(resumed, fresh_optimizer, batches[:1])  # an optimizer state of the right structure, then overwritten
     target = {
         "adapters": {k: v for k, v in resumed.state_dict().items() if "lora_" in k},

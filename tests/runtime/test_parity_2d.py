@@ -235,5 +235,5 @@ def test_lora_under_fsdp2_tracks_peft_on_one_process(results: list[dict]) -> Non
         result = by_case["lora_fsdp2"]
         assert len(result.losses) == 3 and result.grads_checked == 28
         for loss, want in zip(result.losses, result.reference_losses):
-            assert abs(loss - want) <= 1e-5 + 1e-5 * abs(want), f"rank {rank}: {result.losses} vs {result.reference_losses}"
+            assert abs(loss - want) <= 1e-5 + 1e-5 * abs(want), f"rank {rank}: {result.losses}, {result.reference_losses}"
         assert not result.param_failures, f"rank {rank}: " + "; ".join(result.param_failures)
