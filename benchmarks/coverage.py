@@ -6,6 +6,7 @@
     python benchmarks/coverage.py --only llama,qwen3   # some model types (their rows are redone)
     python benchmarks/coverage.py --fresh              # forget earlier results of this variant
     python benchmarks/coverage.py --render             # only rewrite docs/coverage.md from the results
+    python benchmarks/coverage.py --train --only gpt2,opt  # the train-mode column (its own section of the page)
 
 For every model type that has a causal-LM class (transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING``),
 with or without a ``base_model_tp_plan``:
@@ -27,6 +28,12 @@ with or without a ``base_model_tp_plan``:
    its layer's gradient scale, as a key bias's gradient is zero but for rounding). The
    causal LMs of composite models and BERT-style decoders count too (``GPT2LMHeadModel``,
    ``BertLMHeadModel`` with ``is_decoder``); a tiny config still over ``MAX_PARAMS`` is not run.
+
+With ``--train`` (the train-mode check, for the model types whose config has dropout): every
+``*drop*`` probability of the config set to 0.1, ranks seeded ``torch.manual_seed(1234 + rank)``,
+the parallelized model in train mode takes 3 AdamW steps on one batch, and every parameter the
+plan keeps replicated must be the same on both ranks, bit for bit (:func:`_train_rank`). Its
+results go to their own section of the page, between ``TRAIN_BEGIN`` and ``TRAIN_END``.
 
 The ranks run several architectures per spawn (``--chunk``), each case bounded by
 ``--timeout`` seconds; a spawn that fails as a whole is retried one architecture at a time.
@@ -405,7 +412,21 @@ class Case:
     others: tuple[str, ...] = ()  # the generated files of the other modeling files the boundaries live in
 
 
-VARIANTS = {"tp": {}, "sp": {"sp": True}, "ep": {"ep": 2}}  # plan_for_model options beyond tp=2
+VARIANTS = {"tp": {}, "sp": {"sp": True}, "ep": {"ep": 2}, "train": {}}  # plan_for_model options beyond tp=2
+TRAIN_DROPOUT = 0.1
+TRAIN_STEPS = 3
+TRAIN_BEGIN, TRAIN_END = "<!-- train-mode: begin -->", "<!-- train-mode: end -->"
+
+
+def dropout_keys(config: Any) -> list[str]:
+    """The config's dropout probabilities (``attention_dropout``, ``resid_pdrop``, ...), in its text config too."""
+    found = []
+    for part in _configs(config):
+        found += [
+            key for key, value in vars(part).items()
+            if "drop" in key.lower() and isinstance(value, float) and not key.startswith("_")
+        ]  # fmt: skip
+    return sorted(set(found))
 
 
 def prepare(model_type: str, directory: Path, *, variant: str = "tp") -> tuple[Row, Case | None]:
@@ -429,6 +450,9 @@ def prepare(model_type: str, directory: Path, *, variant: str = "tp") -> tuple[R
             row.reason = f"config: {_short(error)}"
             return row, None
         row.model_class = cls.__name__
+        if variant == "train" and not dropout_keys(config):
+            row.reason = "train mode not run: the config has no dropout"
+            return row, None
         try:
             model = meta_model(config)
             row.plan_source = plan_source(model)
@@ -480,7 +504,7 @@ def prepare(model_type: str, directory: Path, *, variant: str = "tp") -> tuple[R
         row.seconds = round(time.monotonic() - started, 1)
 
 
-def compare(cases: list[Case], timeout: float) -> dict[str, dict | str]:
+def compare(cases: list[Case], timeout: float, variant: str = "tp") -> dict[str, dict | str]:
     """Run the cases on 2 ranks in one spawn; per model type its rank results or an error line.
 
     Every rank catches a case's exception and meets the other at a barrier before the next
@@ -491,13 +515,13 @@ def compare(cases: list[Case], timeout: float) -> dict[str, dict | str]:
     from tests.dist import RankFailed, run_distributed
 
     try:
-        ranks = run_distributed(_rank_cases, cases, SEED, timeout=timeout * len(cases))
+        ranks = run_distributed(_rank_cases, cases, SEED, variant, timeout=timeout * len(cases))
     except RankFailed as failure:
         if len(cases) == 1:
             return {cases[0].model_type: _rank_error(failure)}
         found: dict[str, dict | str] = {}
         for case in cases:
-            found.update(compare([case], timeout))
+            found.update(compare([case], timeout, variant))
         return found
     found = {}
     for case in cases:
@@ -512,6 +536,14 @@ def finish(row: Row, outcome: dict | str) -> Row:
     if isinstance(outcome, str):
         row.parity = False
         row.reason = f"parity: {outcome}"
+        return row
+    if "replicated" in outcome["ranks"][0]:  # the train-mode check
+        differ = sorted({name for result in outcome["ranks"] for name in result["differ"]})
+        row.parity = row.grads_ok = not differ
+        count = outcome["ranks"][0]["replicated"]
+        row.reason = f"{len(differ)} of {count} replicated parameters differ: " + ", ".join(differ[:3]) if differ else (
+            f"{count} replicated parameters equal on both ranks after {TRAIN_STEPS} steps"
+        )
         return row
     results = outcome["ranks"]
     worst = max(results, key=lambda result: result["logits_err"] / max(result["logits_tol"], 1e-30))
@@ -533,16 +565,15 @@ def finish(row: Row, outcome: dict | str) -> Row:
     return row
 
 
-def _rank_cases(rank: int, world_size: int, cases: list[Case], seed: int) -> dict[str, dict | str]:
+def _rank_cases(rank: int, world_size: int, cases: list[Case], seed: int, variant: str = "tp") -> dict[str, dict | str]:
     """Rank body: each case's result, or the last line of its traceback; a barrier between cases."""
     import torch.distributed as dist
 
     found: dict[str, dict | str] = {}
+    body = _train_rank if variant == "train" else _parity_rank
     for case in cases:
         try:
-            found[case.model_type] = _parity_rank(
-                rank, world_size, case.model_type, case.generated, case.plan, seed, case.others
-            )
+            found[case.model_type] = body(rank, world_size, case.model_type, case.generated, case.plan, seed, case.others)
         except Exception:  # recorded per case; the next case still runs
             found[case.model_type] = _last_line(traceback.format_exc())
         dist.barrier()
@@ -655,6 +686,95 @@ def _parity_rank(
         "layers_sharded": layers_sharded,
         "shape": shape,
     }
+
+
+def _train_rank(
+    rank: int, world_size: int, model_type: str, generated: str, plan: dict, seed: int, others: tuple[str, ...] = ()
+) -> dict:
+    """One rank of the train-mode check: dropout 0.1, this rank's own seed, 3 AdamW steps; then the
+    replicated parameters of both ranks compared bit for bit."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hpgen.planner.load import model_and_config
+    from hpgen.runtime import parallelize
+    from tests.runtime.models import import_file, perturb_
+
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=tuple(plan["mesh_dim_names"]))
+    generator = torch.Generator().manual_seed(seed + 1)
+    for shape in (None, KERNEL_SHAPE):
+        cls, config = model_and_config(tiny_config(model_type, shape))
+        for part in _configs(config):
+            for key in dropout_keys(part):
+                if key in vars(part):
+                    setattr(part, key, TRAIN_DROPOUT)
+        torch.manual_seed(seed)
+        model = getattr(import_file(generated), cls.__name__)(config)
+        perturb_(model, seed, scale=0.02)
+        _default_language(model, config)
+        full_shapes = {name: param.shape for name, param in model.named_parameters()}
+        ids = torch.randint(0, config.get_text_config().vocab_size, (2, 7), generator=generator)
+        torch.manual_seed(1234 + rank)  # as data-loading code commonly does
+        parallelize(model, plan, mesh, generated=[import_file(path) for path in others])
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        try:
+            for _ in range(TRAIN_STEPS):
+                logits = model(input_ids=ids).logits
+                F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            break
+        except RuntimeError as error:  # grouped_mm's 16-byte strides on the odd tiny sizes: once more, even
+            if shape is not None or "multiple of 16 bytes" not in str(error):
+                raise
+    differ = []
+    replicated = [(name, param) for name, param in model.named_parameters() if param.shape == full_shapes[name]]
+    for name, param in replicated:
+        pieces = [torch.empty_like(param) for _ in range(world_size)]
+        dist.all_gather(pieces, param.detach().contiguous())
+        if not all(torch.equal(piece, pieces[0]) for piece in pieces):
+            differ.append(name)
+    return {"replicated": len(replicated), "differ": differ}
+
+
+def render_train(rows: dict[str, Row], architectures_found: list[str]) -> str:
+    """The train-mode section of the page (between TRAIN_BEGIN and TRAIN_END)."""
+    ran = [rows[name] for name in architectures_found if name in rows and rows[name].parity is not None]
+    passed = [row for row in ran if row.parity]
+    lines = [
+        TRAIN_BEGIN,
+        "## Train mode",
+        "",
+        "`python benchmarks/coverage.py --train --only ...`: for model types whose config has dropout, every `*drop*`"
+        f" probability set to {TRAIN_DROPOUT}, the 2 ranks seeded `torch.manual_seed(1234 + rank)`, the parallelized"
+        f" model (plan of `hpgen plan --tp 2`) in train mode takes {TRAIN_STEPS} AdamW steps, then every parameter"
+        " the plan keeps replicated must be the same on both ranks, bit for bit (dropout on replicated and partial"
+        " values draws one stream on every rank).",
+        "",
+        f"- run on a subset of **{len(ran)}** model types (not the whole list: the runs are long on a shared machine);"
+        f" replicated parameters equal on both ranks for **{len(passed)}** of them",
+        "",
+        "| model type | model class | train mode | detail |",
+        "|---|---|---|---|",
+    ]
+    for row in ran:
+        lines.append(f"| {row.model_type} | {row.model_class} | {_mark(row.parity)} | {_cell(row.reason)} |")
+    lines.append(TRAIN_END)
+    return "\n".join(lines) + "\n"
+
+
+def _with_train_section(page: str, section: str) -> str:
+    """``page`` with its train-mode section replaced by ``section`` (appended when it has none)."""
+    if TRAIN_BEGIN in page and TRAIN_END in page:
+        before, rest = page.split(TRAIN_BEGIN, 1)
+        return before + section + rest.split(TRAIN_END, 1)[1].lstrip("\n")
+    return page.rstrip("\n") + "\n\n" + section
 
 
 def _default_language(model: Any, config: Any) -> None:
@@ -995,7 +1115,7 @@ def run(wanted: list[str], variant: str, path: Path, rows: dict[str, Row], chunk
         for start in range(0, len(wanted), chunk):
             prepared = [prepare(name, Path(folder), variant=variant) for name in wanted[start : start + chunk]]
             cases = [case for _, case in prepared if case is not None]
-            outcomes = compare(cases, timeout) if cases else {}
+            outcomes = compare(cases, timeout, variant) if cases else {}
             for row, case in prepared:
                 if case is not None:
                     finish(row, outcomes[case.model_type])
@@ -1013,6 +1133,7 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated model types (their rows are redone)")
     parser.add_argument("--sp", action="store_true", help="run the --sp plans (the SP column) instead")
     parser.add_argument("--ep", action="store_true", help="run the --ep 2 plans of MoE models (the EP column) instead")
+    parser.add_argument("--train", action="store_true", help="run the train-mode check (its own section) instead")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per architecture on the ranks")
     parser.add_argument("--chunk", type=int, default=8, help="architectures compared per spawn of the ranks")
     parser.add_argument("--results", type=Path, default=Path(tempfile.gettempdir()), help="folder of the results files")
@@ -1026,7 +1147,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
     found = architectures()
-    variant = "sp" if args.sp else "ep" if args.ep else "tp"
+    variant = "sp" if args.sp else "ep" if args.ep else "train" if args.train else "tp"
     args.results.mkdir(parents=True, exist_ok=True)
     path = results_path(args.results, variant)
     if args.fresh and path.exists():
@@ -1041,7 +1162,13 @@ def main() -> None:
             wanted = [name for name in wanted if _has_expert_plan(name)]
         run(wanted, variant, path, rows, args.chunk, args.timeout)
     args.table.parent.mkdir(parents=True, exist_ok=True)
-    args.table.write_text(render(variants, found))
+    section = render_train(variants["train"], found) if variants["train"] else ""
+    if variant == "train":  # its own section: the rest of the page stays as the other variants' runs wrote it
+        page = args.table.read_text() if args.table.exists() else ""
+        args.table.write_text(_with_train_section(page, section))
+    else:
+        page = render(variants, found)
+        args.table.write_text(_with_train_section(page, section) if section else page)
     print(f"wrote {args.table}", file=sys.stderr)
 
 

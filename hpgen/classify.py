@@ -192,6 +192,11 @@ class Contract:
     reasons: tuple[str, ...]  # why generic (gates or ops), empty otherwise
     gate_failures: tuple[str, ...]  # the static gates that failed (a subset of reasons)
     region_target: str | None  # dotted path of the local compute function, or "_forward_impl"
+    # forward parameters the plan does not declare, reaching a body sharded on ``undeclared_axes``:
+    # each gets ``copy_if_grad`` on those axes (R, its gradient all-reduced, when it requires grad)
+    undeclared: tuple[str, ...] = ()
+    undeclared_kwargs: str | None = None  # the **kwargs parameter, whose undeclared values get the same
+    undeclared_axes: tuple[str, ...] = ()
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -201,6 +206,8 @@ class Contract:
             for op in value.active:
                 if op.axis not in seen:
                     seen.append(op.axis)
+        if self.undeclared or self.undeclared_kwargs:
+            seen += [axis for axis in self.undeclared_axes if axis not in seen]
         return tuple(seen)
 
     def collectives_per_call(self) -> dict[str, int]:
@@ -285,13 +292,52 @@ def classify_contract(plan: Plan, keys: tuple[str, ...], forward: ForwardInfo | 
         addressed = [ValueOps(v.name, v.ops, _output_address(forward, entry.output_names, v.name)) for v in outputs]
     outputs = tuple(addressed) if addressed else outputs
     reasons += gate_failures
+    undeclared, undeclared_kwargs, undeclared_axes = undeclared_inputs(plan, key, forward)
     if region_target is not None:
         form = "region"
     else:
         form = "generic" if reasons else "tp_collective"
     if form == "region" and any(op.kind == "generic" for value in (*inputs, *outputs) for op in value.ops):
         form = "generic"
-    return Contract(signature, keys, inputs, outputs, form, tuple(reasons), tuple(gate_failures), region_target)
+    return Contract(
+        signature,
+        keys,
+        inputs,
+        outputs,
+        form,
+        tuple(reasons),
+        tuple(gate_failures),
+        region_target,
+        undeclared,
+        undeclared_kwargs,
+        undeclared_axes,
+    )
+
+
+def undeclared_inputs(
+    plan: Plan, key: str, forward: ForwardInfo | None
+) -> tuple[tuple[str, ...], str | None, tuple[str, ...]]:
+    """The ``forward`` parameters entry ``key`` does not declare, its ``**kwargs`` name, and the
+    axes its body is sharded on.
+
+    An undeclared value is ``R`` on every axis (docs/plan-format.md). Entering a body sharded on an
+    axis, a tensor (or tuple/list of tensors) that requires grad gets ``copy`` there, as a
+    declared ``R`` input would: each rank's backward sees only its shard's part of the
+    gradient. Whether it requires grad is known only at run time, so the generated code
+    calls ``copy_if_grad``, which passes everything else on untouched.
+    """
+    entry = plan.entries[key]
+    axes = tuple(axis for axis in plan.mesh_dim_names if body_is_sharded(entry, axis))
+    if forward is None or not axes:
+        return (), None, ()
+    declared = set(entry.input_names)
+    names = tuple(
+        parameter.name
+        for parameter in forward.parameters[1:]  # self
+        if parameter.kind not in ("var_positional", "var_keyword") and parameter.name not in declared
+    )
+    kwargs = next((p.name for p in forward.parameters if p.kind == "var_keyword"), None)
+    return names, kwargs, axes
 
 
 def _gate_failures(forward: ForwardInfo, inputs: tuple[ValueOps, ...], outputs: tuple[ValueOps, ...]) -> list[str]:

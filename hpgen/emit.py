@@ -180,6 +180,7 @@ def render_forward(
         result=_fresh_name("outputs", taken),
         region_target=contract.region_target,
         gate_failures=contract.gate_failures,
+        **_undeclared_values(contract, parameters, kwargs_name),
     )
     if generic:
         text = render("generic.py.j2", **values)
@@ -210,6 +211,20 @@ def render_forward(
     )
 
 
+def _undeclared_values(contract: Contract, parameters: set[str], kwargs_name: str | None) -> dict[str, object]:
+    """What the templates need to copy the undeclared arguments into a sharded body."""
+    names = tuple(name for name in contract.undeclared if name in parameters)
+    kwargs = contract.undeclared_kwargs if contract.undeclared_kwargs == kwargs_name else None
+    # Declared inputs that arrive in **kwargs get their own op (generic form): not copied twice.
+    skip = tuple(sorted(value.name for value in contract.inputs if value.name not in parameters))
+    return dict(
+        undeclared=names,
+        undeclared_kwargs=kwargs or "",
+        kwargs_skip=f", skip={python_literal(skip)}" if skip and kwargs else "",
+        undeclared_axes=contract.undeclared_axes if names or kwargs else (),
+    )
+
+
 def _by_axis(values: list[_Value], axes: tuple[str, ...]) -> list[tuple[str, list[tuple[_Value, _TemplateOp]]]]:
     grouped = []
     for axis in axes:
@@ -229,7 +244,9 @@ def _docstring_statement(function: cst.FunctionDef) -> cst.BaseStatement | None:
 
 
 def _defaults_values(contract: Contract, mode: str) -> dict[str, object]:
-    static_axes = contract.axes if contract.form != "generic" else ()
+    # The generic form moves declared values through _hp_boundary; undeclared ones still use _hp_<axis>.
+    undeclared = contract.undeclared_axes if contract.undeclared or contract.undeclared_kwargs else ()
+    static_axes = contract.axes if contract.form != "generic" else undeclared
     return dict(
         form=contract.form,
         signature=contract.signature,

@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from hpgen.classify import DEFAULT_BACKWARD, Contract, Op, is_identity_contract, value_ops
-from hpgen.index import ForwardInfo
 from hpgen.lower import Analysis
-from hpgen.plan import Plan, body_is_sharded
+from hpgen.plan import Plan
 
 # Inputs the runtime's wrappers know (hpgen.runtime.targets.KNOWN_INPUTS, kept apart
 # because the generator never imports the runtime).
@@ -74,23 +73,14 @@ def _why(op: Op) -> str:
     return f"{op.axis} {op.src} -> {op.dst} lowers to {op.kind}"
 
 
-def _untouched(plan: Plan, contract: Contract, forward: ForwardInfo | None) -> list[str]:
-    """``forward`` parameters the plan does not declare, of a body sharded on some axis:
-    they reach the body as the caller passed them (no collective, no gradient reduction)."""
-    entry = plan.entries[contract.keys[0]]
-    if forward is None or not any(body_is_sharded(entry, axis) for axis in plan.mesh_dim_names):
-        return []
-    declared = set(entry.input_names)
-    return [
-        parameter.name
-        for parameter in forward.parameters[1:]  # self
-        if parameter.kind not in ("var_positional", "var_keyword") and parameter.name not in declared
-    ]
+def _undeclared(contract: Contract) -> list[dict[str, Any]]:
+    """``forward`` arguments the plan does not declare, of a body sharded on some axis: ``R`` there,
+    copied in (gradient all-reduced) when they require grad, passed on untouched otherwise."""
+    names = [*contract.undeclared, *([f"**{contract.undeclared_kwargs}"] if contract.undeclared_kwargs else [])]
+    return [{"value": name, "axes": list(contract.undeclared_axes)} for name in names]
 
 
-def _contract_record(
-    contract: Contract, class_name: str, untouched: list[str], made: dict[tuple[str, object], set[str]]
-) -> dict[str, Any]:
+def _contract_record(contract: Contract, class_name: str, made: dict[tuple[str, object], set[str]]) -> dict[str, Any]:
     ops = [op for value in (*contract.inputs, *contract.outputs) for op in value.active]
     return {
         "class": class_name,
@@ -101,7 +91,7 @@ def _contract_record(
         "region": contract.region_target,
         "ops": [_op_record(op, sizes_note(op, made)) for op in ops],
         "collectives_per_call": contract.collectives_per_call(),
-        "untouched_inputs": untouched,
+        "undeclared_inputs": _undeclared(contract),
     }
 
 
@@ -164,9 +154,8 @@ def explain(analysis: Analysis) -> dict[str, Any]:
     classes = []
     made = made_shards(analysis.plan)
     for name, lowering in analysis.classes.items():
-        forward = lowering.info.forward
         for contract, subclass in zip(lowering.contracts, [name, *lowering.subclass_names]):
-            classes.append(_contract_record(contract, subclass, _untouched(analysis.plan, contract, forward), made))
+            classes.append(_contract_record(contract, subclass, made))
         if lowering.identity_keys:
             classes.append(
                 {
@@ -178,7 +167,7 @@ def explain(analysis: Analysis) -> dict[str, Any]:
                     "region": None,
                     "ops": [],
                     "collectives_per_call": {},
-                    "untouched_inputs": [],
+                    "undeclared_inputs": [],
                 }
             )
     wrapped = [_external_record(analysis.plan, key, found.name, made) for key, found in analysis.external.items()]
@@ -216,8 +205,13 @@ def explain_text(report: dict[str, Any]) -> str:
         for reason in record["reasons"]:
             lines.append(f"  generic because {reason}")
         lines += _op_lines(record["ops"])
-        for name in record["untouched_inputs"]:
-            lines.append(f"  {name}: not declared in the plan: passed on untouched")
+        for value in record["undeclared_inputs"]:
+            axes = ", ".join(value["axes"])
+            lines.append(
+                f"  {value['value']}: not declared in the plan: R on {axes}, copied into the sharded body (its "
+                "gradient all-reduced) when it is a tensor, or a tuple/list of tensors, that requires grad; "
+                "otherwise passed on untouched"
+            )
         counts = record["collectives_per_call"]
         total = sum(counts.values())
         detail = ", ".join(f"{count} {kind}" for kind, count in sorted(counts.items()))

@@ -97,9 +97,14 @@ def test_explain_text_and_json():
     assert attention["form"] == "tp_collective"
     assert attention["collectives_per_call"] == {"all_reduce": 1}
     assert [op["op"] for op in attention["ops"]] == ["copy", "all_reduce"]
-    # forward parameters the plan does not declare reach the sharded body untouched
-    assert attention["untouched_inputs"] == ["position_embeddings", "attention_mask"]
-    assert "  attention_mask: not declared in the plan: passed on untouched" in run("explain", SOURCE, PLAN).stdout
+    # forward arguments the plan does not declare are R on the sharded body's axes: copied when they need grad
+    assert attention["undeclared_inputs"] == [
+        {"value": name, "axes": ["tp"]} for name in ("position_embeddings", "attention_mask", "**kwargs")
+    ]
+    assert (
+        "  attention_mask: not declared in the plan: R on tp, copied into the sharded body (its gradient all-reduced)"
+        in run("explain", SOURCE, PLAN).stdout
+    )
     wrapped = {record["fqn"]: record for record in report["wrapped"]}
     assert set(wrapped) == {"lm_head", "model.embed_tokens"}
     assert wrapped["model.embed_tokens"]["runs"].startswith("vocab-parallel lookup: ids outside this rank's rows")

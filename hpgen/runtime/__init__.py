@@ -3,8 +3,9 @@
 Importable without libcst. ``parallelize``, ``from_pretrained`` (load a transformers
 checkpoint, each rank reading its slices), ``save_pretrained`` / ``full_state_dict``
 (the unsharded checkpoint of a parallelized model), ``local_state_dict`` (plain local
-shards) and ``optimizer_state_dict`` / ``load_optimizer_state_dict`` (optimizer state for
-DCP, sharded like the parameters) are loaded on first use so that generated files, which import
+shards), ``optimizer_state_dict`` / ``load_optimizer_state_dict`` (optimizer state for
+DCP, sharded like the parameters) and ``reseed_random_streams`` (the streams train-mode
+random ops draw from) are loaded on first use so that generated files, which import
 ``hpgen.runtime.defaults``, do not pay for them.
 """
 
@@ -19,12 +20,14 @@ __all__ = [
     "local_state_dict",
     "optimizer_state_dict",
     "parallelize",
+    "reseed_random_streams",
     "save_pretrained",
 ]
 
 _LAZY = {
     "parallelize": "hpgen.runtime.install",
     "from_pretrained": "hpgen.runtime.loading",
+    "reseed_random_streams": "hpgen.runtime.streams",
     "save_pretrained": "hpgen.runtime.saving",
     "full_state_dict": "hpgen.runtime.saving",
     "local_state_dict": "hpgen.runtime.state_dict",

@@ -97,7 +97,8 @@ def _differences(other: Mapping[str, object], first: Mapping[str, object]) -> li
     return found
 
 
-def _device(mesh: DeviceMesh) -> torch.device:
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device the mesh's collectives take tensors on (this rank's CUDA device, or the CPU)."""
     return torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
 
 
@@ -109,7 +110,7 @@ def raise_together(error: ParallelizeError | None, mesh: DeviceMesh, axes: Itera
         size = dist.get_world_size(group)
         if size == 1:
             continue
-        failed = torch.tensor([0 if error is None else 1], device=_device(mesh))
+        failed = torch.tensor([0 if error is None else 1], device=mesh_device(mesh))
         dist.all_reduce(failed, group=group)
         if not failed.item():
             continue
@@ -125,7 +126,7 @@ def raise_together(error: ParallelizeError | None, mesh: DeviceMesh, axes: Itera
 def check_ranks_agree(model: nn.Module, plan: Plan, mesh: DeviceMesh, axes: Iterable[str]) -> None:
     """Raise :class:`ParallelizeError` on every rank unless all ranks of each axis were given the same."""
     record = rank_record(model, plan)
-    mine = _digest(record).to(_device(mesh))
+    mine = _digest(record).to(mesh_device(mesh))
     for axis in axes:
         group = mesh.get_group(axis)
         size = dist.get_world_size(group)

@@ -291,6 +291,27 @@ class AxisCollectives:
             return x  # nothing flows back: the forward is the identity, no copy needed
         return self._run(x, _Move("identity", None, None), backward)
 
+    def copy_if_grad(self, value: Any) -> Any:
+        """An argument the plan does not declare, entering a body sharded on this axis: ``R``.
+
+        A tensor that requires grad (or a tuple/list holding some) gets :meth:`copy`, so its
+        partial gradient is all-reduced; anything else passes on as it is, at the cost of
+        a type check.
+        """
+        if self.size == 1:
+            return value
+        if isinstance(value, Tensor):
+            return self.copy(value) if value.requires_grad else value
+        if type(value) in (tuple, list) and any(isinstance(v, Tensor) and v.requires_grad for v in value):
+            return type(value)(self.copy(v) if isinstance(v, Tensor) else v for v in value)
+        return value
+
+    def copy_if_grad_kwargs(self, kwargs: dict[str, Any], skip: tuple[str, ...] = ()) -> dict[str, Any]:
+        """:meth:`copy_if_grad` on each value of ``**kwargs`` but ``skip`` (declared inputs, moved apart)."""
+        if self.size == 1 or not kwargs:
+            return kwargs
+        return {name: value if name in skip else self.copy_if_grad(value) for name, value in kwargs.items()}
+
     # ---- shard sizes ------------------------------------------------------------------
 
     def _made(self, dim: int, n: Size) -> _Shard:

@@ -22,6 +22,7 @@ whatever tensor is registered when the body runs. Apply both after ``parallelize
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.groups import replica_group
 from hpgen.runtime.ops import address_of, get_output, replace_output
 from hpgen.runtime.params import Matched
-from hpgen.runtime.wrappers import is_conv1d, subclass_with
+from hpgen.runtime.wrappers import BiasShare, is_conv1d, subclass_with
 
 __all__ = [
     "BiasAdder",
@@ -53,7 +54,12 @@ __all__ = [
 
 
 class BiasAdder:
-    """Forward hook: add ``owner.bias`` to output ``name`` of the boundary's (reduced) return."""
+    """Forward hook: add ``owner.bias`` to output ``name`` of the boundary's (reduced) return.
+
+    In train mode the owner adds its share of the bias before the reduction instead
+    (:class:`~hpgen.runtime.wrappers.BiasShare`), so that a dropout of the partial sum
+    (GPT-2's ``resid_dropout(c_proj(x))``) drops the bias with it, as the source does.
+    """
 
     def __init__(self, owner: nn.Module, output_names: Sequence[str], name: str) -> None:
         self.owner = owner
@@ -61,6 +67,8 @@ class BiasAdder:
         self.name = name
 
     def __call__(self, module: nn.Module, args: Any, outputs: Any) -> Any:
+        if self.owner.training:
+            return outputs  # the owner added it inside the body
         address = address_of(outputs, self.output_names, self.name)
         value = get_output(outputs, address)
         return replace_output(outputs, address, value + self.owner.bias)
@@ -97,8 +105,15 @@ class DeferredBias:
     owner: nn.Module  # the nn.Linear holding the bias (may be the boundary itself)
     output_names: tuple[str, ...]
     output: str  # the declared output the bias belongs to
+    partial_axes: tuple[str, ...] = ()  # the axes the output is a partial sum on
+    reduced_axes: tuple[str, ...] = ()  # the axes grad_reduce_params sum the bias's gradient over
 
-    def install(self) -> None:
+    def install(self, axes: Mapping[str, AxisCollectives]) -> None:
+        # Train mode: each rank adds bias / P before the reduction; its gradient, scaled to / R, is the
+        # whole one after the R ranks' sum (R = 1: no sum, each rank's is already whole).
+        self.owner._hp_bias_share = BiasShare(
+            math.prod(axes[a].size for a in self.partial_axes), math.prod(axes[a].size for a in self.reduced_axes)
+        )
         if hasattr(type(self.owner), "_hp_defer_bias"):
             self.owner._hp_defer_bias = True  # a wrapped (ParallelLinear) owner computes without it
         else:
@@ -153,7 +168,9 @@ def survey_deferred_biases(matched: Iterable[Matched], plan: Plan) -> list[Defer
                     f"{', '.join(sharded_dst)} (out_dst {dst}): each rank sees part of its gradient; "
                     "add it to grad_reduce_params"
                 )
-            found.append(DeferredBias(item.module, owner, entry.output_names, output))
+            partial_axes = tuple(axis for axis in mesh if entry.output_layouts(output, mesh)[0].on(axis).is_partial)
+            reduced = tuple(axis for axis in mesh if body_is_sharded(entry, axis)) if name in entry.grad_reduce_params else ()
+            found.append(DeferredBias(item.module, owner, entry.output_names, output, partial_axes, reduced))
     return found
 
 

@@ -53,10 +53,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from hpgen.errors import HpgenError
+from hpgen.errors import HpgenError, did_you_mean
 from hpgen.plan import Plan, load_plan, plan_from_dict
 from hpgen.runtime.adapters import survey_adapters, watch_adapters
-from hpgen.runtime.agreement import check_ranks_agree, raise_together
+from hpgen.runtime.agreement import check_ranks_agree, mesh_device, raise_together
 from hpgen.runtime.attrs import survey_attrs
 from hpgen.runtime.collectives import AxisCollectives, scope_shard_sizes
 from hpgen.runtime.counterparts import GeneratedModule, generated_modules
@@ -70,7 +70,10 @@ from hpgen.runtime.hooks import (
     survey_grad_reduce,
 )
 from hpgen.runtime.params import Matched, ParamShard, shard_params, survey_params
+from hpgen.runtime.inputs import InputCheck
+from hpgen.runtime.sampling import bind_generate
 from hpgen.runtime.saving import bind_save_pretrained
+from hpgen.runtime.streams import install_streams
 from hpgen.runtime.stubs import refuse_replaced_stubs
 from hpgen.runtime.state_dict import install_state_dict_hooks
 from hpgen.runtime.targets import Target, resolve
@@ -82,7 +85,12 @@ PlanLike = str | os.PathLike[str] | Mapping[str, Any] | Plan
 
 
 def parallelize(
-    model: nn.Module, plan: PlanLike, mesh: DeviceMesh, *, generated: Iterable[types.ModuleType] = ()
+    model: nn.Module,
+    plan: PlanLike,
+    mesh: DeviceMesh,
+    *,
+    generated: Iterable[types.ModuleType] = (),
+    check_inputs: bool = True,
 ) -> nn.Module:
     """Shard ``model``'s planned parameters and bind its boundaries' collectives; return ``model``.
 
@@ -127,6 +135,13 @@ def parallelize(
         raise
     raise_together(None, mesh, on_mesh)
     survey.install(axes, plan.mesh_dim_names)
+    device = mesh_device(mesh)
+    # random ops: one stream for replicated and partial values, one per rank for sharded ones
+    install_streams(model, [(t.item, t.form) for t in survey.targets], plan, axes, device)
+    groups = [(axis, axes[axis].group) for axis in plan.mesh_dim_names if axes[axis].size > 1]
+    bind_generate(model, [group for _, group in groups], device)
+    if check_inputs and groups:
+        model.register_forward_pre_hook(InputCheck(groups, device), with_kwargs=True)
     # state_dict() as DTensors, load_state_dict of DTensors or full tensors, save_pretrained unsharded
     recorder = install_state_dict_hooks(model, survey.shards, mesh, axes, plan.mesh_dim_names)
     # peft's adapters, there now (sharded here) or added later (adopted when first seen)
@@ -205,7 +220,7 @@ class _Survey:
             more = f" and {len(switched) - 1} more like it" if len(switched) > 1 else ""
             print(f"hpgen: {first}{more} run the eager experts loop: the local shard {why}", file=sys.stderr)
         for bias in self.biases:
-            bias.install()
+            bias.install(axes)
         install_grad_reduce(self.grad_reduces, replaced, axes, self.mesh)
         for module, attr, value in self.divides:
             setattr(module, attr, value)
@@ -241,7 +256,21 @@ def match_modules(model: nn.Module, plan: Plan) -> list[Matched]:
     unused = [key for key in plan.entries if key not in used]
     if unused:
         raise ParallelizeError(
-            f"param_plan keys {', '.join(repr(key) for key in unused)} match no module of "
+            f"param_plan keys {', '.join(repr(key) + _close_paths(model, key) for key in unused)} match no module of "
             f"{type(model).__name__}; is this the plan for this model?"
         )
     return matched
+
+
+def _close_paths(model: nn.Module, key: str) -> str:
+    """`` (did you mean ...?)`` with the paths whose submodule is close to the segment of ``key`` that matches nothing."""
+    current = [model]
+    segments = key.split(".")
+    for index, segment in enumerate(segments):
+        children = [dict(module.named_children()) for module in current]
+        found = [child for named in children for name, child in named.items() if segment in ("*", name)]
+        if not found:
+            names = [name for named in children for name in named]
+            return did_you_mean(segment, names, shown=lambda name: ".".join([*segments[:index], name, *segments[index + 1 :]]))
+        current = found
+    return ""

@@ -44,7 +44,15 @@ from torch import Tensor, nn
 
 from hpgen.runtime.ops import address_of
 
-__all__ = ["DeferredBiasLinear", "ParallelEmbedding", "ParallelLinear", "PartialIdentity", "is_conv1d", "subclass_with"]
+__all__ = [
+    "BiasShare",
+    "DeferredBiasLinear",
+    "ParallelEmbedding",
+    "ParallelLinear",
+    "PartialIdentity",
+    "is_conv1d",
+    "subclass_with",
+]
 
 Mover = Callable[[Any], Any]
 
@@ -71,6 +79,48 @@ class _ParallelEmbeddingMixin:
         return output
 
 
+class _BiasShareFunction(torch.autograd.Function):
+    """``bias / parts`` forward; the gradient divided by ``reduced`` instead (see :class:`BiasShare`)."""
+
+    @staticmethod
+    def forward(ctx: Any, bias: Tensor, parts: int, reduced: int) -> Tensor:  # type: ignore[override]
+        ctx.reduced = reduced
+        return bias / parts
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        return (grad / ctx.reduced if ctx.reduced != 1 else grad), None, None
+
+
+class BiasShare:
+    """In train mode, a deferred bias is added before the reduction, a share on every rank.
+
+    Each of the ``parts`` ranks summing the partial output adds ``bias / parts``, so the
+    reduced output holds the bias once, and a dropout of the partial sum (the same mask on
+    every rank) drops it with the rest, as the source computes it. The gradient arriving
+    at the partial output is the whole one on every rank, so each rank's bias gets
+    ``grad / reduced``: the whole gradient where nothing sums it (``reduced`` 1), its share
+    where ``grad_reduce_params`` sum it over ``reduced`` ranks (a sequence-sharded output).
+    """
+
+    def __init__(self, parts: int, reduced: int) -> None:
+        self.parts = parts
+        self.reduced = reduced
+
+    def __call__(self, bias: Tensor) -> Tensor:
+        if self.parts == self.reduced:
+            return bias / self.parts if self.parts != 1 else bias
+        return _BiasShareFunction.apply(bias, self.parts, self.reduced)
+
+
+def _bias_share(module: nn.Module) -> Tensor | None:
+    """The bias a deferred-bias module adds itself: its share in train mode, none in eval mode."""
+    if not module.training or module.bias is None:  # type: ignore[union-attr]
+        return None
+    share = getattr(module, "_hp_bias_share", None)
+    return share(module.bias) if share is not None else None  # type: ignore[arg-type]
+
+
 class _ParallelLinearMixin:
     """Column- or row-parallel ``nn.Linear``: input ops, the local matmul, output ops."""
 
@@ -82,7 +132,7 @@ class _ParallelLinearMixin:
         if self._hp_in is not None:
             input = self._hp_in(input)
         if self._hp_defer_bias:
-            output = F.linear(input, self.weight)  # type: ignore[attr-defined]
+            output = F.linear(input, self.weight, _bias_share(self))  # type: ignore[attr-defined,arg-type]
         else:
             output = super().forward(input)  # type: ignore[misc]
         if self._hp_out is not None:
@@ -94,7 +144,7 @@ class _DeferredBiasMixin:
     """An ``nn.Linear`` inside a boundary whose bias the boundary adds after its reduction."""
 
     def forward(self, input: Tensor) -> Tensor:
-        return F.linear(input, self.weight)  # type: ignore[attr-defined]
+        return F.linear(input, self.weight, _bias_share(self))  # type: ignore[attr-defined,arg-type]
 
 
 class _DeferredBiasConv1DMixin:
@@ -102,6 +152,9 @@ class _DeferredBiasConv1DMixin:
 
     def forward(self, x: Tensor) -> Tensor:
         size_out = x.size()[:-1] + (self.nf,)  # type: ignore[attr-defined]
+        share = _bias_share(self)  # type: ignore[arg-type]
+        if share is not None:  # as Conv1D computes it: addmm
+            return torch.addmm(share, x.view(-1, x.size(-1)), self.weight).view(size_out)  # type: ignore[attr-defined]
         return torch.mm(x.view(-1, x.size(-1)), self.weight).view(size_out)  # type: ignore[attr-defined]
 
 

@@ -2,7 +2,7 @@
 # source: modeling_tiny.py sha256=4cd788e828682abeab8d4b9d2e32cb00c9d90325f29d48c556cf0bebecb075a0
 # plan: tiny_generic.json sha256=8df95cb996544fab7a6be7838f4eb7107a23827e84ff3e01f9a58aec9cd827be
 # options: mode=toggle package=-
-# body: sha256=455145023970ac482246b21d5b2993a4f260f7d8d409b37c57803c7e22b29f0d
+# body: sha256=eaa9725b3f9157fa50f7d25386ad7aa1bf0d9749833be4cf88ceeffcf98c17e8
 
 # A small modeling file in the style of transformers' modeling_llama.py, with no
 # dependency beyond torch: the bundled example that hpgen's README and tests lower.
@@ -136,6 +136,11 @@ class TinyAttention(nn.Module):
         if self.tp_enable:
             # hidden_states: tp R -> R ==> copy (backward all_reduce)
             hidden_states = self._hp_tp.copy(hidden_states)
+        if self.tp_enable:
+            # undeclared inputs: tp R into the sharded body ==> copy if it requires grad (backward all_reduce)
+            position_embeddings = self._hp_tp.copy_if_grad(position_embeddings)
+            attention_mask = self._hp_tp.copy_if_grad(attention_mask)
+            kwargs = self._hp_tp.copy_if_grad_kwargs(kwargs)
         outputs = self._forward_impl(hidden_states, position_embeddings, attention_mask, **kwargs)
         if self.tp_enable:
             # attn_output: tp P(sum) -> R ==> all_reduce(sum)

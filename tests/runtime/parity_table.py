@@ -87,6 +87,16 @@ def moe_with_inner_wrapper() -> dict[str, Any]:
     return plan
 
 
+def moe_experts_undeclared() -> dict[str, Any]:
+    """The MoE plan with the experts entry's inputs left undeclared: a tensor requiring grad that enters
+    their sharded body (``hidden_states``, ``top_k_weights``) is ``R`` there, copied in with its gradient
+    all-reduced (without it every gradient upstream of the experts is partial)."""
+    plan = load_plan_dict("qwen3_moe_tp_ep")
+    experts = plan["param_plan"]["model.layers.*.mlp.experts"]
+    del experts["in_src"], experts["in_dst"]
+    return plan
+
+
 STARCODER2_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
@@ -152,6 +162,8 @@ PARITY: dict[str, Row] = {
     "qwen3_moe_tp_ep": Row("qwen3_moe", "qwen3_moe_tp_ep"),
     # the same with an inner_wrapper: the contract is unchanged, so is the generated file
     "qwen3_moe_wrapped": Row("qwen3_moe", moe_with_inner_wrapper, file_of="qwen3_moe_tp_ep"),
+    # the same with no in_src: the undeclared differentiable inputs get their copy all the same
+    "qwen3_moe_ep_undeclared": Row("qwen3_moe", moe_experts_undeclared),
     # hpgen plan: transformers' moe_tp_experts (each expert's intermediate dim sharded)
     "qwen3_moe_hpgen_tp": Row("qwen3_moe", hpgen_plan("qwen3_moe", tp=2)),
     # the same where the whole experts suit grouped_mm (36 floats a row) but a rank's shard does not

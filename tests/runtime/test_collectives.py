@@ -156,6 +156,8 @@ def _battery(
         assert torch.equal(ax.all_gather(ids, dim=0), torch.arange(7))
         assert all(op(ax, None) is None for op in _EVERY_OP)
         checks += 1
+        _check_copy_if_grad(ax)
+        checks += 1
     # a group of one rank: every op hands back its input, with no autograd node
     for ranks in [[r] for r in range(world_size)]:
         group = dist.new_group(ranks)
@@ -163,6 +165,24 @@ def _battery(
             _check_no_ops(AxisCollectives(group, "solo"))
             checks += 1
     return checks
+
+
+def _check_copy_if_grad(ax: AxisCollectives) -> None:
+    """Undeclared arguments: tensors (alone, in a tuple/list, in **kwargs) that require grad get ``copy``
+    (their gradient all-reduced); others, and declared ``skip`` names, come back as they were."""
+    x = torch.full((2,), float(ax.rank + 1), requires_grad=True)
+    plain, ids = torch.ones(2), torch.arange(3)
+    y, pair, listed = ax.copy_if_grad(x), ax.copy_if_grad((x, plain)), ax.copy_if_grad([plain, x])
+    assert isinstance(pair, tuple) and isinstance(listed, list) and pair[1] is plain and listed[0] is plain
+    kwargs = ax.copy_if_grad_kwargs({"w": x, "ids": ids, "declared": x}, skip=("declared",))
+    assert kwargs["ids"] is ids and kwargs["declared"] is x
+    (y + pair[0] + listed[1] + kwargs["w"]).sum().backward()
+    # four copies, each all-reducing its gradient of 1 over the ranks; the skipped one adds nothing here
+    assert torch.equal(x.grad, torch.full((2,), 4.0 * ax.size))
+    for value in (plain, ids, (plain, ids), [ids], None, 3, "text"):
+        assert ax.copy_if_grad(value) is value
+    with torch.no_grad():
+        assert ax.copy_if_grad(x) is x
 
 
 _EVERY_OP = [
@@ -184,6 +204,8 @@ def _check_no_ops(ax: AxisCollectives) -> None:
     x = torch.randn(3, 4, requires_grad=True)
     for op in _EVERY_OP:
         assert op(ax, x) is x and op(ax, None) is None
+    pair, kwargs = (x, x), {"x": x}
+    assert ax.copy_if_grad(x) is x and ax.copy_if_grad(pair) is pair and ax.copy_if_grad_kwargs(kwargs) is kwargs
 
 
 def test_two_ranks():
