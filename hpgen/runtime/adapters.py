@@ -45,6 +45,7 @@ from hpgen.runtime.hooks import FollowReducedParameters, GradAllReduce
 from hpgen.runtime.params import Matched
 from hpgen.runtime.sharding import local_chunk, local_shape, normalize_dim
 from hpgen.runtime.state_dict import ShardRecorder
+from hpgen.runtime.streams import LayoutChange
 from hpgen.runtime.tuners import is_tuner_layer, method_problem
 from hpgen.runtime.wrappers import is_conv1d
 
@@ -221,6 +222,26 @@ class AdapterWatch:
             self.recorder.record([(owner, attr)], where, shape, shares, gathered=True)
         if reduced:  # FSDP2 registers parameters of its own for the forward: the reduction follows them
             layer.register_forward_pre_hook(FollowReducedParameters(f"{slot.where} ({name})", reduced))
+        self._follow_streams(slot, layer, name)
+
+    def _follow_streams(self, slot: _Slot, layer: nn.Module, name: str) -> None:
+        """``lora_dropout`` draws from the stream of its input's layout (:mod:`hpgen.runtime.streams`).
+
+        peft runs the base layer first, whose hook has moved the body's stream to the layout
+        of the base's *output*; the dropout is of its *input*: replicated on a column-parallel
+        layer (one mask on every rank), sharded on a row-parallel one (a mask per rank). The
+        stream is switched to the input's layout around the dropout, then back.
+        """
+        streams = getattr(self.model, "_hp_streams", None)
+        dropouts = getattr(layer, "lora_dropout", None)
+        dropout = dropouts[name] if isinstance(dropouts, nn.ModuleDict) and name in dropouts else None
+        sharded = bool(slot.layout.sharded_inputs or slot.layout.b.placements)
+        if streams is None or not isinstance(dropout, nn.modules.dropout._DropoutNd) or not sharded:
+            return  # p == 0 (peft's nn.Identity), or a replicated base: the body's stream is already right
+        row = bool(slot.layout.sharded_inputs)
+        dropout.register_forward_pre_hook(_InputStream(streams, local=row))
+        dropout.register_forward_hook(LayoutChange(streams, local=not row))
+        streams.dropouts.append(dropout)  # the model's streams run when some dropout draws
 
     def _local(
         self, owner: nn.Module, attr: str, shape: tuple[int, ...], shares: tuple, where: str
@@ -308,6 +329,21 @@ def watch_adapters(
         model.register_state_dict_pre_hook(_AdoptBeforeStateDict(watch))
         model.register_load_state_dict_pre_hook(_AdoptBeforeLoad(watch))
     return watch
+
+
+class _InputStream:
+    """Forward pre-hook of an adapter's dropout: the body's stream is the one of the dropout's input."""
+
+    def __init__(self, streams: Any, local: bool) -> None:
+        self.streams = streams
+        self.local = local
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if self.streams.active(module):
+            self.streams.change(self.local)
+
+    def __deepcopy__(self, memo: dict) -> _InputStream:
+        return self
 
 
 class _AdoptFirst:

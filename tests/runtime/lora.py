@@ -39,6 +39,7 @@ class LoraCase:
     peft: dict[str, Any] = field(default_factory=dict)  # extra LoraConfig keywords
     lifecycle: bool = False  # also save / load / merge / DCP (tests/runtime/lora_lifecycle.py)
     tuner: str = "lora"  # or "ia3": another peft method, which is refused
+    masks: bool = False  # only record the adapters' dropout masks, ranks seeded apart (see dropout_masks)
 
 
 @dataclass
@@ -51,6 +52,7 @@ class LoraResult:
     replicated: dict[str, list[float]]  # adapter name -> its first values (replicated ones)
     error: str | None = None  # a ParallelizeError's message, for the refusal cases
     lifecycle: dict[str, Any] = field(default_factory=dict)
+    masks: dict[str, list[bool]] = field(default_factory=dict)  # adapter dropout -> its first mask bits
 
 
 def family_config(family: str, overrides: dict[str, Any]) -> Any:
@@ -91,7 +93,7 @@ def lora_config(case: LoraCase) -> Any:
 
     if case.tuner == "ia3":
         return IA3Config(target_modules=list(case.targets), feedforward_modules=[])
-    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(case.targets), **case.peft)
+    return LoraConfig(**{"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": list(case.targets), **case.peft})
 
 
 def peft_reference(case: LoraCase, seed: int = 0) -> tuple[nn.Module, nn.Module]:
@@ -178,6 +180,8 @@ def run_lora_case(case: LoraCase, mesh: Any, workdir: str) -> LoraResult:
 
     from hpgen.runtime.errors import ParallelizeError
 
+    if case.masks:
+        return dropout_masks(case, mesh)
     rank, size = mesh.get_local_rank("tp"), mesh.size(0)
     base, reference = peft_reference(case)
     adapters = get_peft_model_state_dict(reference)
@@ -231,6 +235,35 @@ def run_lora_case(case: LoraCase, mesh: Any, workdir: str) -> LoraResult:
 
         result.lifecycle = lifecycle(case, model, reference, base, optimizer, mesh, workdir)
     return result
+
+
+def dropout_masks(case: LoraCase, mesh: Any) -> LoraResult:
+    """One train-mode forward with the ranks' global seeds apart: each adapter dropout's mask (its first bits).
+
+    A column-parallel layer's input is replicated: its mask must be the same on every rank (the
+    rank's B then sees the same dropped input as the others'); a row-parallel layer's input is
+    sharded: each rank draws its own.
+    """
+    import torch.distributed as dist
+    from peft import get_peft_model_state_dict
+
+    base, reference = peft_reference(case)
+    model = sharded_peft(case, base, get_peft_model_state_dict(reference), mesh)
+    masks: dict[str, list[bool]] = {}
+
+    def record(name: str) -> Any:
+        def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+            masks[name] = (output != 0).flatten()[:64].tolist()
+
+        return hook
+
+    for name, module in model.named_modules():
+        if name.endswith("lora_dropout.default"):
+            module.register_forward_hook(record(name))
+    torch.manual_seed(1000 + dist.get_rank())  # the ranks' own seeds differ, as in a data-parallel job
+    batch = lora_batches(base.config.vocab_size)[0]
+    loss = model(batch, labels=batch).loss
+    return LoraResult([loss.item()], [], [], len(masks), [], {}, masks=masks)
 
 
 def lora_batches(vocab: int) -> list[torch.Tensor]:

@@ -24,6 +24,8 @@ LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 BIASES = {"attention_bias": True, "mlp_bias": True}
 KV1 = {"num_key_value_heads": 1}
 LORA_BIAS = {"lora_bias": True}
+DROPOUT = {"lora_dropout": 0.5}
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # inputs replicated; o_proj, down_proj: sharded
 
 
 def _gpt2(directory: Path) -> tuple[dict[str, Any], str]:
@@ -59,6 +61,9 @@ def _cases(directory: Path) -> list[LoraCase]:
         LoraCase("llama_peft_base", "llama", llama, llama_plan, ("q_proj", "o_proj"), "peft_base", BIASES),
         # lora_bias on column-parallel layers: lora_B's bias sharded with its rows
         LoraCase("column_bias", "llama", llama, llama_plan, ("q_proj", "up_proj"), config=BIASES, peft=LORA_BIAS),
+        # lora_dropout in train mode, ranks seeded apart: the masks follow the random streams
+        LoraCase("dropout", "llama", llama, llama_plan, LLAMA_TARGETS, config=BIASES, peft=DROPOUT, masks=True),
+        LoraCase("dropout_peft_first", "llama", llama, llama_plan, LLAMA_TARGETS, "peft_first", BIASES, DROPOUT, masks=True),
         LoraCase("qwen3_moe_attention", "qwen3_moe", moe, moe_plan, attention),
         LoraCase("gpt2_conv1d", "gpt2", gpt2, gpt2_plan, ("c_attn", "c_proj", "c_fc"), "peft_first", config=no_dropout),
         LoraCase(
@@ -177,3 +182,18 @@ def test_dcp_of_the_trainable_state_resumes_training(lora: list[dict[str, LoraRe
         kept_going, resumed = by_case["llama_parallelize_first"].lifecycle["dcp"]
         assert len(resumed) == 3
         assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(kept_going, resumed)), (kept_going, resumed)
+
+
+@pytest.mark.parametrize("case", ["dropout", "dropout_peft_first"])
+def test_lora_dropout_draws_one_mask_on_a_replicated_input_and_its_own_on_a_shard(
+    lora: list[dict[str, LoraResult]], case: str
+) -> None:
+    first, second = (by_case[case].masks for by_case in lora)
+    assert len(first) == 14 and first.keys() == second.keys()  # 2 layers x 7 projections
+    for name, mask in first.items():
+        assert 0 < sum(mask) < len(mask), f"{name}: p=0.5 dropped nothing or everything"
+        if name.split(".")[-3] in COLUMN:
+            assert mask == second[name], f"{name}: a replicated input dropped differently on the ranks"
+        else:
+            assert mask != second[name], f"{name}: a sharded input dropped with one mask on every rank"
+    assert lora[0][case].losses == lora[1][case].losses
