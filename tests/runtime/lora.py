@@ -93,7 +93,8 @@ def lora_config(case: LoraCase) -> Any:
 
     if case.tuner == "ia3":
         return IA3Config(target_modules=list(case.targets), feedforward_modules=[])
-    return LoraConfig(**{"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": list(case.targets), **case.peft})
+    options = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": list(case.targets), **case.peft}
+    return LoraConfig(**options)
 
 
 def peft_reference(case: LoraCase, seed: int = 0) -> tuple[nn.Module, nn.Module]:

@@ -63,7 +63,9 @@ def _cases(directory: Path) -> list[LoraCase]:
         LoraCase("column_bias", "llama", llama, llama_plan, ("q_proj", "up_proj"), config=BIASES, peft=LORA_BIAS),
         # lora_dropout in train mode, ranks seeded apart: the masks follow the random streams
         LoraCase("dropout", "llama", llama, llama_plan, LLAMA_TARGETS, config=BIASES, peft=DROPOUT, masks=True),
-        LoraCase("dropout_peft_first", "llama", llama, llama_plan, LLAMA_TARGETS, "peft_first", BIASES, DROPOUT, masks=True),
+        LoraCase(
+            "dropout_peft_first", "llama", llama, llama_plan, LLAMA_TARGETS, "peft_first", BIASES, DROPOUT, masks=True
+        ),
         LoraCase("qwen3_moe_attention", "qwen3_moe", moe, moe_plan, attention),
         LoraCase("gpt2_conv1d", "gpt2", gpt2, gpt2_plan, ("c_attn", "c_proj", "c_fc"), "peft_first", config=no_dropout),
         LoraCase(
