@@ -158,13 +158,14 @@ def _wrapper_runs(plan: Plan, key: str, class_name: str) -> str:
             "identity expert: its output, the same on every rank, is divided by the axis size (R -> P(sum)), so "
             "the enclosing experts' all-reduce counts it once"
         )
-    return "the torch forward between the input and output ops"
+    return "its own forward between the input and output ops (parallelize's generic wrapper of an outside class)"
 
 
 def _external_record(plan: Plan, key: str, class_name: str, made: dict[tuple[str, object], set[str]]) -> dict[str, Any]:
-    """An outside class: wrapped by the runtime (nn.Linear, nn.Embedding) or left as it is (identity)."""
-    known = _KNOWN_INPUTS.get(class_name.rsplit(".", 1)[-1])
-    if known is None or is_identity_contract(plan, key, known_inputs=known):
+    """An outside class: wrapped by the runtime (its own wrapper for nn.Linear, nn.Embedding; the generic one
+    around any other class's forward) or left as it is (identity)."""
+    known = _KNOWN_INPUTS.get(class_name.rsplit(".", 1)[-1], ())
+    if is_identity_contract(plan, key, known_inputs=known):
         entry = plan.entries[key]
         reductions = ", ".join(entry.grad_reduce_params)
         runs = "nothing moves: the class is used as it is" + (

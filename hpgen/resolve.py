@@ -23,7 +23,7 @@ from hpgen.errors import HpgenError, did_you_mean
 from hpgen.index import ClassInfo, ModuleIndex
 from hpgen.plan import Plan
 
-# Classes not defined in the source that the runtime wraps (SPEC §4).
+# Classes not defined in the source that the runtime wraps with a wrapper of their own (others: the generic one).
 WRAPPED_EXTERNAL = ("Embedding", "Linear", "Identity")
 TORCH_MODULES = ("torch", "nn")  # prefixes of torch's own classes: there is no source to lower
 
@@ -108,14 +108,18 @@ class _Resolver:
         return self.external(key, name)
 
     def external(self, key: str, name: str) -> ResolvedClass:
-        # A contract that moves nothing needs no rewrite, whatever the class (a sequence-
-        # parallel nn.LayerNorm with only params and grad_reduce_params).
-        if name.rsplit(".", 1)[-1] not in WRAPPED_EXTERNAL and not is_identity_contract(self.plan, key):
+        # No file to rewrite: the runtime wraps the instance (nn.Embedding, nn.Linear, nn.Identity
+        # by their own wrappers; any other class, nn.LayerNorm or peft's lora.Linear, by the
+        # generic one around its own forward), whatever the contract. A bare name the file does
+        # not define may be a class of this file hpgen cannot see (nested in another class): a
+        # contract that moves values on it is refused rather than silently left unlowered.
+        short = name.rsplit(".", 1)[-1]
+        if "." not in name and short not in WRAPPED_EXTERNAL and not is_identity_contract(self.plan, key):
             raise self.fail(
                 key,
-                f"its class {name} is not defined in {self.source_name}; the runtime wraps only "
-                f"nn.Embedding and nn.Linear from outside the file, and other outside classes take only "
-                f"contracts that move nothing",
+                f"its class {name} is not defined in {self.source_name} (at module level); if it is a class from "
+                "outside the file, name it by its module in boundary_classes (e.g. 'torch.nn.LayerNorm') and the "
+                "runtime wraps it",
             )
         return ResolvedClass(name, external=True)
 

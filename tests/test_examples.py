@@ -43,6 +43,17 @@ def test_2d_training_tracks_the_unsharded_model() -> None:
     assert float(steps[-1][0]) < float(steps[0][0])  # it trains
 
 
+def test_lora_finetuning_tracks_peft_on_one_process() -> None:
+    out = _torchrun("lora_finetune.py", 2)
+    steps = re.findall(r"step \d+: loss ([\d.]+)  \(unsharded peft model: ([\d.]+)\)", out)
+    assert len(steps) == 5, out
+    for mine, reference in steps:
+        assert abs(float(mine) - float(reference)) <= 1e-4 * max(1.0, abs(float(reference))), out
+    assert float(steps[-1][0]) < float(steps[0][0])  # it trains
+    (err,) = re.findall(r"saved adapter on one process: logits max \|diff\| (\S+)", out)
+    assert float(err) < 1e-4, out
+
+
 def _shims(folder: Path) -> Path:
     """``python``, ``hpgen`` and ``torchrun`` on PATH as this interpreter runs them (the venv need not be active)."""
     folder.mkdir()

@@ -29,7 +29,7 @@ from torch import nn
 from hpgen.header import Header, read_header
 from hpgen.runtime.errors import ParallelizeError
 
-__all__ = ["GeneratedModule", "counterpart", "generated_modules"]
+__all__ = ["GeneratedModule", "counterpart", "generated_modules", "is_generated_file"]
 
 
 class GeneratedModule:
@@ -47,6 +47,11 @@ class GeneratedModule:
             return hashlib.sha256(source.read_bytes()).hexdigest() == self.header.source_sha256
         except OSError:
             return False
+
+
+def is_generated_file(module: types.ModuleType | None) -> bool:
+    """``module`` was written by ``hpgen lower`` (its file starts with hpgen's header)."""
+    return module is not None and _header_of(module) is not None
 
 
 def _header_of(module: types.ModuleType) -> Header | None:

@@ -55,6 +55,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hpgen.errors import HpgenError, did_you_mean
 from hpgen.plan import Plan, load_plan, plan_from_dict
+from hpgen.runtime.adapters import survey_adapters, watch_adapters
 from hpgen.runtime.agreement import check_ranks_agree, mesh_device, raise_together
 from hpgen.runtime.attrs import survey_attrs
 from hpgen.runtime.collectives import AxisCollectives, scope_shard_sizes
@@ -77,6 +78,7 @@ from hpgen.runtime.stubs import refuse_replaced_stubs
 from hpgen.runtime.state_dict import install_state_dict_hooks
 from hpgen.runtime.summed import SummedBlock, branch_fqns, survey_summed
 from hpgen.runtime.targets import Target, resolve
+from hpgen.runtime.tuners import peft_base_model, resolve_tuner_names
 
 __all__ = ["ParallelizeError", "parallelize"]
 
@@ -105,8 +107,17 @@ def parallelize(
     lowered from that class's modeling file: from the generated files the model's classes
     come from, or from the imported generated modules in ``generated`` (one per other
     modeling file the plan's boundaries live in; ``hpgen plan --explain`` names them).
+
+    A peft model (``get_peft_model`` first) takes the plan of its base model: the plan
+    applies to ``get_base_model()``, through peft's ``base_layer`` indirection, and the
+    adapters are sharded like their base layers (:mod:`hpgen.runtime.adapters`), as they
+    are when peft comes after ``parallelize``.
     """
     plan = _as_plan(plan)
+    peft_model = None
+    base = peft_base_model(model)
+    if base is not None:
+        peft_model, model = model, base
     if isinstance(model, DistributedDataParallel):
         raise ParallelizeError(
             "the model is wrapped in DistributedDataParallel: call parallelize on the model first, then wrap it "
@@ -133,10 +144,15 @@ def parallelize(
     if check_inputs and groups:
         model.register_forward_pre_hook(InputCheck(groups, device), with_kwargs=True)
     # state_dict() as DTensors, load_state_dict of DTensors or full tensors, save_pretrained unsharded
-    install_state_dict_hooks(model, survey.shards, mesh, axes, plan.mesh_dim_names)
+    recorder = install_state_dict_hooks(model, survey.shards, mesh, axes, plan.mesh_dim_names)
+    # peft's adapters, there now (sharded here) or added later (adopted when first seen)
+    model._hp_adapters = watch_adapters(model, survey.adapter_slots, axes, recorder)
     bind_save_pretrained(model)
     scope_shard_sizes(model, axes.values())  # gathers reuse the sizes of shards made in the same forward
     model._hp_parallelized = True
+    if peft_model is not None:
+        peft_model._hp_parallelized = True
+        return peft_model
     return model
 
 
@@ -191,6 +207,7 @@ class _Survey:
     divides: list[tuple[nn.Module, str, int]]
     mesh: DeviceMesh
     summed: list[SummedBlock]
+    adapter_slots: list[Any]
 
     def install(self, axes: Mapping[str, AxisCollectives], mesh_names: tuple[str, ...]) -> None:
         replaced = shard_params(self.shards)
@@ -220,7 +237,7 @@ def _survey(
     axes: Mapping[str, AxisCollectives],
     generated: Sequence[GeneratedModule] = (),
 ) -> _Survey:
-    matched = match_modules(model, plan)
+    matched = resolve_tuner_names(match_modules(model, plan))  # q_proj.weight: q_proj.base_layer.weight under peft
     refuse_replaced_stubs(model, matched)  # a fused kernel bound in place of the torch path the plan shards
     shards = survey_params(model, plan, matched, axes)
     targets = [resolve(item, plan, mesh, axes, generated) for item in matched]
@@ -228,7 +245,8 @@ def _survey(
     summed = survey_summed(matched, plan, axes)
     grad_reduces = survey_grad_reduce(matched, plan)
     divides = survey_attrs(matched, plan, axes)
-    return _Survey(targets, shards, biases, grad_reduces, divides, mesh, summed)
+    slots = survey_adapters(model, matched, plan.mesh_dim_names)
+    return _Survey(targets, shards, biases, grad_reduces, divides, mesh, summed, slots)
 
 
 def match_modules(model: nn.Module, plan: Plan) -> list[Matched]:

@@ -54,6 +54,7 @@ from hpgen.runtime.sharding import AxisShare, chunks_and_index, local_chunk, loc
 
 __all__ = [
     "PackedShard",
+    "ShardRecorder",
     "ShardedParam",
     "gather_full",
     "install_state_dict_hooks",
@@ -89,6 +90,7 @@ class ShardedParam:
     mesh: DeviceMesh | None  # the DTensor form's mesh: the plan's axes, RS axes unflattened (None: no form)
     groups: tuple[Any, ...]  # each axis's process group
     form: DTensorForm
+    gathered: bool = False  # state_dict() gives the full tensor (peft's adapters), not a DTensor
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -209,7 +211,9 @@ def _state_dict_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix:
         key = prefix + attr
         if key not in state_dict:
             continue
-        if not isinstance(state_dict[key], DTensor):
+        if param.gathered and not isinstance(state_dict[key], DTensor):
+            state_dict[key] = gather_full(state_dict[key].detach(), param)
+        elif not isinstance(state_dict[key], DTensor):
             state_dict[key] = param.to_dtensor(state_dict[key])
         elif is_fsdp_shard(state_dict[key], param):  # FSDP2's dp DTensor of the tp-local shard
             state_dict[key] = composed_dtensor(param, state_dict[key])
@@ -286,38 +290,65 @@ def install_state_dict_hooks(
     mesh: DeviceMesh,
     axes: Mapping[str, AxisCollectives],
     names: Sequence[str],
-) -> None:
+) -> ShardRecorder:
     """Record each sharded parameter's layout on its owners and register the hooks (see the module docstring).
 
     ``shards`` are :func:`~hpgen.runtime.params.survey_params`'s records, read before
     :func:`~hpgen.runtime.params.shard_params` (their ``param`` has the full shape);
-    ``names`` the plan's axes in mesh order.
+    ``names`` the plan's axes in mesh order. Returns the recorder, which records
+    parameters made later (peft's adapters) the same way.
     """
-    names = tuple(names)
-    groups = tuple(axes[axis].group for axis in names)
-    on_mesh = tuple(axis for axis in names if axis in (mesh.mesh_dim_names or ()))  # toggle axes off: size 1
-    meshes = _Meshes(mesh, on_mesh)
+    recorder = ShardRecorder(mesh, axes, names)
     for shard in shards:
-        shape = tuple(shard.param.shape)
-        if local_shape(shape, shard.shares) == shape:
-            continue  # whole on every rank (R, or split over axes of one rank)
-        layout = tuple(p for (p, _, _), axis in zip(shard.shares, names) if axis in on_mesh)
-        form = dtensor_form(shape, layout, tuple(axes[axis].size for axis in on_mesh))
-        dtensor_mesh = meshes.get(form.split) if form.placements is not None else None
-        if not form.exact and form.placements is not None:
-            logger.debug("%s: state_dict() copies it DTensor's way: %s", shard.names[0], form.problem)
-        record = ShardedParam(shard.names[0], shape, tuple(shard.shares), names, dtensor_mesh, groups, form)
-        for owner, attr in shard.owners:
+        recorder.record(shard.owners, shard.names[0], tuple(shard.param.shape), tuple(shard.shares))
+    recorder.hook_loading(model)
+    return recorder
+
+
+class ShardRecorder:
+    """Makes the :class:`ShardedParam` of a parameter and registers the state-dict hooks of its owners."""
+
+    def __init__(self, mesh: DeviceMesh, axes: Mapping[str, AxisCollectives], names: Sequence[str]) -> None:
+        self.names = tuple(names)
+        self.groups = tuple(axes[axis].group for axis in self.names)
+        self.sizes = {axis: axes[axis].size for axis in self.names}
+        self.on_mesh = tuple(axis for axis in self.names if axis in (mesh.mesh_dim_names or ()))  # toggle axes: size 1
+        self.meshes = _Meshes(mesh, self.on_mesh)
+
+    def record(
+        self,
+        owners: Iterable[tuple[nn.Module, str]],
+        name: str,
+        shape: tuple[int, ...],
+        shares: tuple[AxisShare, ...],
+        *,
+        gathered: bool = False,
+    ) -> ShardedParam | None:
+        """Record the parameter of full ``shape`` held as ``shares`` under each (owner, attribute); None if whole."""
+        if local_shape(shape, shares) == shape:
+            return None  # whole on every rank (R, or split over axes of one rank)
+        layout = tuple(p for (p, _, _), axis in zip(shares, self.names) if axis in self.on_mesh)
+        form = dtensor_form(shape, layout, tuple(self.sizes[axis] for axis in self.on_mesh))
+        dtensor_mesh = self.meshes.get(form.split) if form.placements is not None else None
+        if not form.exact and form.placements is not None and not gathered:
+            logger.debug("%s: state_dict() copies it DTensor's way: %s", name, form.problem)
+        record = ShardedParam(name, shape, shares, self.names, dtensor_mesh, self.groups, form, gathered)
+        for owner, attr in owners:
             registry = owner.__dict__.get("_hp_sharded")
             if registry is None:
                 registry = owner._hp_sharded = {}
                 owner.register_state_dict_post_hook(_state_dict_post_hook)
             registry[attr] = record
-    for module in model.modules():
-        if (module._parameters or module._buffers) and not module.__dict__.get("_hp_load_hook"):
-            module.register_load_state_dict_pre_hook(_load_pre_hook)
-            module.register_load_state_dict_post_hook(_drop_rejected)
-            module._hp_load_hook = True
+        return record
+
+    @staticmethod
+    def hook_loading(model: nn.Module) -> None:
+        """Give every module of ``model`` with tensors the ``load_state_dict`` pre- and post-hooks (once)."""
+        for module in model.modules():
+            if (module._parameters or module._buffers) and not module.__dict__.get("_hp_load_hook"):
+                module.register_load_state_dict_pre_hook(_load_pre_hook)
+                module.register_load_state_dict_post_hook(_drop_rejected)
+                module._hp_load_hook = True
 
 
 class _Meshes:

@@ -12,7 +12,11 @@ changing anything:
 - ``nn.Embedding`` / ``nn.Linear`` (classes hpgen cannot lower): a wrapper subclass from
   :mod:`hpgen.runtime.wrappers`, after checking the plan describes a vocab-, column- or
   row-parallel layout it implements;
-- any other class without a generated ``forward``: refused (regenerate the file).
+- any other class from outside the modeling files (``nn.LayerNorm``, peft's
+  ``lora.Linear``, any ``nn.Module``): the generic wrapper of
+  :mod:`hpgen.runtime.wrappers`, its own ``forward`` between the plan's input and output
+  ops, whatever the contract;
+- a class of a modeling file without a generated ``forward``: refused (regenerate the file).
 
 :meth:`Target.install` then does it: swaps ``__class__``, binds ``_hp_<axis>``, sets
 ``<axis>_enable`` in toggle mode, binds ``__hp_compute__`` (region) or
@@ -24,6 +28,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,14 +40,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from hpgen.classify import is_identity_contract
 from hpgen.plan import Plan, contract_signature
 from hpgen.plan import Target as PlanTarget
-from hpgen.runtime.boundary import StaticMove, boundary_movers, generic_boundary
+from hpgen.runtime.boundary import GenericBoundary, StaticMove, boundary_movers, generic_boundary
 from hpgen.runtime.collectives import AxisCollectives
-from hpgen.runtime.counterparts import GeneratedModule, counterpart
+from hpgen.runtime.counterparts import GeneratedModule, counterpart, is_generated_file
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.kernels import instance_forward_problem, route_dispatch
 from hpgen.runtime.params import Matched
 from hpgen.runtime.sharding import local_range, normalize_dim
-from hpgen.runtime.wrappers import subclass_with
+from hpgen.runtime.tuners import is_tuner_layer
+from hpgen.runtime.wrappers import is_conv1d, subclass_with
 
 __all__ = ["Target", "resolve"]
 
@@ -59,7 +65,7 @@ class Target:
     """The resolved install of one planned module (see the module docstring)."""
 
     item: Matched
-    form: str  # identity | tp_collective | generic | region | embedding | linear | identity_expert
+    form: str  # identity | tp_collective | generic | region | embedding | linear | identity_expert | outside
     cls: type[nn.Module] | None = None  # the class to give the instance; None keeps it
     bind: dict[str, Any] = field(default_factory=dict)  # instance attributes set after the swap
     prepare: Callable[[], None] | None = None  # a region function's one-time set-up, run last
@@ -131,12 +137,65 @@ def _resolve(
         return Target(item, "identity")
     if lowered:
         return _generated(item, plan, mesh, axes, cls)
+    if is_outside_class(item.module):
+        return _outside(item, plan, mesh, axes)
     raise ParallelizeError(
         f"{item.fqn} ({cls.__qualname__} from {cls.__module__}) is a boundary of param_plan[{item.key!r}] but its "
         f"class has no generated forward: the file defining it was not lowered with this plan; {_REGENERATE}, "
         f"and pass the generated module of {_file_of(cls)} to parallelize(..., generated=[...]) when the model "
         "builds this class from transformers' file (through AutoModel) or from another model's file"
     )
+
+
+def is_outside_class(module: nn.Module) -> bool:
+    """A class no modeling file defines (torch's, peft's, the user's): the generic wrapper runs its forward.
+
+    A class of a transformers modeling file (``transformers.models.*``, a ``modeling_*.py``)
+    or of a generated file is not: it needs a generated forward for the plan.
+    """
+    cls = type(module)
+    if is_tuner_layer(module):
+        return True
+    stem = cls.__module__.rpartition(".")[2]
+    modeling = cls.__module__.startswith("transformers.models.") or stem.startswith("modeling_")
+    return not modeling and not is_generated_file(sys.modules.get(cls.__module__))
+
+
+def _outside(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, AxisCollectives]) -> Target:
+    """Any outside module: its own ``forward`` between the plan's input and output ops (one generic wrapper)."""
+    signature = _plan_signature(item.module)
+    where = f"{item.fqn} ({type(item.module).__qualname__}, wrapped by parallelize)"
+    base = item.module.get_base_layer() if is_tuner_layer(item.module) else None
+    if base is not None and not (isinstance(base, nn.Linear) or is_conv1d(base)):
+        raise ParallelizeError(
+            f"{item.fqn}: peft's {type(item.module).__qualname__} ({type(item.module).__module__}) on a boundary "
+            f"{type(base).__name__} is not supported on a parallelized model (LoRA on an nn.Linear or Conv1D only)"
+        )
+    for name in item.entry.input_names:
+        if name not in signature.parameters:
+            raise ParallelizeError(
+                f"{where}: declares input {name!r}, but its forward takes "
+                f"{', '.join(signature.parameters) or 'nothing'}"
+            )
+    known = tuple(
+        name
+        for name, parameter in signature.parameters.items()
+        if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)
+    )[:1]  # its first argument, the activation, when undeclared: R (a copy into a sharded body)
+    movers_in, movers_out = boundary_movers(plan, item.key, mesh, axes, item.fqn, known_inputs=known)
+    target = Target(item, "outside", cls=subclass_with(type(item.module), "outside"))
+    target.bind["_hp_boundary"] = GenericBoundary(movers_in, movers_out)
+    target.bind["_hp_signature"] = signature
+    target.bind["_hp_output_names"] = item.entry.output_names
+    return target
+
+
+def _plan_signature(module: nn.Module) -> inspect.Signature:
+    """The forward signature (without ``self``) whose argument names the plan uses: a tuner layer's base's."""
+    while is_tuner_layer(module):
+        module = module.base_layer
+    signature = inspect.signature(type(module).forward)
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
 
 
 def _file_of(cls: type) -> str:

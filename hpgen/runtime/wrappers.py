@@ -1,4 +1,4 @@
-"""Boundaries whose class is not in the lowered file: ``nn.Embedding``, ``nn.Linear``, ``nn.Identity``.
+"""Boundaries whose class is not in the lowered file: ``nn.Embedding``, ``nn.Linear``, ``nn.Identity``, any module.
 
 hpgen cannot rewrite torch's own classes, so ``parallelize`` changes the instance's
 ``__class__`` to a small subclass defined here. Parameters, buffers and therefore
@@ -18,6 +18,10 @@ hpgen cannot rewrite torch's own classes, so ``parallelize`` changes the instanc
 :class:`PartialIdentity` is an identity expert (transformers' ``moe_identity_expert``):
 its output, ``R -> P(sum)``, is divided by the axis size inside the experts' sum.
 
+Any other class from outside the file (``nn.LayerNorm``, peft's ``lora.Linear``, any
+``nn.Module``) gets :class:`_OutsideBoundaryMixin`, which runs its own ``forward`` between
+the plan's input and output ops, whatever the contract.
+
 The first two run the plan's input and output ops with the same movers as the generic form
 (``hpgen.runtime.boundary``), bound at install. :class:`DeferredBiasLinear` is the inner
 ``nn.Linear`` whose bias the plan defers: it computes without it, and the boundary adds
@@ -30,12 +34,15 @@ subclass's ``forward`` (a scaled embedding, say) still runs inside the wrapper.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from hpgen.runtime.ops import address_of
 
 __all__ = [
     "BiasShare",
@@ -184,6 +191,30 @@ def is_conv1d(module: nn.Module) -> bool:
     )
 
 
+class _OutsideBoundaryMixin:
+    """Any module whose class is outside the lowered file: the plan's input ops, its own ``forward``, the output ops.
+
+    ``_hp_signature`` is the signature the plan's value names refer to (the module's
+    ``forward``; for a peft tuner layer, its base layer's, since the plan was written for
+    the base model); ``_hp_boundary`` moves each declared value
+    (:class:`hpgen.runtime.boundary.GenericBoundary`).
+    """
+
+    _hp_boundary: Any = None
+    _hp_signature: inspect.Signature | None = None
+    _hp_output_names: tuple[str, ...] = ()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        boundary = self._hp_boundary
+        bound = self._hp_signature.bind(*args, **kwargs)  # type: ignore[union-attr]
+        for name, value in list(bound.arguments.items()):
+            bound.arguments[name] = boundary.input(name, value)
+        outputs = super().forward(*bound.args, **bound.kwargs)  # type: ignore[misc]
+        for name in self._hp_output_names:
+            outputs = boundary.output(name, outputs, address_of(outputs, self._hp_output_names, name))
+        return outputs
+
+
 class _PartialIdentityMixin:
     """An identity expert inside an experts boundary: its replicated output is made partial.
 
@@ -234,6 +265,7 @@ MIXINS = {
     "deferred_bias_conv1d": _DeferredBiasConv1DMixin,
     "partial_bias": _PartialBiasMixin,
     "identity_expert": _PartialIdentityMixin,
+    "outside": _OutsideBoundaryMixin,
 }
 
 
@@ -248,7 +280,13 @@ def subclass_with(cls: type[nn.Module], role: str) -> type[nn.Module]:
     if key in _PREDEFINED:
         return _PREDEFINED[key]
     if key not in _MADE:
-        prefixes = {"embedding": "Parallel", "linear": "Parallel", "identity_expert": "Partial", "partial_bias": "PartialBias"}
+        prefixes = {
+            "embedding": "Parallel",
+            "linear": "Parallel",
+            "identity_expert": "Partial",
+            "partial_bias": "PartialBias",
+            "outside": "Boundary",
+        }
         prefix = prefixes.get(role, "DeferredBias")
         _MADE[key] = type(f"{prefix}{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
     return _MADE[key]

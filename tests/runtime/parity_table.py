@@ -118,6 +118,24 @@ def starcoder2_norm_entries() -> dict[str, Any]:
     return plan
 
 
+def starcoder2_final_norm_gathered() -> dict[str, Any]:
+    """The sequence-parallel plan as Megatron writes it: the last decoder layer hands on its tokens
+    sharded, the final ``nn.LayerNorm`` (a class outside the file) normalizes them there, and its
+    output is gathered (``S(1) -> R``) for ``lm_head``."""
+    plan = starcoder2_norm_entries()
+    last = plan["param_plan"]["model.layers.1"]
+    last["out_dst"] = {"output": {"tp": "S(1)"}}
+    plan["param_plan"]["model.norm"] = {
+        "in_src": {"input": {"tp": "S(1)"}},
+        "in_dst": {"input": {"tp": "S(1)"}},
+        "out_src": {"output": {"tp": "S(1)"}},
+        "out_dst": {"output": {"tp": "R"}},
+        "params": {"weight": {"tp": "R"}, "bias": {"tp": "R"}},
+        "grad_reduce_params": ["weight", "bias"],
+    }
+    return plan
+
+
 PARITY: dict[str, Row] = {
     # the contract's own example plan, as written there (no o_proj bias: Llama has none):
     # lm_head and embed_tokens declare no input; the wrapper copies lm_head's in itself
@@ -161,6 +179,8 @@ PARITY: dict[str, Row] = {
     "inkling2_completed": Row("inkling2", hpgen_plan_completed("inkling2", tp=2)),
     # sequence-parallel nn.LayerNorm entries on a class outside the file
     "starcoder2_sp_norms": Row("starcoder2", starcoder2_norm_entries),
+    # + the final nn.LayerNorm on the sharded tokens, its output gathered by the generic outside wrapper
+    "starcoder2_sp_final_norm": Row("starcoder2", starcoder2_final_norm_gathered),
 }
 
 

@@ -20,6 +20,10 @@
   optimizer state after an AdamW step (``optimizer_state_dict``) resumes into the same
   three and into transformers' model under FSDP2 alone on 4 ranks (bit-exact moments, the
   unsharded ones those of the same step taken unsharded).
+- peft's LoRA (q, k, v, o and the MLP projections of Llama, biases deferred) under FSDP2 x
+  hpgen: ``get_peft_model``, ``parallelize`` on ``tp``, ``fully_shard`` on ``dp``; the losses of
+  three SGD steps and every adapter after them equal peft's on one process on the whole batch
+  (the adapters' ``tp`` gradient sums follow FSDP2's parameters).
 - Refusals instead of partial gradients: ``fully_shard`` or DDP before ``parallelize``, an
   FSDP2 unit inside a boundary that reduces a gradient, and replicated KV heads whose
   ``num_key_value_groups`` the plan does not divide.
@@ -36,6 +40,7 @@ import pytest
 from tests.dist import run_distributed
 from tests.runtime.compose import TrainCase, check_training, run_train_cases
 from tests.runtime.compose_checkpoints import CheckpointCase, run_checkpoint_cases
+from tests.runtime.lora import LoraCase, run_lora_fsdp_cases
 from tests.runtime.models import (
     Case,
     check_generation,
@@ -53,6 +58,7 @@ from tests.runtime.models import (
 from tests.runtime.parity_table import MOE, PARITY_2D, QWEN3_MOE_EP_TP, lowered_cases
 
 DP_TP = (("dp", 2), ("tp", 2))
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 KV1 = {"num_key_value_heads": 1}  # one key/value head: replicated on both tp ranks
 
 TRAINING = ("llama_sp_fsdp2", "llama_sp_fsdp2_root", "llama_sp_ddp", "qwen3_fsdp2", "llama_rs_fsdp2", "toggle_dp_tp")
@@ -118,18 +124,21 @@ def _refuse(case: tuple[str, str, str, dict[str, Any], dict[str, Any]]) -> str:
 
 
 def _everything(
-    rank: int, world_size: int, cases: list, training: list, refusals: list, checkpoints: list
+    rank: int, world_size: int, cases: list, training: list, refusals: list, checkpoints: list, lora: list
 ) -> dict[str, Any]:
     results: dict[str, Any] = dict(run_cases(rank, world_size, cases))
     results.update(run_train_cases(rank, world_size, training))
     results.update(run_checkpoint_cases(rank, world_size, checkpoints))
+    results.update(run_lora_fsdp_cases(rank, world_size, lora))
     results.update({case[0]: _refuse(case) for case in refusals})  # last: a refused forward leaves FSDP2 mid-step
     return results
 
 
-def build_runs(directory: Path) -> tuple[list[Case], list[TrainCase], list[tuple], list[CheckpointCase]]:
-    """Lower the files into ``directory``; the parity cases (``PARITY_2D``), training cases, refusals and
-    checkpoints to run."""
+def build_runs(
+    directory: Path,
+) -> tuple[list[Case], list[TrainCase], list[tuple], list[CheckpointCase], list[LoraCase]]:
+    """Lower the files into ``directory``; the parity cases (``PARITY_2D``), training cases, refusals,
+    checkpoints and LoRA under FSDP2 to run."""
     cases = lowered_cases(PARITY_2D, directory)
     toggle = next(case.generated for case in cases if case.name == "toggle_none")
     sp = str(lower_family("llama", "llama_tp_sp", directory))
@@ -156,7 +165,11 @@ def build_runs(directory: Path) -> tuple[list[Case], list[TrainCase], list[tuple
         CheckpointCase("llama_sp_dcp", "llama", sp, tp_sp, str(directory / "dcp_llama_sp")),
         CheckpointCase("qwen3_dcp", "qwen3", qwen3, load_plan_dict("qwen3_tp"), str(directory / "dcp_qwen3")),
     ]
-    return cases, training, refusals, checkpoints
+    biases = {"attention_bias": True, "mlp_bias": True}
+    lora_plan = generated_plan("llama", biases, tp=2)
+    lora_file = str(lower_family("llama", lora_plan, directory))
+    lora = [LoraCase("lora_fsdp2", "llama", lora_file, lora_plan, LORA_TARGETS, "peft_first", config=biases)]
+    return cases, training, refusals, checkpoints, lora
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +238,12 @@ def test_fsdp2_checkpoint_loads_back(results: list[dict], name: str, target: str
         if target == "optimizer: unsharded":  # the resumed moments are those of the same step taken unsharded
             err, tol = result.logits["optimizer: unsharded vs the unsharded step"]
             assert err <= tol, f"rank {rank}: exp_avg/exp_avg_sq off by {err} (relative) > {tol}"
+
+
+def test_lora_under_fsdp2_tracks_peft_on_one_process(results: list[dict]) -> None:
+    for rank, by_case in enumerate(results):
+        result = by_case["lora_fsdp2"]
+        assert len(result.losses) == 3 and result.grads_checked == 28
+        for loss, want in zip(result.losses, result.reference_losses):
+            assert abs(loss - want) <= 1e-5 + 1e-5 * abs(want), f"rank {rank}: {result.losses}, {result.reference_losses}"
+        assert not result.param_failures, f"rank {rank}: " + "; ".join(result.param_failures)

@@ -11,7 +11,7 @@ reductions; the row ``starcoder2_sp_norms`` of the parity table checks the numbe
 from __future__ import annotations
 
 from tests.runtime.models import FAMILIES
-from tests.runtime.parity_table import starcoder2_norm_entries
+from tests.runtime.parity_table import starcoder2_final_norm_gathered, starcoder2_norm_entries
 
 
 def test_the_norm_class_is_left_alone_and_explained() -> None:
@@ -29,3 +29,21 @@ def test_the_norm_class_is_left_alone_and_explained() -> None:
 
 def test_the_residual_stream_is_sequence_sharded(parity: list[dict]) -> None:
     assert [by_case["starcoder2_sp_norms"].residual_len for by_case in parity] == [4, 3]
+
+
+def test_the_final_norm_is_wrapped_to_gather_its_output() -> None:
+    # a contract that moves a value on a class outside the file: lowered (not refused), run by the generic wrapper
+    from hpgen.explain import explain
+    from hpgen.lower import analyze
+    from hpgen.plan import plan_from_dict
+
+    source = FAMILIES["starcoder2"].source()
+    plan = plan_from_dict(starcoder2_final_norm_gathered())
+    report = explain(analyze(source.read_text(), plan, source_name=source.name))
+    (norm,) = [record for record in report["wrapped"] if record["fqn"] == "model.norm"]
+    assert norm["handled_by"] == "runtime wrapper" and "generic wrapper" in norm["runs"]
+    assert [(op["value"], op["op"]) for op in norm["ops"]] == [("output", "all_gather")]
+
+
+def test_the_final_norm_sees_sharded_tokens_and_lm_head_all_of_them(parity: list[dict]) -> None:
+    assert [by_case["starcoder2_sp_final_norm"].residual_len for by_case in parity] == [4, 3]
