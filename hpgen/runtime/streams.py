@@ -39,7 +39,7 @@ generators).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["BodyStreams", "LayoutChange", "ModelStreams", "mix", "reseed_random_streams"]
+__all__ = ["BodyStreams", "LayoutChange", "ModelStreams", "default_generators", "mix", "reseed_random_streams"]
 
 _MASK = (1 << 64) - 1
 # domains, so that no two kinds of derived seed collide
@@ -111,7 +111,7 @@ class ModelStreams:
             self.enabled = False
             return
         self.enabled = True
-        self.generators = _generators(module)
+        self.generators = default_generators(module)
         self._saved.append([generator.get_state() for generator in self.generators])
         self._reseed(mix(self.seed, _STEP, self.step))
         self.step += 1
@@ -181,14 +181,13 @@ def _positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
-def _generators(model: nn.Module) -> list[torch.Generator]:
+def default_generators(model: nn.Module) -> list[torch.Generator]:
     """The default generators the model's random ops draw from: the CPU one, and its CUDA device's."""
     found = [torch.default_generator]
-    for tensor in model.parameters():
-        if tensor.device.type == "cuda":
-            index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
-            found.append(torch.cuda.default_generators[index])
-        break
+    device = next((tensor.device for tensor in model.parameters()), torch.device("cpu"))
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        found.append(torch.cuda.default_generators[index])
     return found
 
 
@@ -201,7 +200,9 @@ class BodyStreams:
     ``forward`` is recomputed, from the generator state checkpointing restores.
     """
 
-    def __init__(self, streams: ModelStreams, module: nn.Module, body: Any, local: bool, coordinates: Sequence[int]) -> None:
+    def __init__(
+        self, streams: ModelStreams, module: nn.Module, body: Any, local: bool, coordinates: Sequence[int]
+    ) -> None:
         self.streams = streams
         self.module = module
         self.body = body
@@ -277,7 +278,9 @@ def projection_layout(module: nn.Module, placements: Iterable[Any]) -> str | Non
     return "column" if dim == out_dim else "row"
 
 
-def install_streams(model: nn.Module, bodies: Sequence[tuple[Any, Any]], plan: Any, axes: Any, device: torch.device) -> ModelStreams:
+def install_streams(
+    model: nn.Module, bodies: Sequence[tuple[Any, str]], plan: Any, axes: Mapping[str, Any], device: torch.device
+) -> ModelStreams:
     """Seed the model's streams from the first rank and hook the model, its sharded bodies and
     their projections. ``bodies``: (``Matched``, form) of each planned module."""
     groups = [axes[axis].group for axis in plan.mesh_dim_names if axes[axis].size > 1]

@@ -37,7 +37,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["BiasShare", "DeferredBiasLinear", "ParallelEmbedding", "ParallelLinear", "PartialIdentity", "is_conv1d", "subclass_with"]
+__all__ = [
+    "BiasShare",
+    "DeferredBiasLinear",
+    "ParallelEmbedding",
+    "ParallelLinear",
+    "PartialIdentity",
+    "is_conv1d",
+    "subclass_with",
+]
 
 Mover = Callable[[Any], Any]
 
