@@ -82,6 +82,7 @@ class _Frame:
     coordinates: tuple[int, ...]  # this rank's on the axes the body is sharded on
     changes: int = 0
     children: int = 0
+    region: bool = False  # opened by a wrapped column-parallel linear outside any body (see open_region)
 
 
 @dataclass
@@ -141,15 +142,34 @@ class ModelStreams:
     def active(self, module: nn.Module) -> bool:
         return self.enabled and module.training and not _compiling()
 
-    def enter_body(self, local: bool, coordinates: tuple[int, ...]) -> None:
+    def enter_body(self, local: bool, coordinates: tuple[int, ...], *, region: bool = False) -> int:
+        """Push a frame for a body (or a region); return its depth, for :meth:`exit_body`."""
         if self.frames:
             parent = self.frames[-1]
             parent.children += 1
             seed = mix(parent.seed, _CHILD, parent.children)
         else:  # from the stream the body runs in: the replicated one, or what checkpoint restored
             seed = int(torch.randint(0, 1 << 62, (1,), generator=self.generators[0]).item())
-        self.frames.append(_Frame(seed, local, coordinates))
+        self.frames.append(_Frame(seed, local, coordinates, region=region))
         self.change(local)
+        return len(self.frames) - 1
+
+    def open_region(self, coordinates: tuple[int, ...]) -> None:
+        """A wrapped column-parallel linear made a sharded value: inside a body its layout changes; outside
+        one, a region opens, so that a dropout of the value (OPT's ``activation_dropout`` between
+        ``fc1`` and ``fc2``) draws per rank, and a shard of another size draws nothing from the
+        replicated stream (ranks that drew different amounts from it would diverge after)."""
+        if self.frames:
+            self.change(True)
+        else:
+            self.enter_body(True, coordinates, region=True)
+
+    def close_region(self) -> None:
+        """A wrapped row-parallel linear reduced its sharded input: replicated again."""
+        if self.frames and self.frames[-1].region:
+            self.exit_body(len(self.frames) - 1)
+        elif self.frames:
+            self.change(False)
 
     def change(self, local: bool) -> None:
         """The value the innermost body computes on is now sharded (``local``) or replicated/partial."""
@@ -163,10 +183,12 @@ class ModelStreams:
         else:
             self._reseed(mix(frame.seed, _REPLICATED, frame.changes))
 
-    def exit_body(self) -> None:
-        if not self.frames:
+    def exit_body(self, depth: int) -> None:
+        """Pop the frame at ``depth`` and any region left open above it."""
+        if len(self.frames) <= depth:
             return
-        frame = self.frames.pop()
+        frame = self.frames[depth]
+        del self.frames[depth:]
         if self.frames:  # the enclosing body goes on in its own layout, with fresh numbers
             self.change(self.frames[-1].local)
         else:
@@ -212,11 +234,29 @@ class BodyStreams:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.streams.active(self.module):
             return self.body(*args, **kwargs)
-        self.streams.enter_body(self.local, self.coordinates)
+        depth = self.streams.enter_body(self.local, self.coordinates)
         try:
             return self.body(*args, **kwargs)
         finally:
-            self.streams.exit_body()
+            self.streams.exit_body(depth)
+
+
+class WrappedProjection:
+    """Hook of a wrapped ``nn.Linear`` boundary: column-parallel with a sharded output (``opens``) or
+    row-parallel reducing a sharded input (see :meth:`ModelStreams.open_region`)."""
+
+    def __init__(self, streams: ModelStreams, opens: bool, coordinates: Sequence[int]) -> None:
+        self.streams = streams
+        self.opens = opens
+        self.coordinates = tuple(coordinates)
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.streams.active(module):
+            if self.opens:
+                self.streams.open_region(self.coordinates)
+            else:
+                self.streams.close_region()
+        return None
 
 
 class LayoutChange:
@@ -296,11 +336,19 @@ def install_streams(
     from hpgen.plan import body_is_sharded
 
     for item, form in bodies:
-        if form not in ("tp_collective", "generic", "region"):
-            continue
         entry = item.entry
         sharded = [a for a in plan.mesh_dim_names if axes[a].size > 1 and body_is_sharded(entry, a)]
         if not sharded:
+            continue
+        if form == "linear":  # a wrapped nn.Linear: its output sharded (column) or its sharded input reduced (row)
+            outputs = [entry.output_layouts(name, plan.mesh_dim_names)[1] for name in entry.output_names]
+            inputs = [entry.input_layouts(name, plan.mesh_dim_names)[0] for name in entry.input_names]
+            opens = any(layout.on(a).kind in ("S", "SS") for layout in outputs for a in sharded)
+            closes = any(layout.on(a).kind in ("S", "SS") for layout in inputs for a in sharded) and not opens
+            if opens or closes:
+                item.module.register_forward_hook(WrappedProjection(streams, opens, [axes[a].rank for a in sharded]))
+            continue
+        if form not in ("tp_collective", "generic", "region"):
             continue
         local = any(layout.on(a).kind in ("S", "SS", "RS") for layout in entry.in_dst.values() for a in sharded)
         name = "__hp_compute__" if form == "region" else "_forward_impl"  # what the generated forward calls
