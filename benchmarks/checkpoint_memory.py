@@ -1,6 +1,12 @@
 """Peak memory and load time of loading a Llama checkpoint: unsharded, transformers' tp_plan, hpgen.
 
     python benchmarks/checkpoint_memory.py [--layers 10] [--rounds 2] [--json out.json]
+    python benchmarks/checkpoint_memory.py --gb 0.7 2 4 --variants "transformers tp_plan" hpgen
+
+``--gb`` gives checkpoint sizes (the layer count that comes closest to each); ``--layers``
+takes several counts too; each size is one table, then one line per size with hpgen's
+load time over ``tp_plan``'s. ``--variants`` runs only those (the ratio needs
+``transformers tp_plan``; the memory columns ``transformers``).
 
 Writes a random Llama-shaped checkpoint (fp32 safetensors, sharded files as transformers
 writes them; nothing downloaded) to a temporary folder, then loads it, each variant in
@@ -14,6 +20,9 @@ fresh processes (gloo, one thread a rank), one forward included:
 - ``hpgen, whole model first``: the generated class's own ``from_pretrained`` on every
   rank, then ``parallelize`` (what the README did before ``from_pretrained`` existed).
 
+The time to the first logits (loading and one forward) is also reported: a loader that
+leaves its parameters as lazy views of the mapped files (transformers' does, for every
+slice) reads the weights from the page cache, or the disk, in that first forward.
 Memory is each process's peak resident set (``VmHWM``, which counts mapped file pages
 that were touched) above its resident set just before loading (``/proc/self/clear_refs``
 resets the peak there), over loading and one forward. Load time is the wall time of the
@@ -127,10 +136,11 @@ def worker(variant: str, checkpoint: str, generated: str, out: str) -> None:
     load_cpu_s = _cpu_s() - cpu_started
     with torch.no_grad():
         logits = model.eval()(ids).logits
+    first_s = time.perf_counter() - started  # a loader that maps lazily reads the weights here
     peak = _status("VmHWM") - before
     if rank == 0:
         torch.save(logits, f"{out}.logits.pt")
-    result = {"peak_bytes": peak, "load_s": load_s, "load_cpu_s": load_cpu_s}
+    result = {"peak_bytes": peak, "load_s": load_s, "load_cpu_s": load_cpu_s, "first_logits_s": first_s}
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(result))
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -184,42 +194,38 @@ def run_variant(variant: str, checkpoint: Path, generated: Path, folder: Path, t
         "peak_bytes": [r["peak_bytes"] for r in per_rank],
         "load_s": max(r["load_s"] for r in per_rank),
         "load_cpu_s": max(r["load_cpu_s"] for r in per_rank),
+        "first_logits_s": max(r["first_logits_s"] for r in per_rank),
         "logits": f"{out}.logits.pt",
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=10, help="decoder layers (10: about 0.73 GB in fp32)")
-    parser.add_argument("--rounds", type=int, default=2, help="runs of each variant (median reported)")
-    parser.add_argument("--json", type=Path, help="also write the results to this file")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
-    parser.add_argument("--generated", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args.worker, args.checkpoint, args.generated, args.out)
-        return
+LAYER_BYTES = 4 * (2 * 1024 * 1024 + 2 * 1024 * 512 + 3 * 1024 * 2816 + 2 * 1024)  # fp32, llama_config's sizes
+FIXED_BYTES = 4 * (2 * 32000 * 1024 + 1024)  # embedding, lm_head, final norm
 
+
+def layers_for(gigabytes: float) -> int:
+    """The decoder layer count whose checkpoint comes closest to ``gigabytes`` (10**9 bytes)."""
+    return max(1, round((gigabytes * 1e9 - FIXED_BYTES) / LAYER_BYTES))
+
+
+def measure(layers: int, rounds: int, names: list[str]) -> dict:
+    """Write a checkpoint of ``layers`` layers, load it with each variant ``rounds`` times in turn; medians."""
     import torch
 
     with tempfile.TemporaryDirectory(prefix="hpgen_ckpt_bench_") as tmp:
         folder = Path(tmp)
         checkpoint = folder / "checkpoint"
-        size = write_checkpoint(checkpoint, args.layers)
+        size = write_checkpoint(checkpoint, layers)
         generated = folder / "modeling_llama_tp_vocab.py"
         lower_llama(generated)
-        runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
-        for round_ in range(args.rounds):
-            for name in VARIANTS:
-                runs[name].append(
-                    run_variant(
-                        name, checkpoint, generated, folder, f"{name.replace(' ', '_').replace(',', '')}_{round_}"
-                    )
-                )
-        reference = torch.load(runs["transformers"][0]["logits"])
-        results = {"checkpoint_bytes": size, "layers": args.layers, "rounds": args.rounds, "variants": {}}
+        runs: dict[str, list[dict]] = {name: [] for name in names}
+        for round_ in range(rounds):
+            for name in names:
+                tag = f"{name.replace(' ', '_').replace(',', '')}_{round_}"
+                runs[name].append(run_variant(name, checkpoint, generated, folder, tag))
+        first = names[0]  # the logits reference: the unsharded load when it ran
+        reference = torch.load(runs[first][0]["logits"])
+        results = {"checkpoint_bytes": size, "layers": layers, "rounds": rounds, "reference": first, "variants": {}}
         for name, items in runs.items():
             ranks = VARIANTS[name]
             peaks = [statistics.median(item["peak_bytes"][r] for item in items) for r in range(ranks)]
@@ -230,36 +236,91 @@ def main() -> None:
                 "load_s": statistics.median(item["load_s"] for item in items),
                 "load_s_all": [item["load_s"] for item in items],
                 "load_cpu_s": statistics.median(item["load_cpu_s"] for item in items),
+                "first_logits_s": statistics.median(item["first_logits_s"] for item in items),
+                "first_logits_s_all": [item["first_logits_s"] for item in items],
                 "logits_err": logits_err,
             }
-    print(report(results))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument("--layers", type=int, nargs="+", default=[10], help="decoder layers (10: about 0.73 GB in fp32)")
+    sizes.add_argument("--gb", type=float, nargs="+", help="checkpoint sizes in GB, e.g. 0.7 2 4")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each variant (median reported)")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS), metavar="VARIANT")
+    parser.add_argument("--json", type=Path, help="also write the results to this file")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
+    parser.add_argument("--generated", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.checkpoint, args.generated, args.out)
+        return
+    counts = [layers_for(gb) for gb in args.gb] if args.gb else args.layers
+    names = [name for name in VARIANTS if name in args.variants]
+    every = []
+    for layers in counts:
+        results = measure(layers, args.rounds, names)
+        every.append(results)
+        print(report(results), flush=True)
+        print(flush=True)
+    if len(every) > 1 and {"hpgen", "transformers tp_plan"} <= set(names):
+        print(scaling(every))
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        args.json.write_text(json.dumps(every if len(every) > 1 else every[0], indent=1))
+
+
+def scaling(every: list[dict]) -> str:
+    """One line per size: hpgen's load time (wall and CPU) over transformers' tp_plan's."""
+    lines = [
+        "| layers | checkpoint MiB | hpgen load s | tp_plan load s | × tp_plan (wall) | × tp_plan (CPU) "
+        "| × tp_plan (to first logits) |"
+    ]
+    lines.append("|---:|---:|---:|---:|---:|---:|---:|")
+    for results in every:
+        ours, theirs = results["variants"]["hpgen"], results["variants"]["transformers tp_plan"]
+        lines.append(
+            f"| {results['layers']} | {results['checkpoint_bytes'] / 2**20:,.0f} | {ours['load_s']:.2f} | "
+            f"{theirs['load_s']:.2f} | {ours['load_s'] / theirs['load_s']:.2f} | "
+            f"{ours['load_cpu_s'] / theirs['load_cpu_s']:.2f} | "
+            f"{ours['first_logits_s'] / theirs['first_logits_s']:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def report(results: dict) -> str:
     variants = results["variants"]
-    base = max(variants["transformers"]["peak_bytes_per_rank"])
-    tp_load = variants["transformers tp_plan"]["load_s"]
-    tp_cpu = variants["transformers tp_plan"]["load_cpu_s"]
+    unsharded = variants.get("transformers")
+    base = max(unsharded["peak_bytes_per_rank"]) if unsharded else None
+    tp = variants.get("transformers tp_plan")
+    tp_load = tp["load_s"] if tp else None
+    tp_cpu = tp["load_cpu_s"] if tp else None
     mib = 2**20
     lines = [
         f"Random Llama, {results['layers']} layers, {results['checkpoint_bytes'] / mib:,.0f} MiB of fp32 safetensors; "
         f"peak RSS growth per rank over loading + one forward; median of {results['rounds']} runs",
         "",
         "| variant | ranks | peak RSS per rank (MiB) | × unsharded | load s (wall) | × tp_plan | "
-        "load CPU s | × tp_plan | max logits diff |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "load CPU s | × tp_plan | to first logits s | × tp_plan | max logits diff |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    tp_first = tp["first_logits_s"] if tp else None
     for name, item in variants.items():
         peak = max(item["peak_bytes_per_rank"])
         per_rank = " / ".join(f"{p / mib:,.0f}" for p in item["peak_bytes_per_rank"])
         lines.append(
-            f"| {name} | {item['ranks']} | {per_rank} | {peak / base:.2f} | {item['load_s']:.2f} | "
-            f"{item['load_s'] / tp_load:.2f} | {item['load_cpu_s']:.2f} | {item['load_cpu_s'] / tp_cpu:.2f} | "
-            f"{item['logits_err']:.1e} |"
+            f"| {name} | {item['ranks']} | {per_rank} | {_ratio(peak, base)} | {item['load_s']:.2f} | "
+            f"{_ratio(item['load_s'], tp_load)} | {item['load_cpu_s']:.2f} | {_ratio(item['load_cpu_s'], tp_cpu)} | "
+            f"{item['first_logits_s']:.2f} | {_ratio(item['first_logits_s'], tp_first)} | {item['logits_err']:.1e} |"
         )
     return "\n".join(lines)
+
+
+def _ratio(value: float, base: float | None) -> str:
+    return f"{value / base:.2f}" if base else "-"
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -37,6 +38,23 @@ def run_guarded(action: Callable[[], int]) -> None:
         click.echo(f"internal error (please report): {exc}; nothing was written", err=True)
         code = EXIT_INTERNAL
     sys.exit(code)
+
+
+# What the commands that build a model need beyond the generator, and the extra that installs it.
+_PLAN_MODULES = ("torch", "transformers")
+_PLAN_EXTRA = "pip install -e '.[plan]' in a clone of the hpgen repository"
+
+
+@contextmanager
+def plan_extra(command: str) -> Iterator[None]:
+    """Turn a missing torch or transformers into one line naming the extra (a generator-only install)."""
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").partition(".")[0]
+        if missing not in _PLAN_MODULES:
+            raise
+        raise HpgenError(f"{command} needs torch and transformers, and {missing} is not installed: {_PLAN_EXTRA}") from None
 
 
 def write_stdout(text: str) -> None:
@@ -85,6 +103,7 @@ def run_targets(
     closing line of counts (for target lists) and otherwise a line for an untouched file.
     """
     report = Report(check=check or diff)
+    said: dict[str, str] = {}  # each error message printed so far -> the target it stopped first
     for target in targets:
         name = printable_path(target.output_name)
         try:
@@ -108,7 +127,12 @@ def run_targets(
                     click.echo(f"{name} unchanged", err=True)
         except HpgenError as exc:
             report.failed.append(name)
-            click.echo(f"error: {exc}", err=True)
+            message = str(exc)
+            if message in said:  # one bad plan (or source) behind several targets: said once
+                click.echo(f"error: {name}: not written, the same error as {said[message]}", err=True)
+            else:
+                said[message] = name
+                click.echo(f"error: {message}", err=True)
         except OSError as exc:  # a read-only folder, a full disk, a file where a folder should be...
             report.failed.append(name)
             click.echo(f"error: {name}: cannot write: {exc.strerror or exc}", err=True)
@@ -227,7 +251,8 @@ def explain_command(source: str, plan: str, as_json: bool, config: str | None, t
         if config is not None:
             from hpgen.planner.cli import sizing_for
 
-            sizing = sizing_for(config, loaded, tp=tp or 2, dtype=dtype)
+            with plan_extra("hpgen explain --config"):
+                sizing = sizing_for(config, loaded, tp=tp or 2, dtype=dtype)
         if as_json:
             if sizing is not None:
                 report = {**report, "sizing": sizing.as_dict()}
@@ -277,9 +302,10 @@ def plan_command(
     def run() -> int:
         from hpgen.planner.cli import plan_with_report
 
-        text, messages = plan_with_report(
-            model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, notes=show_notes, dtype=dtype
-        )
+        with plan_extra("hpgen plan"):
+            text, messages = plan_with_report(
+                model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, notes=show_notes, dtype=dtype
+            )
         for message in messages:
             click.echo(message, err=True)
         if output in (None, "-"):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import json
+from collections.abc import Callable, Iterable
 
 
 def printable_path(path: str) -> str:
@@ -38,3 +40,17 @@ class HpgenError(Exception):
 
 class GeneratedCodeError(Exception):
     """The generated code does not compile: a bug in hpgen, never the user's input."""
+
+
+def did_you_mean(name: str, candidates: Iterable[str], *, shown: Callable[[str], str] = str) -> str:
+    """``" (did you mean 'self_attn'?)"`` for the names close to a misspelt one, else ``""``.
+
+    ``shown`` turns a close name into what the message prints (the whole module path).
+    Only the standard library, so the runtime's messages use it too.
+    """
+    scored = [(difflib.SequenceMatcher(None, name, found).ratio(), found) for found in sorted(set(candidates))]
+    best = max((score for score, _ in scored), default=0.0)
+    if best < 0.6:  # difflib.get_close_matches' cutoff
+        return ""
+    close = [found for score, found in scored if score == best][:3]  # the closest only, ties together
+    return " (did you mean " + " or ".join(repr(shown(found)) for found in close) + "?)"

@@ -67,8 +67,14 @@ def import_package(target: Target, text: str) -> str | None:
     stripped = text.removeprefix("\ufeff")
     relative = index_module(parse_source(stripped, name=str(target.source))).relative_imports
     if relative:
+        need = "a relative import needs the source's package when the output is written elsewhere"
+        example = 'package = "transformers.models.llama"'
+        if target.origin == "command line":
+            advice = f"pass --package PKG (in a [tool.hpgen] target: its package key, {example})"
+        else:
+            advice = f"give the target its package key, {target.origin}: {example} (on the command line: --package PKG)"
         raise HpgenError(
-            "a relative import needs the source's package when the output is written elsewhere: pass --package",
+            f"{need}: {advice}",
             file=str(target.source),
             where=f"{relative[0].line}:1",
         )

@@ -101,6 +101,9 @@ class ClassInfo:
     nested_classes: tuple[str, ...] = ()
     definition_lines: tuple[int, ...] = ()  # every top-level ``class <name>`` of the module; the last wins
     members: dict[str, int] = field(default_factory=dict)  # names the class body binds -> first line
+    # ``self.<attr> = nn.Parameter(torch.empty(a, b))`` in ``__init__``: attr -> (dims, line), where the
+    # factory's arguments say how many dims (every such assignment agreeing)
+    param_dims: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -300,6 +303,7 @@ def _index_class(node: cst.ClassDef, lines: _LineTable) -> ClassInfo:
     init_ast = lines.init_node(info.name)
     if init_ast is not None:
         info.children = _index_children(init_ast)
+        info.param_dims = _index_param_dims(init_ast)
     nested = []
     body = node.body.body if isinstance(node.body, cst.IndentedBlock) else ()
     for statement in body:
@@ -410,6 +414,60 @@ def _index_children(init: ast.FunctionDef) -> dict[str, tuple[Child, ...]]:
             if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
                 children.setdefault(target.attr, []).append(Child(found[0], found[1], node.lineno))
     return {attr: tuple(found) for attr, found in children.items()}
+
+
+def _index_param_dims(init: ast.FunctionDef) -> dict[str, tuple[int, int]]:
+    """``self.x = nn.Parameter(torch.empty(a, b))`` in ``__init__``: ``x`` -> (2, line).
+
+    Only where every assignment of the attribute (``None`` aside) is such a call whose dims
+    can be counted, and they agree; an attribute also assigned otherwise is left out.
+    """
+    found: dict[str, set[tuple[int, int]]] = {}
+    unknown: set[str] = set()
+    for node in _own_nodes(init):
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+            continue
+        if isinstance(node.value, ast.Constant) and node.value.value is None:
+            continue  # ``self.bias = None`` when there is none: the parameter, where it exists, is the other one
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        dims = _parameter_dims(node.value)
+        for target in targets:
+            if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
+                if dims is None:
+                    unknown.add(target.attr)
+                else:
+                    found.setdefault(target.attr, set()).add((dims, node.lineno))
+    return {
+        attr: min(values, key=lambda item: item[1])
+        for attr, values in found.items()
+        if attr not in unknown and len({dims for dims, _ in values}) == 1
+    }
+
+
+_PARAMETER_NAMES = {"Parameter", "nn.Parameter", "torch.nn.Parameter"}
+_SIZED_FACTORIES = {"empty", "zeros", "ones", "randn", "rand"}  # torch.<factory>(*size) or (size_tuple)
+
+
+def _parameter_dims(value: ast.expr) -> int | None:
+    """The dims of ``nn.Parameter(torch.empty(a, b, ...))`` (or zeros, ones, randn, rand), else None."""
+    if not (isinstance(value, ast.Call) and _ast_dotted(value.func) in _PARAMETER_NAMES and value.args):
+        return None
+    inner = value.args[0]
+    if not isinstance(inner, ast.Call):
+        return None
+    factory = _ast_dotted(inner.func) or ""
+    module, _, name = factory.rpartition(".")
+    if module != "torch" or name not in _SIZED_FACTORIES or any(k.arg in (None, "size") for k in inner.keywords):
+        return None
+    args = inner.args
+    if len(args) == 1:
+        if isinstance(args[0], (ast.Tuple, ast.List)):
+            args = args[0].elts
+        elif not isinstance(args[0], (ast.Constant, ast.BinOp)):
+            return None  # torch.ones(shape): a name may hold a whole size tuple
+    if not args or any(isinstance(arg, ast.Starred) for arg in args):
+        return None
+    return len(args)
 
 
 _MODULE_LIST_NAMES = {"ModuleList", "nn.ModuleList", "torch.nn.ModuleList"}

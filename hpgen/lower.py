@@ -19,6 +19,7 @@ from hpgen.errors import GeneratedCodeError, HpgenError
 from hpgen.header import Header, display_name, sha256_text
 from hpgen.index import RUNTIME_IMPORT_TEXT as RUNTIME_IMPORT
 from hpgen.index import ClassInfo, ModuleIndex, ParsedSource, index_module, parse_source
+from hpgen.param_dims import check_param_dims
 from hpgen.plan import Plan, contract_signature, is_dotted_path
 from hpgen.resolve import ResolvedClass, resolve_boundaries
 
@@ -69,6 +70,7 @@ def analyze(source_text: str, plan: Plan, *, source_name: str = "<source>") -> A
             where="1:1",
         )
     resolved = resolve_boundaries(plan, index, source_name=source_name)
+    check_param_dims(plan, index, resolved, source_name=source_name)
     keys_by_class: dict[str, list[str]] = defaultdict(list)
     external, elsewhere = {}, {}
     for key, found in resolved.items():

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import PurePath
 
 from hpgen.classify import is_identity_contract
-from hpgen.errors import HpgenError
+from hpgen.errors import HpgenError, did_you_mean
 from hpgen.index import ClassInfo, ModuleIndex
 from hpgen.plan import Plan
 
@@ -47,6 +47,11 @@ def resolve_boundaries(plan: Plan, index: ModuleIndex, *, source_name: str) -> d
     }
 
 
+def resolve_key(plan: Plan, index: ModuleIndex, key: str, *, source_name: str) -> ResolvedClass:
+    """The class of one entry key, boundary or not (an entry that only shards parameters)."""
+    return _Resolver(plan, index, source_name).resolve(key)
+
+
 class _Resolver:
     def __init__(self, plan: Plan, index: ModuleIndex, source_name: str) -> None:
         self.plan = plan
@@ -64,7 +69,7 @@ class _Resolver:
         current: ClassInfo | str = self.root(key)
         in_list = False
         walked = [current.name]
-        for segment in key.split("."):
+        for position, segment in enumerate(key.split(".")):
             if in_list:
                 if segment != "*" and not segment.isdigit():
                     raise self.fail(key, f"{'.'.join(walked)} is an nn.ModuleList: expected an index or '*', got {segment!r}")
@@ -75,7 +80,7 @@ class _Resolver:
                 raise self.unresolved(key, f"{current} is not defined in {self.source_name}, so its submodules are unknown")
             if segment == "*" or segment.isdigit():
                 raise self.unresolved(key, f"{current.name} is not an nn.ModuleList, so {segment!r} matches nothing known")
-            child = self.child(key, current, segment)
+            child = self.child(key, current, segment, position)
             walked.append(segment)
             in_list = child.is_list
             found = self.index.class_named(child.class_name)
@@ -157,8 +162,8 @@ class _Resolver:
                 return True
         return False
 
-    def child(self, key: str, info: ClassInfo, attr: str):
-        """The submodule class ``attr`` of ``info`` (or of a base class in this file)."""
+    def child(self, key: str, info: ClassInfo, attr: str, position: int):
+        """The submodule class ``attr`` (segment ``position`` of ``key``) of ``info`` or of a base class in this file."""
         for current in self.index.lineage(info):
             children = current.children.get(attr)
             if children:
@@ -167,4 +172,9 @@ class _Resolver:
                     where = ", ".join(f"{child.class_name} (line {child.line})" for child in children)
                     raise self.unresolved(key, f"{current.name}.{attr} is assigned more than one class: {where}")
                 return children[0]
+        known = [name for current in self.index.lineage(info) for name in current.children]
+        segments = key.split(".")
+        suggestion = did_you_mean(attr, known, shown=lambda name: ".".join([*segments[:position], name, *segments[position + 1 :]]))
+        if suggestion:  # a typo in the plan, not a class hpgen cannot see
+            raise self.fail(key, f"{info.name}.__init__ assigns no submodule {attr!r}{suggestion}")
         raise self.unresolved(key, f"{info.name}.__init__ assigns no submodule {attr!r}")

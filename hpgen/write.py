@@ -8,10 +8,13 @@ a difference, 2 bad input.
 from __future__ import annotations
 
 import difflib
+import glob
 import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from hpgen import durable
 
 EXIT_OK = 0
 EXIT_STALE = 1
@@ -64,12 +67,15 @@ def atomic_write(path: str | os.PathLike[str], data: bytes) -> bool:
 
     Returns False (and leaves the file and its mtime alone) when the bytes are already
     there. Missing parent folders are created; a failure at any point leaves the previous
-    file intact and removes the folders this call created.
+    file intact and removes the folders this call created. The bytes and the rename are
+    flushed to disk (the file, then its folder), and temporary files that a killed run
+    left for this target are deleted.
     """
     target = Path(path)
+    folder = target.parent if str(target.parent) else Path(".")
+    _remove_leftovers(target, folder)
     if read_existing(target) == data:
         return False
-    folder = target.parent if str(target.parent) else Path(".")
     created = _make_parents(folder)
     try:
         _write_through_temporary(target, folder, data)
@@ -106,8 +112,27 @@ def _make_parents(folder: Path) -> list[Path]:
     return list(reversed(created))
 
 
+def _temporary_prefix(target: Path) -> str:
+    return f".{target.name}."
+
+
+_TEMPORARY_SUFFIX = ".hpgen-tmp"
+
+
+def _remove_leftovers(target: Path, folder: Path) -> None:
+    """Delete the temporary files of ``target`` that an interrupted (killed) write left behind."""
+    if not folder.is_dir():
+        return
+    # mkstemp's names: the prefix, 8 random characters, the suffix
+    for leftover in folder.glob(f"{glob.escape(_temporary_prefix(target))}{'?' * 8}{_TEMPORARY_SUFFIX}"):
+        try:
+            leftover.unlink()
+        except OSError:
+            pass
+
+
 def _write_through_temporary(target: Path, folder: Path, data: bytes) -> None:
-    fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".hpgen-tmp", dir=folder)
+    fd, temporary = tempfile.mkstemp(prefix=_temporary_prefix(target), suffix=_TEMPORARY_SUFFIX, dir=folder)
     try:
         try:
             stream = os.fdopen(fd, "wb")
@@ -125,6 +150,7 @@ def _write_through_temporary(target: Path, folder: Path, data: bytes) -> None:
             os.umask(umask)
             os.chmod(temporary, 0o666 & ~umask)
         os.replace(temporary, target)
+        durable.fsync_path(folder)
     except BaseException:
         try:
             os.unlink(temporary)

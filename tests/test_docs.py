@@ -9,8 +9,10 @@ run ``HPGEN_UPDATE_GOLDEN=1 python -m pytest tests/test_docs.py`` (as for the go
 from __future__ import annotations
 
 import ast
+import builtins
 import os
 import re
+import symtable
 from pathlib import Path
 
 import pytest
@@ -69,3 +71,63 @@ def test_every_placement_is_documented(placement: str) -> None:
 def test_nothing_points_outside_the_repository() -> None:
     for path in [REPO / "README.md", *DOCS.glob("*.md"), *(REPO / "hpgen").rglob("*.py")]:
         assert "../shared" not in path.read_text(), path
+
+
+# --------------------------------------------------------------------------- the Python blocks
+
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+PAGES = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
+
+
+def python_blocks(text: str) -> list[tuple[int, str]]:
+    """(line, code) of each ```python block, excerpts of generated files aside (regenerated above)."""
+    excerpts = [match.span() for match in EXCERPT.finditer(text)]
+    return [
+        (text.count("\n", 0, match.start()) + 2, match.group(1))
+        for match in PYTHON_BLOCK.finditer(text)
+        if not any(start <= match.start() < end for start, end in excerpts)
+    ]
+
+
+def unbound_names(code: str, bound: set[str]) -> list[str]:
+    """Names ``code`` reads that nothing binds: not the block, not ``bound``, not a builtin."""
+    known = bound | set(dir(builtins))
+    module = symtable.symtable(code, "<block>", "exec")
+    defined = {symbol.get_name() for symbol in module.get_symbols() if symbol.is_assigned() or symbol.is_imported()}
+    missing: set[str] = set()
+    pending = [module]
+    while pending:
+        table = pending.pop()
+        pending += table.get_children()
+        for symbol in table.get_symbols():
+            free = symbol.is_global() if table is not module else not (symbol.is_assigned() or symbol.is_imported())
+            if symbol.is_referenced() and free and symbol.get_name() not in defined | known:
+                missing.add(symbol.get_name())
+    return sorted(missing)
+
+
+def page_bindings(code: str) -> set[str]:
+    """The names a block binds at its top level (imports, assignments, defs), for the blocks after it."""
+    return {symbol.get_name() for symbol in symtable.symtable(code, "<block>", "exec").get_symbols()
+            if symbol.is_assigned() or symbol.is_imported()}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda path: path.name)
+def test_every_python_block_is_complete(page: Path) -> None:
+    """A reader can run each block as written: every name it uses is imported or defined in it, or in an
+    earlier block of the same page (a page reads as one walk-through)."""
+    bound: set[str] = set()
+    for line, code in python_blocks(page.read_text()):
+        compile(code, f"{page.name}:{line}", "exec")
+        missing = unbound_names(code, bound)
+        assert not missing, f"{page.name}:{line}: the block uses {', '.join(missing)}, which nothing defines or imports"
+        bound |= page_bindings(code)
+
+
+def test_the_block_check_finds_what_a_reader_would_miss() -> None:
+    assert unbound_names("model = generated.LlamaForCausalLM(config)\nlogits = model(input_ids)\n", set()) == [
+        "config", "generated", "input_ids"]
+    assert unbound_names("import torch\ndef f(x):\n    return torch.relu(x) + y\n", set()) == ["y"]
+    assert unbound_names("for layer in model.layers:\n    print([p for p in layer.parameters()])\n", {"model"}) == []
+    excerpt = "<!-- excerpt: a b c D -->\n```python\nclass D(nn.Module): ...\n```\n<!-- end excerpt -->\n"
+    assert python_blocks(excerpt + "```python\nx = 1\n```\n") == [(7, "x = 1\n")]

@@ -1,10 +1,11 @@
-"""The examples in ``examples/`` run as the README says, under torchrun, and still agree with
-the unsharded model (an example that rots is worse than none)."""
+"""The examples in ``examples/`` and README's walk-through run as the README says, under
+torchrun, and still agree with the unsharded model (an example that rots is worse than none)."""
 
 from __future__ import annotations
 
 import os
 import re
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -40,3 +41,32 @@ def test_2d_training_tracks_the_unsharded_model() -> None:
     for mine, reference in steps:
         assert abs(float(mine) - float(reference)) <= 1e-4 * max(1.0, abs(float(reference))), out
     assert float(steps[-1][0]) < float(steps[0][0])  # it trains
+
+
+def _shims(folder: Path) -> Path:
+    """``python``, ``hpgen`` and ``torchrun`` on PATH as this interpreter runs them (the venv need not be active)."""
+    folder.mkdir()
+    for name, args in (("python", ""), ("hpgen", " -m hpgen"), ("torchrun", " -m torch.distributed.run")):
+        shim = folder / name
+        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}"{args} "$@"\n')
+        shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
+    return folder
+
+
+def test_the_readme_walk_through_runs_as_written(tmp_path: Path) -> None:
+    """README's example: its files (the blocks headed ``# NAME.py``) and its commands, verbatim."""
+    readme = (REPO / "README.md").read_text()
+    files = dict(re.findall(r"^```python\n(?=# (\w+\.py)\b)(.*?)^```", readme, re.S | re.M))
+    assert set(files) == {"make_ckpt.py", "run.py"}, sorted(files)
+    for name, code in files.items():
+        (tmp_path / name).write_text(code)
+    (commands,) = [block for block in re.findall(r"^```bash\n(.*?)^```", readme, re.S | re.M) if "run.py" in block]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{_shims(tmp_path / 'bin')}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", commands], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "hpgen plan ckpt/ --tp 2" in commands and "wrote plan.json" in done.stderr
+    found = re.findall(r"rank (\d): largest difference to the unsharded logits ([\d.e+-]+), ([\d.e+-]+)", done.stdout)
+    assert sorted(rank for rank, _, _ in found) == ["0", "1"], done.stdout[-2000:]
+    assert all(float(a) < 1e-4 and float(b) < 1e-4 for _, a, b in found), found

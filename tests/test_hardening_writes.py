@@ -19,6 +19,7 @@ import libcst as cst
 import pytest
 from click.testing import CliRunner
 
+import hpgen.cli
 import hpgen.lower
 from hpgen.cli import cli
 from hpgen.write import atomic_write
@@ -204,3 +205,63 @@ def test_a_folder_as_output_exits_2_with_a_message(spelling, workspace, monkeypa
     assert_one_line_error(result)
     assert listing(workspace / "gen") == []
     assert listing(workspace) == ["gen", "gen_link", "modeling.py", "out.py", "plan.json"]
+
+
+KILLED_PROJECT = """
+[tool.hpgen]
+targets = [
+  { source = "modeling.py", plan = "plan.json", output = "gen/tp.py" },
+  { source = "modeling.py", plan = "plan_sp.json", output = "gen/sp.py", mode = "toggle" },
+  { source = "modeling.py", plan = "plan.json", output = "gen/tp_toggle.py", mode = "toggle" },
+]
+"""
+
+
+def test_a_killed_multi_target_lower_leaves_each_output_old_or_new(workspace, monkeypatch):
+    """SIGKILL at every file-system step of ``hpgen lower`` over three targets (a forked child each
+    time): every output holds exactly its old or its new bytes, and the next run leaves no temporary file."""
+    from tests.runtime.faults import kill_trials
+
+    (workspace / "plan_sp.json").write_bytes((FIXTURES / "plan_tp_sp.json").read_bytes())
+    (workspace / "pyproject.toml").write_text(KILLED_PROJECT)
+    (workspace / "out.py").unlink()
+    monkeypatch.chdir(workspace)
+    outputs = [workspace / "gen" / name for name in ("tp.py", "sp.py", "tp_toggle.py")]
+    generated: dict[tuple[str, str, str], str] = {}  # the lowering is not what is killed: do it once per input
+    real_generate = hpgen.cli.generate
+
+    def generate_once(target):
+        key = (target.source.read_text(), str(target.plan), target.mode)
+        if key not in generated:
+            generated[key] = real_generate(target)
+        return generated[key]
+
+    monkeypatch.setattr(hpgen.cli, "generate", generate_once)
+    new_source = SOURCE_TEXT.replace("class ", "# a comment the new version added\nclass ", 1)
+
+    def lower_all(source: str) -> list[bytes]:
+        (workspace / "modeling.py").write_text(source)
+        result = CliRunner().invoke(cli, ["lower"])
+        assert result.exit_code == 0, result.stderr
+        return [output.read_bytes() for output in outputs]
+
+    new = lower_all(new_source)
+    old = lower_all(SOURCE_TEXT)
+    assert all(a != b for a, b in zip(old, new))
+    seen: list[tuple[str, ...]] = []
+    leftovers: list[str] = []
+
+    def check(step: int) -> None:
+        seen.append(tuple("old" if o.read_bytes() == a else "new" if o.read_bytes() == b else "mixed"
+                          for o, a, b in zip(outputs, old, new)))
+        assert lower_all(SOURCE_TEXT) == old  # the next run, not killed
+        leftovers.extend(p.name for p in (workspace / "gen").iterdir() if p.name.endswith(".hpgen-tmp"))
+        (workspace / "modeling.py").write_text(new_source)  # what the killed run lowers
+
+    (workspace / "modeling.py").write_text(new_source)
+    steps, kills = kill_trials(lambda: CliRunner().invoke(cli, ["lower"]), check)
+    assert leftovers == []
+    assert all(set(states) <= {"old", "new"} for states in seen), seen
+    assert steps == kills >= 9  # per output: its temporary file flushed, renamed, the folder flushed
+    assert seen[0] == ("new",) * 3
+    assert {"old", "new"} <= {state for states in seen[1:] for state in states}

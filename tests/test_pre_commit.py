@@ -1,11 +1,14 @@
-"""The pre-commit hooks of .pre-commit-hooks.yaml, run by pre-commit itself.
+"""The pre-commit hooks of .pre-commit-hooks.yaml, and the configs docs/cli.md shows, run by pre-commit itself.
 
 A temporary git repository uses this repository as its hook source through
 ``pre-commit try-repo`` (which installs hpgen into a fresh hook environment, without
-torch), commits a stale generated file, and shows the hooks failing and then passing.
+torch, from a commit: what a ``rev: <commit sha>`` config does), commits a stale
+generated file, and shows the hooks failing and then passing. The documented
+``repo: local`` config runs the hpgen installed in the environment.
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,6 +38,23 @@ def pre_commit(repo: Path, hook: str, env: dict[str, str]) -> subprocess.Complet
     )
 
 
+def stale_project(tmp_path: Path) -> Path:
+    """A project with one [tool.hpgen] target whose generated file, from another plan, is stale."""
+    repo = tmp_path / "repo"
+    for folder in ("models", "plans", "gen"):
+        (repo / folder).mkdir(parents=True)
+    shutil.copy(FIXTURES / "modeling_tiny.py", repo / "models" / "modeling_tiny.py")
+    shutil.copy(FIXTURES / "plan_tp.json", repo / "plans" / "tp.json")
+    (repo / "pyproject.toml").write_text(PYPROJECT)
+    subprocess.run(
+        [sys.executable, "-m", "hpgen", "lower", "models/modeling_tiny.py", str(FIXTURES / "plan_tp_sp.json"), "-o", "gen/modeling_tiny_tp.py"],
+        cwd=repo,
+        check=True,
+        capture_output=True,
+    )
+    return repo
+
+
 @pytest.fixture(scope="module")
 def hook_home(tmp_path_factory):
     """One pre-commit cache for the module, so the hook environment is built once."""
@@ -42,19 +62,7 @@ def hook_home(tmp_path_factory):
 
 
 def test_hooks_fail_on_a_stale_file_and_pass_after_regeneration(tmp_path, hook_home):
-    repo = tmp_path / "repo"
-    for folder in ("models", "plans", "gen"):
-        (repo / folder).mkdir(parents=True)
-    shutil.copy(FIXTURES / "modeling_tiny.py", repo / "models" / "modeling_tiny.py")
-    shutil.copy(FIXTURES / "plan_tp.json", repo / "plans" / "tp.json")
-    (repo / "pyproject.toml").write_text(PYPROJECT)
-    # A generated file from another plan: committed, and stale for this one.
-    subprocess.run(
-        [sys.executable, "-m", "hpgen", "lower", "models/modeling_tiny.py", str(FIXTURES / "plan_tp_sp.json"), "-o", "gen/modeling_tiny_tp.py"],
-        cwd=repo,
-        check=True,
-        capture_output=True,
-    )
+    repo = stale_project(tmp_path)
     env = {**os.environ, "PRE_COMMIT_HOME": str(hook_home), "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
            "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
     git(repo, "init", "-q")
@@ -74,3 +82,52 @@ def test_hooks_fail_on_a_stale_file_and_pass_after_regeneration(tmp_path, hook_h
     again = pre_commit(repo, "hpgen-check", env)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "Passed" in again.stdout
+
+
+def _documented_configs() -> list[str]:
+    """The ``.pre-commit-config.yaml`` blocks of docs/cli.md."""
+    text = (ROOT / "docs" / "cli.md").read_text()
+    return [block for block in re.findall(r"^```yaml\n(.*?)^```", text, re.S | re.M) if block.startswith("repos:")]
+
+
+def test_the_documented_local_hook_runs_the_installed_hpgen(tmp_path: Path) -> None:
+    """docs/cli.md's ``repo: local`` config, verbatim, in a fresh repository: no hook environment to build."""
+    (local,) = [config for config in _documented_configs() if "repo: local" in config]
+    repo = stale_project(tmp_path)
+    (repo / ".pre-commit-config.yaml").write_text(local)
+    # the hpgen of this environment on PATH, as an activated environment has it
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "PRE_COMMIT_HOME": str(tmp_path / "home"), "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    git(repo, "init", "-q")
+    git(repo, "add", ".")
+
+    def run() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pre_commit", "run", "--all-files"], cwd=repo, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    first = run()  # the output is stale: the hook regenerates it and fails the commit
+    assert first.returncode == 1, first.stdout + first.stderr
+    assert "hpgen lower" in first.stdout and "files were modified by this hook" in first.stdout
+    assert "wrote gen/modeling_tiny_tp.py" in first.stdout
+    git(repo, "add", ".")
+    again = run()
+    assert again.returncode == 0 and "Passed" in again.stdout, again.stdout + again.stderr
+
+
+def test_the_documented_remote_hooks_name_hooks_the_repository_has(tmp_path: Path) -> None:
+    """The ``rev: <commit sha>`` config is valid once filled in, and names hooks of .pre-commit-hooks.yaml
+    (``pre-commit try-repo`` above runs those hooks from a commit, as that config does)."""
+    import yaml
+
+    (remote,) = [config for config in _documented_configs() if "repo: local" not in config]
+    assert "rev: <commit sha>" in remote and "v0." not in remote  # no tag: the repository has none
+    assert "pip install hpgen " not in (ROOT / "docs" / "cli.md").read_text()  # not on the package index
+    filled = remote.replace("<this repository's URL>", str(ROOT)).replace("<commit sha>", "d3adb33f" * 5)
+    (tmp_path / "config.yaml").write_text(filled)
+    valid = subprocess.run([sys.executable, "-m", "pre_commit", "validate-config", str(tmp_path / "config.yaml")],
+                           capture_output=True, text=True, timeout=120)
+    assert valid.returncode == 0, valid.stdout + valid.stderr
+    offered = {hook["id"] for hook in yaml.safe_load((ROOT / ".pre-commit-hooks.yaml").read_text())}
+    named = {hook["id"] for hook in yaml.safe_load(filled)["repos"][0]["hooks"]}
+    assert named and named <= offered

@@ -15,7 +15,7 @@ import inspect
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpgen.errors import HpgenError
+from hpgen.errors import HpgenError, did_you_mean
 
 if TYPE_CHECKING:
     from torch import nn
@@ -49,9 +49,12 @@ def load_config(target: str) -> Any:
     try:
         return AutoConfig.for_model(target)
     except ValueError:
+        from transformers import CONFIG_MAPPING
+
+        close = did_you_mean(target, CONFIG_MAPPING.keys())
         raise HpgenError(
-            f"{target!r} is neither a config.json path nor a model type of the installed transformers "
-            "(e.g. llama, qwen3_moe)"
+            f"{target!r} is neither a config.json path nor a model type of the installed transformers"
+            + (close or " (e.g. llama, qwen3_moe)")
         ) from None
     except (TypeError, KeyError, AttributeError) as exc:
         raise HpgenError(f"{target}: transformers cannot build its default config: {one_line(exc)}") from None

@@ -81,6 +81,11 @@ class SizeReport:
             entry[2] += collective.sent_bytes * times
         return {kind: (int(v[0]), int(v[1]), v[2]) for kind, v in sorted(found.items())}
 
+    def size_exchanges(self) -> list[str]:
+        """The gathers that exchange their shard sizes before each call (``hpgen explain`` says the same)."""
+        found = [c for cs in (*self.per_layer.values(), self.outside) for c in cs if c.phase == "forward" and c.calls > 1]
+        return sorted({f"{c.kind} of {c.value} at {c.module}" for c in found})
+
     def as_dict(self) -> dict[str, Any]:
         def rows(items: Iterable[Collective]) -> list[dict[str, Any]]:
             return [c.__dict__.copy() for c in items]
@@ -129,10 +134,12 @@ class SizeReport:
                     for kind, (calls, tensor, sent) in totals.items()
                 ]
                 lines.append(f"  total per {phase}: " + "; ".join(parts))
-        if any(c.kind in ("all_gather", "all_to_all") for cs in (*self.per_layer.values(), self.outside) for c in cs):
+        exchanging = self.size_exchanges()
+        if exchanging:
             lines.append(
-                "  an all-gather whose shard sizes the runtime does not know (none of: a wrapped layer's full size, a "
-                "split earlier in the forward) first exchanges them: one more all-gather of one int64 per rank"
+                "  gathers that exchange their shard sizes first (nothing earlier in the forward records them: no "
+                "wrapped layer's full size, no split of that dim), one more all-gather of an int64 per rank each "
+                "call, counted above: " + "; ".join(exchanging)
             )
         if self.optional:
             lines.append(

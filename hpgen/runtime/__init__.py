@@ -4,8 +4,9 @@ Importable without libcst. ``parallelize``, ``from_pretrained`` (load a transfor
 checkpoint, each rank reading its slices), ``save_pretrained`` / ``full_state_dict``
 (the unsharded checkpoint of a parallelized model), ``local_state_dict`` (plain local
 shards), ``optimizer_state_dict`` / ``load_optimizer_state_dict`` (optimizer state for
-DCP, sharded like the parameters) and ``reseed_random_streams`` (the streams train-mode
-random ops draw from) are loaded on first use so that generated files, which import
+DCP, sharded like the parameters), ``checked_reader`` (a DCP reader that checks the
+checkpoint's files before reading any) and ``reseed_random_streams`` (the streams
+train-mode random ops draw from) are loaded on first use so that generated files, which import
 ``hpgen.runtime.defaults``, do not pay for them.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "checked_reader",
     "from_pretrained",
     "full_state_dict",
     "load_optimizer_state_dict",
@@ -25,6 +27,7 @@ __all__ = [
 ]
 
 _LAZY = {
+    "checked_reader": "hpgen.runtime.dcp_files",
     "parallelize": "hpgen.runtime.install",
     "from_pretrained": "hpgen.runtime.loading",
     "reseed_random_streams": "hpgen.runtime.streams",

@@ -53,7 +53,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from hpgen.errors import HpgenError
+from hpgen.errors import HpgenError, did_you_mean
 from hpgen.plan import Plan, load_plan, plan_from_dict
 from hpgen.runtime.agreement import check_ranks_agree, mesh_device, raise_together
 from hpgen.runtime.attrs import survey_attrs
@@ -238,7 +238,21 @@ def match_modules(model: nn.Module, plan: Plan) -> list[Matched]:
     unused = [key for key in plan.entries if key not in used]
     if unused:
         raise ParallelizeError(
-            f"param_plan keys {', '.join(repr(key) for key in unused)} match no module of "
+            f"param_plan keys {', '.join(repr(key) + _close_paths(model, key) for key in unused)} match no module of "
             f"{type(model).__name__}; is this the plan for this model?"
         )
     return matched
+
+
+def _close_paths(model: nn.Module, key: str) -> str:
+    """`` (did you mean ...?)`` with the paths whose submodule is close to the segment of ``key`` that matches nothing."""
+    current = [model]
+    segments = key.split(".")
+    for index, segment in enumerate(segments):
+        children = [dict(module.named_children()) for module in current]
+        found = [child for named in children for name, child in named.items() if segment in ("*", name)]
+        if not found:
+            names = [name for named in children for name in named]
+            return did_you_mean(segment, names, shown=lambda name: ".".join([*segments[:index], name, *segments[index + 1 :]]))
+        current = found
+    return ""

@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from hpgen.runtime.checkpoint_files import CheckpointFiles
 from hpgen.runtime.conversions import Mapped, Source, checkpoint_sources, model_conversions
 from hpgen.runtime.errors import ParallelizeError
+from hpgen.runtime.folder_swap import recover
 from hpgen.runtime.shard_layout import boxes
 from hpgen.runtime.state_dict import local_state_dict, sharded_params
 
@@ -73,6 +74,8 @@ def from_pretrained(
     from hpgen.runtime.install import parallelize
 
     path = Path(path)
+    if recover(path):  # a save killed between its two renames (systems without RENAME_EXCHANGE)
+        logger.warning("from_pretrained: %s was missing after an interrupted save; its previous contents are back", path)
     config = _config(model_class, path, config, config_kwargs)
     with CheckpointFiles(path) as files:
         dtype = _dtype(dtype, config, files)

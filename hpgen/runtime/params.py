@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hpgen.errors import did_you_mean
 from hpgen.placement import REPLICATE, Placement
 from hpgen.plan import Entry, Layout, Plan
 from hpgen.runtime.collectives import AxisCollectives
@@ -114,7 +115,8 @@ def check_param_names(matched: Iterable[Matched]) -> None:
             except AttributeError:
                 raise ParallelizeError(
                     f"{item.fqn or '<root>'} ({type(item.module).__name__}): param_plan[{item.key!r}].{part} names "
-                    f"{name!r}, which is not a parameter of this module (its parameters: "
+                    f"{name!r}, which is not a parameter of this module"
+                    f"{did_you_mean(name, (found for found, _ in item.module.named_parameters()))} (its parameters: "
                     f"{_parameter_names(item.module)})"
                 ) from None
 
@@ -283,7 +285,11 @@ def _heads_message(
         )
     advice = f"Use a {axis} size that divides {heads}"
     if size % heads == 0:
-        advice += f", or replicate each head on {size // heads} ranks with RS({dim},{size // heads})"
+        advice = (
+            f"Re-plan for this model's config: `hpgen plan CHECKPOINT_FOLDER --tp {size}` (or its config.json) "
+            f"replicates each head on {size // heads} ranks with RS({dim},{size // heads}); or use a {axis} size "
+            f"that divides {heads}"
+        )
     return (
         f"{held}, which do not divide over axis {axis!r} of size {size}: a rank would hold part of a head. {advice}"
     )

@@ -236,10 +236,36 @@ def _load_pre_hook(
             record = sharded[attr]
             value = state_dict[key]
             state_dict[key] = fsdp_value(record, current, value) if fsdp else record.to_local(value)
+            if _misshapen(state_dict[key], current):
+                # torch would compare it with the local shard and call that "the shape in current model"
+                error_msgs.append(_size_mismatch(key, value, record))
+                del state_dict[key]
+                module.__dict__.setdefault("_hp_rejected", set()).add(key)  # not "missing": _drop_rejected
         elif fsdp:
             state_dict[key] = _into_fsdp(current, state_dict[key])
         elif isinstance(state_dict[key], DTensor):
             state_dict[key] = state_dict[key].full_tensor()  # sharded elsewhere, replicated here
+
+
+def _misshapen(value: Any, current: Any) -> bool:
+    return isinstance(value, Tensor) and current is not None and tuple(value.shape) != tuple(current.shape)
+
+
+def _size_mismatch(key: str, value: Any, record: ShardedParam) -> str:
+    """torch's words for a size mismatch, with the parameter's full shape and this rank's part of it."""
+    return (
+        f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from checkpoint, the "
+        f"parameter's full shape is {record.global_shape} (this rank holds {record.local_shape} of it: "
+        f"{_layout_text(record)})"
+    )
+
+
+def _drop_rejected(module: nn.Module, incompatible_keys: Any) -> None:
+    """A load post-hook: keys refused as misshapen were reported as such, not as missing."""
+    rejected = module.__dict__.pop("_hp_rejected", set())
+    for key in rejected:
+        while key in incompatible_keys.missing_keys:
+            incompatible_keys.missing_keys.remove(key)
 
 
 def _into_fsdp(param: DTensor, value: Any) -> Any:
@@ -290,6 +316,7 @@ def install_state_dict_hooks(
     for module in model.modules():
         if (module._parameters or module._buffers) and not module.__dict__.get("_hp_load_hook"):
             module.register_load_state_dict_pre_hook(_load_pre_hook)
+            module.register_load_state_dict_post_hook(_drop_rejected)
             module._hp_load_hook = True
 
 
@@ -342,7 +369,10 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
     torch's ``get_optimizer_state_dict``, with every state tensor of a sharded parameter's
     local shape given that parameter's DTensor form, so that DCP saves all its shards
-    (plain tensors would read as replicated) and can load them at another layout.
+    (plain tensors would read as replicated) and can load them at another layout. Under
+    FSDP2 (``fully_shard`` on ``dp`` after ``parallelize``) a state tensor is FSDP2's ``dp``
+    DTensor of the local shard, presented over (``dp``, plan axes) with the global shape,
+    exactly as the parameter is in ``model.state_dict()``.
     """
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -353,11 +383,17 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
         if record is None:
             continue
         # a new dict: the inner ones are the optimizer's own state
-        state["state"][fqn] = {
-            name: record.to_dtensor(value) if _is_local_state(value, record) else value
-            for name, value in per_param.items()
-        }
+        state["state"][fqn] = {name: _presented(value, record) for name, value in per_param.items()}
     return state
+
+
+def _presented(value: Any, record: ShardedParam) -> Any:
+    """An optimizer state tensor of a sharded parameter in the parameter's state-dict form; others as they are."""
+    if _is_local_state(value, record):
+        return record.to_dtensor(value)
+    if is_fsdp_shard(value, record):
+        return composed_dtensor(record, value)
+    return value
 
 
 def _is_local_state(value: Any, record: ShardedParam) -> bool:
@@ -370,14 +406,21 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     records = sharded_params(model)
+    params = dict(model.named_parameters(remove_duplicate=False))
     local: dict[str, Any] = dict(state)
     local["state"] = {}
     for fqn, per_param in state.get("state", {}).items():
-        record = records.get(fqn)
+        record, param = records.get(fqn), params.get(fqn)
         converted = {}
         for name, value in per_param.items():
-            if record is not None:
+            if not isinstance(value, Tensor) or value.ndim == 0:
+                pass  # ``step`` and other scalars: as they are
+            elif record is not None and isinstance(param, DTensor):  # FSDP2 over hpgen's shard
+                value = fsdp_value(record, param, value)
+            elif record is not None:
                 value = record.to_local(value)
+            elif isinstance(param, DTensor):  # replicated by hpgen, sharded by FSDP2
+                value = _into_fsdp(param, value)
             elif isinstance(value, DTensor):
                 value = value.full_tensor()
             converted[name] = value

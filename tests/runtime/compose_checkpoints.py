@@ -146,7 +146,100 @@ def run_checkpoint_case(case: CheckpointCase, mesh: Any) -> CheckpointResult:
     full = fsdp_model(400 + rank)
     full.load_state_dict(reference.state_dict())  # full unsharded tensors into FSDP2's pieces
     out.mismatches["full state dict"] = same_locals(full)
+
+    _optimizer_resume(out, case, model, reference, fsdp_model, ids, mesh)
     return out
+
+
+def _adam_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> None:
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _optimizer_resume(
+    out: CheckpointResult, case: CheckpointCase, model: Any, reference: Any, fsdp_model: Any, ids: Any, mesh: Any
+) -> None:
+    """One AdamW step on the FSDP2 x tp model; model and optimizer saved with DCP, resumed at dp x tp = 2 x 2
+    (fresh FSDP2 x hpgen), at tp 2 alone (hpgen), unsharded and at dp x tp = 4 x 1 (transformers' model, alone
+    and under FSDP2, with torch's calls)."""
+    import torch.distributed.checkpoint as dcp
+    import transformers
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    from hpgen.runtime import load_optimizer_state_dict, optimizer_state_dict, parallelize
+
+    folder = case.folder + "_optimizer"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _adam_step(model, optimizer, ids)
+    dcp.save({"model": model.state_dict(), "optim": optimizer_state_dict(model, optimizer)}, checkpoint_id=folder)
+    plain_reference = getattr(transformers, FAMILIES[case.family].model)(reference.config)
+    plain_reference.load_state_dict(reference.state_dict())
+    reference_optimizer = torch.optim.AdamW(plain_reference.parameters(), lr=1e-2)
+    _adam_step(plain_reference, reference_optimizer, ids)  # the same step, unsharded, on the same batch
+    ours = {name: optimizer.state[param] for name, param in model.named_parameters()}
+
+    def resume(candidate: torch.nn.Module, hpgen: bool) -> torch.optim.Optimizer:
+        candidate_optimizer = torch.optim.AdamW(candidate.parameters(), lr=1e-2)
+        get = optimizer_state_dict if hpgen else get_optimizer_state_dict
+        state = {"model": candidate.state_dict(), "optim": get(candidate, candidate_optimizer)}
+        dcp.load(state, checkpoint_id=folder)
+        candidate.load_state_dict(state["model"])
+        (load_optimizer_state_dict if hpgen else set_optimizer_state_dict)(candidate, candidate_optimizer, state["optim"])
+        return candidate_optimizer
+
+    fresh = fsdp_model(500 + mesh.get_rank())
+    fresh_optimizer = resume(fresh, True)
+    out.mismatches["optimizer: fsdp2 x tp"] = [
+        f"{name} {key}"
+        for name, param in fresh.named_parameters()
+        for key in ("exp_avg", "exp_avg_sq")
+        if not torch.equal(_local(fresh_optimizer.state[param][key]), _local(ours[name][key]))
+    ]
+
+    tp_only = getattr(import_file(case.generated), FAMILIES[case.family].model)(reference.config)
+    parallelize(tp_only, case.plan, mesh)
+    tp_optimizer = resume(tp_only, True)
+    plain = getattr(transformers, FAMILIES[case.family].model)(reference.config)
+    plain_optimizer = resume(plain, False)
+    layouts = param_layouts(reference, case.plan)
+    axes = case.plan["mesh_dim_names"]
+    tp_params = dict(tp_only.named_parameters())
+    reference_params = dict(plain_reference.named_parameters())
+    worst = 0.0
+    out.mismatches["optimizer: tp only"], out.mismatches["optimizer: unsharded"] = [], []
+    for name, param in plain.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            full = plain_optimizer.state[param][key]
+            local = expected_local(full, layouts.get(name, {}), axes, mesh)
+            if not torch.equal(tp_optimizer.state[tp_params[name]][key], local):
+                out.mismatches["optimizer: tp only"].append(f"{name} {key}")
+            want = reference_optimizer.state[reference_params[name]][key]
+            if full.shape != want.shape:
+                out.mismatches["optimizer: unsharded"].append(f"{name} {key}: shape {tuple(full.shape)}")
+            else:
+                worst = max(worst, ((full - want).abs().max() / (want.abs().max() + 1e-12)).item())
+    out.logits["optimizer: unsharded vs the unsharded step"] = (worst, 1e-3)
+
+    # dp x tp = 4 x 1: transformers' model under FSDP2 alone on all 4 ranks, torch's own calls
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dp4 = init_device_mesh("cpu", (mesh.size(),), mesh_dim_names=("dp",))
+    fsdp_plain = getattr(transformers, FAMILIES[case.family].model)(reference.config)
+    for layer in fsdp_plain.model.layers:
+        fully_shard(layer, mesh=dp4)
+    fully_shard(fsdp_plain, mesh=dp4)
+    fsdp_plain_optimizer = resume(fsdp_plain, False)
+    plain_params = dict(plain.named_parameters())
+    out.mismatches["optimizer: fsdp2 4 x 1"] = [
+        f"{name} {key}"
+        for name, param in fsdp_plain.named_parameters()
+        for key in ("exp_avg", "exp_avg_sq")
+        if not torch.equal(
+            fsdp_plain_optimizer.state[param][key].full_tensor(), plain_optimizer.state[plain_params[name]][key]
+        )
+    ]
 
 
 def run_checkpoint_cases(rank: int, world_size: int, cases: list[CheckpointCase]) -> dict[str, CheckpointResult]:

@@ -11,8 +11,16 @@ runs every case on both ranks and reports numbers that the tests check:
   those of transformers' unsharded ``from_pretrained`` of the same folder;
 - DCP: ``dcp.save(model.state_dict())`` at tp=2, loaded into a fresh parallelized model
   (bit-exact), into the unsharded transformers model, and into another plan;
-- ``model.save_pretrained(dir)`` at tp=2, loaded by transformers' own class;
-- ``load_state_dict(full unsharded state dict)`` after ``parallelize``;
+- ``model.save_pretrained(dir)`` at tp=2, loaded by transformers' own class; with
+  transformers' keywords (``is_main_process=rank == 0``, ``max_shard_size``,
+  ``safe_serialization``, ``state_dict=model.state_dict()``) over a folder whose other
+  files survive; refusals on every rank (``state_dict`` on one rank only, a target that is
+  a file); and killed (SIGKILL) at every step of its write (``checkpoint_kills.py``);
+- ``load_state_dict(full unsharded state dict)`` after ``parallelize``, and one with a
+  misshapen tensor (the message names the full shape and this rank's part);
+- unreadable checkpoints named with their file on every rank (cut short, not safetensors,
+  a shard missing or cut short), and a DCP checkpoint missing a ``.distcp`` file: with
+  hpgen's checked reader the load fails before any tensor is touched;
 - training: one AdamW step at tp=2, model and optimizer saved with DCP
   (``optimizer_state_dict``), resumed at tp=2 and in transformers' unsharded model with its
   own optimizer (tp=1); the next step matches the run that went on;
@@ -92,6 +100,19 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     weights = load_file(root / "llama_broken" / "model.safetensors")
     del weights["model.layers.1.mlp.down_proj.weight"]
     save_file(weights, root / "llama_broken" / "model.safetensors", metadata={"format": "pt"})
+    # unreadable files: cut short, not safetensors at all, a shard gone, a shard cut short
+    for name, damage in [("llama_truncated", "cut"), ("llama_text", "text")]:
+        shutil.copytree(root / "llama", root / name)
+        file = root / name / "model.safetensors"
+        data = file.read_bytes()
+        file.write_bytes(data[: len(data) // 2] if damage == "cut" else b"version https://git-lfs.github.com/spec/v1\n")
+    for name in ("llama_tied_shard_missing", "llama_tied_shard_truncated"):
+        shutil.copytree(root / "llama_tied", root / name)
+        shard = sorted((root / name).glob("model-*.safetensors"))[1]
+        if name.endswith("missing"):
+            shard.unlink()
+        else:
+            shard.write_bytes(shard.read_bytes()[:-100])
 
     cases = [
         Checkpoint(
@@ -141,6 +162,7 @@ class RankResults:
     saved_keys: dict[str, list[str]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     strided: list[str] = field(default_factory=list)
+    kills: dict[str, Any] = field(default_factory=dict)  # case -> what each kill of a save left (rank 0)
 
 
 def _inputs() -> torch.Tensor:
@@ -283,6 +305,47 @@ def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> 
             key for file in Path(case.folder).glob("*.safetensors") for key in safe_open(file, "pt").keys()
         )
 
+    # ---- transformers' keywords, over a folder that holds other files
+    folder = Path(f"{root}/saved_keywords")
+    if rank == 0:
+        folder.mkdir()
+        (folder / "tokenizer.json").write_text("{}")
+    torch.distributed.barrier()
+    models["llama"].save_pretrained(folder, is_main_process=rank == 0, max_shard_size="100KB", safe_serialization=True)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
+    out.logits["llama: save_pretrained(is_main_process, max_shard_size)"] = (
+        (_logits(loaded) - _logits(references["llama"])).abs().max().item(),
+        tolerance(_logits(references["llama"])),
+    )
+    out.saved_keys["keywords: files"] = sorted(p.name for p in folder.parent.iterdir() if p.name.startswith(".saved"))
+    out.saved_keys["keywords: folder"] = sorted(p.name for p in folder.iterdir())
+    models["llama"].save_pretrained(folder, is_main_process=False)  # nobody writes; every rank still gathers
+    out.saved_keys["keywords: not main"] = sorted(p.name for p in folder.iterdir())
+    models["llama"].save_pretrained(f"{root}/saved_given", state_dict=models["llama"].state_dict())  # DTensors
+    loaded = transformers.LlamaForCausalLM.from_pretrained(f"{root}/saved_given").eval()
+    out.logits["llama: save_pretrained(state_dict=model.state_dict())"] = (
+        (_logits(loaded) - _logits(references["llama"])).abs().max().item(),
+        tolerance(_logits(references["llama"])),
+    )
+    if rank == 0:
+        Path(f"{root}/a_file").write_text("not a folder")
+    torch.distributed.barrier()
+    for label, call in [
+        ("state_dict on rank 0 only", lambda: models["llama"].save_pretrained(
+            f"{root}/saved_refused", state_dict=references["llama"].state_dict() if rank == 0 else None)),
+        ("writer fails", lambda: models["llama"].save_pretrained(f"{root}/a_file")),
+    ]:
+        try:
+            call()
+            out.errors[label] = "no error"
+        except ParallelizeError as error:
+            out.errors[label] = str(error)
+
+    # ---- save_pretrained killed at every step of its write
+    from tests.runtime.checkpoint_kills import kill_saves
+
+    out.kills = kill_saves(models["llama"], transformers.LlamaForCausalLM, root, rank, _inputs())
+
     # ---- load_state_dict(full unsharded) after parallelize
     case = cases[0]
     reference = references["llama"]
@@ -297,16 +360,72 @@ def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> 
 
     # ---- refusals
     module = import_file(case.generated)
-    for label, folder in [("missing weight", f"{root}/llama_broken"), ("not a checkpoint", f"{root}/nowhere")]:
+    unreadable = [
+        ("missing weight", f"{root}/llama_broken"),
+        ("not a checkpoint", f"{root}/nowhere"),
+        ("truncated file", f"{root}/llama_truncated"),
+        ("not safetensors", f"{root}/llama_text"),
+        ("shard missing", f"{root}/llama_tied_shard_missing"),
+        ("truncated shard", f"{root}/llama_tied_shard_truncated"),
+    ]
+    for label, folder in unreadable:
         try:
             from_pretrained(module.LlamaForCausalLM, folder, load_plan_dict(case.plan), mesh, config=reference.config)
             out.errors[label] = "no error"
         except ParallelizeError as error:
             out.errors[label] = str(error)
 
+    _misshapen_state_dict(out, case, reference, mesh)
+    _failed_dcp_loads(out, case, models["llama"], root, mesh)
     out.strided = _strided_shard_checks(mesh, rank, world_size)
     _train_save_resume(out, cases[0], references["llama"], models["llama"], root, mesh, rank, world_size)
     return out
+
+
+def _misshapen_state_dict(out: RankResults, case: Checkpoint, reference: Any, mesh: Any) -> None:
+    """``load_state_dict`` of a full state dict with one parameter of the wrong full shape."""
+    from hpgen.runtime import parallelize
+
+    model = import_file(case.generated).LlamaForCausalLM(reference.config)
+    parallelize(model, load_plan_dict(case.plan), mesh)
+    state = dict(reference.state_dict())
+    state["model.embed_tokens.weight"] = torch.zeros(TINY["vocab_size"] + 1, TINY["hidden_size"])
+    try:
+        model.load_state_dict(state)
+        out.errors["misshapen state dict"] = "no error"
+    except RuntimeError as error:
+        out.errors["misshapen state dict"] = str(error)
+
+
+def _failed_dcp_loads(out: RankResults, case: Checkpoint, model: Any, root: str, mesh: Any) -> None:
+    """A DCP checkpoint with one ``.distcp`` file gone: with hpgen's checked reader nothing is touched."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from hpgen.runtime import checked_reader
+
+    folder = Path(f"{root}/dcp_missing_file")
+    with torch.no_grad():
+        source = {key: value * 2 if value.is_floating_point() else value for key, value in model.state_dict().items()}
+    dcp.save(source, checkpoint_id=folder)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        sorted(folder.glob("*.distcp"))[-1].unlink()
+    dist.barrier()
+    for label, reader in [("checked", checked_reader(folder)), ("plain", None)]:
+        before = {name: param.detach().clone() for name, param in model.named_parameters()}
+        state = model.state_dict()
+        try:
+            dcp.load(state, checkpoint_id=None if reader else folder, storage_reader=reader)
+            out.errors[f"dcp load, {label}"] = "no error"
+        except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP's is a BaseException
+            out.errors[f"dcp load, {label}"] = str(error)
+        changed = [name for name, param in model.named_parameters() if not torch.equal(param, before[name])]
+        out.dcp[f"dcp load, {label}: changed"] = changed
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(before[name])
 
 
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
@@ -498,11 +617,68 @@ def test_save_pretrained_writes_transformers_layout(results: list[RankResults]) 
     assert "lm_head.weight" not in saved["llama_tied"]
 
 
+def test_save_pretrained_takes_transformers_keywords(results: list[RankResults]) -> None:
+    for rank, result in enumerate(results):
+        err, tol = result.logits["llama: save_pretrained(is_main_process, max_shard_size)"]
+        assert err <= tol, f"rank {rank}: {err} > {tol}"
+    saved = results[0].saved_keys
+    assert saved["keywords: files"] == []  # no temporary folder beside it
+    assert "tokenizer.json" in saved["keywords: folder"] and "model.safetensors.index.json" in saved["keywords: folder"]
+    assert not any(name.startswith(".") for name in saved["keywords: folder"])
+    assert saved["keywords: not main"] == saved["keywords: folder"]
+    for rank, result in enumerate(results):
+        err, tol = result.logits["llama: save_pretrained(state_dict=model.state_dict())"]
+        assert err <= tol, f"rank {rank}: {err} > {tol}"
+        assert "ranks [0] passed state_dict= and the others did not" in result.errors["state_dict on rank 0 only"]
+        assert "a_file is a file, not a folder" in result.errors["writer fails"], result.errors["writer fails"]
+    assert results[1].errors["writer fails"].startswith("rank 0 could not write the checkpoint, so this rank stops")
+
+
+def test_a_killed_save_pretrained_leaves_the_old_or_the_new_checkpoint(results: list[RankResults]) -> None:
+    """SIGKILL at every file-system step of the write (one file, shards, the two-rename fallback)."""
+    kills = results[0].kills
+    assert set(kills) == {"one file", "sharded", "sharded, two renames"}
+    for label, found in kills.items():
+        assert found["kills"] == found["steps"] >= 10, (label, found["steps"])
+        outcomes = found["outcomes"]
+        assert outcomes[0] == "new", (label, outcomes[0])  # the save that was not killed
+        assert set(outcomes) <= {"old", "new"}, (label, [o for o in outcomes if o not in ("old", "new")])
+        assert {"old", "new"} <= set(outcomes[1:]), label  # kills before and after the swap
+        assert found["leftovers"] == [], (label, found["leftovers"][:3])
+        assert all(found["kept"]), label  # the folder's other files survive
+    assert sum(found["kills"] for found in kills.values()) >= 40
+
+
 def test_refusals_are_clear(results: list[RankResults]) -> None:
-    errors = results[0].errors
-    assert "has no weights for 1 parameter(s)" in errors["missing weight"]
-    assert "model.layers.1.mlp.down_proj.weight" in errors["missing weight"]
-    assert "not a safetensors checkpoint folder" in errors["not a checkpoint"]
+    for errors in (result.errors for result in results):  # on every rank
+        assert "has no weights for 1 parameter(s)" in errors["missing weight"]
+        assert "model.layers.1.mlp.down_proj.weight" in errors["missing weight"]
+        assert "not a safetensors checkpoint folder" in errors["not a checkpoint"]
+        assert "llama_truncated/model.safetensors is truncated: its tensors need" in errors["truncated file"]
+        assert "llama_text/model.safetensors is not a safetensors file" in errors["not safetensors"]
+        assert "model.safetensors.index.json names shard files that are not in" in errors["shard missing"]
+        assert "llama_tied_shard_missing" in errors["shard missing"] and "-of-" in errors["shard missing"]
+        assert "llama_tied_shard_truncated/model-00002-of-" in errors["truncated shard"]
+        assert "is truncated" in errors["truncated shard"]
+
+
+def test_misshapen_state_dict_names_the_full_and_the_local_shape(results: list[RankResults]) -> None:
+    for rank, result in enumerate(results):
+        message = result.errors["misshapen state dict"]
+        local = (TINY["vocab_size"] + 1 - rank) // 2  # tensor_split of 127 rows: 64, 63
+        assert "size mismatch for model.embed_tokens.weight: copying a param with shape (128, 64)" in message
+        assert f"full shape is (127, 64) (this rank holds ({local}, 64) of it: tp S(0) over 2)" in message
+        assert "Missing key" not in message and "shape in current model" not in message
+
+
+def test_a_failed_dcp_load_with_the_checked_reader_touches_nothing(results: list[RankResults]) -> None:
+    for rank, result in enumerate(results):
+        message = result.errors["dcp load, checked"]
+        assert "cannot be loaded, nothing was read" in message and ".distcp is missing" in message, message
+        assert result.dcp["dcp load, checked: changed"] == [], f"rank {rank}"
+        assert result.errors["dcp load, plain"] != "no error"
+    # torch's own reader fails part way: what it read before the missing file is in the model
+    assert any(result.dcp["dcp load, plain: changed"] for result in results)
 
 
 def test_dtensor_strided_shard_is_hpgen_ss(results: list[RankResults]) -> None:

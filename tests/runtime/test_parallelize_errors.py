@@ -61,7 +61,8 @@ def _scenarios() -> dict[str, tuple[str, str, dict[str, Any], dict[str, Any], li
                 "1 key/value heads",
                 "head_dim 16",
                 "axis 'tp' of size 2",
-                "replicate each head on 2 ranks with RS(0,2)",
+                "Re-plan for this model's config: `hpgen plan CHECKPOINT_FOLDER --tp 2`",
+                "replicates each head on 2 ranks with RS(0,2)",
             ],
         ),
         "kv_heads_replicated_too_few": (
@@ -127,6 +128,21 @@ def _scenarios() -> dict[str, tuple[str, str, dict[str, Any], dict[str, Any], li
             _with(tp, "model.decoder.*.mlp", **tp["param_plan"]["model.layers.*.mlp"]),
             {},
             ["'model.decoder.*.mlp'", "match no module"],
+        ),
+        "misspelt_key": (
+            "llama",
+            "llama_tp",
+            {**tp, "param_plan": {**{k: v for k, v in tp["param_plan"].items() if k != "model.layers.*.self_attn"},
+                                  "model.layers.*.self_atn": attn}},
+            {},
+            ["'model.layers.*.self_atn' (did you mean 'model.layers.*.self_attn'?)", "match no module"],
+        ),
+        "misspelt_param": (
+            "llama",
+            "llama_tp",
+            _with(tp, "model.layers.*.self_attn", params={**attn["params"], "q_prj.weight": {"tp": "S(0)"}}),
+            {},
+            ["'q_prj.weight'", "not a parameter of this module (did you mean 'q_proj.weight'?)"],
         ),
         "grad_reduce_without_layout": (
             "llama",

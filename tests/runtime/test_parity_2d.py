@@ -16,7 +16,10 @@
   embedding and sequence-parallel norms, Qwen3): ``state_dict()`` gives DTensors of the
   global shape whose ``full_tensor()`` is the unsharded weight; the checkpoint loads into a
   fresh FSDP2 x hpgen model (bit-exact weights and logits), transformers' unsharded model
-  and an hpgen model on ``tp`` alone; a full state dict loads into FSDP2's pieces.
+  and an hpgen model on ``tp`` alone; a full state dict loads into FSDP2's pieces; the
+  optimizer state after an AdamW step (``optimizer_state_dict``) resumes into the same
+  three and into transformers' model under FSDP2 alone on 4 ranks (bit-exact moments, the
+  unsharded ones those of the same step taken unsharded).
 - Refusals instead of partial gradients: ``fully_shard`` or DDP before ``parallelize``, an
   FSDP2 unit inside a boundary that reduces a gradient, and replicated KV heads whose
   ``num_key_value_groups`` the plan does not divide.
@@ -206,7 +209,11 @@ def test_fsdp2_state_dict_is_global(results: list[dict], name: str) -> None:
     assert placements["model.embed_tokens.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
 
 
-@pytest.mark.parametrize("target", ["fsdp2 x tp", "unsharded", "tp only", "full state dict"])
+@pytest.mark.parametrize(
+    "target",
+    ["fsdp2 x tp", "unsharded", "tp only", "full state dict", "optimizer: fsdp2 x tp", "optimizer: tp only",
+     "optimizer: unsharded", "optimizer: fsdp2 4 x 1"],
+)
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_fsdp2_checkpoint_loads_back(results: list[dict], name: str, target: str) -> None:
     for rank, by_case in enumerate(results):
@@ -215,3 +222,6 @@ def test_fsdp2_checkpoint_loads_back(results: list[dict], name: str, target: str
         if target in result.logits:
             err, tol = result.logits[target]
             assert err <= tol, f"rank {rank}: {target}: logits {err} > {tol}"
+        if target == "optimizer: unsharded":  # the resumed moments are those of the same step taken unsharded
+            err, tol = result.logits["optimizer: unsharded vs the unsharded step"]
+            assert err <= tol, f"rank {rank}: exp_avg/exp_avg_sq off by {err} (relative) > {tol}"
