@@ -28,6 +28,9 @@ states are put back when it returns:
   generators from a seed derived from the body's frame: the replicated seeds from the
   stream the body was entered with (the same on every rank), the local ones with this
   rank's coordinates on the axes the body is sharded on added.
+- :class:`WrappedProjection` (hook of a wrapped ``nn.Linear`` boundary): outside the bodies,
+  a column-parallel linear whose output stays sharded opens a per-rank region, and the
+  row-parallel linear that reduces it closes it (BioGPT's ``fc1``, activation dropout, ``fc2``).
 
 Every seed is derived from the state of the default generator when the outermost body
 is entered, so ``torch.utils.checkpoint`` (which saves and restores exactly that state
@@ -156,7 +159,7 @@ class ModelStreams:
 
     def open_region(self, coordinates: tuple[int, ...]) -> None:
         """A wrapped column-parallel linear made a sharded value: inside a body its layout changes; outside
-        one, a region opens, so that a dropout of the value (OPT's ``activation_dropout`` between
+        one, a region opens, so that a dropout of the value (BioGPT's ``activation_dropout`` between
         ``fc1`` and ``fc2``) draws per rank, and a shard of another size draws nothing from the
         replicated stream (ranks that drew different amounts from it would diverge after)."""
         if self.frames:
