@@ -264,8 +264,11 @@ def finish(row: Row, outcome: dict | str) -> Row:
         return row
     if "replicated" in outcome["ranks"][0]:  # the train-mode check
         differ = sorted({name for result in outcome["ranks"] for name in result["differ"]})
-        row.parity = row.grads_ok = not differ
         count = outcome["ranks"][0]["replicated"]
+        if not count:
+            row.reason = "train mode not compared: the plan keeps no parameter replicated"
+            return row
+        row.parity = row.grads_ok = not differ
         row.reason = f"{len(differ)} of {count} replicated parameters differ: " + ", ".join(differ[:3]) if differ else (
             f"{count} replicated parameters equal on both ranks after {TRAIN_STEPS} steps"
         )

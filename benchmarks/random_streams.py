@@ -93,7 +93,9 @@ def main() -> None:
         module, plan, config = build(Path(folder), args.layers, args.hidden)
         torch.manual_seed(0)
         state = module.LlamaForCausalLM(config).state_dict()
-        models = {name: variant(module, plan, config, mesh, state, mechanism=name == "with") for name in ("with", "without")}
+        models = {
+            name: variant(module, plan, config, mesh, state, mechanism=name == "with") for name in ("with", "without")
+        }
     ids = torch.randint(0, config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(1))
 
     def eval_forward(model: Any) -> Any:

@@ -173,7 +173,8 @@ def survey_deferred_biases(matched: Iterable[Matched], plan: Plan, branches: fro
                     "add it to grad_reduce_params"
                 )
             partial_axes = tuple(axis for axis in mesh if entry.output_layouts(output, mesh)[0].on(axis).is_partial)
-            reduced = tuple(axis for axis in mesh if body_is_sharded(entry, axis)) if name in entry.grad_reduce_params else ()
+            summed = name in entry.grad_reduce_params  # its gradient is summed over the sharded body's axes
+            reduced = tuple(axis for axis in mesh if body_is_sharded(entry, axis)) if summed else ()
             found.append(DeferredBias(item.module, owner, entry.output_names, output, partial_axes, reduced))
     return found
 

@@ -59,7 +59,8 @@ def _summary(digests: Mapping[str, tuple[str, int]], device: torch.device) -> Te
     """Four integers standing for all of ``digests``: the same on two ranks only for the same inputs."""
     text = ";".join(f"{name}:{layout}:{digest}" for name, (layout, digest) in digests.items())
     encoded = text.encode()
-    values = [len(digests), zlib.crc32(encoded), zlib.adler32(encoded), sum(d for _, d in digests.values()) & 0x7FFFFFFF]
+    total = sum(digest for _, digest in digests.values()) & 0x7FFFFFFF
+    values = [len(digests), zlib.crc32(encoded), zlib.adler32(encoded), total]
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 

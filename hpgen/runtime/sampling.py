@@ -25,15 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hpgen.runtime.streams import default_generators
+
 __all__ = ["bind_generate", "first_rank_random_state"]
-
-
-def _generators(model: nn.Module) -> list[torch.Generator]:
-    found = [torch.default_generator]
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    if device.type == "cuda":
-        found.append(torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()])
-    return found
 
 
 @contextlib.contextmanager
@@ -41,7 +35,7 @@ def first_rank_random_state(
     model: nn.Module, groups: Sequence[dist.ProcessGroup], device: torch.device
 ) -> Iterator[None]:
     """Within the block, the default generators hold the first rank's states; afterwards this rank's own."""
-    generators = _generators(model)
+    generators = default_generators(model)
     own = [generator.get_state() for generator in generators]
     try:
         for generator, state in zip(generators, own):

@@ -28,6 +28,9 @@ states are put back when it returns:
   generators from a seed derived from the body's frame: the replicated seeds from the
   stream the body was entered with (the same on every rank), the local ones with this
   rank's coordinates on the axes the body is sharded on added.
+- :class:`WrappedProjection` (hook of a wrapped ``nn.Linear`` boundary): outside the bodies,
+  a column-parallel linear whose output stays sharded opens a per-rank region, and the
+  row-parallel linear that reduces it closes it (BioGPT's ``fc1``, activation dropout, ``fc2``).
 
 Every seed is derived from the state of the default generator when the outermost body
 is entered, so ``torch.utils.checkpoint`` (which saves and restores exactly that state
@@ -39,7 +42,7 @@ generators).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["BodyStreams", "LayoutChange", "ModelStreams", "mix", "reseed_random_streams"]
+__all__ = ["BodyStreams", "LayoutChange", "ModelStreams", "default_generators", "mix", "reseed_random_streams"]
 
 _MASK = (1 << 64) - 1
 # domains, so that no two kinds of derived seed collide
@@ -82,6 +85,7 @@ class _Frame:
     coordinates: tuple[int, ...]  # this rank's on the axes the body is sharded on
     changes: int = 0
     children: int = 0
+    region: bool = False  # opened by a wrapped column-parallel linear outside any body (see open_region)
 
 
 @dataclass
@@ -111,7 +115,7 @@ class ModelStreams:
             self.enabled = False
             return
         self.enabled = True
-        self.generators = _generators(module)
+        self.generators = default_generators(module)
         self._saved.append([generator.get_state() for generator in self.generators])
         self._reseed(mix(self.seed, _STEP, self.step))
         self.step += 1
@@ -141,15 +145,34 @@ class ModelStreams:
     def active(self, module: nn.Module) -> bool:
         return self.enabled and module.training and not _compiling()
 
-    def enter_body(self, local: bool, coordinates: tuple[int, ...]) -> None:
+    def enter_body(self, local: bool, coordinates: tuple[int, ...], *, region: bool = False) -> int:
+        """Push a frame for a body (or a region); return its depth, for :meth:`exit_body`."""
         if self.frames:
             parent = self.frames[-1]
             parent.children += 1
             seed = mix(parent.seed, _CHILD, parent.children)
         else:  # from the stream the body runs in: the replicated one, or what checkpoint restored
             seed = int(torch.randint(0, 1 << 62, (1,), generator=self.generators[0]).item())
-        self.frames.append(_Frame(seed, local, coordinates))
+        self.frames.append(_Frame(seed, local, coordinates, region=region))
         self.change(local)
+        return len(self.frames) - 1
+
+    def open_region(self, coordinates: tuple[int, ...]) -> None:
+        """A wrapped column-parallel linear made a sharded value: inside a body its layout changes; outside
+        one, a region opens, so that a dropout of the value (BioGPT's ``activation_dropout`` between
+        ``fc1`` and ``fc2``) draws per rank, and a shard of another size draws nothing from the
+        replicated stream (ranks that drew different amounts from it would diverge after)."""
+        if self.frames:
+            self.change(True)
+        else:
+            self.enter_body(True, coordinates, region=True)
+
+    def close_region(self) -> None:
+        """A wrapped row-parallel linear reduced its sharded input: replicated again."""
+        if self.frames and self.frames[-1].region:
+            self.exit_body(len(self.frames) - 1)
+        elif self.frames:
+            self.change(False)
 
     def change(self, local: bool) -> None:
         """The value the innermost body computes on is now sharded (``local``) or replicated/partial."""
@@ -163,10 +186,12 @@ class ModelStreams:
         else:
             self._reseed(mix(frame.seed, _REPLICATED, frame.changes))
 
-    def exit_body(self) -> None:
-        if not self.frames:
+    def exit_body(self, depth: int) -> None:
+        """Pop the frame at ``depth`` and any region left open above it."""
+        if len(self.frames) <= depth:
             return
-        frame = self.frames.pop()
+        frame = self.frames[depth]
+        del self.frames[depth:]
         if self.frames:  # the enclosing body goes on in its own layout, with fresh numbers
             self.change(self.frames[-1].local)
         else:
@@ -181,14 +206,13 @@ def _positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
-def _generators(model: nn.Module) -> list[torch.Generator]:
+def default_generators(model: nn.Module) -> list[torch.Generator]:
     """The default generators the model's random ops draw from: the CPU one, and its CUDA device's."""
     found = [torch.default_generator]
-    for tensor in model.parameters():
-        if tensor.device.type == "cuda":
-            index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
-            found.append(torch.cuda.default_generators[index])
-        break
+    device = next((tensor.device for tensor in model.parameters()), torch.device("cpu"))
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        found.append(torch.cuda.default_generators[index])
     return found
 
 
@@ -201,7 +225,9 @@ class BodyStreams:
     ``forward`` is recomputed, from the generator state checkpointing restores.
     """
 
-    def __init__(self, streams: ModelStreams, module: nn.Module, body: Any, local: bool, coordinates: Sequence[int]) -> None:
+    def __init__(
+        self, streams: ModelStreams, module: nn.Module, body: Any, local: bool, coordinates: Sequence[int]
+    ) -> None:
         self.streams = streams
         self.module = module
         self.body = body
@@ -211,11 +237,29 @@ class BodyStreams:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.streams.active(self.module):
             return self.body(*args, **kwargs)
-        self.streams.enter_body(self.local, self.coordinates)
+        depth = self.streams.enter_body(self.local, self.coordinates)
         try:
             return self.body(*args, **kwargs)
         finally:
-            self.streams.exit_body()
+            self.streams.exit_body(depth)
+
+
+class WrappedProjection:
+    """Hook of a wrapped ``nn.Linear`` boundary: column-parallel with a sharded output (``opens``) or
+    row-parallel reducing a sharded input (see :meth:`ModelStreams.open_region`)."""
+
+    def __init__(self, streams: ModelStreams, opens: bool, coordinates: Sequence[int]) -> None:
+        self.streams = streams
+        self.opens = opens
+        self.coordinates = tuple(coordinates)
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.streams.active(module):
+            if self.opens:
+                self.streams.open_region(self.coordinates)
+            else:
+                self.streams.close_region()
+        return None
 
 
 class LayoutChange:
@@ -277,7 +321,9 @@ def projection_layout(module: nn.Module, placements: Iterable[Any]) -> str | Non
     return "column" if dim == out_dim else "row"
 
 
-def install_streams(model: nn.Module, bodies: Sequence[tuple[Any, Any]], plan: Any, axes: Any, device: torch.device) -> ModelStreams:
+def install_streams(
+    model: nn.Module, bodies: Sequence[tuple[Any, str]], plan: Any, axes: Mapping[str, Any], device: torch.device
+) -> ModelStreams:
     """Seed the model's streams from the first rank and hook the model, its sharded bodies and
     their projections. ``bodies``: (``Matched``, form) of each planned module."""
     groups = [axes[axis].group for axis in plan.mesh_dim_names if axes[axis].size > 1]
@@ -293,11 +339,19 @@ def install_streams(model: nn.Module, bodies: Sequence[tuple[Any, Any]], plan: A
     from hpgen.plan import body_is_sharded
 
     for item, form in bodies:
-        if form not in ("tp_collective", "generic", "region"):
-            continue
         entry = item.entry
         sharded = [a for a in plan.mesh_dim_names if axes[a].size > 1 and body_is_sharded(entry, a)]
         if not sharded:
+            continue
+        if form == "linear":  # a wrapped nn.Linear: its output sharded (column) or its sharded input reduced (row)
+            outputs = [entry.output_layouts(name, plan.mesh_dim_names)[1] for name in entry.output_names]
+            inputs = [entry.input_layouts(name, plan.mesh_dim_names)[0] for name in entry.input_names]
+            opens = any(layout.on(a).kind in ("S", "SS") for layout in outputs for a in sharded)
+            closes = any(layout.on(a).kind in ("S", "SS") for layout in inputs for a in sharded) and not opens
+            if opens or closes:
+                item.module.register_forward_hook(WrappedProjection(streams, opens, [axes[a].rank for a in sharded]))
+            continue
+        if form not in ("tp_collective", "generic", "region"):
             continue
         local = any(layout.on(a).kind in ("S", "SS", "RS") for layout in entry.in_dst.values() for a in sharded)
         name = "__hp_compute__" if form == "region" else "_forward_impl"  # what the generated forward calls

@@ -1,8 +1,9 @@
 """Train mode and sampling as users run them, on 2 gloo ranks seeded ``torch.manual_seed(1234 + rank)``.
 
-GPT-2 and OPT with the plans of ``hpgen plan --tp 2`` and every dropout at 0.1, Llama with
+GPT-2, OPT and BioGPT with the plans of ``hpgen plan --tp 2`` and every dropout at 0.1, Llama with
 ``attention_dropout`` 0.1 and biases (its plan from ``hpgen plan`` too), GPT-NeoX and GPT-J (one
-summed reduction a layer) with every dropout at 0.1, all with transformers' defaults (sdpa attention). One spawn runs everything; the tests read its report:
+summed reduction a layer) with every dropout at 0.1, all with transformers' defaults (sdpa
+attention). One spawn runs everything; the tests read its report:
 
 - the residual stream entering the final norm is the same on both ranks, bit for bit, at every
   step (dropout on replicated values draws one stream), and every parameter the plan keeps
@@ -44,11 +45,19 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # (GPT-NeoX's post_attention_dropout, post_mlp_dropout) draw one stream, the biases inside them on one rank
     "gpt_neox": dict(hidden_dropout=DROPOUT, attention_dropout=DROPOUT),
     "gptj": dict(resid_pdrop=DROPOUT, embd_pdrop=DROPOUT, attn_pdrop=DROPOUT),
+    # fc1's 89 outputs split 45 / 44 and its activation dropout runs between fc1 and fc2 (wrapped linears of the
+    # decoder layer): a different count of draws on each rank, which must not come from the replicated stream
+    "biogpt": dict(hidden_dropout_prob=DROPOUT, attention_probs_dropout_prob=DROPOUT, activation_dropout=DROPOUT),
 }
 FAMILIES = tuple(OVERRIDES)
 
 
 def _config(family: str) -> Any:
+    if family == "biogpt":
+        import transformers
+
+        shape = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=89)
+        return transformers.BioGptConfig(vocab_size=127, max_position_embeddings=64, **shape, **OVERRIDES[family])
     if family == "llama":
         from tests.runtime.models import make_config
 
@@ -99,7 +108,7 @@ def _models(family: str, plan: dict, generated: str, mesh: Any, **config: Any) -
 
 
 def _final_norm(model: Any) -> Any:
-    names = ("transformer.ln_f", "model.decoder.final_layer_norm", "model.norm", "gpt_neox.final_layer_norm")
+    names = ("transformer.ln_f", "model.decoder.final_layer_norm", "model.norm", "gpt_neox.final_layer_norm", "biogpt.layer_norm")
     return next(module for name, module in model.named_modules() if name in names)
 
 
