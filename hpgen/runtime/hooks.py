@@ -109,10 +109,11 @@ class DeferredBias:
     reduced_axes: tuple[str, ...] = ()  # the axes grad_reduce_params sum the bias's gradient over
 
     def install(self, axes: Mapping[str, AxisCollectives]) -> None:
-        # Train mode: each rank adds bias / P before the reduction; its gradient, scaled to / R, is the
-        # whole one after the R ranks' sum (R = 1: no sum, each rank's is already whole).
+        # Train mode: the first rank of the partial axes adds the bias before the reduction, the
+        # others zeros; each rank's gradient, scaled to / R, is the whole one after the R ranks' sum
+        # (R = 1: no sum, each rank's is already whole).
         self.owner._hp_bias_share = BiasShare(
-            math.prod(axes[a].size for a in self.partial_axes), math.prod(axes[a].size for a in self.reduced_axes)
+            all(axes[a].rank == 0 for a in self.partial_axes), math.prod(axes[a].size for a in self.reduced_axes)
         )
         if hasattr(type(self.owner), "_hp_defer_bias"):
             self.owner._hp_defer_bias = True  # a wrapped (ParallelLinear) owner computes without it

@@ -9,8 +9,9 @@ in its body). Two things live outside the generated source:
   both branches' partial gradients in one collective. The residual does not pass
   through it, so its gradient is not reduced;
 - the branches' deferred biases: each is added, on the axis's first rank only, to the
-  partial output the block sums (:class:`~hpgen.runtime.wrappers.PartialBiasLinear`),
-  so the single reduction adds it once, inside any dropout the source applies there.
+  partial output the block sums (:class:`~hpgen.runtime.wrappers.BiasShare`, the whole
+  gradient on every rank; :class:`~hpgen.runtime.wrappers.PartialBiasLinear`), so the
+  single reduction adds it once, inside any dropout the source applies there.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from hpgen.runtime.collectives import AxisCollectives
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.ops import Step, run_steps, step_for
 from hpgen.runtime.params import Matched
-from hpgen.runtime.wrappers import subclass_with
+from hpgen.runtime.wrappers import BiasShare, subclass_with
 
 __all__ = ["SharedInput", "SummedBlock", "branch_fqns", "survey_summed"]
 
@@ -62,7 +63,9 @@ class SummedBlock:
             module.register_forward_hook(hook)
         for linear in self.biases:
             linear.__class__ = subclass_with(type(linear), "partial_bias")
-            linear._hp_first = self.first
+            # the gradient reaching a branch's partial output is the whole one on every
+            # rank (the reduction's backward), so no rank's share needs its gradient summed
+            linear._hp_bias_share = BiasShare(self.first, reduced=1)
 
 
 def branch_fqns(matched: Iterable[Matched], plan: Plan) -> set[str]:

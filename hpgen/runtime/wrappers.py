@@ -81,37 +81,38 @@ class _ParallelEmbeddingMixin:
 
 
 class _BiasShareFunction(torch.autograd.Function):
-    """``bias / parts`` forward; the gradient divided by ``reduced`` instead (see :class:`BiasShare`)."""
+    """This rank's share of a bias (all of it, or zeros); its gradient divided by ``reduced``."""
 
     @staticmethod
-    def forward(ctx: Any, bias: Tensor, parts: int, reduced: int) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, bias: Tensor, holder: bool, reduced: int) -> Tensor:  # type: ignore[override]
         ctx.reduced = reduced
-        return bias / parts
+        return bias.clone() if holder else torch.zeros_like(bias)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
-        return (grad / ctx.reduced if ctx.reduced != 1 else grad), None, None
+        return grad / ctx.reduced, None, None
 
 
 class BiasShare:
-    """In train mode, a deferred bias is added before the reduction, a share on every rank.
+    """A bias added into a partial output before its reduction: whole on one rank, zero elsewhere.
 
-    Each of the ``parts`` ranks summing the partial output adds ``bias / parts``, so the
-    reduced output holds the bias once, and a dropout of the partial sum (the same mask on
-    every rank) drops it with the rest, as the source computes it. The gradient arriving
-    at the partial output is the whole one on every rank, so each rank's bias gets
-    ``grad / reduced``: the whole gradient where nothing sums it (``reduced`` 1), its share
-    where ``grad_reduce_params`` sum it over ``reduced`` ranks (a sequence-sharded output).
+    The first of the ranks summing the partial output (``holder``) adds the whole bias,
+    the others add zeros, so the reduced output holds it exactly once (no rounding of
+    shares, in bfloat16 too), and a dropout of the partial sum (the same mask on every
+    rank) drops it with the rest, as the source computes it. The gradient arriving at the
+    partial output is the whole one on every rank, so each rank's bias gets it divided by
+    ``reduced``: the whole gradient where nothing sums it (``reduced`` 1), its share where
+    ``grad_reduce_params`` sum it over ``reduced`` ranks (a sequence-sharded output).
     """
 
-    def __init__(self, parts: int, reduced: int) -> None:
-        self.parts = parts
+    def __init__(self, holder: bool, reduced: int = 1) -> None:
+        self.holder = holder
         self.reduced = reduced
 
     def __call__(self, bias: Tensor) -> Tensor:
-        if self.parts == self.reduced:
-            return bias / self.parts if self.parts != 1 else bias
-        return _BiasShareFunction.apply(bias, self.parts, self.reduced)
+        if self.reduced == 1:  # zero forward, the whole gradient backward: no Function needed
+            return bias if self.holder else bias - bias.detach()
+        return _BiasShareFunction.apply(bias, self.holder, self.reduced)
 
 
 def _bias_share(module: nn.Module) -> Tensor | None:
@@ -160,22 +161,19 @@ class _DeferredBiasConv1DMixin:
 
 
 class _PartialBiasMixin:
-    """An ``nn.Linear`` of a summed reduction's branch: its bias joins the partial sum on one rank.
+    """An ``nn.Linear`` of a summed reduction's branch: its bias joins the partial sum.
 
-    The block reduces the sum of both branches' partial outputs once; the bias goes into
-    the partial output of the axis's first rank only, so the reduction adds it exactly
-    once, and it stays wherever the source applies it (inside a dropout the branch's
-    output goes through). The other ranks add ``bias - bias.detach()``, zero, so every
-    rank's bias gets the whole gradient: the gradient reaching a branch's partial output
-    is the same on every rank.
+    The block reduces the sum of both branches' partial outputs once, so the bias goes
+    into the partial output as :class:`BiasShare` places it (on the axis's first rank, the
+    whole gradient on every rank), in eval and train mode alike: it stays wherever the
+    source applies it (inside a dropout the branch's output goes through), and the
+    reduction adds it exactly once.
     """
 
-    _hp_first = True  # this rank's partial output carries the bias
+    _hp_bias_share: BiasShare
 
     def forward(self, input: Tensor) -> Tensor:
-        bias = self.bias  # type: ignore[attr-defined]
-        output = F.linear(input, self.weight)  # type: ignore[attr-defined]
-        return output + (bias if self._hp_first else bias - bias.detach())
+        return F.linear(input, self.weight, self._hp_bias_share(self.bias))  # type: ignore[attr-defined]
 
 
 def is_conv1d(module: nn.Module) -> bool:

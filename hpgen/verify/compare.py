@@ -195,7 +195,7 @@ def _run_case(case: Prepared, mesh: Any, outcome: Outcome) -> None:
             recorder.grads, reference_recorder.grads, "backward", recorder.classes, plan, mesh
         )
     outcome.checks.append(_generation(model, reference, ids))
-    # last: train mode (the code paths only training takes: a deferred bias shared as bias / P before the
+    # last: train mode (the code paths only training takes: a deferred bias added by one rank before the
     # reduction, the random streams); this sets the dropouts of the config both models share
     outcome.checks.append(_train_parity(model, reference, ids, projection, layouts, plan, mesh))
     if _with_dropout(model, TRAIN_DROPOUT):
