@@ -173,7 +173,9 @@ class _PartialBiasMixin:
     _hp_bias_share: BiasShare
 
     def forward(self, input: Tensor) -> Tensor:
-        return F.linear(input, self.weight, self._hp_bias_share(self.bias))  # type: ignore[attr-defined]
+        # added after the matmul, not fused into it: in bfloat16 the fused form measured
+        # further from the float32 model (GPT-J's parity test: 0.078 against 0.070)
+        return F.linear(input, self.weight) + self._hp_bias_share(self.bias)  # type: ignore[attr-defined]
 
 
 def is_conv1d(module: nn.Module) -> bool:
