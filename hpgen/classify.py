@@ -1,4 +1,4 @@
-"""From placements to operations and forms (SPEC §2 transitions, §3 forms).
+"""From placements to operations and forms (docs/plan-format.md, docs/generated-code.md).
 
 ``transition`` is the per-axis table: one (src, dst) pair of placements becomes one
 ``Op``. ``classify_contract`` composes the ops of every declared input and output of a
@@ -282,7 +282,7 @@ def value_ops(
 
     ``known_inputs`` are inputs the caller knows the module has even where the plan does
     not declare them (``input`` of a wrapped ``nn.Linear``): an undeclared one is ``R`` on
-    every axis (SPEC §2), so it still gets its ``copy`` into a sharded body.
+    every axis (docs/plan-format.md), so it still gets its ``copy`` into a sharded body.
     """
     entry = plan.entries[key]
     mesh = plan.mesh_dim_names
@@ -399,7 +399,7 @@ def undeclared_inputs(
 
 
 def _gate_failures(forward: ForwardInfo, inputs: tuple[ValueOps, ...], outputs: tuple[ValueOps, ...]) -> list[str]:
-    """The static gates of the tp_collective form (SPEC §3); each failure is a reason."""
+    """The static gates of the tp_collective form (docs/generated-code.md); each failure is a reason."""
     failures = []
     if forward.has_var_positional:
         failures.append("forward takes *args, so its inputs cannot be passed on by name")

@@ -1,4 +1,4 @@
-"""The command line: a thin shell over ``hpgen.lower`` (SPEC §5).
+"""The command line: a thin shell over ``hpgen.lower`` (docs/cli.md).
 
 Messages go to stderr, generated code and diffs to stdout, so ``--diff > patch`` works.
 Bad input exits 2 with one line naming the file and the place; an hpgen bug (generated

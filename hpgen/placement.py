@@ -1,4 +1,4 @@
-"""Placements: how one tensor is laid out along one mesh axis (SPEC §2).
+"""Placements: how one tensor is laid out along one mesh axis (docs/plan-format.md).
 
 The grammar is ``R``, ``S(d)`` (negative ``d`` counts from the end, as in PyTorch),
 ``P(op)`` with op in sum/avg/max/min, ``SS(d,k)`` (dim ``d`` holds ``k`` packed blocks,

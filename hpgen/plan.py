@@ -1,4 +1,4 @@
-"""The frozen parallel plan (SPEC §2): loading, validation and the plain data it becomes.
+"""The frozen parallel plan (docs/plan-format.md): loading, validation and the plain data it becomes.
 
 Everything the plan says is checked here, before any code is generated: every name that
 can reach generated source is a validated identifier or dotted path, every placement

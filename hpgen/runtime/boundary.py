@@ -116,7 +116,7 @@ class DTensorMove:
 
         Axes are undone in reverse mesh order, so a dim sharded on two axes adds up first
         over the inner one. DTensor splits like ``torch.chunk``; a split that differs from
-        ``torch.tensor_split`` (SPEC §2) is refused rather than silently misread.
+        ``torch.tensor_split`` (docs/plan-format.md) is refused rather than silently misread.
         """
         shape = list(x.shape)
         for index in reversed(range(len(self.src))):

@@ -213,7 +213,7 @@ class AxisCollectives:
     def __deepcopy__(self, memo: dict) -> AxisCollectives:
         return self  # a handle on a process group: copies of a model share it
 
-    # ---- the ops (placements per SPEC section 2) -------------------------------------
+    # ---- the ops (placements as docs/plan-format.md defines them) -----------------------
 
     def all_reduce(self, x: Tensor | None, op: str = "sum", *, backward: str = "identity") -> Tensor | None:
         """``P(op) -> R``: reduce the ranks' partial values. ``op``: sum, avg, max or min."""

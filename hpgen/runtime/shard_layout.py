@@ -1,6 +1,6 @@
 """Where a rank's shard of a planned parameter lies in the full tensor, and its DTensor name.
 
-hpgen's placements follow SPEC §2: ``S(d)`` splits like ``torch.tensor_split`` (the first
+hpgen's placements follow docs/plan-format.md: ``S(d)`` splits like ``torch.tensor_split`` (the first
 ``n % k`` ranks hold one more) and ``SS(d,k)`` gives each rank its ``S(d)`` chunk of each
 of ``k`` packed blocks. :func:`dim_runs` says, per tensor dim, which global index ranges
 this rank holds and in what order (one range for ``S``, one per block for ``SS``); a

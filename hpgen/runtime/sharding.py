@@ -1,4 +1,4 @@
-"""Where a rank's chunk of a parameter lies: the shard arithmetic of SPEC §2.
+"""Where a rank's chunk of a parameter lies: the shard arithmetic of docs/plan-format.md.
 
 ``S(d)`` splits dim ``d`` like ``torch.tensor_split`` (the first ``n % k`` ranks hold one
 more element); ``SS(d,k)`` cuts dim ``d`` into ``k`` equal packed blocks (a fused
