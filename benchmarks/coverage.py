@@ -485,8 +485,8 @@ def render_train(rows: dict[str, Row], architectures_found: list[str]) -> str:
         " the plan keeps replicated must be the same on both ranks, bit for bit (dropout on replicated and partial"
         " values draws one stream on every rank).",
         "",
-        f"- run on a subset of **{len(ran)}** model types (not the whole list: the runs are long on a shared machine);"
-        f" replicated parameters equal on both ranks for **{len(passed)}** of them",
+        f"- run for **{len(ran)}** model types (those at parity in the tensor-parallel table whose config has"
+        f" dropout); replicated parameters equal on both ranks for **{len(passed)}** of them",
         "",
         "| model type | model class | train mode | detail |",
         "|---|---|---|---|",
