@@ -232,7 +232,8 @@ class SummedOps:
     ``reduce`` takes the sum of both branches' partial outputs to the layout of the block's
     stream (``all_reduce``, or ``reduce_scatter`` on a sequence-sharded stream); ``shared``
     is the op the branches' shared input gets once, on the output of ``shared_input``
-    (``copy``, or ``all_gather`` from the sequence-sharded stream); None without one.
+    (``copy``, or ``all_gather`` from the sequence-sharded stream); None without one. With
+    ``paired_input`` the same op moves both norms' outputs at once (concatenated).
     """
 
     axis: str
@@ -241,6 +242,7 @@ class SummedOps:
     reduce: Op
     shared_input: str | None
     shared: Op | None
+    paired_input: str | None = None  # a second norm of the same input, moved with shared_input's output
 
     def comment(self) -> str:
         """The marker comment written above the edited expression."""
@@ -272,7 +274,7 @@ def summed_ops(plan: Plan, key: str) -> SummedOps | None:
     if summed.shared_input is not None:
         shared = transition(axis, f"{summed.shared_input} output", stream, REPLICATE, side="in", sharded_body=True)
     outputs = (branches[0].output, branches[1].output)
-    return SummedOps(axis, summed.branches, outputs, reduce, summed.shared_input, shared)
+    return SummedOps(axis, summed.branches, outputs, reduce, summed.shared_input, shared, summed.paired_input)
 
 
 def value_ops(

@@ -220,8 +220,9 @@ def _summed_notes(contract: Contract) -> list[str]:
         return []
     notes = [f"summed reduction: {' + '.join(summed.branches)} reduced once, in _forward_impl (marked there)"]
     if summed.shared_input is not None and summed.shared is not None:
+        paired = f" (with {summed.paired_input}'s, one collective)" if summed.paired_input else ""
         notes.append(
-            f"{summed.shared_input} output: {summed.axis} {summed.shared.src} -> {summed.shared.dst} ==> "
+            f"{summed.shared_input} output{paired}: {summed.axis} {summed.shared.src} -> {summed.shared.dst} ==> "
             f"{summed.shared.described()} for both branches, a hook parallelize installs"
         )
     return notes

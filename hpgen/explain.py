@@ -119,6 +119,7 @@ def _summed_record(contract: Contract, node: cst.ClassDef | None) -> dict[str, A
         "branches": list(summed.branches),
         "reduce": _op_record(summed.reduce),
         "shared_input": summed.shared_input,
+        "paired_input": summed.paired_input,
         "shared": _op_record(summed.shared) if summed.shared is not None else None,
         "edit": edit,
     }
@@ -251,7 +252,13 @@ def explain_text(report: dict[str, Any]) -> str:
             lines.append(f"      {summed['edit']}")
             lines += _op_lines([summed["reduce"]])
             if summed["shared"] is not None:
-                lines.append(f"  {summed['shared_input']}'s output, read by both branches (a hook of parallelize):")
+                if summed.get("paired_input"):
+                    lines.append(
+                        f"  {summed['shared_input']}'s and {summed['paired_input']}'s outputs, one for each branch, "
+                        "moved together (a hook of parallelize):"
+                    )
+                else:
+                    lines.append(f"  {summed['shared_input']}'s output, read by both branches (a hook of parallelize):")
                 lines += _op_lines([summed["shared"]])
         for value in record["undeclared_inputs"]:
             axes = ", ".join(value["axes"])

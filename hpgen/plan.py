@@ -41,7 +41,7 @@ _ENTRY_KEYS = {
     "skip_source_lowering",
 }
 _INJECTION_KEYS = {"match", "local_compute_fn", "inner_wrapper"}
-_SUMMED_KEYS = {"branches", "shared_input"}
+_SUMMED_KEYS = {"branches", "shared_input", "paired_input"}
 # An axis's collectives live on a boundary module as ``_hp_<axis>``. hpgen's other ``_hp_``
 # attributes (the generated class defaults, what the runtime binds) end in these names,
 # so an axis called so would overwrite one of them.
@@ -135,11 +135,15 @@ class SummedReduction:
     ``branches``: the two child modules (paths relative to the block) whose outputs the
     block's body adds; their entries leave those outputs ``P(sum)``. ``shared_input``: the
     child whose output both branches read (the norm before them), where their input's
-    transition runs once; None when each branch keeps its own.
+    transition runs once; None when each branch keeps its own. ``paired_input``: where the
+    second branch reads a second norm of the same block input (GPT-NeoX's two layer
+    norms), that norm: ``shared_input``'s hook computes its output too and moves both
+    through one collective (one reduction of both partial gradients in backward).
     """
 
     branches: tuple[str, str]
     shared_input: str | None = None
+    paired_input: str | None = None
 
 
 @dataclass(frozen=True)
@@ -579,7 +583,15 @@ class _PlanReader:
             shared = self.expect_name(doc["shared_input"], shared_where, is_dotted_path, "a child module path")
             if shared in branches:
                 raise self.fail(shared_where, f"{shared!r} is a branch; the shared input is the module both read")
-        return SummedReduction((branches[0], branches[1]), shared)
+        paired = None
+        if "paired_input" in doc:
+            paired_where = _path_join(where, "paired_input")
+            paired = self.expect_name(doc["paired_input"], paired_where, is_dotted_path, "a child module path")
+            if shared is None:
+                raise self.fail(paired_where, "needs 'shared_input' (the norm the first branch reads)")
+            if paired in branches or paired == shared:
+                raise self.fail(paired_where, f"{paired!r} is a branch or the shared input; it is the second branch's norm")
+        return SummedReduction((branches[0], branches[1]), shared, paired)
 
     def target(self, value: object, where: str) -> Target:
         if isinstance(value, str):
@@ -708,6 +720,7 @@ def contract_signature(plan: Plan, key: str) -> str:
     if entry.summed_reduction is not None:
         summed = entry.summed_reduction
         shared = f" from {summed.shared_input}" if summed.shared_input else ""
+        shared += f" paired with {summed.paired_input}" if summed.paired_input else ""
         parts.append(f"summed reduction: {' + '.join(summed.branches)}{shared}")
     injection = plan.injection_for(key)
     if injection is not None:

@@ -23,13 +23,14 @@ from .conftest import FIXTURES, transformers_modeling_file
 
 SOURCE = FIXTURES / "modeling_tiny_parallel.py"
 PLAN = FIXTURES / "plan_tp_summed.json"
-# family -> (its modeling file, the block class, the branches in the order the sum adds them, the shared norm)
+# family -> (its modeling file, the block class, the branches in the order the sum adds them, the shared norm
+# or, where each branch reads its own norm of the block input, (the norm run first, the other))
 BLOCKS = {
     "gptj": ("gptj", "GPTJBlock", ("attn", "mlp"), "ln_1"),
     "phi": ("phi", "PhiDecoderLayer", ("self_attn", "mlp"), "input_layernorm"),
     "cohere": ("cohere", "CohereDecoderLayer", ("self_attn", "mlp"), "input_layernorm"),
     "stablelm": ("stablelm", "StableLmDecoderLayer", ("self_attn", "mlp"), "input_layernorm"),
-    "gpt_neox": ("gpt_neox", "GPTNeoXLayer", ("mlp", "attention"), None),  # two norms: each branch copies its own
+    "gpt_neox": ("gpt_neox", "GPTNeoXLayer", ("mlp", "attention"), ("input_layernorm", "post_attention_layernorm")),
     # lowered here only (their default configs): parity runs on the others
     "cohere2": ("cohere2", "Cohere2DecoderLayer", ("self_attn", "mlp"), "input_layernorm"),
     "codegen": ("codegen", "CodeGenBlock", ("attn", "mlp"), "ln_1"),
@@ -103,7 +104,8 @@ def test_transformers_blocks_are_recognised_and_change_only_in_their_sum(family:
     model_dir, cls, branches, shared = BLOCKS[family]
     plan = _planned(family)
     (key,) = [k for k, entry in plan["param_plan"].items() if "summed_reduction" in entry]
-    expected = {"branches": list(branches), **({"shared_input": shared} if shared else {})}
+    pair = {"shared_input": shared[0], "paired_input": shared[1]} if isinstance(shared, tuple) else {"shared_input": shared}
+    expected = {"branches": list(branches), **(pair if shared else {})}
     assert plan["param_plan"][key]["summed_reduction"] == expected
     for branch in branches:
         entry = plan["param_plan"][f"{key}.{branch}"]

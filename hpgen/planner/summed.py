@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,7 @@ class SummedBlock:
 
     branches: tuple[str, str]
     shared_input: str | None
+    paired_input: str | None = None  # the second norm of the same input (two norms: GPT-NeoX)
 
 
 @dataclass
@@ -53,9 +55,10 @@ class _State:
 
     branch: dict[str, str] = field(default_factory=dict)  # name -> branch whose output it holds
     made_by: dict[str, str] = field(default_factory=dict)  # name -> child module whose output it is
+    version: dict[str, int] = field(default_factory=dict)  # name -> its last assignment (absent: never)
 
     def copy(self) -> _State:
-        return _State(dict(self.branch), dict(self.made_by))
+        return _State(dict(self.branch), dict(self.made_by), dict(self.version))
 
 
 class _Reader(Constants):
@@ -72,6 +75,9 @@ class _Reader(Constants):
         self.sites: list[tuple[str, str]] = []  # the branches each sum adds, in source order
         self.stray: set[str] = set()  # branches whose value is read other than by the sum
         self.producer_reads: dict[str, int] = {}  # child module -> reads of its output's names
+        # child module -> (the name it was called on, that name's version, call order)
+        self.maker_input: dict[str, tuple[str, int, int]] = {}
+        self.assignments = itertools.count(1)
         self.unknown = False  # a construct the check does not follow
 
     # -- helpers
@@ -136,7 +142,17 @@ class _Reader(Constants):
             argument = call.args[0]
         if isinstance(argument, ast.Name):
             return state.made_by.get(argument.id)
+        maker = self._child(argument.func) if isinstance(argument, ast.Call) else None
+        if maker is not None and maker not in self.candidates:
+            self._record_input(maker, argument, state)  # an inline norm: ``self.attn(self.ln_1(x))``
+            return maker
         return None
+
+    def _record_input(self, maker: str, call: ast.Call, state: _State) -> None:
+        """What ``maker`` was called on: one plain name (and its version), or nothing known."""
+        if not call.keywords and len(call.args) == 1 and isinstance(call.args[0], ast.Name):
+            name = call.args[0].id
+            self.maker_input[maker] = (name, state.version.get(name, 0), next(self.assignments))
 
     # -- statements
 
@@ -157,6 +173,7 @@ class _Reader(Constants):
             self.expression(node.value, state, allowed)
             state.branch.pop(node.target.id, None)
             state.made_by.pop(node.target.id, None)
+            state.version[node.target.id] = next(self.assignments)
         elif isinstance(node, ast.If):
             test = self.const(node.test)
             self.expression(node.test, state)
@@ -166,6 +183,10 @@ class _Reader(Constants):
                 self.block(node.orelse, other)
                 state.branch = {k: v for k, v in taken.branch.items() if other.branch.get(k) == v}
                 state.made_by = {k: v for k, v in taken.made_by.items() if other.made_by.get(k) == v}
+                state.version = {
+                    k: taken.version.get(k) if taken.version.get(k) == other.version.get(k) else next(self.assignments)
+                    for k in {*taken.version, *other.version}
+                }
             else:
                 self.block(node.body if test else node.orelse, state)
         elif isinstance(node, (ast.Return, ast.Expr)):
@@ -188,6 +209,7 @@ class _Reader(Constants):
         maker = None
         if isinstance(value, ast.Call) and self._child(value.func) is not None and branch is None:
             maker = self._child(value.func)
+            self._record_input(maker, value, state)
         elif isinstance(value, ast.Name):
             maker = state.made_by.get(value.id)
             if maker is not None:  # an alias: the read is not a use of the output
@@ -195,6 +217,7 @@ class _Reader(Constants):
         for position, name in enumerate(names):
             state.branch.pop(name.id, None)
             state.made_by.pop(name.id, None)
+            state.version[name.id] = next(self.assignments)
             if position == 0 and branch is not None:
                 state.branch[name.id] = branch
             if position == 0 and maker is not None and len(names) == 1:
@@ -233,7 +256,27 @@ def find_summed_block(module: Any, candidates: tuple[str, ...], inputs: Mapping[
         or reader.child_calls.get(shared) != 1
     ):
         shared = None  # each branch reads its own input (two norms), or the norm runs or is read elsewhere too
+        pair = _paired_norms(reader, first, second)
+        if pair is not None:
+            return SummedBlock((first, second), *pair)
     return SummedBlock((first, second), shared)
+
+
+def _paired_norms(reader: _Reader, first: str, second: str) -> tuple[str, str] | None:
+    """(the norm run first, the other) where each branch reads its own norm of one unchanged block input.
+
+    Each norm runs once, on the same name not assigned in between, and its output is
+    read only by its branch: then both outputs can be made, and moved, at once.
+    """
+    norms = (reader.branch_inputs.get(first), reader.branch_inputs.get(second))
+    if None in norms or norms[0] == norms[1]:
+        return None
+    made = [reader.maker_input.get(norm) for norm in norms]
+    if None in made or made[0][:2] != made[1][:2]:
+        return None
+    if any(reader.child_calls.get(norm) != 1 or reader.producer_reads.get(norm, 0) > 1 for norm in norms):
+        return None
+    return (norms[0], norms[1]) if made[0][2] < made[1][2] else (norms[1], norms[0])
 
 
 # --------------------------------------------------------------------------- the plan
@@ -289,11 +332,15 @@ def add_summed_reductions(model: Any, plan: dict[str, Any]) -> dict[str, Any]:
         summed: dict[str, Any] = {"branches": list(block.branches)}
         if block.shared_input is not None:
             summed["shared_input"] = block.shared_input
+        if block.paired_input is not None:
+            summed["paired_input"] = block.paired_input
         entry["summed_reduction"] = summed
         for branch in block.branches:
             branch_key, output, axis = branches[branch]
             _leave_partial(entries[branch_key], output, axis, shared=block.shared_input is not None)
         shared = f", their shared input {block.shared_input} moved once" if block.shared_input else ""
+        if block.paired_input:
+            shared = f", their inputs {block.shared_input} and {block.paired_input} moved together"
         notes[key] = f"{' + '.join(block.branches)} reduced once, summed{shared}"
     try:
         plan_from_dict(result)
