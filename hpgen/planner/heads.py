@@ -107,7 +107,7 @@ class HeadRules:
                     size = f"{where}'s head_dim {head_dim}" if held * head_dim == n else f"{n // held} features ({where})"
                     raise Refused(
                         f"{relative(col, layer)} has {n} outputs, {held} heads of {size}, which do not divide over "
-                        f"--tp {self.tp}"
+                        f"--tp {self.tp}" + _unequal_blocks(self.modules.get(path), n, head_dim)
                     )
 
     def _per_head(self, fqn: str) -> bool:
@@ -294,3 +294,15 @@ def is_head_dim_name(attr: str) -> bool:
 def per_head_input(name: str) -> bool:
     lowered = name.lower()
     return any(part in lowered for part in PER_HEAD_INPUTS) and "mask" not in lowered
+
+
+def _unequal_blocks(attention: Any, n: int, head_dim: int) -> str:
+    """Why a fused multi-query projection (Falcon-7B's ``[all query heads | key | value]``) stays whole: its
+    blocks have unequal sizes, which no placement of the plan format (equal blocks only) cuts by heads."""
+    q, kv = (positive_int(getattr(attention, name, None)) for name in ("num_heads", "num_kv_heads"))
+    if not q or not kv or kv >= q or n != (q + 2 * kv) * head_dim:
+        return ""
+    return (
+        f": it is [{q} query heads | {kv} key | {kv} value] (multi-query), blocks of unequal sizes that no placement "
+        "cuts by heads, so the attention stays whole on every rank (no summed reduction: only the MLP is reduced)"
+    )
