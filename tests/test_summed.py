@@ -261,3 +261,21 @@ def test_falcon_keeps_its_attention_whole_where_the_format_cannot_cut_it() -> No
     result = CliRunner().invoke(cli, ["plan", "falcon", "--tp", "2", "--explain", "-o", "-"])
     assert result.exit_code == 0, result.output
     assert "[71 query heads | 1 key | 1 value] (multi-query), blocks of unequal sizes" in result.output
+
+
+def test_a_layer_argument_is_none_only_where_every_round_of_the_loop_passes_none() -> None:
+    """The caller's reading folds ``if`` tests on the instance and forgets a name the loop rebinds."""
+    import ast as _ast
+
+    from hpgen.planner.flow.caller_nones import _Walk
+
+    class Owner:
+        use_alibi = False
+
+    body = _ast.parse(
+        "alibi = None\nmask = None\nif self.use_alibi:\n    alibi = build()\n"
+        "for block in self.h:\n    out = block(x, alibi=alibi, mask=mask)\n    mask = out\n"
+    ).body
+    walk = _Walk(Owner(), {})
+    walk.block(body, in_loop=False)
+    assert frozenset.intersection(*walk.calls) == {"alibi"}

@@ -77,6 +77,9 @@ class _Walk(Constants):
                 results.append(self.consts)
             self.consts = {k: v for k, v in results[0].items() if k in results[1] and results[1][k] is v}
         elif isinstance(node, (ast.For, ast.While)):
+            for inner in ast.walk(node):  # a name rebound anywhere in the loop differs on the next round
+                if isinstance(inner, ast.Name) and isinstance(inner.ctx, ast.Store):
+                    self.consts.pop(inner.id, None)
             self.block(node.body, in_loop=True)
         elif isinstance(node, (ast.With, ast.Try)):
             self.block(node.body, in_loop=in_loop)
