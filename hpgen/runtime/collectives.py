@@ -74,6 +74,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from hpgen.shards import split_sizes
+
 from .traced_collectives import TRACED as _TRACED
 from .traced_collectives import fc_all_gather as _fc_all_gather
 from .traced_collectives import received_shapes as _received_shapes
@@ -152,15 +154,6 @@ def _norm_dim(dim: int, ndim: int) -> int:
     if not -ndim <= dim < ndim:
         raise IndexError(f"dim {dim} is out of range for a tensor of {ndim} dims")
     return dim % ndim
-
-
-def _split_sizes(n: Size, k: int) -> tuple[Size, ...]:
-    """Sizes of ``torch.tensor_split(t, k)`` on a dim of ``n``: the first ``n % k`` get one more.
-
-    Written without a comparison, so that a symbolic ``n`` (torch.compile with dynamic
-    shapes) gives symbolic sizes instead of a guard on ``n % k``.
-    """
-    return tuple((n + k - 1 - i) // k for i in range(k))
 
 
 def _pad_to(x: Tensor, dim: int, size: int) -> Tensor:
@@ -316,7 +309,7 @@ class AxisCollectives:
 
     def _made(self, dim: int, n: Size) -> _Shard:
         """The shard an op makes of a dim of ``n``, recorded for the gathers after it."""
-        shard = _Shard(dim, _split_sizes(n, self.size))
+        shard = _Shard(dim, split_sizes(n, self.size))
         if self._known is not None:
             self._known[dim] = shard.sizes
         return shard
@@ -324,7 +317,7 @@ class AxisCollectives:
     def _shard_sizes(self, x: Tensor, dim: int, total: Size | None, what: str) -> tuple[Size, ...]:
         """Every rank's size of ``x`` along ``dim``: from ``total``, a record, or an exchange."""
         if total is not None:
-            sizes, origin = _split_sizes(total, self.size), f"total={total}"
+            sizes, origin = split_sizes(total, self.size), f"total={total}"
         elif self._known is not None and dim in self._known:
             sizes, origin = self._known[dim], "the shard last made on that dim in this forward"
         else:

@@ -33,7 +33,7 @@ from torch.distributed.tensor.placement_types import Placement as DPlacement
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hpgen.placement import REPLICATE, Placement
-from hpgen.runtime.sharding import AxisShare, chunks_and_index, normalize_dim, split_sizes
+from hpgen.shards import AxisShare, chunk_bounds, chunks_and_index, normalize_dim, split_bounds
 
 __all__ = ["Box", "DTensorForm", "boxes", "dim_runs", "dtensor_form", "hpgen_indices", "dtensor_indices"]
 
@@ -58,12 +58,6 @@ def _take(runs: list[Run], lo: int, hi: int) -> list[Run]:
     return taken
 
 
-def _bounds(n: int, k: int, rank: int) -> tuple[int, int]:
-    sizes = split_sizes(n, k)
-    start = sum(sizes[:rank])
-    return start, start + sizes[rank]
-
-
 def dim_runs(shape: Sequence[int], shares: Sequence[AxisShare]) -> list[list[Run]]:
     """Per dim of a tensor of ``shape``, the global ranges this rank holds, in local order.
 
@@ -80,10 +74,10 @@ def dim_runs(shape: Sequence[int], shares: Sequence[AxisShare]) -> list[list[Run
         total = sum(stop - start for start, stop in runs[dim])
         if placement.kind in ("S", "RS"):
             chunks, index = chunks_and_index(placement, rank, size)
-            runs[dim] = _take(runs[dim], *_bounds(total, chunks, index))
+            runs[dim] = _take(runs[dim], *split_bounds(total, chunks, index))
         else:
             block = total // placement.blocks
-            lo, hi = _bounds(block, size, rank)
+            lo, hi = split_bounds(block, size, rank)
             pieces: list[Run] = []
             for j in range(placement.blocks):
                 for piece in _take(runs[dim], j * block + lo, j * block + hi):
@@ -145,19 +139,19 @@ def hpgen_indices(
     index = list(range(n))
     for placement, size, rank in zip(placements, sizes, coordinate):
         if placement.kind in ("S", "RS"):
-            lo, hi = _bounds(len(index), *chunks_and_index(placement, rank, size))
+            lo, hi = split_bounds(len(index), *chunks_and_index(placement, rank, size))
             index = index[lo:hi]
         elif placement.kind == "SS":
             block = len(index) // placement.blocks
-            lo, hi = _bounds(block, size, rank)
+            lo, hi = split_bounds(block, size, rank)
             index = [i for j in range(placement.blocks) for i in index[j * block + lo : j * block + hi]]
     return index
 
 
 def _chunk(values: list[int], k: int, rank: int) -> list[int]:
     """``torch.chunk`` semantics: pieces of ``ceil(n / k)``; ranks past the end get nothing."""
-    step = -(-len(values) // k) if values else 0
-    return values[rank * step : (rank + 1) * step] if step else []
+    lo, hi = chunk_bounds(len(values), k, rank)
+    return values[lo:hi]
 
 
 def dtensor_indices(

@@ -50,7 +50,8 @@ from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.fsdp_state import composed_dtensor, dp_piece, fsdp_value, is_fsdp_shard
 from hpgen.runtime.params import ParamShard
 from hpgen.runtime.shard_layout import DTensorForm, boxes, dtensor_form
-from hpgen.runtime.sharding import AxisShare, chunks_and_index, local_chunk, local_shape, normalize_dim, split_sizes
+from hpgen.runtime.sharding import local_chunk
+from hpgen.shards import AxisShare, local_shape, normalize_dim, piece_sizes
 
 __all__ = [
     "PackedShard",
@@ -483,7 +484,7 @@ def gather_full(local: Tensor, param: ShardedParam) -> Tensor:
             continue
         dim = normalize_dim(placement.dim, ndim)
         n = before[dim]
-        sizes = _piece_sizes(placement, n, size)
+        sizes = piece_sizes(placement, n, size)
         pieces = _all_gather_uneven(tensor, dim, sizes, group)
         if placement.kind == "S":
             tensor = torch.cat(pieces, dim)
@@ -496,17 +497,6 @@ def gather_full(local: Tensor, param: ShardedParam) -> Tensor:
             ]
             tensor = torch.cat([per_block[r][j] for j in range(placement.blocks) for r in range(size)], dim)
     return tensor
-
-
-def _piece_sizes(placement: Placement, n: int, size: int) -> tuple[int, ...]:
-    """The length of each rank's piece of a dim of ``n`` under ``placement`` on ``size`` ranks."""
-    if placement.kind == "SS":
-        return tuple(placement.blocks * s for s in split_sizes(n // placement.blocks, size))
-    pieces = []
-    for rank in range(size):
-        chunks, index = chunks_and_index(placement, rank, size)
-        pieces.append(split_sizes(n, chunks)[index])
-    return tuple(pieces)
 
 
 def _all_gather_uneven(tensor: Tensor, dim: int, sizes: Sequence[int], group: Any) -> list[Tensor]:
