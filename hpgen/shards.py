@@ -29,6 +29,7 @@ __all__ = [
     "normalize_dim",
     "piece_sizes",
     "placement_problem",
+    "row_heads",
     "split_bounds",
     "split_sizes",
 ]
@@ -122,3 +123,20 @@ def piece_sizes(placement: Placement, n: int, size: int) -> tuple[int, ...]:
         chunks, index = chunks_and_index(placement, rank, size)
         pieces.append(split_sizes(n, chunks)[index])
     return tuple(pieces)
+
+
+def row_heads(block: Any, linear_path: str, rows: int, head_dim: int) -> int:
+    """How many heads the ``rows`` output features of the ``nn.Linear`` at ``linear_path`` in ``block`` hold.
+
+    ``rows / head_dim``, unless a module inside the block holds the linear and declares its own
+    ``num_heads`` that cuts the rows into heads of another size (a relative-position projection
+    of ``num_heads * d_rel`` features): then that many. The block's own ``num_heads`` says
+    nothing of this linear (a key projection's rows are its key/value heads).
+    """
+    parent_path = linear_path.rpartition(".")[0]
+    if parent_path:
+        heads = getattr(block.get_submodule(parent_path), "num_heads", None)
+        if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0 and rows % heads == 0:
+            if rows // heads != head_dim:
+                return heads
+    return rows // head_dim

@@ -32,6 +32,7 @@ from torch.distributed.tensor.placement_types import Placement as DPlacement
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hpgen.runtime.errors import ParallelizeError
+from hpgen.runtime.shard_layout import PackedShard
 from hpgen.shards import chunk_bounds
 
 if TYPE_CHECKING:
@@ -159,8 +160,6 @@ def _form(record: ShardedParam, value: DTensor) -> tuple[int, DeviceMesh, tuple[
 
 def composed_dtensor(record: ShardedParam, value: DTensor) -> DTensor:
     """FSDP2's ``dp`` DTensor of hpgen's shard as a DTensor of the global shape over (dp, plan axes); a view."""
-    from hpgen.runtime.state_dict import PackedShard
-
     dim, mesh, placements = _form(record, value)
     shape = torch.Size(record.global_shape)
     stride = torch.empty(record.global_shape, device="meta").stride()
