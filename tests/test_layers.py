@@ -9,9 +9,11 @@ layers are those of the ``hpgen`` package docstring and docs/architecture.md.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import hpgen
+import hpgen.runtime
 
 PACKAGE = Path(hpgen.__file__).parent
 
@@ -163,3 +165,22 @@ def test_no_import_cycles_but_the_known_ones():
 def test_the_checks_can_fail():
     assert _strongly_connected({"a": {"b"}, "b": {"a"}, "c": set()}) == [{"a", "b"}]
     assert layer("hpgen.runtime.collectives") == "runtime" and "planner" not in ALLOWED["runtime"]
+
+
+def _names(text: str) -> set[str]:
+    return set(re.findall(r"``?([a-z_]+)``?", text))
+
+
+def test_the_runtime_maps_name_every_module_and_nothing_else():
+    runtime = {path.stem for path in (PACKAGE / "runtime").glob("*.py") if path.stem != "__init__"}
+    docstring = hpgen.runtime.__doc__.split("Module map", 1)[1]
+    page = (PACKAGE.parent / "docs" / "runtime.md").read_text().split("## Module map", 1)[1]
+    table = "\n".join(line for line in page.splitlines() if line.startswith("| ") and "role" not in line)
+    for where, text in (("hpgen/runtime/__init__.py", docstring), ("docs/runtime.md", table)):
+        # each row's first cell is the role's own words; the modules are the backquoted names
+        listed = {name for name in _names(text) if name in runtime or name.isidentifier()} - {
+            "parallelize",
+            "hpgen",
+        }
+        listed = {name for name in listed if not name.startswith(("tests", "hpgen"))}
+        assert listed == runtime, (where, sorted(listed - runtime), sorted(runtime - listed))
