@@ -1,15 +1,8 @@
-"""Where a rank's chunk of a parameter lies: the shard arithmetic of docs/plan-format.md.
+"""A rank's chunk of a parameter as a tensor: the torch side of :mod:`hpgen.shards`.
 
-``S(d)`` splits dim ``d`` like ``torch.tensor_split`` (the first ``n % k`` ranks hold one
-more element); ``SS(d,k)`` cuts dim ``d`` into ``k`` equal packed blocks (a fused
-``gate_up_proj``) and gives each rank its ``S(d)`` chunk of every block, concatenated in
-block order; ``RS(d,r)`` cuts dim ``d`` into ``size / r`` chunks (``tensor_split`` again)
-and gives rank ``i`` chunk ``i // r``, so ``r`` consecutive ranks hold each chunk. A
-layout over several mesh axes applies them in mesh order, each axis splitting what the
-previous ones left.
-
-The integer arithmetic is the core's (:mod:`hpgen.shards`, re-exported here for the
-runtime's callers); this module adds what needs torch. No communication.
+The placements' arithmetic (``S``, ``SS``, ``RS`` over several mesh axes, docs/plan-format.md)
+is the core's, re-exported here for the runtime's callers; this module cuts tensors and
+ranges with it. No communication.
 """
 
 from __future__ import annotations
