@@ -15,6 +15,7 @@ from typing import Any
 
 from hpgen.planner.entries import Derivation, Refused
 from hpgen.planner.modules import between, lca, out_features, positive_int, prefixes, relative
+from hpgen.shards import row_heads
 
 __all__ = [
     "HEADS_ATTRS",
@@ -89,8 +90,6 @@ class HeadRules:
     def _runtime_head_check(self, cols: set[str], layer: str) -> None:
         """``parallelize`` refuses a row shard of a linear, in a module with a ``head_dim``, that would cut
         a head: refuse it here, with the module named, rather than write a plan it will not install."""
-        from hpgen.runtime.params import row_heads
-
         if self.tp is None:
             return
         for col in sorted(cols):  # sorted: the message names the same projection on every run

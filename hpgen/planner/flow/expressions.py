@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpgen.planner.flow.constants import self_path
 from hpgen.planner.flow.functions import in_place, tuple_function
-from hpgen.planner.flow.stubs import returns_none
+from hpgen.stubs import returns_none
 from hpgen.planner.flow.values import (
     EMPTY,
     UNKNOWN,
