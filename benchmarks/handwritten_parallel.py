@@ -1,4 +1,4 @@
-"""Hand-written tensor parallelism for parallel-residual blocks (GPT-NeoX, GPT-J, Phi): the baseline.
+"""Hand-written tensor parallelism for parallel-residual blocks (GPT-NeoX, GPT-J, Phi, Falcon): the baseline.
 
 As vLLM's GPT-NeoX, GPT-J and Phi do it: the attention's q/k/v (GPT-NeoX's fused
 ``query_key_value``, heads in contiguous blocks) and the MLP's first projection are
@@ -23,7 +23,11 @@ LAYOUTS = {
     "gpt_neox": ("gpt_neox.layers", "attention", ("query_key_value",), "dense", "mlp", ("dense_h_to_4h",), "dense_4h_to_h"),
     "gptj": ("transformer.h", "attn", ("q_proj", "k_proj", "v_proj"), "out_proj", "mlp", ("fc_in",), "fc_out"),
     "phi": ("model.layers", "self_attn", ("q_proj", "k_proj", "v_proj"), "dense", "mlp", ("fc1",), "fc2"),
+    # new_decoder_architecture: the fused rows are whole key/value groups in contiguous blocks (vLLM's Falcon)
+    "falcon": ("transformer.h", "self_attention", ("query_key_value",), "dense", "mlp", ("dense_h_to_4h",), "dense_4h_to_h"),
 }
+# attention attributes that count the heads a rank holds (Falcon's views read them)
+HEAD_COUNTS = ("num_heads", "num_kv_heads")
 
 
 def _keep_columns(linear: nn.Linear, rank: int, size: int) -> None:
@@ -36,7 +40,7 @@ def _keep_columns(linear: nn.Linear, rank: int, size: int) -> None:
 
 
 def shard_parallel_residual_(model: nn.Module, group: dist.ProcessGroup, *, functional: bool = False) -> nn.Module:
-    """Shard every layer's attention and MLP of a GPT-NeoX / GPT-J / Phi causal LM in place."""
+    """Shard every layer's attention and MLP of a GPT-NeoX / GPT-J / Phi / Falcon causal LM in place."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     path, attention, columns, row, mlp, mlp_columns, mlp_row = LAYOUTS[model.config.model_type]
 
@@ -47,5 +51,8 @@ def shard_parallel_residual_(model: nn.Module, group: dist.ProcessGroup, *, func
             for name in block_columns:
                 _keep_rows(module.get_submodule(name), rank, size)
             _keep_columns(module.get_submodule(block_row), rank, size)
+            for count in HEAD_COUNTS if block == attention else ():
+                if isinstance(getattr(module, count, None), int):
+                    setattr(module, count, getattr(module, count) // size)
             module.register_forward_hook(hook)
     return model

@@ -2,7 +2,21 @@
 
 The generator pipeline reads as the package: ``plan`` (load, validate) → ``index``
 (libcst) → ``classify`` (transitions, forms) → ``emit`` (templates) → ``write``
-(report, atomic files). ``hpgen.runtime`` is apart and never imports libcst.
+(report, atomic files).
+
+Layers, each importing only those below it (``tests/test_layers.py`` holds the rule;
+docs/architecture.md draws it):
+
+- core: ``plan``, ``placement``, ``classify``, ``shards`` (shard arithmetic), ``header``,
+  ``stubs`` (kernel-stub detection), ``errors``, ``durable``: plain data every layer
+  shares; no torch at import time, no libcst;
+- generator (core): ``index``, ``resolve``, ``emit``, ``lower``, ``write``, ``targets``,
+  ``explain``, ``generate``, ``summed_edit``, ``param_dims``: libcst in, files out;
+- runtime (core): ``hpgen.runtime``, what generated files and users call; never libcst,
+  the generator or the planner;
+- planner (core, generator): ``hpgen.planner``, ``hpgen plan``; never the runtime;
+- verify (all of the above): ``hpgen.verify``, the end-to-end check;
+- cli (everything): ``cli``, ``__main__``.
 """
 
 __version__ = "0.1.0"

@@ -37,6 +37,7 @@ FAST_MODULES = (
     "test_hardening_injection",
     "test_hardening_writes",
     "test_index",
+    "test_layers",
     "test_packaging",
     "test_placement",
     "test_plan",

@@ -53,6 +53,19 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
     "falcon": ("FalconConfig", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=127)),
+    # Falcon's attention sharded by heads: the grouped layout of new_decoder_architecture (two norms), and
+    # multi_query=False (per-head [q, k, v], one norm); the ALiBi branch is dead for these rotary configs
+    "falcon_nda": (
+        "FalconConfig",
+        dict(
+            hidden_size=64, num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True, num_hidden_layers=2,
+            vocab_size=127,
+        ),
+    ),
+    "falcon_mha": (
+        "FalconConfig",
+        dict(hidden_size=64, num_attention_heads=4, multi_query=False, num_hidden_layers=2, vocab_size=127),
+    ),
     # parallel-residual blocks (attention and MLP read one input, their outputs summed): one reduction a layer
     "gptj": ("GPTJConfig", dict(n_embd=64, n_head=4, n_layer=2, n_inner=90, rotary_dim=8, vocab_size=127, n_positions=64)),
     "phi": (

@@ -233,3 +233,51 @@ def test_a_sum_written_in_place_becomes_one_reduced_assignment() -> None:
     expected = "        feed_forward_hidden_states = self._hp_tp.all_reduce(feed_forward_hidden_states + attn_output)\n"
     assert expected in generated
     assert "        return feed_forward_hidden_states + residual\n" in generated
+
+
+@pytest.mark.parametrize("family", ["falcon_nda", "falcon_mha"])
+def test_falcon_attention_is_sharded_by_heads_and_summed_with_the_mlp(family: str) -> None:
+    """The rotary configs' dead ALiBi branch (the model passes ``alibi=None``) no longer blocks dividing the
+    heads: the fused query_key_value is cut by whole heads / key-value groups and the block reduces once."""
+    plan = _planned(family)["param_plan"]
+    attention = plan["transformer.h.*.self_attention"]
+    assert attention["params"] == {"query_key_value.weight": {"tp": "S(0)"}, "dense.weight": {"tp": "S(1)"}}
+    assert {"num_heads", "num_kv_heads"} <= set(attention["tp_divide_attrs"])
+    assert plan["transformer.h.*"]["summed_reduction"]["branches"] == ["mlp", "self_attention"]
+
+
+def test_falcon_keeps_its_attention_whole_where_the_format_cannot_cut_it() -> None:
+    """Multi-query ``[Q heads | K | V]`` (unequal blocks), ALiBi (read by heads, not sharded) and fewer key/value
+    groups than --tp keep the attention whole, and ``--explain`` says why."""
+    from tests.derived_configs import tiny
+
+    for family, options in (("falcon", {}), ("falcon_mha", {"alibi": True})):
+        config = tiny(family)
+        for key, value in options.items():
+            setattr(config, key, value)
+        from hpgen.planner.load import meta_model
+        from hpgen.planner.make import plan_model
+
+        plan = plan_model(meta_model(config), tp=2, name=family)["param_plan"]
+        assert "transformer.h.*.self_attention" not in plan and "summed_reduction" not in plan.get("transformer.h.*", {})
+    result = CliRunner().invoke(cli, ["plan", "falcon", "--tp", "2", "--explain", "-o", "-"])
+    assert result.exit_code == 0, result.output
+    assert "[71 query heads | 1 key | 1 value] (multi-query), blocks of unequal sizes" in result.output
+
+
+def test_a_layer_argument_is_none_only_where_every_round_of_the_loop_passes_none() -> None:
+    """The caller's reading folds ``if`` tests on the instance and forgets a name the loop rebinds."""
+    import ast as _ast
+
+    from hpgen.planner.flow.caller_nones import _Walk
+
+    class Owner:
+        use_alibi = False
+
+    body = _ast.parse(
+        "alibi = None\nmask = None\nif self.use_alibi:\n    alibi = build()\n"
+        "for block in self.h:\n    out = block(x, alibi=alibi, mask=mask)\n    mask = out\n"
+    ).body
+    walk = _Walk(Owner(), {})
+    walk.block(body, in_loop=False)
+    assert frozenset.intersection(*walk.calls) == {"alibi"}

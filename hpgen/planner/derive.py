@@ -55,6 +55,7 @@ from typing import Any
 
 from hpgen.planner.derived_blocks import BlockChoice
 from hpgen.planner.entries import Contradicted, Derivation, Note, Placed, Refused
+from hpgen.planner.flow.caller_nones import caller_nones
 from hpgen.planner.flow import Flow, leaf_kind, module_names, run_module
 from hpgen.planner.gathered import check_gathered, gathered_columns
 from hpgen.planner.groups import GroupFinding, depths, first_marker, sources
@@ -211,7 +212,8 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, HeadParts, ReshapeRules, Block
 
     def _flow(self, fqn: str) -> Flow:
         if fqn not in self._flows:
-            self._flows[fqn] = run_module(self.model, fqn, self.read, names=self.names)  # type: ignore[arg-type]
+            nones = caller_nones(self.model, fqn)
+            self._flows[fqn] = run_module(self.model, fqn, self.read, names=self.names, nones=nones)  # type: ignore[arg-type]
         return self._flows[fqn]
 
     # -- one group

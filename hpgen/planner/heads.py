@@ -15,6 +15,7 @@ from typing import Any
 
 from hpgen.planner.entries import Derivation, Refused
 from hpgen.planner.modules import between, lca, out_features, positive_int, prefixes, relative
+from hpgen.shards import row_heads
 
 __all__ = [
     "HEADS_ATTRS",
@@ -89,8 +90,6 @@ class HeadRules:
     def _runtime_head_check(self, cols: set[str], layer: str) -> None:
         """``parallelize`` refuses a row shard of a linear, in a module with a ``head_dim``, that would cut
         a head: refuse it here, with the module named, rather than write a plan it will not install."""
-        from hpgen.runtime.params import row_heads
-
         if self.tp is None:
             return
         for col in sorted(cols):  # sorted: the message names the same projection on every run
@@ -107,7 +106,7 @@ class HeadRules:
                     size = f"{where}'s head_dim {head_dim}" if held * head_dim == n else f"{n // held} features ({where})"
                     raise Refused(
                         f"{relative(col, layer)} has {n} outputs, {held} heads of {size}, which do not divide over "
-                        f"--tp {self.tp}"
+                        f"--tp {self.tp}" + _unequal_blocks(self.modules.get(path), n, head_dim)
                     )
 
     def _per_head(self, fqn: str) -> bool:
@@ -294,3 +293,15 @@ def is_head_dim_name(attr: str) -> bool:
 def per_head_input(name: str) -> bool:
     lowered = name.lower()
     return any(part in lowered for part in PER_HEAD_INPUTS) and "mask" not in lowered
+
+
+def _unequal_blocks(attention: Any, n: int, head_dim: int) -> str:
+    """Why a fused multi-query projection (Falcon-7B's ``[all query heads | key | value]``) stays whole: its
+    blocks have unequal sizes, which no placement of the plan format (equal blocks only) cuts by heads."""
+    q, kv = (positive_int(getattr(attention, name, None)) for name in ("num_heads", "num_kv_heads"))
+    if not q or not kv or kv >= q or n != (q + 2 * kv) * head_dim:
+        return ""
+    return (
+        f": it is [{q} query heads | {kv} key | {kv} value] (multi-query), blocks of unequal sizes that no placement "
+        "cuts by heads, so the attention stays whole on every rank (no summed reduction: only the MLP is reduced)"
+    )

@@ -182,7 +182,7 @@ def size_report(model: Any, plan: Mapping[str, Any] | Plan, *, tp: int, dtype: A
     import torch
 
     from hpgen.placement import Placement
-    from hpgen.runtime.sharding import local_shape
+    from hpgen.shards import local_shape
 
     loaded = plan if isinstance(plan, Plan) else plan_from_dict(plan)
     dtype = _dtype(dtype, model)

@@ -8,6 +8,20 @@ DCP, sharded like the parameters), ``checked_reader`` (a DCP reader that checks 
 checkpoint's files before reading any) and ``reseed_random_streams`` (the streams
 train-mode random ops draw from) are loaded on first use so that generated files, which import
 ``hpgen.runtime.defaults``, do not pay for them.
+
+Module map, by role (docs/runtime.md has the same table; ``tests/test_layers.py`` checks
+that it names every module and nothing else):
+
+- survey and install (``parallelize``): ``install``, ``agreement``, ``targets``,
+  ``counterparts``, ``params``, ``attrs``, ``groups``, ``hooks``, ``summed``, ``kernels``,
+  ``stubs``, ``inputs``, ``tuners``, ``errors``;
+- forward (what generated forwards call): ``defaults``, ``collectives``,
+  ``traced_collectives``, ``boundary``, ``ops``, ``wrappers``, ``local``, ``local_heads``,
+  ``streams``, ``sampling``;
+- shard layout (torch-side of the core's :mod:`hpgen.shards`): ``sharding``,
+  ``shard_layout``;
+- checkpoints: ``loading``, ``checkpoint_files``, ``conversions``, ``state_dict``,
+  ``fsdp_state``, ``dcp_files``, ``saving``, ``folder_swap``, ``adapters``.
 """
 
 from __future__ import annotations

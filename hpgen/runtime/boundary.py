@@ -43,7 +43,7 @@ from hpgen.runtime.ops import (
     run_steps,
     steps_for,
 )
-from hpgen.runtime.sharding import normalize_dim, split_sizes
+from hpgen.shards import chunk_sizes, normalize_dim, split_sizes
 
 if TYPE_CHECKING:  # DTensor takes seconds to import: only values that need it load it
     from torch.distributed.tensor.placement_types import Placement as DPlacement
@@ -131,7 +131,7 @@ class DTensorMove:
             dist.all_gather(every, mine, group=group)
             sizes = tuple(int(t.item()) for t in every)
             total = sum(sizes)
-            if sizes != split_sizes(total, size) or sizes != _chunk_sizes(total, size):
+            if sizes != split_sizes(total, size) or sizes != chunk_sizes(total, size):
                 raise RuntimeError(
                     f"{self.name}: shards of sizes {sizes} on mesh dim {self.mesh.mesh_dim_names[index]!r} "
                     f"are not both torch.tensor_split's and DTensor's (torch.chunk's) split of {total}; "
@@ -151,12 +151,6 @@ class _Partition(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
         return grad, None
-
-
-def _chunk_sizes(n: int, k: int) -> tuple[int, ...]:
-    """Sizes of ``torch.chunk`` of ``n`` into ``k`` (what DTensor's ``Shard`` uses), zero-padded."""
-    full = -(-n // k) if n else 0
-    return tuple(max(0, min(full, n - i * full)) for i in range(k))
 
 
 def _dtensor_placement(placement: Placement) -> DPlacement:

@@ -66,15 +66,19 @@ may live on any device the group's backend accepts (CPU with gloo, CUDA with NCC
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
+
+from hpgen.shards import split_sizes
+
+from .traced_collectives import TRACED as _TRACED
+from .traced_collectives import fc_all_gather as _fc_all_gather
+from .traced_collectives import received_shapes as _received_shapes
 
 __all__ = ["IDENTITY_AXIS", "REDUCE_OPS", "AxisCollectives", "ShardScope", "scope_shard_sizes"]
 
@@ -84,8 +88,6 @@ REDUCE_OPS = ("sum", "avg", "max", "min")
 # too, and torch 2.13 renamed the single-tensor collectives that older releases also have.
 _all_gather_single = getattr(dist, "all_gather_single", getattr(dist, "all_gather_into_tensor", None))
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", getattr(dist, "reduce_scatter_tensor", None))
-_fc_all_gather = getattr(funcol, "all_gather_single", getattr(funcol, "all_gather_tensor", None))
-_fc_reduce_scatter = getattr(funcol, "reduce_scatter_single", getattr(funcol, "reduce_scatter_tensor", None))
 
 Size = Any  # an int, or a torch.SymInt while torch.compile traces
 
@@ -152,15 +154,6 @@ def _norm_dim(dim: int, ndim: int) -> int:
     if not -ndim <= dim < ndim:
         raise IndexError(f"dim {dim} is out of range for a tensor of {ndim} dims")
     return dim % ndim
-
-
-def _split_sizes(n: Size, k: int) -> tuple[Size, ...]:
-    """Sizes of ``torch.tensor_split(t, k)`` on a dim of ``n``: the first ``n % k`` get one more.
-
-    Written without a comparison, so that a symbolic ``n`` (torch.compile with dynamic
-    shapes) gives symbolic sizes instead of a guard on ``n % k``.
-    """
-    return tuple((n + k - 1 - i) // k for i in range(k))
 
 
 def _pad_to(x: Tensor, dim: int, size: int) -> Tensor:
@@ -316,7 +309,7 @@ class AxisCollectives:
 
     def _made(self, dim: int, n: Size) -> _Shard:
         """The shard an op makes of a dim of ``n``, recorded for the gathers after it."""
-        shard = _Shard(dim, _split_sizes(n, self.size))
+        shard = _Shard(dim, split_sizes(n, self.size))
         if self._known is not None:
             self._known[dim] = shard.sizes
         return shard
@@ -324,7 +317,7 @@ class AxisCollectives:
     def _shard_sizes(self, x: Tensor, dim: int, total: Size | None, what: str) -> tuple[Size, ...]:
         """Every rank's size of ``x`` along ``dim``: from ``total``, a record, or an exchange."""
         if total is not None:
-            sizes, origin = _split_sizes(total, self.size), f"total={total}"
+            sizes, origin = split_sizes(total, self.size), f"total={total}"
         elif self._known is not None and dim in self._known:
             sizes, origin = self._known[dim], "the shard last made on that dim in this forward"
         else:
@@ -501,17 +494,6 @@ def _all_to_all(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
     )
 
 
-def _received_shapes(ax: AxisCollectives, x: Tensor, move: _Move) -> list[list[Size]]:
-    """What rank ``i`` sends this rank in an all-to-all: its shard of src, our chunk of dst."""
-    (src, src_sizes), (dst, dst_sizes) = move.src, move.dst
-    shapes = []
-    for n in src_sizes:
-        shape = list(x.shape)
-        shape[src], shape[dst] = n, dst_sizes[ax.rank]
-        shapes.append(shape)
-    return shapes
-
-
 _OPS: dict[str, Callable[[AxisCollectives, Tensor, _Move], Tensor]] = {
     "identity": _identity,
     "all_reduce": _all_reduce,
@@ -520,85 +502,7 @@ _OPS: dict[str, Callable[[AxisCollectives, Tensor, _Move], Tensor]] = {
     "split": _split,
     "all_to_all": _all_to_all,
 }
-assert _OPS.keys() == _KIND.keys()
-
-
-# Traced (under torch.compile): functional collectives, which return new tensors and which
-# Dynamo and Inductor understand. Written without branches on sizes, which may be symbolic:
-# the uneven path (pad every shard to the largest, cut each block back) also serves even
-# shards, where the padding and the cuts are empty.
-
-
-def _padded(x: Tensor, dim: int, size: Size) -> Tensor:
-    """``x`` grown with zeros to ``size`` along ``dim`` (a no-op pad when it already is)."""
-    return F.pad(x, [0, 0] * (x.dim() - 1 - dim) + [0, size - x.size(dim)])
-
-
-def _chunks(x: Tensor, dim: int, sizes: Sequence[Size]) -> list[Tensor]:
-    """``x`` cut along ``dim`` into consecutive pieces of ``sizes``."""
-    pieces, start = [], 0
-    for n in sizes:
-        pieces.append(x.narrow(dim, start, n))
-        start = start + n
-    return pieces
-
-
-def _largest(sizes: Sequence[Size]) -> Size:
-    most = sizes[0]
-    for n in sizes[1:]:
-        most = torch.sym_max(most, n)
-    return most
-
-
-def _traced_identity(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
-    return x.clone(memory_format=torch.contiguous_format)
-
-
-def _traced_all_reduce(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
-    op = "sum" if move.reduce == "avg" else move.reduce  # avg: sum then divide, as gloo lacks AVG
-    out = funcol.all_reduce(x.contiguous(), op, ax.group)
-    return out / ax.size if move.reduce == "avg" else out
-
-
-def _traced_all_gather(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
-    d, sizes = move.src
-    local = _padded(x, d, _largest(sizes)).unsqueeze(0).contiguous()
-    blocks = _fc_all_gather(local, 0, ax.group)  # [k, *local.shape[1:]]
-    return torch.cat([blocks[i].narrow(d, 0, n) for i, n in enumerate(sizes)], dim=d)
-
-
-def _traced_reduce_scatter(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
-    d, sizes = move.dst
-    most = _largest(sizes)  # (a gather's backward scatters the gather's sizes, whatever they are)
-    blocks = torch.stack([_padded(chunk, d, most) for chunk in _chunks(x, d, sizes)])
-    out = _fc_reduce_scatter(blocks, "sum", 0, ax.group)[0]  # a view: cloned, like every result
-    return out.narrow(d, 0, sizes[ax.rank]).clone(memory_format=torch.contiguous_format)
-
-
-def _traced_split(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
-    d, sizes = move.dst
-    return _chunks(x, d, sizes)[ax.rank].clone(memory_format=torch.contiguous_format)
-
-
-def _traced_all_to_all(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
-    (src, _), (dst, dst_sizes) = move.src, move.dst
-    sends = [chunk.reshape(-1) for chunk in _chunks(x, dst, dst_sizes)]  # chunk i goes to rank i
-    shapes = _received_shapes(ax, x, move)
-    out_splits = [math.prod(shape) for shape in shapes]
-    received = funcol.all_to_all_single(torch.cat(sends), out_splits, [t.numel() for t in sends], ax.group)
-    flats = _chunks(received, 0, out_splits)
-    return torch.cat([flat.view(shape) for flat, shape in zip(flats, shapes, strict=True)], dim=src)
-
-
-_TRACED: dict[str, Callable[[AxisCollectives, Tensor, _Move], Tensor]] = {
-    "identity": _traced_identity,
-    "all_reduce": _traced_all_reduce,
-    "all_gather": _traced_all_gather,
-    "reduce_scatter": _traced_reduce_scatter,
-    "split": _traced_split,
-    "all_to_all": _traced_all_to_all,
-}
-assert _TRACED.keys() == _KIND.keys()
+assert _OPS.keys() == _KIND.keys() == _TRACED.keys()
 
 
 class _Collective(torch.autograd.Function):

@@ -32,6 +32,8 @@ from torch.distributed.tensor.placement_types import Placement as DPlacement
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hpgen.runtime.errors import ParallelizeError
+from hpgen.runtime.shard_layout import PackedShard
+from hpgen.shards import chunk_bounds
 
 if TYPE_CHECKING:
     from hpgen.runtime.state_dict import ShardedParam
@@ -77,12 +79,6 @@ def _indices(n: int, placements: Sequence[DPlacement], sizes: Sequence[int], coo
     return index.tolist()
 
 
-def _chunk_bounds(n: int, size: int, rank: int) -> tuple[int, int]:
-    """``torch.chunk``'s piece ``rank`` of ``n`` (FSDP2's ``_chunk_with_empty``: trailing ranks may get nothing)."""
-    step = math.ceil(n / size) if n else 0
-    return min(rank * step, n), min((rank + 1) * step, n)
-
-
 @functools.lru_cache(maxsize=4096)
 def composed_form(
     shape: tuple[int, ...], tp: tuple[DPlacement, ...], tp_sizes: tuple[int, ...], dim: int, dp: int, packed: bool
@@ -105,7 +101,7 @@ def composed_form(
     dim_all = [_StridedShard(0, split_factor=split) if split > 1 else Shard(0), *dim_tp]
     for coordinate in itertools.product(range(dp), *(range(s) for s in tp_sizes)):
         local = _indices(n, dim_tp, tp_sizes, coordinate[1:])  # hpgen's tp-local rows (its form is exact)
-        lo, hi = _chunk_bounds(len(local), dp, coordinate[0])
+        lo, hi = chunk_bounds(len(local), dp, coordinate[0])
         ours = local[lo:hi]  # FSDP2's piece of them
         theirs = _indices(n, dim_all, (dp, *tp_sizes), coordinate)
         if ours != theirs:
@@ -164,8 +160,6 @@ def _form(record: ShardedParam, value: DTensor) -> tuple[int, DeviceMesh, tuple[
 
 def composed_dtensor(record: ShardedParam, value: DTensor) -> DTensor:
     """FSDP2's ``dp`` DTensor of hpgen's shard as a DTensor of the global shape over (dp, plan axes); a view."""
-    from hpgen.runtime.state_dict import PackedShard
-
     dim, mesh, placements = _form(record, value)
     shape = torch.Size(record.global_shape)
     stride = torch.empty(record.global_shape, device="meta").stride()
@@ -196,5 +190,5 @@ def dp_piece(tensor: Tensor, param: DTensor) -> Tensor:
     if not isinstance(placement, Shard):
         return tensor
     size, rank = param.device_mesh.size(), param.device_mesh.get_local_rank()
-    lo, hi = _chunk_bounds(tensor.size(placement.dim), size, rank)
+    lo, hi = chunk_bounds(tensor.size(placement.dim), size, rank)
     return tensor.narrow(placement.dim, lo, hi - lo)

@@ -77,7 +77,7 @@ from hpgen.runtime.streams import install_streams
 from hpgen.runtime.stubs import refuse_replaced_stubs
 from hpgen.runtime.state_dict import install_state_dict_hooks
 from hpgen.runtime.summed import SummedBlock, branch_fqns, survey_summed
-from hpgen.runtime.targets import Target, resolve
+from hpgen.runtime.targets import ModuleInstall, module_install
 from hpgen.runtime.tuners import peft_base_model, resolve_tuner_names
 
 __all__ = ["ParallelizeError", "parallelize"]
@@ -200,7 +200,7 @@ def _toggle_axes(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> tuple[str, .
 class _Survey:
     """Everything ``parallelize`` will do, checked; :meth:`install` does it."""
 
-    targets: list[Target]
+    targets: list[ModuleInstall]
     shards: list[ParamShard]
     biases: list[DeferredBias]
     grad_reduces: list[GradReduce]
@@ -240,7 +240,7 @@ def _survey(
     matched = resolve_tuner_names(match_modules(model, plan))  # q_proj.weight: q_proj.base_layer.weight under peft
     refuse_replaced_stubs(model, matched)  # a fused kernel bound in place of the torch path the plan shards
     shards = survey_params(model, plan, matched, axes)
-    targets = [resolve(item, plan, mesh, axes, generated) for item in matched]
+    targets = [module_install(item, plan, mesh, axes, generated) for item in matched]
     biases = survey_deferred_biases(matched, plan, frozenset(branch_fqns(matched, plan)))
     summed = survey_summed(matched, plan, axes)
     grad_reduces = survey_grad_reduce(matched, plan)

@@ -11,7 +11,7 @@
   that the axis divides (``S``) or that its chunks divide (``RS(d,r)``: ``size / r``
   chunks, so the axis size is a multiple of the key/value heads or divides them); a
   projection held by a sub-module that declares its own ``num_heads`` holds that many
-  (:func:`row_heads`);
+  (:func:`hpgen.shards.row_heads`);
   attention code infers local heads with ``view(..., -1, head_dim)`` and would crash
   mid-forward or, worse, mix heads;
 - experts that do not divide (a module's ``num_experts`` on a sharded dim);
@@ -49,8 +49,9 @@ from hpgen.runtime.sharding import (
     placement_problem,
 )
 from hpgen.runtime.wrappers import is_conv1d
+from hpgen.shards import row_heads
 
-__all__ = ["Matched", "ParamShard", "row_heads", "shard_params", "survey_params"]
+__all__ = ["Matched", "ParamShard", "shard_params", "survey_params"]
 
 
 @dataclass(frozen=True)
@@ -244,23 +245,6 @@ def _check_placements(
         # The next axis splits what this one left; rank 0's chunk stands for all, so every
         # rank reaches the same verdict (a refusal on one rank only would hang the others).
         current = local_shape(current, [(placement, 0, size)])
-
-
-def row_heads(block: nn.Module, linear_path: str, rows: int, head_dim: int) -> int:
-    """How many heads the ``rows`` output features of the ``nn.Linear`` at ``linear_path`` in ``block`` hold.
-
-    ``rows / head_dim``, unless a module inside the block holds the linear and declares its own
-    ``num_heads`` that cuts the rows into heads of another size (a relative-position projection
-    of ``num_heads * d_rel`` features): then that many. The block's own ``num_heads`` says
-    nothing of this linear (a key projection's rows are its key/value heads).
-    """
-    parent_path = linear_path.rpartition(".")[0]
-    if parent_path:
-        heads = getattr(block.get_submodule(parent_path), "num_heads", None)
-        if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0 and rows % heads == 0:
-            if rows // heads != head_dim:
-                return heads
-    return rows // head_dim
 
 
 def _heads_message(

@@ -26,16 +26,18 @@ import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement as DPlacement
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hpgen.placement import REPLICATE, Placement
-from hpgen.runtime.sharding import AxisShare, chunks_and_index, normalize_dim, split_sizes
+from hpgen.shards import AxisShare, chunk_bounds, chunks_and_index, normalize_dim, split_bounds
 
-__all__ = ["Box", "DTensorForm", "boxes", "dim_runs", "dtensor_form", "hpgen_indices", "dtensor_indices"]
+__all__ = ["Box", "DTensorForm", "PackedShard", "boxes", "dim_runs", "dtensor_form", "hpgen_indices", "dtensor_indices"]
 
 Run = tuple[int, int]
 """A ``[start, stop)`` range of global indices along one dim."""
@@ -58,12 +60,6 @@ def _take(runs: list[Run], lo: int, hi: int) -> list[Run]:
     return taken
 
 
-def _bounds(n: int, k: int, rank: int) -> tuple[int, int]:
-    sizes = split_sizes(n, k)
-    start = sum(sizes[:rank])
-    return start, start + sizes[rank]
-
-
 def dim_runs(shape: Sequence[int], shares: Sequence[AxisShare]) -> list[list[Run]]:
     """Per dim of a tensor of ``shape``, the global ranges this rank holds, in local order.
 
@@ -80,10 +76,10 @@ def dim_runs(shape: Sequence[int], shares: Sequence[AxisShare]) -> list[list[Run
         total = sum(stop - start for start, stop in runs[dim])
         if placement.kind in ("S", "RS"):
             chunks, index = chunks_and_index(placement, rank, size)
-            runs[dim] = _take(runs[dim], *_bounds(total, chunks, index))
+            runs[dim] = _take(runs[dim], *split_bounds(total, chunks, index))
         else:
             block = total // placement.blocks
-            lo, hi = _bounds(block, size, rank)
+            lo, hi = split_bounds(block, size, rank)
             pieces: list[Run] = []
             for j in range(placement.blocks):
                 for piece in _take(runs[dim], j * block + lo, j * block + hi):
@@ -145,19 +141,19 @@ def hpgen_indices(
     index = list(range(n))
     for placement, size, rank in zip(placements, sizes, coordinate):
         if placement.kind in ("S", "RS"):
-            lo, hi = _bounds(len(index), *chunks_and_index(placement, rank, size))
+            lo, hi = split_bounds(len(index), *chunks_and_index(placement, rank, size))
             index = index[lo:hi]
         elif placement.kind == "SS":
             block = len(index) // placement.blocks
-            lo, hi = _bounds(block, size, rank)
+            lo, hi = split_bounds(block, size, rank)
             index = [i for j in range(placement.blocks) for i in index[j * block + lo : j * block + hi]]
     return index
 
 
 def _chunk(values: list[int], k: int, rank: int) -> list[int]:
     """``torch.chunk`` semantics: pieces of ``ceil(n / k)``; ranks past the end get nothing."""
-    step = -(-len(values) // k) if values else 0
-    return values[rank * step : (rank + 1) * step] if step else []
+    lo, hi = chunk_bounds(len(values), k, rank)
+    return values[lo:hi]
 
 
 def dtensor_indices(
@@ -271,3 +267,64 @@ def _describe(indices: list[int]) -> str:
     if indices == list(range(indices[0], indices[-1] + 1)):
         return f"[{indices[0]}, {indices[-1] + 1})"
     return f"{len(indices)} indices from {indices[0]}"
+
+
+class PackedShard(DTensor):
+    """A DTensor whose local tensor is several blocks of the full tensor (``SS``: one per packed block).
+
+    Its placements are ``_StridedShard``, right for DTensor ops (``full_tensor``,
+    ``redistribute``), but DCP writes one chunk per DTensor from its first offset, which
+    for a strided shard overlaps the others. These methods of DCP's checkpointable
+    protocol give it each block instead (offsets in the full tensor, views of the local).
+    """
+
+    __slots__ = ()
+
+    def _hp_blocks(self) -> list[tuple[torch.Size, torch.Size, Tensor]]:
+        local = self._local_tensor
+        mesh = self.device_mesh
+        coordinate = mesh.get_coordinate()
+        shares = []
+        for mesh_dim, placement in enumerate(self.placements):
+            size = mesh.size(mesh_dim)
+            shares.append((_hp_placement(placement), coordinate[mesh_dim], size))
+        return [
+            (torch.Size(box.offsets), torch.Size(box.sizes), box.local_view(local))
+            for box in boxes(tuple(self.shape), shares)
+        ]
+
+    def __create_write_items__(self, fqn: str, object: Any) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        properties = TensorProperties.create_from_tensor(self._local_tensor)
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes), properties=properties, size=self.size()
+                ),
+            )
+            for offsets, sizes, _ in self._hp_blocks()
+        ]
+
+    def __create_chunk_list__(self) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(offsets=offsets, sizes=sizes) for offsets, sizes, _ in self._hp_blocks()]
+
+    def __get_tensor_shard__(self, index: Any) -> Tensor:
+        for offsets, _, view in self._hp_blocks():
+            if offsets == index.offset:
+                return view
+        raise ValueError(f"PackedShard: no block at offset {index.offset}")
+
+
+def _hp_placement(placement: Any) -> Placement:
+    """The hpgen placement a DTensor placement of :func:`dtensor_form` came from."""
+    if isinstance(placement, _StridedShard):
+        return Placement("SS", dim=placement.dim, blocks=int(placement.split_factor))
+    if isinstance(placement, Shard):
+        return Placement("S", dim=placement.dim)
+    return REPLICATE

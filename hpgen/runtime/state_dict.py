@@ -41,16 +41,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from hpgen.placement import REPLICATE, Placement
 from hpgen.runtime.collectives import AxisCollectives
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.fsdp_state import composed_dtensor, dp_piece, fsdp_value, is_fsdp_shard
 from hpgen.runtime.params import ParamShard
-from hpgen.runtime.shard_layout import DTensorForm, boxes, dtensor_form
-from hpgen.runtime.sharding import AxisShare, chunks_and_index, local_chunk, local_shape, normalize_dim, split_sizes
+from hpgen.runtime.shard_layout import DTensorForm, PackedShard, dtensor_form
+from hpgen.runtime.sharding import local_chunk
+from hpgen.shards import AxisShare, local_shape, normalize_dim, piece_sizes
 
 __all__ = [
     "PackedShard",
@@ -138,67 +137,6 @@ class ShardedParam:
 
 def _layout_text(param: ShardedParam) -> str:
     return ", ".join(f"{axis} {p} over {size}" for axis, (p, _, size) in zip(param.axes, param.shares))
-
-
-class PackedShard(DTensor):
-    """A DTensor whose local tensor is several blocks of the full tensor (``SS``: one per packed block).
-
-    Its placements are ``_StridedShard``, right for DTensor ops (``full_tensor``,
-    ``redistribute``), but DCP writes one chunk per DTensor from its first offset, which
-    for a strided shard overlaps the others. These methods of DCP's checkpointable
-    protocol give it each block instead (offsets in the full tensor, views of the local).
-    """
-
-    __slots__ = ()
-
-    def _hp_blocks(self) -> list[tuple[torch.Size, torch.Size, Tensor]]:
-        local = self._local_tensor
-        mesh = self.device_mesh
-        coordinate = mesh.get_coordinate()
-        shares = []
-        for mesh_dim, placement in enumerate(self.placements):
-            size = mesh.size(mesh_dim)
-            shares.append((_hp_placement(placement), coordinate[mesh_dim], size))
-        return [
-            (torch.Size(box.offsets), torch.Size(box.sizes), box.local_view(local))
-            for box in boxes(tuple(self.shape), shares)
-        ]
-
-    def __create_write_items__(self, fqn: str, object: Any) -> list[Any]:
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-
-        properties = TensorProperties.create_from_tensor(self._local_tensor)
-        return [
-            WriteItem(
-                index=MetadataIndex(fqn, offsets),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes), properties=properties, size=self.size()
-                ),
-            )
-            for offsets, sizes, _ in self._hp_blocks()
-        ]
-
-    def __create_chunk_list__(self) -> list[Any]:
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-
-        return [ChunkStorageMetadata(offsets=offsets, sizes=sizes) for offsets, sizes, _ in self._hp_blocks()]
-
-    def __get_tensor_shard__(self, index: Any) -> Tensor:
-        for offsets, _, view in self._hp_blocks():
-            if offsets == index.offset:
-                return view
-        raise ValueError(f"PackedShard: no block at offset {index.offset}")
-
-
-def _hp_placement(placement: Any) -> Placement:
-    """The hpgen placement a DTensor placement of :func:`dtensor_form` came from."""
-    if isinstance(placement, _StridedShard):
-        return Placement("SS", dim=placement.dim, blocks=int(placement.split_factor))
-    if isinstance(placement, Shard):
-        return Placement("S", dim=placement.dim)
-    return REPLICATE
 
 
 # --------------------------------------------------------------------------- hooks
@@ -483,7 +421,7 @@ def gather_full(local: Tensor, param: ShardedParam) -> Tensor:
             continue
         dim = normalize_dim(placement.dim, ndim)
         n = before[dim]
-        sizes = _piece_sizes(placement, n, size)
+        sizes = piece_sizes(placement, n, size)
         pieces = _all_gather_uneven(tensor, dim, sizes, group)
         if placement.kind == "S":
             tensor = torch.cat(pieces, dim)
@@ -496,17 +434,6 @@ def gather_full(local: Tensor, param: ShardedParam) -> Tensor:
             ]
             tensor = torch.cat([per_block[r][j] for j in range(placement.blocks) for r in range(size)], dim)
     return tensor
-
-
-def _piece_sizes(placement: Placement, n: int, size: int) -> tuple[int, ...]:
-    """The length of each rank's piece of a dim of ``n`` under ``placement`` on ``size`` ranks."""
-    if placement.kind == "SS":
-        return tuple(placement.blocks * s for s in split_sizes(n // placement.blocks, size))
-    pieces = []
-    for rank in range(size):
-        chunks, index = chunks_and_index(placement, rank, size)
-        pieces.append(split_sizes(n, chunks)[index])
-    return tuple(pieces)
 
 
 def _all_gather_uneven(tensor: Tensor, dim: int, sizes: Sequence[int], group: Any) -> list[Tensor]:

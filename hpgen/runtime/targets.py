@@ -1,6 +1,6 @@
 """What each planned module becomes: its class, its form, and what is bound on it.
 
-:func:`resolve` looks at one module matched by a plan entry and decides, without
+:func:`module_install` looks at one module matched by a plan entry and decides, without
 changing anything:
 
 - identity contract (nothing moves, not even a ``copy``): the module keeps its class and
@@ -18,7 +18,7 @@ changing anything:
   ops, whatever the contract;
 - a class of a modeling file without a generated ``forward``: refused (regenerate the file).
 
-:meth:`Target.install` then does it: swaps ``__class__``, binds ``_hp_<axis>``, sets
+:meth:`ModuleInstall.install` then does it: swaps ``__class__``, binds ``_hp_<axis>``, sets
 ``<axis>_enable`` in toggle mode, binds ``__hp_compute__`` (region) or
 ``_hp_boundary`` (generic), and gives wrappers their bound ops.
 """
@@ -50,7 +50,7 @@ from hpgen.runtime.sharding import local_range, normalize_dim
 from hpgen.runtime.tuners import is_tuner_layer
 from hpgen.runtime.wrappers import is_conv1d, subclass_with
 
-__all__ = ["Target", "resolve"]
+__all__ = ["ModuleInstall", "module_install"]
 
 # nn.Linear.forward takes one tensor, ``input``: undeclared, it is R (a copy into a sharded
 # body, whose backward all-reduces the partial gradient). An nn.Embedding's input is
@@ -61,7 +61,7 @@ _REGENERATE = "regenerate it with `hpgen lower SOURCE PLAN` (or `hpgen lower` fo
 
 
 @dataclass
-class Target:
+class ModuleInstall:
     """The resolved install of one planned module (see the module docstring)."""
 
     item: Matched
@@ -90,13 +90,13 @@ class Target:
             self.prepare()
 
 
-def resolve(
+def module_install(
     item: Matched,
     plan: Plan,
     mesh: DeviceMesh,
     axes: Mapping[str, AxisCollectives],
     generated: Sequence[GeneratedModule] = (),
-) -> Target:
+) -> ModuleInstall:
     """Decide what ``item.module`` becomes; raise :class:`ParallelizeError` if it cannot.
 
     A module of a class with no generated forward (transformers' own class, built through
@@ -115,9 +115,9 @@ def _resolve(
     mesh: DeviceMesh,
     axes: Mapping[str, AxisCollectives],
     generated: Sequence[GeneratedModule],
-) -> Target:
+) -> ModuleInstall:
     if not item.entry.is_boundary:
-        return Target(item, "identity")
+        return ModuleInstall(item, "identity")
     cls = type(item.module)
     lowered = hasattr(cls, "_hp_boundary_form")
     if not lowered and isinstance(item.module, nn.Identity) and not is_identity_contract(plan, item.key, known_inputs=()):
@@ -131,10 +131,10 @@ def _resolve(
         if is_identity_contract(plan, item.key, known_inputs=KNOWN_INPUTS[role]) and not (
             role == "embedding" and _vocab_sharded(item, plan)
         ):
-            return Target(item, "identity")
+            return ModuleInstall(item, "identity")
         return _wrapper(item, plan, mesh, axes, role)
     if is_identity_contract(plan, item.key):
-        return Target(item, "identity")
+        return ModuleInstall(item, "identity")
     if lowered:
         return _generated(item, plan, mesh, axes, cls)
     if is_outside_class(item.module):
@@ -161,7 +161,7 @@ def is_outside_class(module: nn.Module) -> bool:
     return not modeling and not is_generated_file(sys.modules.get(cls.__module__))
 
 
-def _outside(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, AxisCollectives]) -> Target:
+def _outside(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, AxisCollectives]) -> ModuleInstall:
     """Any outside module: its own ``forward`` between the plan's input and output ops (one generic wrapper)."""
     signature = _plan_signature(item.module)
     where = f"{item.fqn} ({type(item.module).__qualname__}, wrapped by parallelize)"
@@ -183,7 +183,7 @@ def _outside(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, Axi
         if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)
     )[:1]  # its first argument, the activation, when undeclared: R (a copy into a sharded body)
     movers_in, movers_out = boundary_movers(plan, item.key, mesh, axes, item.fqn, known_inputs=known)
-    target = Target(item, "outside", cls=subclass_with(type(item.module), "outside"))
+    target = ModuleInstall(item, "outside", cls=subclass_with(type(item.module), "outside"))
     target.bind["_hp_boundary"] = GenericBoundary(movers_in, movers_out)
     target.bind["_hp_signature"] = signature
     target.bind["_hp_output_names"] = item.entry.output_names
@@ -246,10 +246,10 @@ def _choose(item: Matched, plan: Plan, cls: type) -> type:
     )
 
 
-def _generated(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, AxisCollectives], cls: type) -> Target:
+def _generated(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, AxisCollectives], cls: type) -> ModuleInstall:
     chosen = _choose(item, plan, cls)
     form = chosen._hp_boundary_form
-    target = Target(item, form, cls=chosen)
+    target = ModuleInstall(item, form, cls=chosen)
     if form == "region":
         injection = plan.injection_for(item.key)
         if injection is not None:
@@ -291,7 +291,7 @@ def _region_prepare(item: Matched, compute: PlanTarget) -> Callable[[], None] | 
 # --------------------------------------------------------------------------- wrappers
 
 
-def _wrapper(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, AxisCollectives], role: str) -> Target:
+def _wrapper(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, AxisCollectives], role: str) -> ModuleInstall:
     """Check the plan describes a layout the wrapper implements, and bind its ops."""
     entry = item.entry
     kind = "nn.Embedding" if role == "embedding" else "nn.Linear"
@@ -336,7 +336,7 @@ def _wrapper(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, Axi
                 )
     known = KNOWN_INPUTS[role]
     movers_in, movers_out = boundary_movers(plan, item.key, mesh, axes, item.fqn, known_inputs=known)
-    target = Target(item, role, cls=subclass_with(type(item.module), role))
+    target = ModuleInstall(item, role, cls=subclass_with(type(item.module), role))
     in_mover = movers_in.get("input")
     if isinstance(item.module, nn.Linear) and weight is not None and isinstance(in_mover, StaticMove):
         # a column-parallel linear gathering its sharded input (a gathered column) knows its in_features
@@ -354,7 +354,7 @@ def _wrapper(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, Axi
     return target
 
 
-def _identity_expert(item: Matched, plan: Plan, axes: Mapping[str, AxisCollectives]) -> Target:
+def _identity_expert(item: Matched, plan: Plan, axes: Mapping[str, AxisCollectives]) -> ModuleInstall:
     """An ``nn.Identity`` whose output goes ``R -> P(sum)`` (an identity expert inside an experts sum)."""
     entry = item.entry
     where = f"{item.fqn} (nn.Identity, wrapped by parallelize)"
@@ -371,7 +371,7 @@ def _identity_expert(item: Matched, plan: Plan, axes: Mapping[str, AxisCollectiv
                 "R -> P(sum) (its output divided by the axis size)"
             )
         divisor *= axes[axis].size
-    target = Target(item, "identity_expert", cls=subclass_with(type(item.module), "identity_expert"))
+    target = ModuleInstall(item, "identity_expert", cls=subclass_with(type(item.module), "identity_expert"))
     target.bind["_hp_divisor"] = divisor
     return target
 

@@ -81,7 +81,7 @@ def test_the_heads_a_linears_rows_hold_follow_the_module_that_holds_it() -> None
     ``num_heads``."""
     from torch import nn
 
-    from hpgen.runtime.params import row_heads
+    from hpgen.shards import row_heads
 
     attention = nn.Module()
     attention.num_heads, attention.head_dim = 4, 16

@@ -47,16 +47,16 @@ from tests.dist import run_distributed
 FAMILIES = (
     "gpt2", "gpt_neox", "opt", "gpt_bigcode", "bloom", "mpt", "xlstm", "fuyu", "mamba", "zamba", "mamba2",
     "deepseek_v3", "kimi_linear", "diffllama", "diffllama_grouped", "recurrent_gemma", "doge",
-    "gptj", "phi", "cohere", "stablelm",
+    "gptj", "phi", "cohere", "stablelm", "falcon_nda", "falcon_mha",
 )  # fmt: skip
 # families planned as `hpgen plan` does by default: transformers' plan, its blocks cross-checked against the
 # source (Doge's attention replaced by the derived one, whose dt_proj gathers the values on entry)
 TRANSFORMERS_PLAN = ("doge", "gptj", "phi", "cohere")
 # families also planned with --sp (the sequence-sharded stream around the same blocks), as case "<family>_sp"
-SP = ("doge", "gptj", "cohere", "gpt_neox")  # the summed blocks: one norm for both branches (sums a + m + x, x + a + m), two norms
+SP = ("doge", "gptj", "cohere", "gpt_neox", "falcon_mha")  # the summed blocks: one norm for both branches (sums a + m + x, x + a + m), two norms
 # parallel-residual blocks, planned with the summed reduction (one all-reduce a layer: the embedding's, then one
 # per layer forward; backward one per layer where both branches read one norm, two for GPT-NeoX's two norms)
-SUMMED = {"gptj": 1, "phi": 1, "cohere": 1, "stablelm": 1, "gpt_neox": 2}
+SUMMED = {"gptj": 1, "phi": 1, "cohere": 1, "stablelm": 1, "gpt_neox": 2, "falcon_nda": 2, "falcon_mha": 1}
 # in bfloat16, with and without the summed reduction ("<family>_two_bf16": two reductions a layer)
 BF16 = ("gptj", "gpt_neox")
 VARIANTS = {

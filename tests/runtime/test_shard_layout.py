@@ -78,3 +78,19 @@ def test_boxes_of_a_packed_shard() -> None:
     local = local_chunk(full, [(SS02, 1, 2)])
     for box in found:
         assert torch.equal(box.local_view(local), full[box.global_index()])
+
+
+def test_core_shard_arithmetic_is_torch_s_own():
+    """The core's sizes and bounds are ``torch.tensor_split``'s and ``torch.chunk``'s, empty pieces included."""
+    from hpgen.shards import chunk_bounds, chunk_sizes, split_bounds, split_sizes
+
+    for n in range(0, 23):
+        for k in range(1, 9):
+            values = torch.arange(n)
+            split = [piece.tolist() for piece in torch.tensor_split(values, k)]
+            assert list(split_sizes(n, k)) == [len(piece) for piece in split]
+            assert [values[slice(*split_bounds(n, k, r))].tolist() for r in range(k)] == split
+            chunks = [piece.tolist() for piece in torch.chunk(values, k)] if n else []
+            chunks += [[]] * (k - len(chunks))  # torch.chunk returns fewer pieces; FSDP2 pads with empties
+            assert [values[slice(*chunk_bounds(n, k, r))].tolist() for r in range(k)] == chunks
+            assert list(chunk_sizes(n, k)) == [len(piece) for piece in chunks]

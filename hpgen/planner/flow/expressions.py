@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpgen.planner.flow.constants import self_path
 from hpgen.planner.flow.functions import in_place, tuple_function
-from hpgen.planner.flow.stubs import returns_none
+from hpgen.stubs import returns_none
 from hpgen.planner.flow.values import (
     EMPTY,
     UNKNOWN,
@@ -183,7 +183,7 @@ class Expressions:
                         self.fqn, self.module, args, kwargs, depth=self.depth + 1, method=method
                     )
                 if callee.modules is not None:
-                    return self._call_modules(callee.modules, args, kwargs)
+                    return self._call_modules(callee.modules, args, kwargs, self.none_keywords(node))
                 if any(read.startswith("missing:") for _, read in callee.reads):
                     return EMPTY  # self.q_attn(...) on an instance without q_attn: a branch it never takes
                 if callee.origins:  # a method of a parameter read directly: self.conv1d.weight.squeeze(1)
@@ -241,13 +241,24 @@ class Expressions:
             return self._call_modules(callee.modules, args, kwargs)
         return union([callee, *operands])
 
-    def _call_modules(self, modules: tuple[str, ...], args: list[Val], kwargs: Mapping[str, Val]) -> Val:
+    def _call_modules(
+        self, modules: tuple[str, ...], args: list[Val], kwargs: Mapping[str, Val], nones: frozenset[str] = frozenset()
+    ) -> Val:
         result: Val | None = None
         for fqn in modules:
             module = self.runner.model.get_submodule(fqn) if fqn else self.runner.model
-            value = self.runner.call_module(fqn, module, args, kwargs, depth=self.depth + 1)
+            value = self.runner.call_module(fqn, module, args, kwargs, depth=self.depth + 1, nones=nones)
             result = value if result is None else merge(result, value)
         return result if result is not None else EMPTY
+
+    def none_keywords(self, node: ast.Call) -> frozenset[str]:
+        """Keyword arguments of a call that are None on the path the instance takes (Falcon's ``alibi=alibi``
+        where the model passes ``None`` for a rotary config): the callee's ``if alibi is None`` then folds."""
+        return frozenset(
+            kw.arg
+            for kw in node.keywords
+            if kw.arg is not None and isinstance(kw.value, (ast.Name, ast.Constant)) and self.const(kw.value) is None
+        )
 
     def _shape(
         self, method: str, receiver: Val, node: ast.Call, args: list[Val], skip: int = 0, record: list | None = None

@@ -63,12 +63,14 @@ def run_module(
     inputs: Mapping[str, Val] | None = None,
     names: Mapping[int, str] | None = None,
     open_leaf: bool = False,
+    nones: frozenset[str] = frozenset(),
 ) -> Flow:
     """Interpret ``model.get_submodule(fqn).forward`` with ``in:<param>`` markers (or ``inputs``).
 
     ``open_leaf`` interprets the module's own ``forward`` even when it is a leaf (a module of
     the file holding parameters and no children, such as a recurrence with its gates): its
     direct parameter reads and reshapes are then recorded instead of one opaque edge.
+    ``nones``: arguments known to be None (what the caller passes, see :mod:`~hpgen.planner.flow.caller_nones`).
     """
     if names is None:
         names = module_names(model)
@@ -76,7 +78,7 @@ def run_module(
     module = model.get_submodule(fqn) if fqn else model
     runner = Runner(model, source, names, flow)
     runner.open_top = open_leaf
-    flow.result = runner.call_module(fqn, module, None, inputs, depth=0, markers=inputs is None)
+    flow.result = runner.call_module(fqn, module, None, inputs, depth=0, markers=inputs is None, nones=nones)
     return flow
 
 
@@ -111,8 +113,9 @@ class Runner:
         depth: int,
         markers: bool = False,
         method: str = "forward",
+        nones: frozenset[str] = frozenset(),
     ) -> Val:
-        """The value a call of ``module`` (at ``fqn``) returns."""
+        """The value a call of ``module`` (at ``fqn``) returns; ``nones``: its parameters known to be None."""
 
         kind = leaf_kind(module, self.source) if method == "forward" else "source"
         if kind == "leaf" and depth == 0 and self.open_top and function_def(type(module), method) is not None:
@@ -145,6 +148,10 @@ class Runner:
         self.stack.append((fqn, method))
         try:
             frame = Frame(self, fqn, module, env, depth)
+            spec = function.args
+            frame.consts.update(
+                {a.arg: None for a in (*spec.posonlyargs, *spec.args, *spec.kwonlyargs) if a.arg in nones}
+            )
             frame.block(function.body)
             return frame.returned()
         finally:

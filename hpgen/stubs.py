@@ -8,7 +8,8 @@ installed package's kernel (``mamba_ssm``) instead where there is one. Where the
 itself runs, a call of it has no value, so ``if fused_output is not None: return
 fused_output`` adds nothing to what the module returns; where a kernel runs, it is an
 ordinary call that mixes its operands (and :mod:`hpgen.runtime.stubs` refuses to
-parallelize it). No torch here: the derivation imports this.
+parallelize it). In the core, with no torch and no libcst: the planner's derivation and the
+runtime's check both import it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,186 @@
+"""The layers of hpgen hold: no module imports one of a layer it may not use, and no import cycle.
+
+Every import of every hpgen module counts, at module level or inside a function (an import
+inside a function is still a dependency; it only hides a cycle). Imports under
+``if TYPE_CHECKING:`` are for annotations only and do not run, so they do not count. The
+layers are those of the ``hpgen`` package docstring and docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import hpgen
+import hpgen.runtime
+
+PACKAGE = Path(hpgen.__file__).parent
+
+# The core: plain data every layer shares (no torch at import time, no libcst).
+CORE = {"placement", "plan", "classify", "shards", "header", "stubs", "errors", "durable"}
+# The generator: reads sources with libcst and writes generated files.
+GENERATOR = {"index", "resolve", "emit", "lower", "write", "targets", "explain", "generate", "summed_edit", "param_dims"}
+
+# What each layer may import (itself included).
+ALLOWED = {
+    "core": {"core"},
+    "generator": {"core", "generator"},
+    "runtime": {"core", "runtime"},
+    "planner": {"core", "generator", "planner"},
+    "verify": {"core", "generator", "runtime", "planner", "verify"},
+    "cli": {"core", "generator", "runtime", "planner", "verify", "cli"},
+}
+
+# Cycles left for the planner's side of the refactor (its own branch): each one is
+# a strongly connected set of modules, written out so that a new cycle still fails.
+KNOWN_CYCLES: list[set[str]] = [
+    # the dataflow reading: the flow modules call one another's steps
+    {
+        "hpgen.planner.flow.expressions",
+        "hpgen.planner.flow.functions",
+        "hpgen.planner.flow.runner",
+        "hpgen.planner.flow.statements",
+    },
+    # the attention-heads reading: heads <-> head_params <-> head_maps
+    {"hpgen.planner.heads", "hpgen.planner.head_params", "hpgen.planner.head_maps"},
+]
+
+
+def module_name(path: Path) -> str:
+    parts = ["hpgen", *path.relative_to(PACKAGE).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "core"  # the package itself: its docstring and __version__
+    if parts[1] in ("runtime", "planner", "verify"):
+        return parts[1]
+    if parts[1] in ("cli", "__main__"):
+        return "cli"
+    if parts[1] in CORE:
+        return "core"
+    if parts[1] in GENERATOR:
+        return "generator"
+    raise AssertionError(f"{module} is in no layer: add it to one in tests/test_layers.py and the docs")
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(child) for stmt in node.body for child in ast.walk(stmt))
+    return skipped
+
+
+def imports(module: str) -> set[str]:
+    """The hpgen modules ``module`` imports, resolved to modules that exist."""
+    path = MODULES[module]
+    tree = ast.parse(path.read_text(), str(path))
+    skipped = _type_checking_nodes(tree)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                stem = ".".join([*base, node.module] if node.module else base)
+            else:
+                stem = node.module or ""
+            # ``from hpgen.x import y``: y may be a module of package x
+            targets = [f"{stem}.{alias.name}" for alias in node.names if f"{stem}.{alias.name}" in MODULES]
+            targets.append(stem)
+        else:
+            continue
+        for target in targets:
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            if target.startswith("hpgen") and target != module:
+                found.add(target)
+    return found
+
+
+GRAPH = {module: imports(module) for module in MODULES}
+
+
+def test_every_import_runs_down_the_layers():
+    wrong = sorted(
+        f"{module} ({layer(module)}) imports {target} ({layer(target)})"
+        for module, targets in GRAPH.items()
+        for target in targets
+        if layer(target) not in ALLOWED[layer(module)]
+    )
+    assert not wrong, "\n".join(wrong)
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
+    """Tarjan's strongly connected components of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[set[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = set()
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.add(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(component)
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycles_but_the_known_ones():
+    cycles = [sorted(c) for c in _strongly_connected(GRAPH) if c not in KNOWN_CYCLES]
+    assert not cycles, cycles
+
+
+def test_the_checks_can_fail():
+    assert _strongly_connected({"a": {"b"}, "b": {"a"}, "c": set()}) == [{"a", "b"}]
+    assert layer("hpgen.runtime.collectives") == "runtime" and "planner" not in ALLOWED["runtime"]
+
+
+def _names(text: str) -> set[str]:
+    return set(re.findall(r"``?([a-z_]+)``?", text))
+
+
+def test_the_runtime_maps_name_every_module_and_nothing_else():
+    runtime = {path.stem for path in (PACKAGE / "runtime").glob("*.py") if path.stem != "__init__"}
+    docstring = hpgen.runtime.__doc__.split("Module map", 1)[1]
+    page = (PACKAGE.parent / "docs" / "runtime.md").read_text().split("## Module map", 1)[1]
+    table = "\n".join(line for line in page.splitlines() if line.startswith("| ") and "role" not in line)
+    for where, text in (("hpgen/runtime/__init__.py", docstring), ("docs/runtime.md", table)):
+        # each row's first cell is the role's own words; the modules are the backquoted names
+        listed = {name for name in _names(text) if name in runtime or name.isidentifier()} - {
+            "parallelize",
+            "hpgen",
+        }
+        listed = {name for name in listed if not name.startswith(("tests", "hpgen"))}
+        assert listed == runtime, (where, sorted(listed - runtime), sorted(runtime - listed))
