@@ -309,12 +309,14 @@ def _collectives(
     summed = summed_ops(plan, entry.key)
     if summed is not None and summed.axis == "tp" and isinstance(hidden, int):
         # the block's one reduction of both branches, and its shared input's transition (on the stream's width)
-        for op in (summed.reduce, summed.shared):
+        # (a paired second norm's output travels with the shared input's, concatenated: twice the width)
+        moved = 2 if summed.paired_input else 1
+        for op, width in ((summed.reduce, 1), (summed.shared, moved)):
             if op is None:
                 continue
             for phase, kind in (("forward", op.kind), ("backward", op.backward or DEFAULT_BACKWARD.get(op.kind))):
                 if kind in COMMUNICATING:
-                    found.append(Collective(_generic(fqn), op.name, kind, phase, hidden * element, 0.0, 1))
+                    found.append(Collective(_generic(fqn), op.name, kind, phase, width * hidden * element, 0.0, 1))
     return found
 
 

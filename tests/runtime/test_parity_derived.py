@@ -55,8 +55,8 @@ TRANSFORMERS_PLAN = ("doge", "gptj", "phi", "cohere")
 # families also planned with --sp (the sequence-sharded stream around the same blocks), as case "<family>_sp"
 SP = ("doge", "gptj", "cohere", "gpt_neox", "falcon_mha")  # the summed blocks: one norm for both branches (sums a + m + x, x + a + m), two norms
 # parallel-residual blocks, planned with the summed reduction (one all-reduce a layer: the embedding's, then one
-# per layer forward; backward one per layer where both branches read one norm, two for GPT-NeoX's two norms)
-SUMMED = {"gptj": 1, "phi": 1, "cohere": 1, "stablelm": 1, "gpt_neox": 2, "falcon_nda": 2, "falcon_mha": 1}
+# per layer forward and one per layer backward: one norm for both branches, or two norms moved as a pair)
+SUMMED = {"gptj": 1, "phi": 1, "cohere": 1, "stablelm": 1, "gpt_neox": 1, "falcon_nda": 1, "falcon_mha": 1}
 # in bfloat16, with and without the summed reduction ("<family>_two_bf16": two reductions a layer)
 BF16 = ("gptj", "gpt_neox")
 VARIANTS = {
