@@ -12,7 +12,7 @@ attention). One spawn runs everything; the tests read its report:
   attention's reduced output is zero too: the deferred bias is dropped with it;
 - attention dropout on the sharded heads draws its own numbers on each rank (GPT-2 eager);
 - the mean loss of 20 steps lies within the spread of the unsharded model trained from 4 seeds;
-- ``gradient_checkpointing_enable()`` (GPT-2 TP, Llama SP) gives the gradients of the same
+- ``gradient_checkpointing_enable()`` (GPT-2 TP, Llama SP, GPT-NeoX's paired norms) gives the gradients of the same
   step without it: the recompute redraws the same masks; ``torch.autocast`` and a bf16 model
   keep the stream equal;
 - ``generate`` with sampling (top_k, top_p, temperature, repetition_penalty) and with beam
@@ -288,6 +288,8 @@ def _rank(rank: int, world_size: int, files: dict[str, tuple[dict, str]]) -> dic
     report["checkpointing"] = {
         "gpt2": _checkpointing("gpt2", *files["gpt2"], mesh),
         "llama_sp": _checkpointing("llama", *files["llama_sp"], mesh),
+        # two norms moved as one pair (the summed block): the recomputed forward pairs them again
+        "gpt_neox": _checkpointing("gpt_neox", *files["gpt_neox"], mesh),
     }
     report["precision"] = _autocast_and_bf16(*files["opt"], mesh)
     report["generate"] = _generation(*files["gpt2"], mesh)
@@ -339,7 +341,7 @@ def test_dropout_of_sharded_heads_draws_apart_on_each_rank(report: list[dict]) -
     assert report[0]["heads"] > 0
 
 
-@pytest.mark.parametrize("case", ["gpt2", "llama_sp"])
+@pytest.mark.parametrize("case", ["gpt2", "llama_sp", "gpt_neox"])
 def test_gradient_checkpointing_redraws_the_same_masks(report: list[dict], case: str) -> None:
     for by_rank in report:
         assert by_rank["checkpointing"][case] <= 1e-6
