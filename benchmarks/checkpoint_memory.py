@@ -90,6 +90,11 @@ def _cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _minor_faults() -> int:
+    """Minor page faults of this process so far: each fresh page a copy fills, each file page mapped."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def worker(variant: str, checkpoint: str, generated: str, out: str) -> None:
     import importlib.util
 
@@ -121,6 +126,7 @@ def worker(variant: str, checkpoint: str, generated: str, out: str) -> None:
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS := RSS now
     before = _status("VmRSS")
     cpu_started = _cpu_s()
+    faults_started = _minor_faults()
     started = time.perf_counter()
     if variant == "transformers":
         model = transformers.LlamaForCausalLM.from_pretrained(checkpoint)
@@ -134,13 +140,20 @@ def worker(variant: str, checkpoint: str, generated: str, out: str) -> None:
         parallelize(model, PLAN, mesh)
     load_s = time.perf_counter() - started
     load_cpu_s = _cpu_s() - cpu_started
+    load_faults = _minor_faults() - faults_started
     with torch.no_grad():
         logits = model.eval()(ids).logits
     first_s = time.perf_counter() - started  # a loader that maps lazily reads the weights here
     peak = _status("VmHWM") - before
     if rank == 0:
         torch.save(logits, f"{out}.logits.pt")
-    result = {"peak_bytes": peak, "load_s": load_s, "load_cpu_s": load_cpu_s, "first_logits_s": first_s}
+    result = {
+        "peak_bytes": peak,
+        "load_s": load_s,
+        "load_cpu_s": load_cpu_s,
+        "load_faults": load_faults,
+        "first_logits_s": first_s,
+    }
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(result))
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -194,6 +207,7 @@ def run_variant(variant: str, checkpoint: Path, generated: Path, folder: Path, t
         "peak_bytes": [r["peak_bytes"] for r in per_rank],
         "load_s": max(r["load_s"] for r in per_rank),
         "load_cpu_s": max(r["load_cpu_s"] for r in per_rank),
+        "load_faults": max(r["load_faults"] for r in per_rank),
         "first_logits_s": max(r["first_logits_s"] for r in per_rank),
         "logits": f"{out}.logits.pt",
     }
@@ -236,6 +250,7 @@ def measure(layers: int, rounds: int, names: list[str]) -> dict:
                 "load_s": statistics.median(item["load_s"] for item in items),
                 "load_s_all": [item["load_s"] for item in items],
                 "load_cpu_s": statistics.median(item["load_cpu_s"] for item in items),
+                "load_faults": statistics.median(item["load_faults"] for item in items),
                 "first_logits_s": statistics.median(item["first_logits_s"] for item in items),
                 "first_logits_s_all": [item["first_logits_s"] for item in items],
                 "logits_err": logits_err,
@@ -277,16 +292,19 @@ def scaling(every: list[dict]) -> str:
     """One line per size: hpgen's load time (wall and CPU) over transformers' tp_plan's."""
     lines = [
         "| layers | checkpoint MiB | hpgen load s | tp_plan load s | × tp_plan (wall) | × tp_plan (CPU) "
-        "| × tp_plan (to first logits) |"
+        "| × tp_plan (to first logits) | minor faults per rank, hpgen / tp_plan | peak per rank MiB, hpgen / tp_plan |"
     ]
-    lines.append("|---:|---:|---:|---:|---:|---:|---:|")
+    lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for results in every:
         ours, theirs = results["variants"]["hpgen"], results["variants"]["transformers tp_plan"]
+        peaks = [max(item["peak_bytes_per_rank"]) / 2**20 for item in (ours, theirs)]
         lines.append(
             f"| {results['layers']} | {results['checkpoint_bytes'] / 2**20:,.0f} | {ours['load_s']:.2f} | "
             f"{theirs['load_s']:.2f} | {ours['load_s'] / theirs['load_s']:.2f} | "
             f"{ours['load_cpu_s'] / theirs['load_cpu_s']:.2f} | "
-            f"{ours['first_logits_s'] / theirs['first_logits_s']:.2f} |"
+            f"{ours['first_logits_s'] / theirs['first_logits_s']:.2f} | "
+            f"{ours['load_faults'] / 1000:,.0f}k / {theirs['load_faults'] / 1000:,.0f}k | "
+            f"{peaks[0]:,.0f} / {peaks[1]:,.0f} |"
         )
     return "\n".join(lines)
 
@@ -304,8 +322,8 @@ def report(results: dict) -> str:
         f"peak RSS growth per rank over loading + one forward; median of {results['rounds']} runs",
         "",
         "| variant | ranks | peak RSS per rank (MiB) | × unsharded | load s (wall) | × tp_plan | "
-        "load CPU s | × tp_plan | to first logits s | × tp_plan | max logits diff |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "load CPU s | × tp_plan | minor faults | to first logits s | × tp_plan | max logits diff |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     tp_first = tp["first_logits_s"] if tp else None
     for name, item in variants.items():
@@ -314,7 +332,7 @@ def report(results: dict) -> str:
         lines.append(
             f"| {name} | {item['ranks']} | {per_rank} | {_ratio(peak, base)} | {item['load_s']:.2f} | "
             f"{_ratio(item['load_s'], tp_load)} | {item['load_cpu_s']:.2f} | {_ratio(item['load_cpu_s'], tp_cpu)} | "
-            f"{item['first_logits_s']:.2f} | {_ratio(item['first_logits_s'], tp_first)} | {item['logits_err']:.1e} |"
+            f"{item['load_faults'] / 1000:,.0f}k | {item['first_logits_s']:.2f} | {_ratio(item['first_logits_s'], tp_first)} | {item['logits_err']:.1e} |"
         )
     return "\n".join(lines)
 

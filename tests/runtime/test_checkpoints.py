@@ -151,7 +151,7 @@ class Loaded:
     inv_freq_equal: bool
     dtensor_keys: int  # state-dict entries that are DTensors with the global shape
     checkpoint_files: int
-    views: int  # parameters whose storage is more than their data: views of the mapped file
+    views: int  # parameters whose bytes lie in a mapping of one of the checkpoint's files
 
 
 @dataclass
@@ -187,6 +187,24 @@ def _compare(model: torch.nn.Module, reference: torch.nn.Module, plan: dict, ran
         if name not in ours or not torch.equal(ours[name].detach(), want):
             bad.append(name)
     return bad
+
+
+def _file_mappings(folder: str) -> list[tuple[int, int]]:
+    """The address ranges this process has mapped from files in ``folder`` (``/proc/self/maps``)."""
+    found = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith(str(Path(folder).resolve()) + "/"):
+            start, stop = (int(x, 16) for x in fields[0].split("-"))
+            found.append((start, stop))
+    return found
+
+
+def _in_mappings(tensor: torch.Tensor, folder: str) -> bool:
+    """Whether ``tensor``'s bytes are a view of a file of ``folder`` (no copy was made)."""
+    start = tensor.data_ptr()
+    stop = start + tensor.numel() * tensor.element_size()
+    return any(a <= start and stop <= b for a, b in _file_mappings(folder))
 
 
 def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> RankResults:
@@ -237,7 +255,7 @@ def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> 
                 isinstance(v, DTensor) and tuple(v.shape) == tuple(full_shapes[k].shape) for k, v in state.items()
             ),
             checkpoint_files=len(list(Path(case.folder).glob("*.safetensors"))),
-            views=sum(p.untyped_storage().nbytes() > p.nbytes for p in model.parameters()),
+            views=sum(_in_mappings(p, case.folder) for p in model.parameters()),
         )
         models[case.name], references[case.name] = model, reference
 
