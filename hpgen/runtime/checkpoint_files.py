@@ -103,7 +103,8 @@ class CheckpointFiles:
         for name in sorted(set(self._where.values())):
             stored = read_header(self.folder / name)
             self._stored.update((key, stored[key]) for key, file in self._where.items() if file == name)
-        self._fds: dict[str, int] = {}  # file -> descriptor the mappings are made from
+        # file -> descriptor the mappings are made from (opened here: reading threads share them)
+        self._fds = {name: os.open(self.folder / name, os.O_RDONLY) for name in sorted(set(self._where.values()))}
 
     def _weight_map(self) -> dict[str, str]:
         single, index = self.folder / SINGLE_FILE, self.folder / INDEX_FILE
@@ -160,10 +161,7 @@ class CheckpointFiles:
         stored, name = self._stored[key], self._where[key]
         if stored.dtype is None:
             raise ParallelizeError(f"{self.folder / name}: {key} is stored as {stored.dtype_name}, which torch lacks")
-        fd = self._fds.get(name)
-        if fd is None:
-            fd = self._fds[name] = os.open(self.folder / name, os.O_RDONLY)
-        return box_view(fd, stored, index)
+        return box_view(self._fds[name], stored, index)
 
     def view(self, key: str, index: Index = ()) -> torch.Tensor | None:
         """The box as a tensor to keep (a contiguous view of the file), or None when it is not one

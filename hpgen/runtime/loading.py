@@ -35,11 +35,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hpgen.runtime.checkpoint_files import CheckpointFiles, Index
+from hpgen.runtime.checkpoint_files import CheckpointFiles
 from hpgen.runtime.conversions import Mapped, Source, checkpoint_sources, model_conversions
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.folder_swap import recover
-from hpgen.runtime.shard_layout import Box, boxes
+from hpgen.runtime.shard_layout import boxes
 from hpgen.runtime.state_dict import local_state_dict, sharded_params
 
 __all__ = ["from_pretrained"]
@@ -260,19 +260,15 @@ def _read_local(
     parts = boxes(shape, shares)
     whole = len(parts) == 1 and parts[0].local_offsets == (0,) * len(shape)
     if whole and device.type == "cpu":
-        view = source.view(_index(parts[0]))
+        view = source.view(parts[0].bounds())
         if view is not None and view.dtype == dtype:
             return view
     local_sizes = [max(b.local_offsets[d] + b.sizes[d] for b in parts) for d in range(len(shape))]
     out = torch.empty(local_sizes, dtype=dtype, device=device)
     for box in parts:
         if all(s > 0 for s in box.sizes):
-            source.read_into(_index(box), box.local_view(out))
+            source.read_into(box.bounds(), box.local_view(out))
     return out
-
-
-def _index(box: Box) -> Index:
-    return tuple((o, o + s) for o, s in zip(box.offsets, box.sizes))
 
 
 def _replace_param(old: torch.Tensor, value: torch.Tensor, owners: list[tuple[nn.Module, str]]) -> None:
