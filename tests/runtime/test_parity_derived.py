@@ -33,9 +33,11 @@ reduce-scatter the runtime uses) over a forward and a backward of one sequence.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -135,8 +137,6 @@ class _CollectiveCounter:
         self.bytes: Counter = Counter()
 
     def installed(self) -> Any:
-        import contextlib
-
         import torch.distributed as dist
 
         import hpgen.runtime.collectives as collectives
@@ -194,12 +194,18 @@ def _run(case: str, plan: dict, generated: str, mesh: Any, counter: _CollectiveC
     counter.calls.clear()
     counter.bytes.clear()
     counter.phase = "forward"
-    logits = model(input_ids=ids).logits
+    with _layer_norms() as norms:
+        logits = model(input_ids=ids).logits
     counter.phase = "backward"
     logits.sum().backward()
     counter.phase = "idle"
     counted = {"calls": dict(counter.calls), "bytes": dict(counter.bytes)}
     model.zero_grad(set_to_none=True)
+    with torch.no_grad(), _layer_norms() as no_grad_norms:
+        model(input_ids=ids)
+    with torch.no_grad(), _layer_norms() as reference_norms:
+        reference(input_ids=ids)
+    counted["layer_norms"] = {"forward": norms[0], "no_grad": no_grad_norms[0], "reference": reference_norms[0]}
 
     ids = torch.randint(0, config.get_text_config().vocab_size, (BATCH, SEQ), generator=generator)
     ref_logits = reference(input_ids=ids).logits
@@ -237,6 +243,24 @@ def _run(case: str, plan: dict, generated: str, mesh: Any, counter: _CollectiveC
         "full_bytes": sum(p.numel() * p.element_size() for p in reference.parameters()),
         **counted,
     }
+
+
+@contextlib.contextmanager
+def _layer_norms() -> Iterator[list[int]]:
+    """Counts the calls of ``F.layer_norm`` (every ``nn.LayerNorm`` forward) inside the block."""
+    import torch.nn.functional as F
+
+    count, original = [0], F.layer_norm
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    F.layer_norm = counted
+    try:
+        yield count
+    finally:
+        F.layer_norm = original
 
 
 def _bf16_error(model: Any, reference: Any, config: Any) -> dict:
@@ -347,6 +371,18 @@ def test_a_parallel_residual_block_reduces_once_a_layer(results: tuple[dict, lis
             sp = by_family[f"{family}_sp"]["calls"]
             assert sp[("forward", "reduce_scatter", "data")] == LAYERS, sp
             assert sp[("backward", "reduce_scatter", "data")] == SUMMED[family] * LAYERS, sp
+
+
+# Cohere's norm is its own class (CohereLayerNorm), not F.layer_norm: nothing to count there
+@pytest.mark.parametrize("family", sorted(set(SUMMED) - {"cohere"}))
+def test_a_summed_block_runs_each_norm_once(results: tuple[dict, list[dict]], family: str) -> None:
+    """As many norm forwards as the unsharded model: two norms moved as a pair compute the second one once (with a
+    gradient), and without a gradient nothing is paired."""
+    _, ranks = results
+    for by_family in ranks:
+        norms = by_family[family]["layer_norms"]
+        assert norms["reference"] > 0
+        assert norms["forward"] == norms["no_grad"] == norms["reference"], norms
 
 
 @pytest.mark.parametrize("family", BF16)
