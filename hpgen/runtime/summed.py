@@ -54,6 +54,7 @@ class _SharedInputMixin:
     """The norm both branches read: its own ``forward``, then their input's transition, run once."""
 
     _hp_step: Step
+    _hp_moves: bool  # the transition communicates in forward (an all_gather), not only in backward
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return _moved(self, super().forward(*args, **kwargs))  # type: ignore[misc]
@@ -80,7 +81,7 @@ class _PairedFirstMixin:
         if not isinstance(output, Tensor):
             raise TypeError(f"{type(self).__name__}: a summed reduction's shared input must return one tensor")
         if not self._hp_moves and not (torch.is_grad_enabled() and output.requires_grad):
-            return output
+            return output  # a copy with no gradient to reduce: nothing to move, nothing to pair
         x = args[0] if len(args) == 1 and not kwargs else None
         other = paired._hp_own_forward(x) if isinstance(x, Tensor) else None
         if not isinstance(other, Tensor) or other.ndim < 2 or other.shape[:-1] != output.shape[:-1]:
@@ -100,6 +101,7 @@ class _PairedSecondMixin:
     """
 
     _hp_step: Step
+    _hp_moves: bool
 
     def _hp_own_forward(self, x: Tensor) -> Any:
         return super().forward(x)  # type: ignore[misc]
@@ -113,8 +115,11 @@ class _PairedSecondMixin:
 
 
 def _moved(module: nn.Module, output: Any) -> Tensor:
+    """``output`` through the branches' input transition; as it is where that is a ``copy`` with no gradient."""
     if not isinstance(output, Tensor):
         raise TypeError(f"{type(module).__name__}: a summed reduction's shared input must return one tensor")
+    if not module._hp_moves and not (torch.is_grad_enabled() and output.requires_grad):
+        return output  # what ``copy`` returns then, without the call
     return run_steps(output, (module._hp_step,))  # type: ignore[arg-type]
 
 
@@ -139,9 +144,9 @@ class SummedBlock:
         # the norms change class, not hooks: a hook would let the second norm's forward run
         # and discard its output, and any hook puts the module on nn.Module's slow call path
         if self.shared is not None and self.paired is None:
-            _mix_in(self.shared, _SharedInputMixin, "SharedInput", step=self.step)
+            _mix_in(self.shared, _SharedInputMixin, "SharedInput", step=self.step, moves=self.moves)
         elif self.shared is not None and self.paired is not None:
-            _mix_in(self.paired, _PairedSecondMixin, "PairedSecond", step=self.step)
+            _mix_in(self.paired, _PairedSecondMixin, "PairedSecond", step=self.step, moves=self.moves)
             _mix_in(self.shared, _PairedFirstMixin, "PairedFirst", step=self.step, moves=self.moves, paired=self.paired)
         for linear in self.biases:
             linear.__class__ = subclass_with(type(linear), "partial_bias")
