@@ -49,16 +49,19 @@ from tests.dist import run_distributed
 FAMILIES = (
     "gpt2", "gpt_neox", "opt", "gpt_bigcode", "bloom", "mpt", "xlstm", "fuyu", "mamba", "zamba", "mamba2",
     "deepseek_v3", "kimi_linear", "diffllama", "diffllama_grouped", "recurrent_gemma", "doge",
-    "gptj", "phi", "cohere", "stablelm", "falcon_nda", "falcon_mha",
+    "gptj", "phi", "cohere", "stablelm", "falcon_nda", "falcon_mha", "codegen", "cohere2",
 )  # fmt: skip
 # families planned as `hpgen plan` does by default: transformers' plan, its blocks cross-checked against the
 # source (Doge's attention replaced by the derived one, whose dt_proj gathers the values on entry)
-TRANSFORMERS_PLAN = ("doge", "gptj", "phi", "cohere")
+TRANSFORMERS_PLAN = ("doge", "gptj", "phi", "cohere", "cohere2")
 # families also planned with --sp (the sequence-sharded stream around the same blocks), as case "<family>_sp"
-SP = ("doge", "gptj", "cohere", "gpt_neox", "falcon_mha")  # the summed blocks: one norm for both branches (sums a + m + x, x + a + m), two norms
+SP = ("doge", "gptj", "cohere", "gpt_neox", "falcon_mha", "codegen", "cohere2")  # the summed blocks: one norm for both branches (sums a + m + x, x + a + m), two norms
 # parallel-residual blocks, planned with the summed reduction (one all-reduce a layer: the embedding's, then one
 # per layer forward and one per layer backward: one norm for both branches, or two norms moved as a pair)
-SUMMED = {"gptj": 1, "phi": 1, "cohere": 1, "stablelm": 1, "gpt_neox": 1, "falcon_nda": 1, "falcon_mha": 1}
+SUMMED = {
+    "gptj": 1, "phi": 1, "cohere": 1, "stablelm": 1, "gpt_neox": 1, "falcon_nda": 1, "falcon_mha": 1, "codegen": 1,
+    "cohere2": 1,
+}  # fmt: skip
 # in bfloat16, with and without the summed reduction ("<family>_two_bf16": two reductions a layer)
 BF16 = ("gptj", "gpt_neox")
 VARIANTS = {
@@ -373,8 +376,8 @@ def test_a_parallel_residual_block_reduces_once_a_layer(results: tuple[dict, lis
             assert sp[("backward", "reduce_scatter", "data")] == SUMMED[family] * LAYERS, sp
 
 
-# Cohere's norm is its own class (CohereLayerNorm), not F.layer_norm: nothing to count there
-@pytest.mark.parametrize("family", sorted(set(SUMMED) - {"cohere"}))
+# Cohere's norms are their own classes (CohereLayerNorm, Cohere2LayerNorm), not F.layer_norm: nothing to count
+@pytest.mark.parametrize("family", sorted(set(SUMMED) - {"cohere", "cohere2"}))
 def test_a_summed_block_runs_each_norm_once(results: tuple[dict, list[dict]], family: str) -> None:
     """As many norm forwards as the unsharded model: two norms moved as a pair compute the second one once (with a
     gradient), and without a gradient nothing is paired."""
