@@ -281,3 +281,22 @@ def test_a_layer_argument_is_none_only_where_every_round_of_the_loop_passes_none
     walk = _Walk(Owner(), {})
     walk.block(body, in_loop=False)
     assert frozenset.intersection(*walk.calls) == {"alibi"}
+
+
+def test_a_call_in_a_branch_the_instance_rules_out_does_not_count() -> None:
+    """Only the statements that run are read: a call in a folded-away ``if`` branch inside the loop adds nothing,
+    and a statement nested in the loop is read once."""
+    import ast as _ast
+
+    from hpgen.planner.flow.caller_nones import _Walk
+
+    class Owner:
+        use_alibi = False
+
+    body = _ast.parse(
+        "alibi = None\nfor block in self.h:\n    if self.use_alibi:\n        out = block(x, alibi=build())\n"
+        "    else:\n        out = block(x, alibi=alibi)\n    for sub in self.extra:\n        y = sub(y, alibi=None)\n"
+    ).body
+    walk = _Walk(Owner(), {})
+    walk.block(body, in_loop=False)
+    assert walk.calls == [frozenset({"alibi"}), frozenset({"alibi"})]
