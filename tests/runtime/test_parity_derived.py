@@ -66,6 +66,8 @@ SUMMED = {
 BF16 = ("gptj", "gpt_neox")
 VARIANTS = {
     **{f"{family}_sp": (family, {"sp": True}) for family in SP},
+    # CodeGen planned from transformers' plan too (the default of `hpgen plan`): mp_num and embed_dim left whole
+    "codegen_tp_plan": ("codegen", {"from_source": False}),
     **{f"{family}_bf16": (family, {"dtype": "bfloat16"}) for family in BF16},
     **{f"{family}_two_bf16": (family, {"dtype": "bfloat16", "summed": False}) for family in BF16},
 }
@@ -97,8 +99,8 @@ def _plan_and_generated(case: str, directory: Path) -> tuple[dict, str]:
     from hpgen.planner.make import plan_model
 
     family = _family(case)
-    from_source = family not in TRANSFORMERS_PLAN
     options = _options(case)
+    from_source = options.get("from_source", family not in TRANSFORMERS_PLAN)
     plan = plan_model(
         meta_model(tiny(family)),
         tp=2,
