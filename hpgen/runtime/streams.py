@@ -24,7 +24,8 @@ states are put back when it returns:
   layer) and *replicated* otherwise; after a column-parallel projection (its output
   features sharded: ``q_proj``, GPT-2's ``c_attn``, ``fc1``) it is local, after a
   row-parallel one (a partial sum: ``o_proj``, ``c_proj``, ``fc2``) replicated again
-  (:class:`LayoutChange`, a hook of each projection). Each change reseeds the default
+  (:class:`LayoutChange`, a hook of each projection, registered only while the model
+  draws: eval mode and decode run without them). Each change reseeds the default
   generators from a seed derived from the body's frame: the replicated seeds from the
   stream the body was entered with (the same on every rank), the local ones with this
   rank's coordinates on the axes the body is sharded on added. A summed block's body (a
@@ -48,6 +49,7 @@ generators).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,6 +109,10 @@ class ModelStreams:
     generators: list[torch.Generator] = field(default_factory=list)
     frames: list[_Frame] = field(default_factory=list)
     _saved: list[list[torch.Tensor] | None] = field(default_factory=list)
+    # (FQN, column-parallel) of the projections whose hook moves a body's stream: registered on a model while it
+    # draws (train mode), removed by its next forward that does not, so eval and decode run without them
+    projections: list[tuple[str, bool]] = field(default_factory=list)
+    _armed: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
 
     def __deepcopy__(self, memo: dict) -> ModelStreams:
         return self  # hooks of copies of a model share one stream, as they share the process groups
@@ -117,9 +123,16 @@ class ModelStreams:
         if _compiling():  # traced: the graph keeps the user's generators (see the module docstring)
             return
         if not module.training or not self._draws():
+            for handle in self._armed.pop(module, ()):
+                handle.remove()
             self._saved.append(None)
             self.enabled = False
             return
+        if module not in self._armed:
+            self._armed[module] = [
+                module.get_submodule(fqn).register_forward_hook(LayoutChange(self, column))
+                for fqn, column in self.projections
+            ]
         self.enabled = True
         self.generators = default_generators(module)
         self._saved.append([generator.get_state() for generator in self.generators])
@@ -365,7 +378,7 @@ def install_streams(
                 item.module.register_forward_hook(WrappedProjection(streams, opens, [axes[a].rank for a in sharded]))
             continue
         if item.fqn in branches:  # its projections change the layout of its block's body
-            _follow_projections(streams, item.module, entry, sharded)
+            _follow_projections(streams, item, sharded)
             continue
         if form not in ("tp_collective", "generic", "region"):
             continue
@@ -379,24 +392,24 @@ def install_streams(
         if body is None:
             continue
         setattr(item.module, name, BodyStreams(streams, item.module, body, local, [axes[a].rank for a in sharded]))
-        _follow_projections(streams, item.module, entry, sharded)
+        _follow_projections(streams, item, sharded)
     model._hp_streams = streams
     return streams
 
 
-def _follow_projections(streams: ModelStreams, module: nn.Module, entry: Any, sharded: Sequence[str]) -> None:
-    """Hook each projection of ``module`` the plan shards: after a column-parallel one the body's value is
-    sharded (local), after a row-parallel one a partial sum (replicated)."""
-    hooked: set[int] = set()
-    for name, layout in entry.params.items():
+def _follow_projections(streams: ModelStreams, item: Any, sharded: Sequence[str]) -> None:
+    """Record each projection of ``item`` the plan shards (hooked in train mode only): after a column-parallel
+    one the body's value is sharded (local), after a row-parallel one a partial sum (replicated)."""
+    seen: set[str] = set()
+    for name, layout in item.entry.params.items():
         owner_path, _, leaf = name.rpartition(".")
-        if leaf != "weight" or not owner_path:
+        if leaf != "weight" or not owner_path or owner_path in seen:
             continue
-        owner = module.get_submodule(owner_path)
-        kind = projection_layout(owner, [layout.on(a) for a in sharded])
-        if kind is not None and id(owner) not in hooked:
-            hooked.add(id(owner))
-            owner.register_forward_hook(LayoutChange(streams, kind == "column"))
+        kind = projection_layout(item.module.get_submodule(owner_path), [layout.on(a) for a in sharded])
+        if kind is not None:
+            seen.add(owner_path)
+            fqn = f"{item.fqn}.{owner_path}" if item.fqn else owner_path
+            streams.projections.append((fqn, kind == "column"))
 
 
 def reseed_random_streams(model: nn.Module, seed: int, step: int = 0) -> None:
