@@ -41,6 +41,7 @@ from hpgen.placement import REPLICATE, Placement
 from hpgen.plan import Layout, body_is_sharded
 from hpgen.runtime.collectives import AxisCollectives
 from hpgen.runtime.errors import ParallelizeError
+from hpgen.runtime.handback import call
 from hpgen.runtime.hooks import FollowReducedParameters, GradAllReduce
 from hpgen.runtime.params import Matched, rank_shard
 from hpgen.runtime.state_dict import ShardRecorder
@@ -274,7 +275,7 @@ class AdapterWatch:
             ax = self.axes[axis]
             if layout.on(axis) == REPLICATE and ax.size > 1:
                 with torch.no_grad():
-                    dist.broadcast(param.data, group=ax.group, group_src=0)
+                    call(dist.broadcast, param.data, group=ax.group, group_src=0)
 
 
 def survey_adapters(model: nn.Module, matched: Iterable[Matched], mesh_names: Sequence[str]) -> list[_Slot]:

@@ -35,6 +35,7 @@ from hpgen.placement import Placement
 from hpgen.plan import Layout, Plan, body_is_sharded
 from hpgen.runtime.collectives import AxisCollectives
 from hpgen.runtime.errors import ParallelizeError
+from hpgen.runtime.handback import call
 from hpgen.runtime.ops import (
     Address,
     Step,
@@ -130,7 +131,7 @@ class DTensorMove:
             size = dist.get_world_size(group)
             mine = torch.tensor([shape[dim]], dtype=torch.int64, device=x.device)
             every = [torch.empty_like(mine) for _ in range(size)]
-            dist.all_gather(every, mine, group=group)
+            call(dist.all_gather, every, mine, group=group)
             sizes = tuple(int(t.item()) for t in every)
             total = sum(sizes)
             if sizes != split_sizes(total, size) or sizes != chunk_sizes(total, size):

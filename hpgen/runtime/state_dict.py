@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from hpgen.runtime.collectives import AxisCollectives
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.fsdp_state import composed_dtensor, dp_piece, fsdp_value, is_fsdp_shard
+from hpgen.runtime.handback import call
 from hpgen.runtime.params import ParamShard
 from hpgen.runtime.shard_layout import DTensorForm, PackedShard, dtensor_form
 from hpgen.shards import AxisShare, ShardLayout
@@ -450,5 +451,5 @@ def _all_gather_uneven(tensor: Tensor, dim: int, sizes: Sequence[int], group: An
         shape[dim] = longest - tensor.size(dim)
         padded = torch.cat([tensor, tensor.new_zeros(shape)], dim)
     gathered = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(gathered, padded.contiguous(), group=group)
+    call(dist.all_gather, gathered, padded.contiguous(), group=group)
     return [piece.narrow(dim, 0, n) for piece, n in zip(gathered, sizes)]
