@@ -68,6 +68,8 @@ def test_agreement_and_refusal() -> None:
     rs = dtensor_form((8, 3), (Placement.parse("RS(0,2)"),), (4,))
     assert rs.exact and rs.placements == (Shard(0), Replicate()) and rs.split == (2,)
     assert dtensor_form((8, 3), (Placement.parse("RS(0,4)"),), (4,)).placements == (Replicate(),)
+    # RS(0,1) is S(0): 5 rows on 4 ranks split differently for DTensor there too
+    assert dtensor_form((5, 3), (Placement.parse("RS(0,1)"),), (4,)) == form
 
 
 def test_dtensor_placements_and_back() -> None:
