@@ -18,7 +18,7 @@ that it names every module and nothing else):
 - forward (what generated forwards call): ``defaults``, ``collectives``,
   ``traced_collectives``, ``handback``, ``boundary``, ``ops``, ``wrappers``, ``local``,
   ``local_heads``, ``streams``, ``sampling``;
-- shard layout (torch-side of the core's :mod:`hpgen.shards`): ``sharding``,
+- shard layout (DTensor's names for the core's :class:`hpgen.shards.ShardLayout`):
   ``shard_layout``;
 - checkpoints: ``loading``, ``checkpoint_files``, ``conversions``, ``state_dict``,
   ``fsdp_state``, ``dcp_files``, ``saving``, ``folder_swap``, ``adapters``.
