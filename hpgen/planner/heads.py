@@ -252,12 +252,12 @@ class HeadRules:
                 raise Refused(f"{relative(col, layer)} has {n} features, not a whole number of heads of {head_dim}")
             else:
                 units = per_block // head_dim
-            if kind == "S" and k > 1:  # interleaved per head or per key/value group
+            if kind == "S" and k > 1:  # interleaved per head, per key/value group or per group of heads
                 units = k
             if tp is not None and units % tp:
                 raise Refused(
-                    f"{relative(col, layer)} holds {units} heads (or key/value groups), which do not divide over "
-                    f"--tp {tp}"
+                    f"{relative(col, layer)} holds {units} heads (or key/value groups, or groups of heads), which do "
+                    f"not divide over --tp {tp}"
                 )
         if tp is not None and (q % tp or kv % tp):
             raise Refused(f"{q} query and {kv} key/value heads do not divide over --tp {tp}")

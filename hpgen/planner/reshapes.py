@@ -69,6 +69,8 @@ class ReshapeRules:
             kind, k = layouts[col]
             if kind == "SS":
                 counts.add(n // k)
+            elif k > 1:  # interleaved per head, per key/value group or per group of heads: the group count too
+                counts.add(k)
         for row in rows:
             counts.add(in_features(self.modules[row]))
         if heads is not None:
