@@ -23,7 +23,7 @@ from typing import Any
 
 from hpgen.planner.flow import Flow
 from hpgen.planner.flow.runner import function_def
-from hpgen.planner.heads import HEAD_DIM_ATTRS, HEADS_ATTRS, KV_HEADS_ATTRS
+from hpgen.planner.head_names import HEAD_DIM_ATTRS, HEADS_ATTRS, KV_HEADS_ATTRS
 from hpgen.planner.layouts import last_dim
 
 __all__ = ["head_matrix_placement", "param_use", "per_head_view", "view_sizes"]

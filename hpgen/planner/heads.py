@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from hpgen.planner.entries import Derivation, Refused
-from hpgen.planner.modules import between, lca, out_features, positive_int, prefixes, relative
+from hpgen.planner.head_maps import per_head_map
+from hpgen.planner.head_names import HEAD_DIM_ATTRS, HEADS_ATTRS, KV_HEADS_ATTRS
+from hpgen.planner.head_params import param_use, per_head_view
+from hpgen.planner.modules import between, is_linear, lca, out_features, positive_int, prefixes, relative
 from hpgen.shards import row_heads
 
 __all__ = [
-    "HEADS_ATTRS",
-    "HEAD_DIM_ATTRS",
-    "KV_HEADS_ATTRS",
     "PER_HEAD_INPUTS",
     "HeadRules",
     "is_head_dim_name",
@@ -28,35 +28,6 @@ __all__ = [
     "per_head_input",
 ]
 
-HEAD_DIM_ATTRS = (
-    "head_dim",
-    "attention_head_size",
-    "head_size",
-    "d_head",
-    "dim_head",
-    "depth",
-    "kv_channels",
-    "size_per_head",
-    "attn_head_size",
-    "hidden_size_per_attention_head",
-    "head_dim_qk",
-    "qk_head_dim",
-)
-
-
-HEADS_ATTRS = (
-    "num_heads",
-    "num_attention_heads",
-    "n_head",
-    "n_heads",
-    "num_attn_heads",
-    "n_attention_heads",
-    "num_q_heads",
-    "num_head",
-)
-
-
-KV_HEADS_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads", "num_kv", "n_head_kv")
 
 # forward parameters of an attention that carry one slice per head, computed outside it
 PER_HEAD_INPUTS = ("alibi", "position_bias", "attn_bias", "rel_pos", "relative_position", "pos_bias", "bias")
@@ -127,9 +98,6 @@ class HeadRules:
 
     def _head_view(self, fqn: str) -> int | None:
         """``d`` when leaf ``fqn`` reads a per-head view ``[..., heads, d]`` of one column's output."""
-        from hpgen.planner.head_params import per_head_view
-        from hpgen.planner.modules import is_linear
-
         flow = getattr(self, "_layer_flow", None)
         if flow is None:
             return None
@@ -157,8 +125,6 @@ class HeadRules:
 
     def _scales_heads(self, fqn: str) -> bool:
         """A leaf over a per-head view whose parameters are per-head scales ``[heads, d]`` (sharded ``S(0)``)."""
-        from hpgen.planner.head_params import param_use
-
         params = dict(self.modules[fqn].named_parameters())
         size = self._head_view(fqn) if params else None
         if size is None:
@@ -180,8 +146,6 @@ class HeadRules:
 
     def _maps_heads(self, fqn: str) -> bool:
         """A leaf applying one matrix to each head's features alone (:mod:`hpgen.planner.head_maps`)."""
-        from hpgen.planner.head_maps import per_head_map
-
         flow = getattr(self, "_layer_flow", None)
         return flow is not None and per_head_map(self.modules, fqn, flow) is not None
 
