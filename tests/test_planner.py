@@ -252,11 +252,11 @@ def test_transformers_plan_is_kept_where_it_shards_the_layers() -> None:
 def test_transformers_plan_is_completed_where_it_leaves_the_attention_replicated() -> None:
     from hpgen.planner.load import meta_model
     from hpgen.planner.make import plan_model
-    from hpgen.planner.translator import plan_for_model
+    from hpgen.planner.translator import translated_plan
 
     model = meta_model(tiny("flint"))
     plan = plan_model(model, tp=2, name="flint")
-    translated = plan_for_model(model, tp=2, name="flint")
+    translated = translated_plan(model, tp=2, name="flint")
     assert "model.layers.*.self_attn" not in translated["param_plan"]  # transformers shards the MLP only
     for key, entry in translated["param_plan"].items():
         assert plan["param_plan"][key] == entry  # kept as transformers wrote it

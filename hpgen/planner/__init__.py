@@ -39,7 +39,7 @@ module of the package; :mod:`hpgen.planner.flow` has a map of its own):
   :mod:`~hpgen.planner.split_rows` (a row-parallel projection on its split replicated
   input); :mod:`~hpgen.planner.vocab` (the embedding and output projection);
   :mod:`~hpgen.planner.entries` (what a derivation decides); :mod:`~hpgen.planner.modules`
-  (small questions about modules); :mod:`~hpgen.planner.translate` (the derivation
+  (small questions about modules); :mod:`~hpgen.planner.derived_plan` (the derivation
   written as a plan, through the translator's later steps).
 - after either: :mod:`~hpgen.planner.crosscheck` (blocks of transformers' plan the
   source contradicts fall back), :mod:`~hpgen.planner.summed` (parallel-residual blocks

@@ -17,7 +17,7 @@ import ast
 from typing import Any
 
 from hpgen.errors import HpgenError
-from hpgen.planner.boundary import generic
+from hpgen.planner.modules import generic
 from hpgen.planner.styles import Rule
 
 __all__ = ["PackedChunks", "chunked_attributes"]

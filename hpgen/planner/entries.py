@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
+
+from hpgen.planner.modules import generic
 
 __all__ = ["SHARDING_KINDS", "Derivation", "Note", "Placed", "Refused"]
 
@@ -47,7 +48,7 @@ class Derivation:
     notes: list[Note] = field(default_factory=list)
 
     def note(self, target: str, sharded: bool, text: str, *, needs_whole: str = "") -> None:
-        item = Note(_generic(target), sharded, text, _generic(needs_whole) if needs_whole else "")
+        item = Note(generic(target), sharded, text, generic(needs_whole) if needs_whole else "")
         if item not in self.notes:
             self.notes.append(item)
 
@@ -68,8 +69,3 @@ class Contradicted(Refused):
     def __init__(self, message: str, consumer: str) -> None:
         super().__init__(message)
         self.consumer = consumer
-
-
-def _generic(name: str) -> str:
-    """``model.layers.3.mlp`` -> ``model.layers.*.mlp``."""
-    return re.sub(r"\.\d+(?=\.|$)", ".*", name)

@@ -34,7 +34,8 @@ from __future__ import annotations
 from typing import Any
 
 from hpgen.errors import HpgenError
-from hpgen.planner.boundary import Boundary, generic
+from hpgen.planner.boundary import Boundary
+from hpgen.planner.modules import generic
 from hpgen.planner.derive import Derivation, Placed
 from hpgen.planner.translator import Translator
 
