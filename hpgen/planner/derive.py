@@ -58,9 +58,9 @@ from hpgen.planner.entries import Contradicted, Derivation, Note, Placed, Refuse
 from hpgen.planner.flow.caller_nones import caller_nones
 from hpgen.planner.flow import Flow, leaf_kind, module_names, run_module
 from hpgen.planner.gathered import check_gathered, gathered_columns
-from hpgen.planner.groups import GroupFinding, depths, first_marker, sources
+from hpgen.planner.groups import Group, GroupFinding, depths, direct_params, first_marker, sources
 from hpgen.planner.head_cuts import HeadCuts
-from hpgen.planner.head_parts import HeadParts, Parts
+from hpgen.planner.head_parts import HeadParts
 from hpgen.planner.heads import HeadRules, per_head_input
 from hpgen.planner.latent import LatentRefused, check_broadcast, replicated_closure
 from hpgen.planner.modules import generic, is_linear, is_nn_linear, positive_int, relative
@@ -95,9 +95,6 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, HeadParts, ReshapeRules, Block
         self._flows: dict[str, Flow] = {}
         self._pre: dict[str, set[str]] = {}  # block FQN -> replicated layers before its columns (norms)
         self._latent: dict[str, set[str]] = {}  # row FQN -> replicated down-projections of its group (MLA)
-        self._group_latent: set[str] = set()
-        self._group_flow: Flow | None = None
-        self._group_parts: Parts | None = None
         self._layer_flow: Flow | None = None
 
     def run(self) -> Derivation:
@@ -221,8 +218,7 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, HeadParts, ReshapeRules, Block
     def _place_group(
         self, layer: str, flow: Flow, linears: set[str], cols: set[str], rows: set[str], mids: set[str]
     ) -> None:
-        self._group_latent = set()
-        self._group_flow = flow
+        group = Group(flow)
         what = "attention" if self._is_attention(cols, rows) else "MLP"
         for fqn in sorted(cols | rows):
             if not is_linear(self.modules[fqn]):
@@ -251,7 +247,7 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, HeadParts, ReshapeRules, Block
         if latent:
             replicated = replicated_closure(flow, latent, sharded)
             check_broadcast(flow, replicated, self._head_counts(cols, rows), layer)
-        self._group_latent = latent
+        group.latent = latent
         side = sorted(
             {
                 m
@@ -262,7 +258,7 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, HeadParts, ReshapeRules, Block
         )
         heads = self._heads(cols, rows, layer) if what == "attention" else None
         # heads split into parts that work together (differential attention): a strided cut of every part
-        parts = self._group_parts = self._head_parts(flow, cols, rows, layer, heads)
+        parts = group.parts = self._head_parts(flow, cols, rows, layer, heads)
         replicated = {c for c, layout in (parts.layouts if parts else {}).items() if layout[0] == "RS"}
         self._runtime_head_check(cols - replicated, layer)
         head_inputs = self._head_inputs(cols, rows, layer, heads) if side and heads else {}
@@ -276,7 +272,7 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, HeadParts, ReshapeRules, Block
         if what == "attention" and heads is not None and parts is None:
             self._check_heads(cols, layouts, heads, layer)
         counts = self._sharded_counts(cols - replicated, rows, layouts, heads)
-        direct = self._direct_params(raw, cols, layouts, heads, layer)
+        direct = direct_params(self.model, self.modules, group, raw, cols, layouts, heads, layer)
         # reshapes of the parameters sharded with the heads (dt_bias.view(1, 1, num_heads, head_dim)) size shards too
         divide = self._divided_attrs(
             flow,
@@ -287,7 +283,7 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, HeadParts, ReshapeRules, Block
         )
         for module, attrs in (parts.divide if parts else {}).items():
             divide.setdefault(module, set()).update(attrs)
-        self._boundaries(layer, cols, rows, mids, layouts, divide, what, direct, head_inputs, set(gathered))
+        self._boundaries(group, layer, cols, rows, mids, layouts, divide, what, direct, head_inputs, set(gathered))
 
     def _config(self, name: str) -> Any:
         """A value of the (text) config, or None where it is absent or per layer (transformers raises then)."""

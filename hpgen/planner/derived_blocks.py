@@ -16,7 +16,7 @@ from typing import Any
 
 from hpgen.planner.entries import Derivation, Placed, Refused
 from hpgen.planner.flow import leaf_kind, top_level_class
-from hpgen.planner.head_parts import Parts
+from hpgen.planner.groups import Group
 from hpgen.planner.latent import fed_columns, pre_chain, replicated_closure
 from hpgen.planner.load import defined_in
 from hpgen.planner.modules import is_conv1d, is_nn_linear, join, lca, relative, returns_addressable
@@ -34,11 +34,10 @@ class BlockChoice:
     modules: dict[str, Any]
     result: Derivation
     _pre: dict[str, set[str]]
-    _group_latent: set[str]
-    _group_parts: Parts | None
 
     def _boundaries(
         self,
+        group: Group,
         layer: str,
         cols: set[str],
         rows: set[str],
@@ -56,7 +55,7 @@ class BlockChoice:
             common = layer
         pieces: list[Placed] = []
         # a gathered column reads the other columns, not the block's inputs: in the group, not walked back
-        block = self._clean(common, cols - gathered, rows, mids | gathered, full=True)
+        block = self._clean(common, cols - gathered, rows, mids | gathered, latent=group.latent)
         if head_inputs and block is None and common in cols | rows:
             raise Refused(
                 f"the attention takes {', '.join(repr(n) for n in sorted(head_inputs))} (one slice per head, made "
@@ -64,11 +63,11 @@ class BlockChoice:
             )
         if block is not None:
             why = f"{what}: column- and row-parallel projections"
-            if self._group_latent:
-                names = ", ".join(sorted(relative(p, common) for p in self._group_latent))
+            if group.latent:
+                names = ", ".join(sorted(relative(p, common) for p in group.latent))
                 why += f"; the latent down-projection {names} (shared by the heads) replicated in the block"
-            if self._group_parts is not None:
-                why += f"; {self._group_parts.why}"
+            if group.parts is not None:
+                why += f"; {group.parts.why}"
             placed = Placed(common, "block", inputs=block, why=why)
             self._cut_heads(placed, head_inputs, cols, rows, layer)  # type: ignore[attr-defined]
             self._params(placed, cols - gathered, rows, layouts)
@@ -92,7 +91,7 @@ class BlockChoice:
             column = lca(cols)
             inputs = None
             if not any(r == column or r.startswith(column + ".") for r in rows) and column not in cols:
-                inputs = self._clean(column, cols, set(), mids, full=False)
+                inputs = self._clean(column, cols, set(), mids, latent=None)
             if inputs is not None:
                 placed = Placed(
                     column,
@@ -186,12 +185,16 @@ class BlockChoice:
                 placed.params[name] = "R"
                 placed.deferred.add(name)
 
-    def _clean(self, fqn: str, cols: set[str], rows: set[str], mids: set[str], *, full: bool) -> tuple[str, ...] | None:
+    def _clean(
+        self, fqn: str, cols: set[str], rows: set[str], mids: set[str], *, latent: set[str] | None
+    ) -> tuple[str, ...] | None:
         """The inputs of ``fqn`` feeding the columns when it can be the group's block, else None.
 
-        ``full``: the block holds the rows and returns their output alone; otherwise it holds
-        only the columns and returns their (sharded) output alone.
+        ``latent`` given (the group's latent down-projections, maybe none): the block holds the rows
+        and returns their output alone; None: it holds only the columns and returns their (sharded)
+        output alone.
         """
+        full = latent is not None
         module = self.modules.get(fqn)
         if module is None or leaf_kind(module, self.read) != "source" or not fqn:
             return None
@@ -202,7 +205,7 @@ class BlockChoice:
         flow = self._flow(fqn)
         group = cols | rows | mids
         pre = set()
-        latent = self._group_latent if full else set()
+        latent = latent or set()
         before = replicated_closure(flow, latent, group) | fed_columns(flow, cols, group) if full else set()
         for leaf, origins in flow.edges.items():
             if leaf in group:
