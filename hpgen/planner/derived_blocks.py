@@ -17,6 +17,8 @@ from typing import Any
 from hpgen.planner.entries import Derivation, Placed, Refused
 from hpgen.planner.flow import leaf_kind, top_level_class
 from hpgen.planner.groups import Group
+from hpgen.planner.head_cuts import cut_heads
+from hpgen.planner.heads import HeadRules
 from hpgen.planner.latent import fed_columns, pre_chain, replicated_closure
 from hpgen.planner.load import defined_in
 from hpgen.planner.modules import is_conv1d, is_nn_linear, join, lca, relative, returns_addressable
@@ -34,6 +36,7 @@ class BlockChoice:
     modules: dict[str, Any]
     result: Derivation
     _pre: dict[str, set[str]]
+    heads: HeadRules  # the decoder layer's
 
     def _boundaries(
         self,
@@ -69,7 +72,7 @@ class BlockChoice:
             if group.parts is not None:
                 why += f"; {group.parts.why}"
             placed = Placed(common, "block", inputs=block, why=why)
-            self._cut_heads(placed, head_inputs, cols, rows, layer)  # type: ignore[attr-defined]
+            cut_heads(placed, head_inputs, group.heads[0] if group.heads else None)
             self._params(placed, cols - gathered, rows, layouts)
             pieces.append(placed)
             for col in sorted(gathered):  # its own wrapped nn.Linear: the input is gathered on entry
@@ -132,7 +135,7 @@ class BlockChoice:
                         "not a top-level class of the lowered file, which is where hpgen lower rewrites classes"
                     )
                 placed = Placed(common, "heads", why=f"{what}: the body between the sharded projections")
-                self._cut_heads(placed, head_inputs, cols, rows, layer)  # type: ignore[attr-defined]
+                cut_heads(placed, head_inputs, group.heads[0] if group.heads else None)
                 pieces.append(placed)
         for name, placement in direct.items():
             owner = next((p for p in pieces if p.kind in ("block", "col_block") and name.startswith(p.fqn + ".")), None)
@@ -148,7 +151,7 @@ class BlockChoice:
                     if not leaf.startswith(piece.fqn + "."):
                         continue
                     names = {join(relative(leaf, piece.fqn), n) for n, _ in self.modules[leaf].named_parameters()}
-                    if leaf in mids and self._scales_heads(leaf):  # type: ignore[attr-defined]
+                    if leaf in mids and self.heads.scales_heads(leaf):
                         piece.params.update(dict.fromkeys(names, "S(0)"))  # [heads, d]: this rank's heads' rows
                     else:
                         piece.grad_reduce |= names

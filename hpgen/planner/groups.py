@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from hpgen.planner.entries import Derivation, Refused
 from hpgen.planner.flow import Flow
 from hpgen.planner.head_params import head_matrix_placement, view_sizes
-from hpgen.planner.heads import normalized_heads
+from hpgen.planner.heads import HeadRules, normalized_heads
 from hpgen.planner.latent import pre_projections, replicated_closure
 from hpgen.planner.mixers import absent, conv_placement, per_head_placement, single_column_conv
 from hpgen.planner.modules import in_features, out_features, positive_int, relative
@@ -32,11 +32,12 @@ __all__ = ["Group", "GroupFinding", "Sources", "depths", "direct_params", "first
 @dataclass
 class Group:
     """What the steps placing one column -> row group share, passed to each: the layer's flow, the
-    latent down-projections kept replicated in the block (MLA), and the heads' parts (differential attention)."""
+    latent down-projections kept replicated in the block (MLA), the heads' parts (differential attention), the heads."""
 
     flow: Flow
     latent: set[str] = field(default_factory=set)
     parts: Parts | None = None
+    heads: tuple[int, int, int] | None = None  # (query heads, key/value heads, head_dim) of an attention
 
 
 class GroupFinding:
@@ -48,6 +49,7 @@ class GroupFinding:
     modules: dict[str, Any]
     result: Derivation
     _latent: dict[str, set[str]]
+    heads: HeadRules  # the decoder layer's
 
     def _groups(
         self, flow: Flow, linears: set[str], depth: Mapping[str, int]
@@ -61,7 +63,7 @@ class GroupFinding:
         own columns, and ``linear`` stays replicated).
         """
         main = first_marker(flow)
-        found = {fqn: sources(flow, fqn, linears, self._per_head) for fqn in linears}
+        found = {fqn: sources(flow, fqn, linears, self.heads.per_head) for fqn in linears}
         widths = {positive_int(self._config("hidden_size"))}
         widths |= {in_features(self.modules[f]) for f, src in found.items() if not src.linears}
         rows = {
@@ -97,14 +99,14 @@ class GroupFinding:
 
     def _check_mid(self, fqn: str, cols: set[str], layer: str, rows: set[str]) -> None:
         module = self.modules[fqn]
-        head_dim = self._head_dim(cols)
+        head_dim = self.heads.head_dim(cols)
         sizes = {p.numel() for p in module.parameters()}
         shapes = [tuple(p.shape) for p in module.parameters()]
         if not shapes:  # a weightless norm over whole heads, narrower than the rows' input: rows a rank holds whole
             width = normalized_heads(module, {head_dim} if head_dim else set())
             if width is not None and all(width < in_features(self.modules[r]) for r in rows):
                 return
-            if self._norms_heads(fqn):  # type: ignore[attr-defined]
+            if self.heads.norms_heads(fqn):
                 return  # a norm of the file without parameters over a per-head view
             raise Refused(
                 f"{relative(fqn, layer)} ({type(module).__name__}) sits between the column- and row-parallel "
@@ -112,7 +114,7 @@ class GroupFinding:
             )
         if all(len(s) == 1 for s in shapes) and head_dim is not None and sizes <= {head_dim}:
             return  # a per-head norm (q_norm): runs on whole heads; its gradient is reduced
-        if self._maps_heads(fqn) or self._norms_heads(fqn) or self._scales_heads(fqn):  # type: ignore[attr-defined]
+        if self.heads.maps_heads(fqn) or self.heads.norms_heads(fqn) or self.heads.scales_heads(fqn):
             return  # one matrix for each head's features, a norm or a per-head scale over a per-head view
         raise Refused(
             f"{relative(fqn, layer)} ({type(module).__name__}, parameters {shapes}) sits between the column- and "
