@@ -93,8 +93,8 @@ def param_use(model: Any, name: str) -> str | None:
         while (  # self.p.float(): the call's value is the parameter still
             isinstance(parent, ast.Attribute)
             and parent.attr in _CASTS
-            and isinstance(parents.get(id(parent)), ast.Call)
-            and parents[id(parent)].func is parent  # type: ignore[attr-defined]
+            and isinstance(call := parents.get(id(parent)), ast.Call)
+            and call.func is parent
         ):
             current = parents[id(parent)]
             parent = parents.get(id(current))

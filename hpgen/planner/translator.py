@@ -77,7 +77,7 @@ from hpgen.errors import HpgenError
 from hpgen.planner.blocks import BoundaryFinding
 from hpgen.planner.boundary import Boundary
 from hpgen.planner.checks import SizeChecks
-from hpgen.planner.corrections import PackedChunks
+from hpgen.planner.corrections import correct_packed_chunks
 from hpgen.planner.document import PlanDocument
 from hpgen.planner.load import index_source, source_file
 from hpgen.planner.sequence import SequenceParallel
@@ -109,9 +109,7 @@ def translated_plan(
     return Translator(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, name=name or type(model).__name__).plan()
 
 
-class Translator(
-    StyleRules, PackedChunks, BoundaryFinding, SizeChecks, SequenceParallel, ForwardSignatures, PlanDocument
-):
+class Translator(StyleRules, BoundaryFinding, SizeChecks, SequenceParallel, ForwardSignatures, PlanDocument):
     """transformers' plan of one model translated into hpgen's plan, one step per base class."""
 
     rules: dict[str, Rule]
@@ -140,8 +138,8 @@ class Translator(
         # AutoModel from another model's file), each indexed once
         self._sources: dict[Path, tuple[ParsedSource, ModuleIndex]] = {self.source.resolve(): (self.parsed, self.index)}
         self.boundaries: dict[str, Boundary] = {}
-        self.corrected: dict[str, str] = {}  # rule -> why transformers' style was changed
-        self._correct_packed_chunks()
+        # rule -> why transformers' style was changed (the rules corrected in place)
+        self.corrected = correct_packed_chunks(self.rules, self.modules, self._forward_owner, self._source_of)
 
     def plan(self) -> dict[str, Any]:
         """The plan document: boundaries, their parameters, the checks, ``--sp``, inputs and outputs."""
