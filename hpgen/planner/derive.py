@@ -67,6 +67,7 @@ from hpgen.planner.modules import generic, is_linear, is_nn_linear, lca, positiv
 from hpgen.planner.reshapes import ReshapeRules
 from hpgen.planner.split_rows import place_split_rows, reshapes_weight
 from hpgen.planner.vocab import place_vocabulary
+from hpgen.placement import REPLICATE
 
 __all__ = ["Derivation", "Note", "Placed", "derive"]
 
@@ -281,7 +282,7 @@ class _Deriver(GroupFinding, HeadParts, ReshapeRules, BlockChoice):
         # reshapes of the parameters sharded with the heads (dt_bias.view(1, 1, num_heads, head_dim)) size shards too
         divide = self._divided_attrs(
             flow,
-            sharded | {f"param:{n}" for n, p in direct.items() if p != "R"},
+            sharded | {f"param:{n}" for n, p in direct.items() if p != REPLICATE},
             counts,
             layer,
             parts.lines if parts else set(),

@@ -22,6 +22,7 @@ from hpgen.planner.heads import HeadRules
 from hpgen.planner.latent import fed_columns, pre_chain, replicated_closure
 from hpgen.planner.load import defined_in
 from hpgen.planner.modules import is_conv1d, is_nn_linear, join, lca, relative, returns_addressable
+from hpgen.placement import REPLICATE, Placement, replicated_shard, shard, strided_shard
 
 __all__ = ["BlockChoice"]
 
@@ -48,7 +49,7 @@ class BlockChoice:
         layouts: Mapping[str, tuple[str, int]],
         divide: Mapping[str, set[str]],
         what: str,
-        direct: Mapping[str, str],
+        direct: Mapping[str, Placement],
         head_inputs: Mapping[str, str] | None = None,
         gathered: set[str] | None = None,
     ) -> None:
@@ -141,7 +142,7 @@ class BlockChoice:
             owner = next((p for p in pieces if p.kind in ("block", "col_block") and name.startswith(p.fqn + ".")), None)
             if owner is None:
                 raise Refused(f"{relative(name, layer)} is read directly outside the block of its projections")
-            if placement != "R":
+            if placement != REPLICATE:
                 owner.params[relative(name, owner.fqn)] = placement
             else:
                 owner.grad_reduce.add(relative(name, owner.fqn))
@@ -152,7 +153,7 @@ class BlockChoice:
                         continue
                     names = {join(relative(leaf, piece.fqn), n) for n, _ in self.modules[leaf].named_parameters()}
                     if leaf in mids and self.heads.scales_heads(leaf):
-                        piece.params.update(dict.fromkeys(names, "S(0)"))  # [heads, d]: this rank's heads' rows
+                        piece.params.update(dict.fromkeys(names, shard(0)))  # [heads, d]: this rank's heads' rows
                     else:
                         piece.grad_reduce |= names
         for piece in pieces:
@@ -174,18 +175,16 @@ class BlockChoice:
             kind, k = layouts[col]
             dim = 1 if is_conv1d(module) else 0
             # SS: k packed blocks; RS: replicated on k ranks (key/value heads every rank needs whole)
-            text = f"{kind}({dim},{k})" if kind in ("SS", "RS") else f"S({dim})"
-            placed.params[join(relative(col, placed.fqn), "weight")] = text
+            placed.params[join(relative(col, placed.fqn), "weight")] = _column_placement(kind, dim, k)
             if getattr(module, "bias", None) is not None:
-                bias = f"{kind}(0,{k})" if kind in ("SS", "RS") else "S(0)"
-                placed.params[join(relative(col, placed.fqn), "bias")] = bias
+                placed.params[join(relative(col, placed.fqn), "bias")] = _column_placement(kind, 0, k)
         for row in sorted(rows):
             module = self.modules[row]
             dim = 0 if is_conv1d(module) else 1
-            placed.params[join(relative(row, placed.fqn), "weight")] = f"S({dim})"
+            placed.params[join(relative(row, placed.fqn), "weight")] = shard(dim)
             if getattr(module, "bias", None) is not None:
                 name = join(relative(row, placed.fqn), "bias")
-                placed.params[name] = "R"
+                placed.params[name] = REPLICATE
                 placed.deferred.add(name)
 
     def _clean(
@@ -251,3 +250,13 @@ class BlockChoice:
         if not full and any(o[3:] in inputs for o in outputs if o.startswith("in:")):
             return None
         return tuple(sorted(inputs))
+
+
+def _column_placement(kind: str, dim: int, k: int) -> Placement:
+    """A column's placement on ``dim`` from its layout ``(kind, k)``: ``SS`` and ``RS`` carry ``k``, ``S`` does not
+    (``k`` > 1 there is the interleaving the heads cut keeps whole)."""
+    if kind == "SS":
+        return strided_shard(dim, k)
+    if kind == "RS":
+        return replicated_shard(dim, k)
+    return shard(dim)

@@ -97,7 +97,7 @@ class _DerivedTranslator(Translator):
     def _place_params(self) -> None:
         for fqn, placed in self.placed.items():
             boundary = self.boundaries[fqn]
-            boundary.params = {name: {"tp": text} for name, text in placed.params.items()}
+            boundary.params = {name: {"tp": str(placement)} for name, placement in placed.params.items()}
             boundary.deferred = set(placed.deferred)
 
     def _implicit_grad_reduce(self) -> None:

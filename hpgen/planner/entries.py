@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hpgen.placement import Placement
 from hpgen.planner.modules import generic
 
 __all__ = ["SHARDING_KINDS", "Derivation", "Note", "Placed", "Refused"]
@@ -18,7 +19,7 @@ class Placed:
 
     fqn: str
     kind: str  # block | col_block | col_leaf | row_leaf | gather_leaf | heads | lm_head | embedding | attrs | alias
-    params: dict[str, str] = field(default_factory=dict)  # relative parameter name -> placement on tp
+    params: dict[str, Placement] = field(default_factory=dict)  # relative parameter name -> placement on tp
     deferred: set[str] = field(default_factory=set)
     inputs: tuple[str, ...] = ()  # forward parameters entering a block (R -> R)
     divide: set[str] = field(default_factory=set)  # tp_divide_attrs

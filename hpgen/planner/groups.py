@@ -22,6 +22,7 @@ from hpgen.planner.heads import HeadRules, normalized_heads
 from hpgen.planner.latent import pre_projections, replicated_closure
 from hpgen.planner.mixers import absent, conv_placement, per_head_placement, single_column_conv
 from hpgen.planner.modules import in_features, out_features, positive_int, relative
+from hpgen.placement import REPLICATE, Placement, shard, strided_shard
 
 if TYPE_CHECKING:
     from hpgen.planner.head_parts import Parts
@@ -122,14 +123,14 @@ class GroupFinding:
         )
 
 
-def _parts_placement(param: Any, heads: tuple[int, int, int], k: int, name: str) -> str:
+def _parts_placement(param: Any, heads: tuple[int, int, int], k: int, name: str) -> Placement:
     """A parameter read between the projections of an attention whose heads are split into ``k`` parts:
     a scalar or one head's worth (DiffLlama's lambdas) replicated, one value per query head ``SS(0,k)``."""
     q, _, head_dim = heads
     if param.numel() == 1 or (param.dim() == 1 and param.numel() == head_dim != q):
-        return "R"
+        return REPLICATE
     if param.dim() == 1 and param.numel() == q != head_dim:
-        return f"SS(0,{k})"
+        return strided_shard(0, k)
     both = " (head_dim and the query heads are both that size)" if q == head_dim else ""
     raise Refused(
         f"the code between the projections computes with {name} {tuple(param.shape)} directly, which hpgen cannot "
@@ -146,7 +147,7 @@ def direct_params(
     layouts: Mapping[str, tuple[str, int]],
     heads: tuple[int, int, int] | None,
     layer: str,
-) -> dict[str, str]:
+) -> dict[str, Placement]:
     """Parameters the code between the projections reads itself, and their placement.
 
     One value per feature of a plainly sharded column (a learned scale on ``q``): sharded
@@ -156,7 +157,7 @@ def direct_params(
     features ``[d, e]`` or a weight over a column's channels (:mod:`hpgen.planner.head_params`);
     anything else cannot follow the shards.
     """
-    found: dict[str, str] = {}
+    found: dict[str, Placement] = {}
     head_dim = heads[2] if heads is not None else None
     plain = {c: out_features(modules[c]) for c in cols if layouts[c] == ("S", 1)}
     widths, col_widths = set(plain.values()), list(plain.values())
@@ -183,9 +184,9 @@ def direct_params(
         elif special is not None:
             found[name] = special  # a depthwise conv over the columns, or one value per head (A_log)
         elif param.dim() == 1 and (param.numel() in widths or (heads is not None and param.numel() == heads[0])):
-            found[name] = "S(0)"  # one value per feature of a column, or one per query head (GPT-OSS sinks)
+            found[name] = shard(0)  # one value per feature of a column, or one per query head (GPT-OSS sinks)
         elif param.numel() == 1 or (param.dim() == 1 and param.numel() == head_dim):
-            found[name] = "R"
+            found[name] = REPLICATE
         else:
             raise Refused(
                 f"the code between the projections computes with {relative(name, layer)} "
@@ -195,7 +196,7 @@ def direct_params(
 
 def _head_matrix(
     model: Any, flow: Flow, name: str, param: Any, contiguous: Mapping[str, int], heads: tuple[int, int, int] | None
-) -> str | None:
+) -> Placement | None:
     """A 2-D parameter per head, shared by the heads, or over a column's channels (:mod:`hpgen.planner.head_params`).
 
     ``contiguous``: the columns whose weights shard contiguously (``S(0)``) and their widths. The
