@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from hpgen.planner.derived_blocks import BlockChoice
-from hpgen.planner.entries import Contradicted, Derivation, Note, Placed, Refused
+from hpgen.planner.entries import Contradicted, Derivation, HeadCut, Note, Placed, Refused
 from hpgen.planner.flow.caller_nones import caller_nones
 from hpgen.planner.flow import Flow, leaf_kind, module_names, run_module
 from hpgen.planner.gathered import check_gathered, gathered_columns
@@ -263,7 +263,7 @@ class _Deriver(GroupFinding, HeadParts, ReshapeRules, BlockChoice):
         parts = group.parts = self._head_parts(flow, cols, rows, layer, heads)
         replicated = {c for c, layout in (parts.layouts if parts else {}).items() if layout[0] == "RS"}
         self.heads.check_runtime_heads(cols - replicated, layer)
-        cut: dict[str, str] = {}
+        cut: dict[str, HeadCut] = {}
         if side and heads:
             common = lca(cols | rows)
             common = common if common == layer or common.startswith(layer + ".") else layer

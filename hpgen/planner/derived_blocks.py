@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hpgen.planner.entries import Derivation, Placed, Refused
+from hpgen.planner.entries import Derivation, HeadCut, Placed, Refused
 from hpgen.planner.flow import leaf_kind, top_level_class
 from hpgen.planner.groups import Group
 from hpgen.planner.head_cuts import cut_heads
@@ -50,7 +50,7 @@ class BlockChoice:
         divide: Mapping[str, set[str]],
         what: str,
         direct: Mapping[str, Placement],
-        head_inputs: Mapping[str, str] | None = None,
+        head_inputs: Mapping[str, HeadCut] | None = None,
         gathered: set[str] | None = None,
     ) -> None:
         gathered = gathered or set()

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, Union
 
 from hpgen.placement import Placement
 from hpgen.planner.modules import generic
 
-__all__ = ["SHARDING_KINDS", "Derivation", "Note", "Placed", "Refused"]
+__all__ = ["BATCH_MAJOR", "SHARDING_KINDS", "Derivation", "HeadCut", "Note", "Placed", "Refused"]
+
+# How a per-head input made outside an attention is cut to a rank's heads: S(d) on its head dim, or
+# BATCH_MAJOR where the heads are fused into the batch dim (a region's local compute cuts it).
+BATCH_MAJOR = "batch_major"
+HeadCut = Union[Placement, Literal["batch_major"]]
 
 # Kinds of entries that shard something inside the decoder layers (not attrs, aliases, the vocabulary).
 SHARDING_KINDS = ("block", "col_block", "col_leaf", "row_leaf", "reduce_leaf", "gather_leaf", "col_gather", "split_row")
@@ -24,7 +30,7 @@ class Placed:
     inputs: tuple[str, ...] = ()  # forward parameters entering a block (R -> R)
     divide: set[str] = field(default_factory=set)  # tp_divide_attrs
     grad_reduce: set[str] = field(default_factory=set)  # replicated parameters the sharded body runs through
-    head_inputs: dict[str, str] = field(default_factory=dict)  # per-head inputs made outside: name -> S(d) | batch_major
+    head_inputs: dict[str, HeadCut] = field(default_factory=dict)  # per-head inputs made outside: name -> its cut
     global_heads: int | None = None  # the query heads, for a batch_major head input's local compute
     why: str = ""
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from hpgen.planner.entries import Placed, Refused
+from hpgen.placement import shard
+from hpgen.planner.entries import BATCH_MAJOR, HeadCut, Placed, Refused
 from hpgen.planner.flow import Flow
 from hpgen.planner.groups import sources
 from hpgen.planner.heads import HeadRules, per_head_input
@@ -22,7 +23,7 @@ from hpgen.planner.modules import is_linear
 __all__ = ["cut_heads", "head_inputs"]
 
 
-def head_inputs(rules: HeadRules, inner: Flow, common: str, rows: set[str], query_heads: int) -> dict[str, str]:
+def head_inputs(rules: HeadRules, inner: Flow, common: str, rows: set[str], query_heads: int) -> dict[str, HeadCut]:
     """Arguments of the attention block ``common`` (whose flow is ``inner``) that carry one slice per head
     (made outside it) -> their cut.
 
@@ -49,23 +50,23 @@ def head_inputs(rules: HeadRules, inner: Flow, common: str, rows: set[str], quer
         raise Refused(
             f"the attention adds {listed}, made outside it, and hpgen cannot tell its head dim: {error}"
         ) from None
-    found: dict[str, str] = {}
+    found: dict[str, HeadCut] = {}
     for name in names:
         layout = layouts[(common, name)]
         if layout.kind == "dim":
-            found[name] = f"S({layout.dim})"
+            found[name] = shard(layout.dim)
         elif layout.kind == "batch_major":
-            found[name] = "batch_major"
-    if any(p == "batch_major" for p in found.values()) and rules.tp is None:
+            found[name] = BATCH_MAJOR
+    if BATCH_MAJOR in found.values() and rules.tp is None:
         raise Refused(f"the attention adds {listed} with the heads fused into the batch dim, which needs --tp")
     return found
 
 
-def cut_heads(placed: Placed, head_inputs: Mapping[str, str] | None, query_heads: int | None) -> None:
+def cut_heads(placed: Placed, head_inputs: Mapping[str, HeadCut] | None, query_heads: int | None) -> None:
     """Record on ``placed`` (the attention's block or its ``heads`` entry) the cuts of its per-head inputs."""
     for name, placement in sorted((head_inputs or {}).items()):
         placed.head_inputs[name] = placement
-        if placement == "batch_major":
+        if placement == BATCH_MAJOR:
             assert query_heads is not None  # per-head inputs are found for an attention, whose heads are known
             placed.global_heads = query_heads
             placed.why += (
