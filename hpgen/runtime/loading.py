@@ -37,8 +37,8 @@ from hpgen.runtime.checkpoint_files import CheckpointFiles
 from hpgen.runtime.conversions import Mapped, Source, checkpoint_sources, model_conversions
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.folder_swap import recover
-from hpgen.runtime.shard_layout import boxes
 from hpgen.runtime.state_dict import local_state_dict, sharded_params
+from hpgen.shards import ShardLayout
 
 __all__ = ["from_pretrained"]
 
@@ -263,7 +263,7 @@ def _file_dtype(source: Source) -> str | None:
 
 def _read_local(source: Source, shape: tuple[int, ...], shares: Any) -> torch.Tensor:
     """This rank's chunk of ``source`` (full ``shape``): its boxes read one by one into one tensor."""
-    parts = boxes(shape, shares)
+    parts = ShardLayout(shape, shares).boxes()
     if len(parts) == 1 and parts[0].local_offsets == (0,) * len(shape):
         box = parts[0]
         if any(s == 0 for s in box.sizes):

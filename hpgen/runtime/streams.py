@@ -50,6 +50,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hpgen.runtime.handback import call
+
 __all__ = ["BodyStreams", "LayoutChange", "ModelStreams", "default_generators", "mix", "reseed_random_streams"]
 
 _MASK = (1 << 64) - 1
@@ -284,7 +286,7 @@ def first_rank_seed(groups: Iterable[dist.ProcessGroup | None], device: torch.de
     seed = torch.tensor([torch.initial_seed() & ((1 << 63) - 1)], dtype=torch.int64, device=device)
     for group in groups:
         if group is not None and dist.get_world_size(group) > 1:
-            dist.broadcast(seed, src=dist.get_global_rank(group, 0), group=group)
+            call(dist.broadcast, seed, src=dist.get_global_rank(group, 0), group=group)
     return int(seed.item())
 
 

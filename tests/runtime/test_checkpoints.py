@@ -514,12 +514,12 @@ def _strided_shard_checks(mesh: Any, rank: int, size: int) -> list[str]:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     from hpgen.placement import Placement
-    from hpgen.runtime.sharding import local_chunk
+    from hpgen.shards import ShardLayout
 
     failures = []
     for shape, dim, k in [((12, 3), 0, 2), ((18, 2), 0, 3), ((3, 14), 1, 2), ((2, 10, 4), 1, 2)]:
         full = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape)
-        ours = local_chunk(full, [(Placement("SS", dim=dim, blocks=k), rank, size)])
+        ours = ShardLayout(shape, [(Placement("SS", dim=dim, blocks=k), rank, size)]).local_slice(full)
         placement = _StridedShard(dim, split_factor=k)
         # src_data_rank=None: each rank splits locally (DTensor's scatter path needs even blocks)
         theirs = distribute_tensor(full, mesh, [placement], src_data_rank=None).to_local()
