@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from hpgen.lower import lower
-from hpgen.plan import _ENTRY_KEYS, _INJECTION_KEYS, _TOP_LEVEL_KEYS, load_plan
+from hpgen.plan import load_plan
+from hpgen.plan_reader import ENTRY_KEYS, INJECTION_KEYS, TOP_LEVEL_KEYS
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
@@ -63,7 +64,7 @@ def _documented_keys() -> set[str]:
     return {name for row in rows for name in re.findall(r"`([^`]+)`", row.split("|")[1])}
 
 
-@pytest.mark.parametrize("key", sorted(_TOP_LEVEL_KEYS | _ENTRY_KEYS | _INJECTION_KEYS))
+@pytest.mark.parametrize("key", sorted(TOP_LEVEL_KEYS | ENTRY_KEYS | INJECTION_KEYS))
 def test_every_plan_key_the_loader_accepts_is_documented(key: str) -> None:
     assert key in _documented_keys()
 

@@ -135,9 +135,9 @@ def generated_plan(family: str, config: Mapping[str, Any] | None = None, **flags
     """What ``hpgen plan`` writes for the tiny config of ``family`` (with ``config`` overrides),
     for ``flags`` ``tp=``, ``ep=``, ``ep_axis=``, ``sp=``."""
     from hpgen.planner.load import meta_model
-    from hpgen.planner.translator import plan_for_model
+    from hpgen.planner.translator import translated_plan
 
-    return plan_for_model(meta_model(make_config(family, **(config or {}))), name=family, **flags)
+    return translated_plan(meta_model(make_config(family, **(config or {}))), name=family, **flags)
 
 
 def load_plan_dict(name: str) -> dict[str, Any]:

@@ -696,11 +696,13 @@ def results4(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     dict's DTensors are copies laid out DTensor's way there."""
     import json
 
-    from hpgen.planner.translator import make_plan
+    from hpgen.planner.load import load_config, meta_model
+    from hpgen.planner.translator import translated_plan
 
     root = tmp_path_factory.mktemp("checkpoints4")
     _write_checkpoint("llama", root / "llama", 5, max_shard_size="100KB")
-    plan = make_plan(str(root / "llama" / "config.json"), tp=4)
+    config_path = str(root / "llama" / "config.json")
+    plan = translated_plan(meta_model(load_config(config_path)), tp=4, name=config_path)
     (root / "plan.json").write_text(json.dumps(plan))
     generated = str(lower_family("llama", plan, root))
     return run_distributed(_run_tp4, str(root), generated, plan, world_size=4, timeout=400)
