@@ -137,7 +137,7 @@ class Case:
     others: tuple[str, ...] = ()  # the generated files of the other modeling files the boundaries live in
 
 
-VARIANTS = {"tp": {}, "sp": {"sp": True}, "ep": {"ep": 2}, "train": {}}  # plan_for_model options beyond tp=2
+VARIANTS = {"tp": {}, "sp": {"sp": True}, "ep": {"ep": 2}, "train": {}}  # translated_plan options beyond tp=2
 TRAIN_DROPOUT = 0.1
 TRAIN_STEPS = 3
 TRAIN_BEGIN, TRAIN_END = "<!-- train-mode: begin -->", "<!-- train-mode: end -->"

@@ -23,7 +23,7 @@ do not count), except the write, in wall time since it waits on fsync.
 Files are lowered with ``package`` set, as ``hpgen lower -o`` does for an output outside the
 source's package.
 
-Plans come from ``hpgen plan`` (:func:`hpgen.planner.translator.make_plan`, tensor parallel, no
+Plans come from ``hpgen plan`` (:func:`hpgen.planner.translator.translated_plan`, tensor parallel, no
 divisibility check): every model type whose config has a ``base_model_tp_plan`` and for
 which it makes a plan, lowered from the file its model class comes from (one row per file;
 the first model type wins). The others are listed with the reason.
@@ -111,7 +111,7 @@ def collect_cases(model_types: list[str] | None) -> tuple[list[Case], dict[str, 
     the row is named after the type whose name the file carries, else the first one.
     """
     from hpgen.planner.load import load_config, meta_model, model_class_for
-    from hpgen.planner.translator import plan_for_model
+    from hpgen.planner.translator import translated_plan
 
     by_source: dict[Path, list[Case]] = defaultdict(list)
     skipped = {}
@@ -126,7 +126,7 @@ def collect_cases(model_types: list[str] | None) -> tuple[list[Case], dict[str, 
         try:
             config = load_config(model_type)
             model_class = model_class_for(config)
-            plan = plan_for_model(meta_model(config), name=model_type)
+            plan = translated_plan(meta_model(config), name=model_type)
         except HpgenError as error:
             skipped[model_type] = f"hpgen plan: {str(error).splitlines()[0]}"
             continue

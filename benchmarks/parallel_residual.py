@@ -28,6 +28,7 @@ import argparse
 import importlib.util
 import itertools
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -146,6 +147,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     started = time.perf_counter()
+    load = [os.getloadavg()]
     shared = [tempfile.mkdtemp(prefix="hpgen_pr_") if rank == 0 else None]
     dist.broadcast_object_list(shared, src=0)
     folder = Path(shared[0])
@@ -196,6 +198,7 @@ def main() -> None:
         return
     shutil.rmtree(folder, ignore_errors=True)
     results["wall_s"] = time.perf_counter() - started
+    results["load_average"] = [*load, os.getloadavg()]  # (1, 5, 15 min) at the start and at the end
     print(report(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
@@ -230,7 +233,8 @@ def report(results: dict[str, Any]) -> str:
             graphs = {k: (v["graphs"], v["graph_breaks"]) for k, v in info.items() if isinstance(v, dict)}
             lines.append(f"\n{name}: (graphs, breaks) {graphs}")
         lines.append("")
-    lines.append(f"Wall time: {results['wall_s']:.0f} s.")
+    start, end = (", ".join(f"{v:.1f}" for v in load) for load in results["load_average"])
+    lines.append(f"Wall time: {results['wall_s']:.0f} s; load average {start} at the start, {end} at the end.")
     return "\n".join(lines)
 
 

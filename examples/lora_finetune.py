@@ -39,7 +39,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from hpgen.lower import lower
 from hpgen.plan import plan_from_dict
 from hpgen.planner.load import meta_model
-from hpgen.planner.translator import plan_for_model
+from hpgen.planner.translator import translated_plan
 from hpgen.runtime import parallelize
 
 CONFIG = dict(
@@ -85,7 +85,7 @@ def main() -> None:
     mesh = init_device_mesh(device.type, (TP,), mesh_dim_names=("tp",))
 
     config = LlamaConfig(**CONFIG)
-    plan = plan_for_model(meta_model(config), tp=TP, name="llama")
+    plan = translated_plan(meta_model(config), tp=TP, name="llama")
     # kept until the end: parallelize reads the generated file's header to check that all ranks run the same code
     directory = tempfile.TemporaryDirectory(prefix=f"hpgen-rank{rank}-")
     generated = lower_llama(plan, Path(directory.name))

@@ -36,7 +36,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from hpgen.lower import lower
 from hpgen.plan import plan_from_dict
 from hpgen.planner.load import meta_model
-from hpgen.planner.translator import plan_for_model
+from hpgen.planner.translator import translated_plan
 from hpgen.runtime import parallelize
 
 CONFIG = dict(
@@ -82,7 +82,7 @@ def main() -> None:
     dp, dp_rank = mesh["dp"].size(), mesh.get_local_rank("dp")
 
     config = LlamaConfig(**CONFIG)
-    plan = plan_for_model(meta_model(config), tp=TP, sp=True, name="llama")
+    plan = translated_plan(meta_model(config), tp=TP, sp=True, name="llama")
     # kept until the end: parallelize reads the generated file's header to check that all
     # ranks run the same code
     directory = tempfile.TemporaryDirectory(prefix=f"hpgen-rank{rank}-")

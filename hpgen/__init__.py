@@ -7,7 +7,9 @@ The generator pipeline reads as the package: ``plan`` (load, validate) → ``ind
 Layers, each importing only those below it (``tests/test_layers.py`` holds the rule;
 docs/architecture.md draws it):
 
-- core: ``plan``, ``placement``, ``classify``, ``shards`` (shard arithmetic), ``header``,
+- core: ``plan`` (loading; ``plan_reader`` validates, ``plan_entries`` is the data,
+  ``plan_names`` the name checks and FQN patterns), ``placement``, ``classify``,
+  ``shards`` (shard arithmetic, ``ShardLayout``), ``header``,
   ``stubs`` (kernel-stub detection), ``errors``, ``durable``: plain data every layer
   shares; no torch at import time, no libcst;
 - generator (core): ``index``, ``resolve``, ``emit``, ``lower``, ``write``, ``targets``,

@@ -223,7 +223,7 @@ def _summed_notes(contract: Contract) -> list[str]:
         paired = f" (with {summed.paired_input}'s, one collective)" if summed.paired_input else ""
         notes.append(
             f"{summed.shared_input} output{paired}: {summed.axis} {summed.shared.src} -> {summed.shared.dst} ==> "
-            f"{summed.shared.described()} for both branches, a hook parallelize installs"
+            f"{summed.shared.described()} for both branches, run in the norm's forward by parallelize"
         )
     return notes
 

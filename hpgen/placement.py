@@ -89,3 +89,18 @@ class Placement:
 
 
 REPLICATE = Placement("R")
+
+
+def shard(dim: int) -> Placement:
+    """``S(dim)``."""
+    return Placement("S", dim=dim)
+
+
+def strided_shard(dim: int, blocks: int) -> Placement:
+    """``SS(dim,blocks)``: ``blocks`` packed blocks in ``dim``, each sharded on its own."""
+    return Placement("SS", dim=dim, blocks=blocks)
+
+
+def replicated_shard(dim: int, replicas: int) -> Placement:
+    """``RS(dim,replicas)``: each chunk of ``dim`` on ``replicas`` consecutive ranks."""
+    return Placement("RS", dim=dim, replicas=replicas)

@@ -9,25 +9,38 @@ layout over several mesh axes applies them in mesh order, each axis splitting wh
 previous ones left. DTensor's ``Shard`` and FSDP2 follow ``torch.chunk`` instead (pieces
 of ``ceil(n / k)``, trailing ranks may get nothing): :func:`chunk_bounds` is that one.
 
-Pure integer functions (no torch at import time), so the planner's sizing report and the
-runtime's sharding compute the same sizes from one place (docs/plan-format.md).
+:class:`ShardLayout` is a parameter's shard on one rank (full shape, and per mesh axis
+the placement, the rank's index and the axis size): its local shape, the global ranges
+it holds per dim, the contiguous boxes they make, and the local slice of a full tensor
+all come from one walk over the axes (:func:`_axis_step`), the only place that tells
+``S``, ``RS`` and ``SS`` apart. The runtime's :mod:`hpgen.runtime.shard_layout` adds the
+DTensor names of a layout and back.
+
+Pure integer functions (no torch at import time; tensors are only handed in, and used by
+their methods), so the planner's sizing report and the runtime's sharding compute the
+same sizes from one place (docs/plan-format.md).
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Iterable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from hpgen.placement import Placement
 
 __all__ = [
     "AxisShare",
+    "Box",
+    "Run",
+    "ShardLayout",
     "chunk_bounds",
     "chunk_sizes",
     "chunks_and_index",
     "local_shape",
     "normalize_dim",
-    "piece_sizes",
     "placement_problem",
     "row_heads",
     "split_bounds",
@@ -36,6 +49,11 @@ __all__ = [
 
 AxisShare = tuple[Placement, int, int]
 """One mesh axis as a parameter sees it: (placement, this rank's index, axis size)."""
+
+Run = tuple[int, int]
+"""A ``[start, stop)`` range of global indices along one dim."""
+
+T = TypeVar("T")
 
 
 def split_sizes(n: Any, k: int) -> tuple[Any, ...]:
@@ -99,30 +117,242 @@ def placement_problem(shape: Sequence[int], placement: Placement, size: int) -> 
     return None
 
 
-def local_shape(shape: Sequence[int], shares: Iterable[AxisShare]) -> tuple[int, ...]:
-    """The shape of this rank's chunk of a tensor of ``shape`` (placements already checked)."""
-    result = list(shape)
-    for placement, rank, size in shares:
-        if placement.kind in ("S", "RS"):
-            dim = normalize_dim(placement.dim, len(result))
-            chunks, index = chunks_and_index(placement, rank, size)
-            result[dim] = split_sizes(result[dim], chunks)[index]
-        elif placement.kind == "SS":
-            dim = normalize_dim(placement.dim, len(result))
-            block = result[dim] // placement.blocks
-            result[dim] = placement.blocks * split_sizes(block, size)[rank]
-    return tuple(result)
+# --------------------------------------------------------------------------- the walk over the axes
 
 
-def piece_sizes(placement: Placement, n: int, size: int) -> tuple[int, ...]:
-    """The length of each rank's piece of a dim of ``n`` under ``placement`` on ``size`` ranks."""
-    if placement.kind == "SS":
-        return tuple(placement.blocks * s for s in split_sizes(n // placement.blocks, size))
-    pieces = []
-    for rank in range(size):
+def _take(runs: Sequence[Run], lo: int, hi: int) -> list[Run]:
+    """The global ranges of local positions ``[lo, hi)`` of the concatenation of ``runs``.
+
+    Nothing taken gives one empty run at the global place of position ``lo``, so that a
+    rank holding none of a dim still has a place in it (an empty vocab range starts there).
+    """
+    taken: list[Run] = []
+    position = 0
+    place = None
+    for start, stop in runs:
+        length = stop - start
+        if place is None and lo <= position + length:
+            place = start + lo - position
+        a, b = max(lo, position), min(hi, position + length)
+        if a < b:
+            taken.append((start + a - position, start + b - position))
+        position += length
+    return _joined([taken], place if place is not None else 0)
+
+
+def _joined(pieces: Iterable[Sequence[Run]], place: int) -> list[Run]:
+    """``pieces`` in order, empty runs dropped and adjacent runs merged (one read, one box), or
+    one empty run at ``place`` when nothing is left."""
+    joined: list[Run] = []
+    for start, stop in itertools.chain.from_iterable(pieces):
+        if start == stop:
+            continue
+        if joined and joined[-1][1] == start:
+            joined[-1] = (joined[-1][0], stop)
+        else:
+            joined.append((start, stop))
+    return joined or [(place, place)]
+
+
+def _axis_step(runs: Sequence[Run], placement: Placement, rank: int, size: int, chunked: bool) -> list[Run]:
+    """What rank ``rank`` of an axis of ``size`` laid out as ``placement`` keeps of the dim held as ``runs``.
+
+    The one place that tells ``S``, ``RS`` and ``SS`` apart. ``chunked``: DTensor's reading
+    (``torch.chunk`` pieces) instead of hpgen's (``torch.tensor_split``).
+    """
+    bounds = chunk_bounds if chunked else split_bounds
+    total = sum(stop - start for start, stop in runs)
+    if placement.kind in ("S", "RS"):
         chunks, index = chunks_and_index(placement, rank, size)
-        pieces.append(split_sizes(n, chunks)[index])
-    return tuple(pieces)
+        return _take(runs, *bounds(total, chunks, index))
+    if placement.kind == "SS":
+        block = total // placement.blocks
+        lo, hi = bounds(block, size, rank)
+        taken = [_take(runs, j * block + lo, j * block + hi) for j in range(placement.blocks)]
+        return _joined(taken, taken[0][0][0])
+    raise ValueError(f"no shard layout for placement {placement} (only R, S(d), SS(d,k), RS(d,r))")
+
+
+@dataclass(frozen=True)
+class Box:
+    """One contiguous block of the full tensor held by this rank.
+
+    ``offsets``/``sizes`` are in the full tensor; ``local_offsets`` where the block sits in
+    the rank's local tensor.
+    """
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    local_offsets: tuple[int, ...]
+
+    def bounds(self) -> tuple[tuple[int, int], ...]:
+        """``[start, stop)`` per dim in the full tensor (the box a checkpoint reader reads)."""
+        return tuple((o, o + s) for o, s in zip(self.offsets, self.sizes))
+
+    def global_index(self) -> tuple[slice, ...]:
+        return tuple(slice(a, b) for a, b in self.bounds())
+
+    def full_view(self, full: T) -> T:
+        """The block as a view of the full tensor ``full``."""
+        return _narrowed(full, self.offsets, self.sizes)
+
+    def local_view(self, local: T) -> T:
+        """The block as a view of the rank's local tensor ``local``."""
+        return _narrowed(local, self.local_offsets, self.sizes)
+
+
+def _narrowed(tensor: Any, offsets: Sequence[int], sizes: Sequence[int]) -> Any:
+    for dim, (o, s) in enumerate(zip(offsets, sizes)):
+        tensor = tensor.narrow(dim, o, s)
+    return tensor
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """A parameter's shard on one rank: its full ``shape`` and, per mesh axis in mesh order, the
+    placement, this rank's index on the axis and the axis size (``shares``).
+
+    Axes apply in mesh order, each splitting what the ones before it left. Everything
+    hpgen needs of a shard comes from here: the local shape, the global ranges held per dim
+    (:meth:`runs`), the boxes a checkpoint reader reads (:meth:`boxes`), the local slice of a
+    full tensor (:meth:`local_slice`) and, per axis, every rank's piece for a gather
+    (:meth:`pieces`). Placements are checked beforehand (:func:`placement_problem`).
+    """
+
+    shape: tuple[int, ...]
+    shares: tuple[AxisShare, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(self.shape))
+        object.__setattr__(self, "shares", tuple(self.shares))
+
+    @classmethod
+    def of(
+        cls, shape: Sequence[int], placements: Sequence[Placement], coordinate: Sequence[int], sizes: Sequence[int]
+    ) -> ShardLayout:
+        """The layout of ``shape`` at mesh ``coordinate``, ``placements[i]`` on axis ``i`` of ``sizes[i]`` ranks."""
+        return cls(tuple(shape), tuple(zip(placements, coordinate, sizes)))
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return tuple(placement for placement, _, _ in self.shares)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(size for _, _, size in self.shares)
+
+    @property
+    def sharded(self) -> bool:
+        """Some axis lays it out other than replicated (the shard may still be whole, on axes of one rank)."""
+        return any(not placement.is_replicate for placement in self.placements)
+
+    def split_dim(self, axis: int) -> int | None:
+        """The dim axis number ``axis`` splits (counted from the front), or None when it replicates."""
+        placement = self.shares[axis][0]
+        if placement.is_replicate or placement.dim is None:
+            return None
+        dim = normalize_dim(placement.dim, len(self.shape))
+        if dim is None:
+            raise ValueError(f"{placement} names dim {placement.dim}, but the shape is {self.shape}")
+        return dim
+
+    def prefix(self, axes: int) -> ShardLayout:
+        """The shard the first ``axes`` axes leave (what the next axis splits)."""
+        return ShardLayout(self.shape, self.shares[:axes])
+
+    def at(self, axis: int, rank: int) -> ShardLayout:
+        """The same layout at index ``rank`` of axis number ``axis``, the other coordinates kept."""
+        placement, _, size = self.shares[axis]
+        return ShardLayout(self.shape, (*self.shares[:axis], (placement, rank, size), *self.shares[axis + 1 :]))
+
+    @functools.cached_property
+    def _runs(self) -> tuple[tuple[Run, ...], ...]:
+        return self._walk(chunked=False)
+
+    def _walk(self, *, chunked: bool) -> tuple[tuple[Run, ...], ...]:
+        """Per dim, the runs held (an empty dim keeps one empty run at its place)."""
+        runs: list[list[Run]] = [[(0, n)] for n in self.shape]
+        for axis, (placement, rank, size) in enumerate(self.shares):
+            dim = self.split_dim(axis)
+            if dim is not None:
+                runs[dim] = _axis_step(runs[dim], placement, rank, size, chunked)
+        return tuple(tuple(r) for r in runs)
+
+    def runs(self, *, chunked: bool = False) -> list[list[Run]]:
+        """Per dim, the global ranges this rank holds, in local order (empty ranges left out).
+
+        ``chunked``: the ranges DTensor would give this rank for the same placements
+        (``torch.chunk`` pieces; ``SS`` as ``_StridedShard``).
+        """
+        walked = self._walk(chunked=True) if chunked else self._runs
+        return [[(a, b) for a, b in dim if a < b] for dim in walked]
+
+    def indices(self, dim: int, *, chunked: bool = False) -> list[int]:
+        """The global indices of ``dim`` this rank holds, in local order."""
+        return [i for start, stop in self.runs(chunked=chunked)[dim] for i in range(start, stop)]
+
+    @functools.cached_property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape of this rank's chunk."""
+        return tuple(sum(stop - start for start, stop in dim) for dim in self._runs)
+
+    def range(self, dim: int) -> Run:
+        """``[start, stop)`` of the global indices of ``dim`` this rank holds (an empty one where it
+        holds none): what a vocab-parallel embedding needs to know which token ids are its own."""
+        held = self._runs[dim]
+        if len(held) > 1:
+            raise ValueError(f"dim {dim} of this shard is {len(held)} ranges ({self}), not one")
+        return held[0]
+
+    def boxes(self) -> list[Box]:
+        """Every contiguous block of the full tensor that this rank's shard is made of."""
+        per_dim = []
+        for runs in self.runs():
+            placed, position = [], 0
+            for start, stop in runs:
+                placed.append((start, stop - start, position))
+                position += stop - start
+            per_dim.append(placed or [(0, 0, 0)])
+        return [
+            Box(tuple(c[0] for c in combo), tuple(c[1] for c in combo), tuple(c[2] for c in combo))
+            for combo in itertools.product(*per_dim)
+        ]
+
+    def local_slice(self, full: T) -> T:
+        """This rank's chunk of ``full`` (a tensor of :attr:`shape`): a view when it is one box
+        (``S``, ``RS``), else a new tensor with each box copied in (``SS``)."""
+        parts = self.boxes()
+        if len(parts) == 1:
+            return parts[0].full_view(full)
+        local = full.new_empty(self.local_shape)  # type: ignore[attr-defined]
+        for box in parts:
+            box.local_view(local).copy_(box.full_view(full))
+        return local
+
+    def pieces(self, axis: int) -> list[list[Run]]:
+        """Per rank of axis number ``axis``, the ranges of its :meth:`split_dim` it keeps, in the
+        coordinates of the shard the axes before it leave (the other coordinates this rank's).
+
+        Their lengths are the pieces a gather over the axis collects; their ranges where each
+        piece goes back.
+        """
+        dim = self.split_dim(axis)
+        if dim is None:
+            raise ValueError(f"axis {axis} of {self} splits no dim")
+        n = self.prefix(axis).local_shape[dim]
+        placement, _, size = self.shares[axis]
+        steps = (_axis_step([(0, n)], placement, rank, size, False) for rank in range(size))
+        return [[(a, b) for a, b in runs if a < b] for runs in steps]
+
+    def __str__(self) -> str:
+        axes = ", ".join(f"{p} at {rank} of {size}" for p, rank, size in self.shares)
+        return f"{self.shape} as {axes or 'a whole'}"
+
+
+def local_shape(shape: Sequence[int], shares: Iterable[AxisShare]) -> tuple[int, ...]:
+    """The shape of this rank's chunk of a tensor of ``shape``: :attr:`ShardLayout.local_shape` (the planner's
+    sizing report calls it with one axis at a time)."""
+    return ShardLayout(tuple(shape), tuple(shares)).local_shape
 
 
 def row_heads(block: Any, linear_path: str, rows: int, head_dim: int) -> int:

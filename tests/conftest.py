@@ -41,6 +41,7 @@ FAST_MODULES = (
     "test_packaging",
     "test_placement",
     "test_plan",
+    "test_shards",
     "test_source_styles",
 )
 

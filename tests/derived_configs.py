@@ -79,6 +79,19 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             **_TINY,
         ),
     ),
+    # CodeGen's fused qkv_proj holds mp_num=4 groups of [q | v | k] rows; 8 heads so that each rank's 4 fill them
+    "codegen": (
+        "CodeGenConfig",
+        dict(n_embd=64, n_head=8, n_layer=2, n_inner=90, rotary_dim=4, vocab_size=127, n_positions=64, n_ctx=64),
+    ),
+    # Cohere's parallel block with sliding-window layers (the window shorter than the generated sequence)
+    "cohere2": (
+        "Cohere2Config",
+        dict(
+            hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=90,
+            sliding_window=4, **_TINY,
+        ),
+    ),
     "stablelm": (
         "StableLmConfig",
         dict(

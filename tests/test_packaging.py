@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-import tomllib
+import sys
 from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the backport pyproject.toml installs there
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -24,6 +24,11 @@ from hpgen.cli import cli
 from tests.derived_configs import tiny
 
 
+def placements(placed) -> dict[str, str]:
+    """A derived entry's parameter placements, as the plan writes them."""
+    return {name: str(placement) for name, placement in placed.params.items()}
+
+
 def derived(family: str, tp: int = 2) -> dict[str, Any]:
     from hpgen.planner.load import meta_model
     from hpgen.planner.make import plan_model
@@ -252,11 +257,11 @@ def test_transformers_plan_is_kept_where_it_shards_the_layers() -> None:
 def test_transformers_plan_is_completed_where_it_leaves_the_attention_replicated() -> None:
     from hpgen.planner.load import meta_model
     from hpgen.planner.make import plan_model
-    from hpgen.planner.translator import plan_for_model
+    from hpgen.planner.translator import translated_plan
 
     model = meta_model(tiny("flint"))
     plan = plan_model(model, tp=2, name="flint")
-    translated = plan_for_model(model, tp=2, name="flint")
+    translated = translated_plan(model, tp=2, name="flint")
     assert "model.layers.*.self_attn" not in translated["param_plan"]  # transformers shards the MLP only
     for key, entry in translated["param_plan"].items():
         assert plan["param_plan"][key] == entry  # kept as transformers wrote it
@@ -458,8 +463,8 @@ def test_a_projection_reading_the_values_whole_is_gathered_on_entry() -> None:
     derivation = derive(meta_model(tiny("doge")), tp=2)
     assert derivation.placed["model.layers.0.self_attn"].kind == "block"
     leaf = derivation.placed["model.layers.0.self_attn.dt_proj"]
-    assert leaf.kind == "gather_leaf" and leaf.params == {"weight": "S(0)", "bias": "S(0)"}
-    attn = derivation.placed["model.layers.0.self_attn"].params
+    assert leaf.kind == "gather_leaf" and placements(leaf) == {"weight": "S(0)", "bias": "S(0)"}
+    attn = placements(derivation.placed["model.layers.0.self_attn"])
     assert attn["A"] == "S(0)" and not any(name.startswith("dt_proj.") for name in attn)
     plan = plan_model_of("doge")
     assert plan["comments"]["plan_source"] == "transformers' plan"
@@ -652,7 +657,7 @@ def test_a_replicated_latent_is_shared_by_the_heads_or_the_group_stays_replicate
         assert "cuts the replicated output of attn.kv_a into heads" in notes["layers.*.attn.o_proj"]
     else:
         block = derivation.placed["layers.0.attn"]
-        assert block.params == {"q_proj.weight": "S(0)", "kv_b.weight": "S(0)", "o_proj.weight": "S(1)"}
+        assert placements(block) == {"q_proj.weight": "S(0)", "kv_b.weight": "S(0)", "o_proj.weight": "S(1)"}
         assert block.grad_reduce == {"kv_a.weight", "kv_norm.weight", "kv_norm.bias"}
 
 
@@ -690,7 +695,7 @@ def test_a_conv_over_blocks_of_unequal_sizes_has_no_packed_placement() -> None:
 
     weight = model.conv.weight
     assert conv_placement(model, name, weight, [64, 64, 128], [split([64, 64, 128])]) is None
-    assert conv_placement(model, name, weight, [128, 128], [split([128, 128])]) == "SS(0,2)"
+    assert str(conv_placement(model, name, weight, [128, 128], [split([128, 128])])) == "SS(0,2)"
     assert conv_placement(model, name, weight, [128, 128], []) is None  # blocks unknown
     model.conv = nn.Conv1d(256, 256, 4, device="meta")  # mixes channels
     assert conv_placement(model, name, model.conv.weight, [128, 128], [split([128, 128])]) is None
@@ -938,8 +943,8 @@ def test_a_recurrence_is_opened_and_shards_only_where_its_code_works_per_head(
     notes = {note.target: note.text for note in derivation.notes}
     if reason is None:
         block = placed["layers.0.mixer"]
-        assert block.kind == "block" and block.params["linear_out.weight"] == "S(1)"
-        assert {block.params[n] for n in ("rec.gate", "rec.decay", "conv.weight", "linear_x.weight")} == {"S(0)"}
+        assert block.kind == "block" and placements(block)["linear_out.weight"] == "S(1)"
+        assert {placements(block)[n] for n in ("rec.gate", "rec.decay", "conv.weight", "linear_x.weight")} == {"S(0)"}
         assert block.divide == {"channels"}  # the state it allocates
         assert placed["layers.0.mixer.rec"].divide == {"heads"}  # the reshape into heads; `width` stays
         assert placed["layers.0.mixer.conv"].divide == {"groups", "in_channels", "out_channels"}
@@ -1059,7 +1064,7 @@ def test_a_per_head_matrix_and_a_short_conv_on_one_column_follow_the_heads(
     notes = {note.target: note.text for note in derivation.notes if not note.sharded}
     if variant == "per_head":
         block = derivation.placed["layers.0.attn"]
-        assert block.params == {
+        assert placements(block) == {
             "q_proj.weight": "S(0)", "k_proj.weight": "S(0)", "v_proj.weight": "S(0)", "r_proj.weight": "S(0)",
             "o_proj.weight": "S(1)", "k_conv.conv1d.weight": "S(0)",
         }

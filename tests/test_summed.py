@@ -265,8 +265,8 @@ def test_falcon_keeps_its_attention_whole_where_the_format_cannot_cut_it() -> No
     assert "[71 query heads | 1 key | 1 value] (multi-query), blocks of unequal sizes" in result.output
 
 
-def test_a_layer_argument_is_none_only_where_every_round_of_the_loop_passes_none() -> None:
-    """The caller's reading folds ``if`` tests on the instance and forgets a name the loop rebinds."""
+def _caller_calls(source: str) -> list[frozenset[str]]:
+    """The None keywords of each call the caller's reading collects from ``source`` (``self.use_alibi`` False)."""
     import ast as _ast
 
     from hpgen.planner.flow.caller_nones import _Walk
@@ -274,10 +274,25 @@ def test_a_layer_argument_is_none_only_where_every_round_of_the_loop_passes_none
     class Owner:
         use_alibi = False
 
-    body = _ast.parse(
+    walk = _Walk(Owner(), {})
+    walk.block(_ast.parse(source).body, in_loop=False)
+    return walk.calls
+
+
+def test_a_layer_argument_is_none_only_where_every_round_of_the_loop_passes_none() -> None:
+    """The caller's reading folds ``if`` tests on the instance and forgets a name the loop rebinds."""
+    calls = _caller_calls(
         "alibi = None\nmask = None\nif self.use_alibi:\n    alibi = build()\n"
         "for block in self.h:\n    out = block(x, alibi=alibi, mask=mask)\n    mask = out\n"
-    ).body
-    walk = _Walk(Owner(), {})
-    walk.block(body, in_loop=False)
-    assert frozenset.intersection(*walk.calls) == {"alibi"}
+    )
+    assert frozenset.intersection(*calls) == {"alibi"}
+
+
+def test_a_call_in_a_branch_the_instance_rules_out_does_not_count() -> None:
+    """Only the statements that run are read: a call in a folded-away ``if`` branch inside the loop adds nothing,
+    and a statement nested in the loop is read once."""
+    calls = _caller_calls(
+        "alibi = None\nfor block in self.h:\n    if self.use_alibi:\n        out = block(x, alibi=build())\n"
+        "    else:\n        out = block(x, alibi=alibi)\n    for sub in self.extra:\n        y = sub(y, alibi=None)\n"
+    )
+    assert calls == [frozenset({"alibi"}), frozenset({"alibi"})]

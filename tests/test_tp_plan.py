@@ -316,7 +316,7 @@ def test_bad_targets_exit_2(args: list[str], expected: str) -> None:
 
 def test_generating_plans_keeps_torch_out_of_the_generator() -> None:
     probe = (
-        "import sys, hpgen.planner.make, hpgen.planner.translator, hpgen.planner.derive, hpgen.planner.translate, "
+        "import sys, hpgen.planner.make, hpgen.planner.translator, hpgen.planner.derive, hpgen.planner.derived_plan, "
         "hpgen.cli, hpgen.lower; "
         "print('torch' in sys.modules, 'transformers' in sys.modules)"
     )
@@ -329,7 +329,7 @@ def test_generating_plans_keeps_torch_out_of_the_generator() -> None:
 
 def test_generated_plans_match_the_unsharded_llama_on_two_ranks(tmp_path: Path) -> None:
     from hpgen.planner.load import meta_model
-    from hpgen.planner.translator import plan_for_model
+    from hpgen.planner.translator import translated_plan
     from tests.dist import run_distributed
     from tests.runtime.models import (
         Case,
@@ -343,7 +343,7 @@ def test_generated_plans_match_the_unsharded_llama_on_two_ranks(tmp_path: Path) 
 
     cases = []
     for name, sp in (("tp", False), ("tp_sp", True)):
-        plan = plan_for_model(meta_model(make_config("llama")), tp=2, sp=sp)
+        plan = translated_plan(meta_model(make_config("llama")), tp=2, sp=sp)
         (tmp_path / name).mkdir()
         cases.append(Case(name, "llama", str(lower_family("llama", plan, tmp_path / name)), plan))
     results = run_distributed(run_cases, cases, timeout=300)

@@ -21,7 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 from hpgen.errors import HpgenError
-from hpgen.planner.boundary import Boundary, relative
+from hpgen.planner.boundary import Boundary
+from hpgen.planner.modules import relative
 from hpgen.planner.styles import (
     COLWISE,
     EMBEDDING_LEAVES,

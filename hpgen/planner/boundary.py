@@ -8,13 +8,11 @@ groups the layers' boundaries into one key.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Boundary", "generic", "relative"]
+__all__ = ["Boundary"]
 
-_DIGITS = re.compile(r"\.\d+(?=\.|$)")
 
 
 @dataclass
@@ -53,12 +51,3 @@ class Boundary:
         if self.divide_attrs:
             entry["divide_attrs"] = dict(self.divide_attrs)
         return entry
-
-
-def generic(name: str) -> str:
-    """``model.layers.3.mlp`` -> ``model.layers.*.mlp`` (transformers' wildcard form)."""
-    return _DIGITS.sub(".*", name)
-
-
-def relative(fqn: str, base: str) -> str:
-    return fqn[len(base) + 1 :] if base else fqn

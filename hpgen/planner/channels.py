@@ -41,6 +41,7 @@ from hpgen.planner.entries import Placed, Refused
 from hpgen.planner.flow import Flow, leaf_kind
 from hpgen.planner.modules import in_features, is_nn_linear, join, out_features, relative
 from hpgen.planner.state_leaves import check_state_leaf, follows_channels, leaf_flow, state_leaves
+from hpgen.placement import REPLICATE, Placement, shard, strided_shard
 
 __all__ = ["ChannelMixer", "find_channel_mixer"]
 
@@ -135,9 +136,9 @@ def _gathered(
             "col_gather",
             why=f"state-space mixer: column-parallel, its output gathered for the replicated scan ({reason})",
         )
-        piece.params["weight"] = "S(0)"
+        piece.params["weight"] = shard(0)
         if modules[col].bias is not None:
-            piece.params["bias"] = "S(0)"
+            piece.params["bias"] = shard(0)
         mixer.reduced.append(piece)
     mixer.reduced.append(
         _row(out, modules[out], "split_row", "state-space mixer: row-parallel on this rank's split of the scan's output")
@@ -170,9 +171,9 @@ def _channel_parallel(
         block.params[join(relative(col, fqn), "weight")] = _column_placement(deriver, flow, col, channels, where)
         if modules[col].bias is not None:
             block.params[join(relative(col, fqn), "bias")] = block.params[join(relative(col, fqn), "weight")]
-    block.params[join(relative(out, fqn), "weight")] = "S(1)"
+    block.params[join(relative(out, fqn), "weight")] = shard(1)
     if modules[out].bias is not None:
-        block.params[join(relative(out, fqn), "bias")] = "R"
+        block.params[join(relative(out, fqn), "bias")] = REPLICATE
         block.deferred.add(join(relative(out, fqn), "bias"))
     handled = set(cols) | {out}
     reduced = sorted(
@@ -217,7 +218,7 @@ def _channel_parallel(
                         f"{name} {tuple(param.shape)} holds {heads} heads of {channels // heads} channels, which do "
                         f"not divide over --tp {deriver.tp}"
                     )
-            block.params[name] = "S(0)"
+            block.params[name] = shard(0)
         elif owner_fqn != fqn and _fed_only_by(flow, owner_fqn, set(mixer_rows(mixer))):
             block.grad_reduce.add(name)  # a replicated layer on the reduced values (Jamba's B/C norms)
         else:
@@ -298,12 +299,12 @@ def deriver_layer(deriver: Any, fqn: str) -> str:
     return getattr(deriver, "_current_layer", "") or ""
 
 
-def _column_placement(deriver: Any, flow: Flow, col: str, channels: int, where: str) -> str:
+def _column_placement(deriver: Any, flow: Flow, col: str, channels: int, where: str) -> Placement:
     """``S(0)`` for a projection of ``C`` outputs, ``SS(0,k)`` for ``k`` equal packed blocks."""
     n = out_features(deriver.modules[col])
     k = n // channels
     if k == 1:
-        return "S(0)"
+        return shard(0)
     use = next((u for u in flow.shapes if col in u.receiver), None)
     if use is None:
         name = relative(col, deriver_layer(deriver, col))
@@ -319,12 +320,12 @@ def _column_placement(deriver: Any, flow: Flow, col: str, channels: int, where: 
                         f"{relative(col, deriver_layer(deriver, col))} interleaves {k} values per channel and its "
                         f"{channels} channels do not divide over --tp {deriver.tp}"
                     )
-                return "S(0)"
+                return shard(0)
             if a == k and b in (-1, channels):  # [..., k, C, ...]: k packed blocks
-                return f"SS(0,{k})"
+                return strided_shard(0, k)
     kind, count = layout_of(use, n, None)
     if kind == "SS" and count == k:
-        return f"SS(0,{k})"
+        return strided_shard(0, k)
     raise Refused(
         f"{relative(col, deriver_layer(deriver, col))} ({n} outputs) is split at line {use.line} into blocks other "
         f"than {k} equal ones of the {channels} channels"
@@ -367,8 +368,8 @@ def _fed_only_by(flow: Flow, fqn: str, rows: set[str]) -> bool:
 def _row(fqn: str, module: Any, kind: str, why: str) -> Placed:
     """A row-parallel ``nn.Linear`` of a mixer: weight ``S(1)``, its bias added once after the reduction."""
     piece = Placed(fqn, kind, why=why)
-    piece.params["weight"] = "S(1)"
+    piece.params["weight"] = shard(1)
     if module.bias is not None:
-        piece.params["bias"] = "R"
+        piece.params["bias"] = REPLICATE
         piece.deferred.add("bias")
     return piece

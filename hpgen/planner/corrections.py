@@ -14,46 +14,54 @@ corrects the style and says so in the plan's ``comments`` (``corrected``):
 from __future__ import annotations
 
 import ast
-from typing import Any
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from hpgen.errors import HpgenError
-from hpgen.planner.boundary import generic
+from hpgen.planner.modules import generic
 from hpgen.planner.styles import Rule
 
-__all__ = ["PackedChunks", "chunked_attributes"]
+if TYPE_CHECKING:
+    from hpgen.index import ClassInfo, ModuleIndex, ParsedSource
+
+__all__ = ["chunked_attributes", "correct_packed_chunks"]
 
 
-class PackedChunks:
-    """The correction step of a :class:`~hpgen.planner.translator.Translator`, run on its rules."""
+def correct_packed_chunks(
+    rules: dict[str, Rule],
+    modules: Mapping[str, Any],
+    forward_owner: Callable[[Any, str], ClassInfo],
+    source_of: Callable[[type], tuple[Path, ParsedSource, ModuleIndex]],
+) -> dict[str, str]:
+    """``colwise`` on a fused projection whose output ``forward`` splits with ``chunk(2)`` becomes
+    ``packed_colwise`` in ``rules`` (changed in place); returns each corrected rule's why, by pattern.
 
-    rules: dict[str, Rule]
-    modules: dict[str, Any]
-    corrected: dict[str, str]
-
-    def _correct_packed_chunks(self) -> None:
-        """``colwise`` on a fused projection whose output ``forward`` splits with ``chunk(2)``
-        becomes ``packed_colwise``, noted in :attr:`corrected`."""
-        for fqn, rule in sorted(self.rules.items()):
-            if rule.style != "colwise" or rule.via_module:
-                continue
-            owner_fqn, _, attr = fqn.rpartition(".")
-            owner = self.modules.get(owner_fqn)
-            if owner is None:
-                continue
-            try:
-                info = self._forward_owner(owner, owner_fqn)  # type: ignore[attr-defined]
-                parsed = self._source_of(type(owner))[1]  # type: ignore[attr-defined]
-            except HpgenError:  # a class with no source to read (torch's own)
-                continue
-            if attr not in chunked_attributes(parsed.tree, info.name):
-                continue
-            for name, other in list(self.rules.items()):
-                if name == fqn or (name.startswith(fqn + ".") and other.via_module and other.style == "colwise"):
-                    self.rules[name] = Rule("packed_colwise", other.axis, other.via_module)
-            self.corrected[generic(fqn)] = (
-                f"transformers' plan says colwise, but {info.name}.forward splits the output of {attr} with "
-                "chunk(2): two packed blocks, so packed_colwise (each rank takes its chunk of both)"
-            )
+    ``forward_owner`` and ``source_of`` are the translator's: the class whose ``forward`` a module
+    runs, and a class's modeling file parsed and indexed."""
+    corrected: dict[str, str] = {}
+    for fqn, rule in sorted(rules.items()):
+        if rule.style != "colwise" or rule.via_module:
+            continue
+        owner_fqn, _, attr = fqn.rpartition(".")
+        owner = modules.get(owner_fqn)
+        if owner is None:
+            continue
+        try:
+            info = forward_owner(owner, owner_fqn)
+            parsed = source_of(type(owner))[1]
+        except HpgenError:  # a class with no source to read (torch's own)
+            continue
+        if attr not in chunked_attributes(parsed.tree, info.name):
+            continue
+        for name, other in list(rules.items()):
+            if name == fqn or (name.startswith(fqn + ".") and other.via_module and other.style == "colwise"):
+                rules[name] = Rule("packed_colwise", other.axis, other.via_module)
+        corrected[generic(fqn)] = (
+            f"transformers' plan says colwise, but {info.name}.forward splits the output of {attr} with "
+            "chunk(2): two packed blocks, so packed_colwise (each rank takes its chunk of both)"
+        )
+    return corrected
 
 
 def _class_of(tree: ast.Module, class_name: str) -> ast.ClassDef | None:

@@ -54,19 +54,20 @@ from pathlib import Path
 from typing import Any
 
 from hpgen.planner.derived_blocks import BlockChoice
-from hpgen.planner.entries import Contradicted, Derivation, Note, Placed, Refused
+from hpgen.planner.entries import Contradicted, Derivation, HeadCut, Note, Placed, Refused
 from hpgen.planner.flow.caller_nones import caller_nones
 from hpgen.planner.flow import Flow, leaf_kind, module_names, run_module
 from hpgen.planner.gathered import check_gathered, gathered_columns
-from hpgen.planner.groups import GroupFinding, depths, first_marker, sources
-from hpgen.planner.head_cuts import HeadCuts
-from hpgen.planner.head_parts import HeadParts, Parts
+from hpgen.planner.groups import Group, GroupFinding, depths, direct_params, first_marker, sources
+from hpgen.planner.head_cuts import head_inputs
+from hpgen.planner.head_parts import HeadParts
 from hpgen.planner.heads import HeadRules, per_head_input
 from hpgen.planner.latent import LatentRefused, check_broadcast, replicated_closure
-from hpgen.planner.modules import generic, is_linear, is_nn_linear, positive_int, relative
+from hpgen.planner.modules import generic, is_linear, is_nn_linear, lca, positive_int, relative
 from hpgen.planner.reshapes import ReshapeRules
 from hpgen.planner.split_rows import place_split_rows, reshapes_weight
 from hpgen.planner.vocab import place_vocabulary
+from hpgen.placement import REPLICATE
 
 __all__ = ["Derivation", "Note", "Placed", "derive"]
 
@@ -78,7 +79,7 @@ def derive(model: Any, *, tp: int | None, source: Path | None = None) -> Derivat
     return _Deriver(model, tp, source).run()
 
 
-class _Deriver(GroupFinding, HeadRules, HeadCuts, HeadParts, ReshapeRules, BlockChoice):
+class _Deriver(GroupFinding, HeadParts, ReshapeRules, BlockChoice):
     """The derivation of one model: each decoder layer's groups placed, then the vocabulary."""
 
     def __init__(self, model: Any, tp: int | None, source: Path) -> None:
@@ -95,10 +96,8 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, HeadParts, ReshapeRules, Block
         self._flows: dict[str, Flow] = {}
         self._pre: dict[str, set[str]] = {}  # block FQN -> replicated layers before its columns (norms)
         self._latent: dict[str, set[str]] = {}  # row FQN -> replicated down-projections of its group (MLA)
-        self._group_latent: set[str] = set()
-        self._group_flow: Flow | None = None
-        self._group_parts: Parts | None = None
-        self._layer_flow: Flow | None = None
+        self.model_heads = HeadRules(model, self.modules, tp, self._config)  # the head rules of the model
+        self.heads = self.model_heads  # and of the decoder layer being placed (see _layer)
 
     def run(self) -> Derivation:
         for layer in self._layers():
@@ -147,7 +146,7 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, HeadParts, ReshapeRules, Block
 
     def _layer(self, layer: str) -> None:
         flow = self._flow(layer)
-        self._layer_flow = flow
+        self.heads = self.model_heads.for_layer(flow)
         linears = {fqn for fqn in flow.edges if is_linear(self.modules.get(fqn))}
         linears -= self._channel_mixers(layer)
         depth = depths(flow)
@@ -221,9 +220,8 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, HeadParts, ReshapeRules, Block
     def _place_group(
         self, layer: str, flow: Flow, linears: set[str], cols: set[str], rows: set[str], mids: set[str]
     ) -> None:
-        self._group_latent = set()
-        self._group_flow = flow
-        what = "attention" if self._is_attention(cols, rows) else "MLP"
+        group = Group(flow)
+        what = "attention" if self.heads.is_attention(cols, rows) else "MLP"
         for fqn in sorted(cols | rows):
             if not is_linear(self.modules[fqn]):
                 raise Refused(f"{relative(fqn, layer)} is a {type(self.modules[fqn]).__name__}, not a linear layer")
@@ -234,10 +232,10 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, HeadParts, ReshapeRules, Block
                 )
         for fqn in sorted(mids):
             self._check_mid(fqn, cols, layer, rows)
-        raw = sorted({p for row in rows for p in sources(flow, row, linears, self._per_head).raw})
+        raw = sorted({p for row in rows for p in sources(flow, row, linears, self.heads.per_head).raw})
         sharded = cols | mids
         # a column reading another column's output whole (Doge's dt_proj): gathered on entry, checked with the heads
-        gathered = gathered_columns(flow, cols, linears, self.modules, self._per_head, first_marker(flow))
+        gathered = gathered_columns(flow, cols, linears, self.modules, self.heads.per_head, first_marker(flow))
         for consumer, origins in flow.edges.items():
             if origins & sharded and consumer not in rows and consumer not in mids and consumer not in gathered:
                 raise Contradicted(
@@ -250,22 +248,26 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, HeadParts, ReshapeRules, Block
         latent = set().union(*(self._latent.get(row, set()) for row in rows))
         if latent:
             replicated = replicated_closure(flow, latent, sharded)
-            check_broadcast(flow, replicated, self._head_counts(cols, rows), layer)
-        self._group_latent = latent
+            check_broadcast(flow, replicated, self.heads.head_counts(cols, rows), layer)
+        group.latent = latent
         side = sorted(
             {
                 m
                 for row in rows
-                for m in sources(flow, row, linears, self._per_head).markers
-                if per_head_input(m) and not self._switched_off(m)
+                for m in sources(flow, row, linears, self.heads.per_head).markers
+                if per_head_input(m) and not self.heads.switched_off(m)
             }
         )
-        heads = self._heads(cols, rows, layer) if what == "attention" else None
+        heads = group.heads = self.heads.query_kv_heads(cols, rows, layer) if what == "attention" else None
         # heads split into parts that work together (differential attention): a strided cut of every part
-        parts = self._group_parts = self._head_parts(flow, cols, rows, layer, heads)
+        parts = group.parts = self._head_parts(flow, cols, rows, layer, heads)
         replicated = {c for c, layout in (parts.layouts if parts else {}).items() if layout[0] == "RS"}
-        self._runtime_head_check(cols - replicated, layer)
-        head_inputs = self._head_inputs(cols, rows, layer, heads) if side and heads else {}
+        self.heads.check_runtime_heads(cols - replicated, layer)
+        cut: dict[str, HeadCut] = {}
+        if side and heads:
+            common = lca(cols | rows)
+            common = common if common == layer or common.startswith(layer + ".") else layer
+            cut = head_inputs(self.heads, self._flow(common), common, rows, heads[0])
         if parts is not None:
             layouts = dict(parts.layouts)  # the parts rule checked the heads against --tp itself
         else:
@@ -274,20 +276,20 @@ class _Deriver(GroupFinding, HeadRules, HeadCuts, HeadParts, ReshapeRules, Block
             layouts.update({col: ("S", 1) for col in gathered})  # its outputs are whole values, one per head
         check_gathered(gathered, self.modules, layouts, heads if what == "attention" else None, self.tp, layer)
         if what == "attention" and heads is not None and parts is None:
-            self._check_heads(cols, layouts, heads, layer)
+            self.heads.check_heads(cols, layouts, heads, layer)
         counts = self._sharded_counts(cols - replicated, rows, layouts, heads)
-        direct = self._direct_params(raw, cols, layouts, heads, layer)
+        direct = direct_params(self.model, self.modules, group, raw, cols, layouts, heads, layer)
         # reshapes of the parameters sharded with the heads (dt_bias.view(1, 1, num_heads, head_dim)) size shards too
         divide = self._divided_attrs(
             flow,
-            sharded | {f"param:{n}" for n, p in direct.items() if p != "R"},
+            sharded | {f"param:{n}" for n, p in direct.items() if p != REPLICATE},
             counts,
             layer,
             parts.lines if parts else set(),
         )
         for module, attrs in (parts.divide if parts else {}).items():
             divide.setdefault(module, set()).update(attrs)
-        self._boundaries(layer, cols, rows, mids, layouts, divide, what, direct, head_inputs, set(gathered))
+        self._boundaries(group, layer, cols, rows, mids, layouts, divide, what, direct, cut, set(gathered))
 
     def _config(self, name: str) -> Any:
         """A value of the (text) config, or None where it is absent or per layer (transformers raises then)."""

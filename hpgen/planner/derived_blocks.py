@@ -14,12 +14,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hpgen.planner.entries import Derivation, Placed, Refused
+from hpgen.planner.entries import Derivation, HeadCut, Placed, Refused
 from hpgen.planner.flow import leaf_kind, top_level_class
-from hpgen.planner.head_parts import Parts
+from hpgen.planner.groups import Group
+from hpgen.planner.head_cuts import cut_heads
+from hpgen.planner.heads import HeadRules
 from hpgen.planner.latent import fed_columns, pre_chain, replicated_closure
 from hpgen.planner.load import defined_in
 from hpgen.planner.modules import is_conv1d, is_nn_linear, join, lca, relative, returns_addressable
+from hpgen.placement import REPLICATE, Placement, replicated_shard, shard, strided_shard
 
 __all__ = ["BlockChoice"]
 
@@ -34,11 +37,11 @@ class BlockChoice:
     modules: dict[str, Any]
     result: Derivation
     _pre: dict[str, set[str]]
-    _group_latent: set[str]
-    _group_parts: Parts | None
+    heads: HeadRules  # the decoder layer's
 
     def _boundaries(
         self,
+        group: Group,
         layer: str,
         cols: set[str],
         rows: set[str],
@@ -46,8 +49,8 @@ class BlockChoice:
         layouts: Mapping[str, tuple[str, int]],
         divide: Mapping[str, set[str]],
         what: str,
-        direct: Mapping[str, str],
-        head_inputs: Mapping[str, str] | None = None,
+        direct: Mapping[str, Placement],
+        head_inputs: Mapping[str, HeadCut] | None = None,
         gathered: set[str] | None = None,
     ) -> None:
         gathered = gathered or set()
@@ -56,7 +59,7 @@ class BlockChoice:
             common = layer
         pieces: list[Placed] = []
         # a gathered column reads the other columns, not the block's inputs: in the group, not walked back
-        block = self._clean(common, cols - gathered, rows, mids | gathered, full=True)
+        block = self._clean(common, cols - gathered, rows, mids | gathered, latent=group.latent)
         if head_inputs and block is None and common in cols | rows:
             raise Refused(
                 f"the attention takes {', '.join(repr(n) for n in sorted(head_inputs))} (one slice per head, made "
@@ -64,13 +67,13 @@ class BlockChoice:
             )
         if block is not None:
             why = f"{what}: column- and row-parallel projections"
-            if self._group_latent:
-                names = ", ".join(sorted(relative(p, common) for p in self._group_latent))
+            if group.latent:
+                names = ", ".join(sorted(relative(p, common) for p in group.latent))
                 why += f"; the latent down-projection {names} (shared by the heads) replicated in the block"
-            if self._group_parts is not None:
-                why += f"; {self._group_parts.why}"
+            if group.parts is not None:
+                why += f"; {group.parts.why}"
             placed = Placed(common, "block", inputs=block, why=why)
-            self._cut_heads(placed, head_inputs, cols, rows, layer)  # type: ignore[attr-defined]
+            cut_heads(placed, head_inputs, group.heads[0] if group.heads else None)
             self._params(placed, cols - gathered, rows, layouts)
             pieces.append(placed)
             for col in sorted(gathered):  # its own wrapped nn.Linear: the input is gathered on entry
@@ -92,7 +95,7 @@ class BlockChoice:
             column = lca(cols)
             inputs = None
             if not any(r == column or r.startswith(column + ".") for r in rows) and column not in cols:
-                inputs = self._clean(column, cols, set(), mids, full=False)
+                inputs = self._clean(column, cols, set(), mids, latent=None)
             if inputs is not None:
                 placed = Placed(
                     column,
@@ -133,13 +136,13 @@ class BlockChoice:
                         "not a top-level class of the lowered file, which is where hpgen lower rewrites classes"
                     )
                 placed = Placed(common, "heads", why=f"{what}: the body between the sharded projections")
-                self._cut_heads(placed, head_inputs, cols, rows, layer)  # type: ignore[attr-defined]
+                cut_heads(placed, head_inputs, group.heads[0] if group.heads else None)
                 pieces.append(placed)
         for name, placement in direct.items():
             owner = next((p for p in pieces if p.kind in ("block", "col_block") and name.startswith(p.fqn + ".")), None)
             if owner is None:
                 raise Refused(f"{relative(name, layer)} is read directly outside the block of its projections")
-            if placement != "R":
+            if placement != REPLICATE:
                 owner.params[relative(name, owner.fqn)] = placement
             else:
                 owner.grad_reduce.add(relative(name, owner.fqn))
@@ -149,8 +152,8 @@ class BlockChoice:
                     if not leaf.startswith(piece.fqn + "."):
                         continue
                     names = {join(relative(leaf, piece.fqn), n) for n, _ in self.modules[leaf].named_parameters()}
-                    if leaf in mids and self._scales_heads(leaf):  # type: ignore[attr-defined]
-                        piece.params.update(dict.fromkeys(names, "S(0)"))  # [heads, d]: this rank's heads' rows
+                    if leaf in mids and self.heads.scales_heads(leaf):
+                        piece.params.update(dict.fromkeys(names, shard(0)))  # [heads, d]: this rank's heads' rows
                     else:
                         piece.grad_reduce |= names
         for piece in pieces:
@@ -172,26 +175,28 @@ class BlockChoice:
             kind, k = layouts[col]
             dim = 1 if is_conv1d(module) else 0
             # SS: k packed blocks; RS: replicated on k ranks (key/value heads every rank needs whole)
-            text = f"{kind}({dim},{k})" if kind in ("SS", "RS") else f"S({dim})"
-            placed.params[join(relative(col, placed.fqn), "weight")] = text
+            placed.params[join(relative(col, placed.fqn), "weight")] = _column_placement(kind, dim, k)
             if getattr(module, "bias", None) is not None:
-                bias = f"{kind}(0,{k})" if kind in ("SS", "RS") else "S(0)"
-                placed.params[join(relative(col, placed.fqn), "bias")] = bias
+                placed.params[join(relative(col, placed.fqn), "bias")] = _column_placement(kind, 0, k)
         for row in sorted(rows):
             module = self.modules[row]
             dim = 0 if is_conv1d(module) else 1
-            placed.params[join(relative(row, placed.fqn), "weight")] = f"S({dim})"
+            placed.params[join(relative(row, placed.fqn), "weight")] = shard(dim)
             if getattr(module, "bias", None) is not None:
                 name = join(relative(row, placed.fqn), "bias")
-                placed.params[name] = "R"
+                placed.params[name] = REPLICATE
                 placed.deferred.add(name)
 
-    def _clean(self, fqn: str, cols: set[str], rows: set[str], mids: set[str], *, full: bool) -> tuple[str, ...] | None:
+    def _clean(
+        self, fqn: str, cols: set[str], rows: set[str], mids: set[str], *, latent: set[str] | None
+    ) -> tuple[str, ...] | None:
         """The inputs of ``fqn`` feeding the columns when it can be the group's block, else None.
 
-        ``full``: the block holds the rows and returns their output alone; otherwise it holds
-        only the columns and returns their (sharded) output alone.
+        ``latent`` given (the group's latent down-projections, maybe none): the block holds the rows
+        and returns their output alone; None: it holds only the columns and returns their (sharded)
+        output alone.
         """
+        full = latent is not None
         module = self.modules.get(fqn)
         if module is None or leaf_kind(module, self.read) != "source" or not fqn:
             return None
@@ -202,7 +207,7 @@ class BlockChoice:
         flow = self._flow(fqn)
         group = cols | rows | mids
         pre = set()
-        latent = self._group_latent if full else set()
+        latent = latent or set()
         before = replicated_closure(flow, latent, group) | fed_columns(flow, cols, group) if full else set()
         for leaf, origins in flow.edges.items():
             if leaf in group:
@@ -245,3 +250,13 @@ class BlockChoice:
         if not full and any(o[3:] in inputs for o in outputs if o.startswith("in:")):
             return None
         return tuple(sorted(inputs))
+
+
+def _column_placement(kind: str, dim: int, k: int) -> Placement:
+    """A column's placement on ``dim`` from its layout ``(kind, k)``: ``SS`` and ``RS`` carry ``k``, ``S`` does not
+    (``k`` > 1 there is the interleaving the heads cut keeps whole)."""
+    if kind == "SS":
+        return strided_shard(dim, k)
+    if kind == "RS":
+        return replicated_shard(dim, k)
+    return shard(dim)

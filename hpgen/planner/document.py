@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpgen.plan import PLAN_FORMAT, plan_from_dict
-from hpgen.planner.boundary import Boundary, generic
+from hpgen.planner.boundary import Boundary
+from hpgen.planner.modules import generic
 from hpgen.planner.styles import EXPERTS_PARALLEL
 
 if TYPE_CHECKING:

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
+from typing import Literal, Union
 
-__all__ = ["SHARDING_KINDS", "Derivation", "Note", "Placed", "Refused"]
+from hpgen.placement import Placement
+from hpgen.planner.modules import generic
+
+__all__ = ["BATCH_MAJOR", "SHARDING_KINDS", "Derivation", "HeadCut", "Note", "Placed", "Refused"]
+
+# How a per-head input made outside an attention is cut to a rank's heads: S(d) on its head dim, or
+# BATCH_MAJOR where the heads are fused into the batch dim (a region's local compute cuts it).
+BATCH_MAJOR = "batch_major"
+HeadCut = Union[Placement, Literal["batch_major"]]
 
 # Kinds of entries that shard something inside the decoder layers (not attrs, aliases, the vocabulary).
 SHARDING_KINDS = ("block", "col_block", "col_leaf", "row_leaf", "reduce_leaf", "gather_leaf", "col_gather", "split_row")
@@ -17,12 +25,12 @@ class Placed:
 
     fqn: str
     kind: str  # block | col_block | col_leaf | row_leaf | gather_leaf | heads | lm_head | embedding | attrs | alias
-    params: dict[str, str] = field(default_factory=dict)  # relative parameter name -> placement on tp
+    params: dict[str, Placement] = field(default_factory=dict)  # relative parameter name -> placement on tp
     deferred: set[str] = field(default_factory=set)
     inputs: tuple[str, ...] = ()  # forward parameters entering a block (R -> R)
     divide: set[str] = field(default_factory=set)  # tp_divide_attrs
     grad_reduce: set[str] = field(default_factory=set)  # replicated parameters the sharded body runs through
-    head_inputs: dict[str, str] = field(default_factory=dict)  # per-head inputs made outside: name -> S(d) | batch_major
+    head_inputs: dict[str, HeadCut] = field(default_factory=dict)  # per-head inputs made outside: name -> its cut
     global_heads: int | None = None  # the query heads, for a batch_major head input's local compute
     why: str = ""
 
@@ -47,7 +55,7 @@ class Derivation:
     notes: list[Note] = field(default_factory=list)
 
     def note(self, target: str, sharded: bool, text: str, *, needs_whole: str = "") -> None:
-        item = Note(_generic(target), sharded, text, _generic(needs_whole) if needs_whole else "")
+        item = Note(generic(target), sharded, text, generic(needs_whole) if needs_whole else "")
         if item not in self.notes:
             self.notes.append(item)
 
@@ -68,8 +76,3 @@ class Contradicted(Refused):
     def __init__(self, message: str, consumer: str) -> None:
         super().__init__(message)
         self.consumer = consumer
-
-
-def _generic(name: str) -> str:
-    """``model.layers.3.mlp`` -> ``model.layers.*.mlp``."""
-    return re.sub(r"\.\d+(?=\.|$)", ".*", name)

@@ -5,7 +5,7 @@ from the residual stream) is row-parallel; the projections it reads are its colu
 :func:`sources` walks back from a projection through per-head norms; any other layer on
 the way ends the walk. What the code between a group's projections does is checked here
 too: a layer there must work on whole heads (:meth:`GroupFinding._check_mid`), and a
-parameter it reads directly must follow the shards (:meth:`GroupFinding._direct_params`).
+parameter it reads directly must follow the shards (:func:`direct_params`).
 """
 
 from __future__ import annotations
@@ -13,17 +13,32 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpgen.planner.entries import Derivation, Refused
 from hpgen.planner.flow import Flow
 from hpgen.planner.head_params import head_matrix_placement, view_sizes
-from hpgen.planner.heads import normalized_heads
+from hpgen.planner.heads import HeadRules, normalized_heads
 from hpgen.planner.latent import pre_projections, replicated_closure
 from hpgen.planner.mixers import absent, conv_placement, per_head_placement, single_column_conv
 from hpgen.planner.modules import in_features, out_features, positive_int, relative
+from hpgen.placement import REPLICATE, Placement, shard, strided_shard
 
-__all__ = ["GroupFinding", "Sources", "depths", "first_marker", "sources"]
+if TYPE_CHECKING:
+    from hpgen.planner.head_parts import Parts
+
+__all__ = ["Group", "GroupFinding", "Sources", "depths", "direct_params", "first_marker", "sources"]
+
+
+@dataclass
+class Group:
+    """What the steps placing one column -> row group share, passed to each: the layer's flow, the
+    latent down-projections kept replicated in the block (MLA), the heads' parts (differential attention), the heads."""
+
+    flow: Flow
+    latent: set[str] = field(default_factory=set)
+    parts: Parts | None = None
+    heads: tuple[int, int, int] | None = None  # (query heads, key/value heads, head_dim) of an attention
 
 
 class GroupFinding:
@@ -35,8 +50,7 @@ class GroupFinding:
     modules: dict[str, Any]
     result: Derivation
     _latent: dict[str, set[str]]
-    _group_flow: Flow | None
-    _group_parts: Any  # a head_parts.Parts while the group's heads are split into parts
+    heads: HeadRules  # the decoder layer's
 
     def _groups(
         self, flow: Flow, linears: set[str], depth: Mapping[str, int]
@@ -50,7 +64,7 @@ class GroupFinding:
         own columns, and ``linear`` stays replicated).
         """
         main = first_marker(flow)
-        found = {fqn: sources(flow, fqn, linears, self._per_head) for fqn in linears}
+        found = {fqn: sources(flow, fqn, linears, self.heads.per_head) for fqn in linears}
         widths = {positive_int(self._config("hidden_size"))}
         widths |= {in_features(self.modules[f]) for f, src in found.items() if not src.linears}
         rows = {
@@ -84,94 +98,16 @@ class GroupFinding:
                 merged[2].update(src.mids)
         return groups
 
-    def _direct_params(
-        self,
-        raw: list[str],
-        cols: set[str],
-        layouts: Mapping[str, tuple[str, int]],
-        heads: tuple[int, int, int] | None,
-        layer: str,
-    ) -> dict[str, str]:
-        """Parameters the code between the projections reads itself, and their placement.
-
-        One value per feature of a plainly sharded column (a learned scale on ``q``): sharded
-        with it, ``S(0)``; a scalar or one head's worth (DiffLlama's lambdas): replicated, its
-        gradient reduced by the block; a depthwise conv's weight over the columns
-        (:mod:`hpgen.planner.mixers`); a per-head scale ``[heads, d]``, a map of each head's
-        features ``[d, e]`` or a weight over a column's channels (:mod:`hpgen.planner.head_params`);
-        anything else cannot follow the shards.
-        """
-        found: dict[str, str] = {}
-        head_dim = heads[2] if heads is not None else None
-        plain = {c: out_features(self.modules[c]) for c in cols if layouts[c] == ("S", 1)}
-        widths, col_widths = set(plain.values()), list(plain.values())
-        contiguous = {c: out_features(self.modules[c]) for c in cols if layouts[c][0] == "S"}  # S(0) weights
-        shapes = self._group_flow.shapes if self._group_flow is not None else []
-        for name in raw:
-            if absent(self.model, name):
-                continue  # a bias the layer was built without: read as None
-            try:
-                param = self.model.get_parameter(name)
-            except AttributeError:
-                raise Refused(
-                    f"the code between the projections reads a parameter hpgen cannot place ({name})"
-                ) from None
-            parts = self._group_parts
-            special = (
-                conv_placement(self.model, name, param, col_widths, shapes)
-                or (single_column_conv(self.model, name, param, self._group_flow, plain) if self._group_flow else None)
-                or per_head_placement(param, heads[0] if heads is not None else None)
-                or self._head_matrix(name, param, contiguous, heads)
-            )
-            if parts is not None and heads is not None:  # heads in parts: a per-head vector takes every part's chunk
-                found[name] = _parts_placement(param, heads, parts.k, relative(name, layer))
-            elif special is not None:
-                found[name] = special  # a depthwise conv over the columns, or one value per head (A_log)
-            elif param.dim() == 1 and (param.numel() in widths or (heads is not None and param.numel() == heads[0])):
-                found[name] = "S(0)"  # one value per feature of a column, or one per query head (GPT-OSS sinks)
-            elif param.numel() == 1 or (param.dim() == 1 and param.numel() == head_dim):
-                found[name] = "R"
-            else:
-                raise Refused(
-                    f"the code between the projections computes with {relative(name, layer)} "
-                    f"{tuple(param.shape)} directly, which does not follow the shards"
-                )
-        return found
-
-    def _head_matrix(
-        self, name: str, param: Any, contiguous: Mapping[str, int], heads: tuple[int, int, int] | None
-    ) -> str | None:
-        """A 2-D parameter per head, shared by the heads, or over a column's channels (:mod:`hpgen.planner.head_params`).
-
-        ``contiguous``: the columns whose weights shard contiguously (``S(0)``) and their widths. The
-        columns a parameter is computed with are those in every recorded value that reads it
-        and holds a column (the flow over-approximates origins, never under).
-        """
-        flow = self._group_flow
-        if flow is None or heads is None or param.dim() != 2:
-            return None
-        sizes = {heads[2]}
-        for col, width in contiguous.items():
-            sizes |= view_sizes(flow, frozenset({col}), width)
-        origin = f"param:{name}"
-        mixed = [
-            {o for o in found if o in contiguous}
-            for found in [*flow.edges.values(), *(use.receiver for use in flow.shapes)]
-            if origin in found
-        ]
-        common = set.intersection(*[m for m in mixed if m]) if any(mixed) else set()
-        return head_matrix_placement(self.model, name, param, heads[:2], sizes, {contiguous[c] for c in common})
-
     def _check_mid(self, fqn: str, cols: set[str], layer: str, rows: set[str]) -> None:
         module = self.modules[fqn]
-        head_dim = self._head_dim(cols)
+        head_dim = self.heads.head_dim(cols)
         sizes = {p.numel() for p in module.parameters()}
         shapes = [tuple(p.shape) for p in module.parameters()]
         if not shapes:  # a weightless norm over whole heads, narrower than the rows' input: rows a rank holds whole
             width = normalized_heads(module, {head_dim} if head_dim else set())
             if width is not None and all(width < in_features(self.modules[r]) for r in rows):
                 return
-            if self._norms_heads(fqn):  # type: ignore[attr-defined]
+            if self.heads.norms_heads(fqn):
                 return  # a norm of the file without parameters over a per-head view
             raise Refused(
                 f"{relative(fqn, layer)} ({type(module).__name__}) sits between the column- and row-parallel "
@@ -179,7 +115,7 @@ class GroupFinding:
             )
         if all(len(s) == 1 for s in shapes) and head_dim is not None and sizes <= {head_dim}:
             return  # a per-head norm (q_norm): runs on whole heads; its gradient is reduced
-        if self._maps_heads(fqn) or self._norms_heads(fqn) or self._scales_heads(fqn):  # type: ignore[attr-defined]
+        if self.heads.maps_heads(fqn) or self.heads.norms_heads(fqn) or self.heads.scales_heads(fqn):
             return  # one matrix for each head's features, a norm or a per-head scale over a per-head view
         raise Refused(
             f"{relative(fqn, layer)} ({type(module).__name__}, parameters {shapes}) sits between the column- and "
@@ -187,19 +123,99 @@ class GroupFinding:
         )
 
 
-def _parts_placement(param: Any, heads: tuple[int, int, int], k: int, name: str) -> str:
+def _parts_placement(param: Any, heads: tuple[int, int, int], k: int, name: str) -> Placement:
     """A parameter read between the projections of an attention whose heads are split into ``k`` parts:
     a scalar or one head's worth (DiffLlama's lambdas) replicated, one value per query head ``SS(0,k)``."""
     q, _, head_dim = heads
     if param.numel() == 1 or (param.dim() == 1 and param.numel() == head_dim != q):
-        return "R"
+        return REPLICATE
     if param.dim() == 1 and param.numel() == q != head_dim:
-        return f"SS(0,{k})"
+        return strided_shard(0, k)
     both = " (head_dim and the query heads are both that size)" if q == head_dim else ""
     raise Refused(
         f"the code between the projections computes with {name} {tuple(param.shape)} directly, which hpgen cannot "
         f"place on heads split into {k} parts{both}"
     )
+
+
+def direct_params(
+    model: Any,
+    modules: Mapping[str, Any],
+    group: Group,
+    raw: list[str],
+    cols: set[str],
+    layouts: Mapping[str, tuple[str, int]],
+    heads: tuple[int, int, int] | None,
+    layer: str,
+) -> dict[str, Placement]:
+    """Parameters the code between the projections reads itself, and their placement.
+
+    One value per feature of a plainly sharded column (a learned scale on ``q``): sharded
+    with it, ``S(0)``; a scalar or one head's worth (DiffLlama's lambdas): replicated, its
+    gradient reduced by the block; a depthwise conv's weight over the columns
+    (:mod:`hpgen.planner.mixers`); a per-head scale ``[heads, d]``, a map of each head's
+    features ``[d, e]`` or a weight over a column's channels (:mod:`hpgen.planner.head_params`);
+    anything else cannot follow the shards.
+    """
+    found: dict[str, Placement] = {}
+    head_dim = heads[2] if heads is not None else None
+    plain = {c: out_features(modules[c]) for c in cols if layouts[c] == ("S", 1)}
+    widths, col_widths = set(plain.values()), list(plain.values())
+    contiguous = {c: out_features(modules[c]) for c in cols if layouts[c][0] == "S"}  # S(0) weights
+    shapes = group.flow.shapes
+    for name in raw:
+        if absent(model, name):
+            continue  # a bias the layer was built without: read as None
+        try:
+            param = model.get_parameter(name)
+        except AttributeError:
+            raise Refused(
+                f"the code between the projections reads a parameter hpgen cannot place ({name})"
+            ) from None
+        parts = group.parts
+        special = (
+            conv_placement(model, name, param, col_widths, shapes)
+            or single_column_conv(model, name, param, group.flow, plain)
+            or per_head_placement(param, heads[0] if heads is not None else None)
+            or _head_matrix(model, group.flow, name, param, contiguous, heads)
+        )
+        if parts is not None and heads is not None:  # heads in parts: a per-head vector takes every part's chunk
+            found[name] = _parts_placement(param, heads, parts.k, relative(name, layer))
+        elif special is not None:
+            found[name] = special  # a depthwise conv over the columns, or one value per head (A_log)
+        elif param.dim() == 1 and (param.numel() in widths or (heads is not None and param.numel() == heads[0])):
+            found[name] = shard(0)  # one value per feature of a column, or one per query head (GPT-OSS sinks)
+        elif param.numel() == 1 or (param.dim() == 1 and param.numel() == head_dim):
+            found[name] = REPLICATE
+        else:
+            raise Refused(
+                f"the code between the projections computes with {relative(name, layer)} "
+                f"{tuple(param.shape)} directly, which does not follow the shards"
+            )
+    return found
+
+def _head_matrix(
+    model: Any, flow: Flow, name: str, param: Any, contiguous: Mapping[str, int], heads: tuple[int, int, int] | None
+) -> Placement | None:
+    """A 2-D parameter per head, shared by the heads, or over a column's channels (:mod:`hpgen.planner.head_params`).
+
+    ``contiguous``: the columns whose weights shard contiguously (``S(0)``) and their widths. The
+    columns a parameter is computed with are those in every recorded value that reads it
+    and holds a column (the flow over-approximates origins, never under).
+    """
+    if heads is None or param.dim() != 2:
+        return None
+    sizes = {heads[2]}
+    for col, width in contiguous.items():
+        sizes |= view_sizes(flow, frozenset({col}), width)
+    origin = f"param:{name}"
+    mixed = [
+        {o for o in found if o in contiguous}
+        for found in [*flow.edges.values(), *(use.receiver for use in flow.shapes)]
+        if origin in found
+    ]
+    common = set.intersection(*[m for m in mixed if m]) if any(mixed) else set()
+    return head_matrix_placement(model, name, param, heads[:2], sizes, {contiguous[c] for c in common})
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Per-head inputs of an attention made outside it (ALiBi): how the derivation cuts them (a base of the deriver).
+"""Per-head inputs of an attention made outside it (ALiBi): how the derivation cuts them.
 
 BLOOM passes its attention ``alibi``, MPT ``position_bias``: one slice per head for all
 heads. Under head sharding each rank needs its own heads' slices. Where the head dim is a
@@ -12,81 +12,66 @@ forward (:mod:`hpgen.planner.head_inputs`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
 
-from hpgen.planner.entries import Placed, Refused
+from hpgen.placement import shard
+from hpgen.planner.entries import BATCH_MAJOR, HeadCut, Placed, Refused
 from hpgen.planner.flow import Flow
 from hpgen.planner.groups import sources
-from hpgen.planner.heads import per_head_input
-from hpgen.planner.modules import is_linear, lca
+from hpgen.planner.heads import HeadRules, per_head_input
+from hpgen.planner.modules import is_linear
 
-__all__ = ["HeadCuts"]
+__all__ = ["cut_heads", "head_inputs"]
 
 
-class HeadCuts:
-    """Which per-head inputs the attention block cuts, and how (a base of the deriver)."""
+def head_inputs(rules: HeadRules, inner: Flow, common: str, rows: set[str], query_heads: int) -> dict[str, HeadCut]:
+    """Arguments of the attention block ``common`` (whose flow is ``inner``) that carry one slice per head
+    (made outside it) -> their cut.
 
-    model: Any
-    tp: int | None
-    source: Path
-    modules: dict[str, Any]
+    ``S(d)`` where the head dim is a dim of its own; ``batch_major`` where it is fused with
+    the batch; arguments without a head dim are not per head and stay replicated.
+    """
+    from hpgen.planner.head_inputs import head_layouts
 
-    def _common(self, cols: set[str], rows: set[str], layer: str) -> str:
-        """The group's lowest common module inside the layer: where a whole block would be."""
-        common = lca(cols | rows)
-        return common if common == layer or common.startswith(layer + ".") else layer
+    inner_linears = {f for f in inner.edges if is_linear(rules.modules.get(f))}
+    names = sorted(
+        {
+            m
+            for row in rows
+            for m in sources(inner, row, inner_linears, rules.per_head).markers
+            if per_head_input(m) and not rules.switched_off(m)
+        }
+    )
+    if not names:
+        return {}
+    listed = ", ".join(repr(n) for n in names)
+    try:
+        layouts = head_layouts(rules.model, {common: tuple(names)}, query_heads)
+    except RuntimeError as error:
+        raise Refused(
+            f"the attention adds {listed}, made outside it, and hpgen cannot tell its head dim: {error}"
+        ) from None
+    found: dict[str, HeadCut] = {}
+    for name in names:
+        layout = layouts[(common, name)]
+        if layout.kind == "dim":
+            found[name] = shard(layout.dim)
+        elif layout.kind == "batch_major":
+            found[name] = BATCH_MAJOR
+    if BATCH_MAJOR in found.values() and rules.tp is None:
+        raise Refused(f"the attention adds {listed} with the heads fused into the batch dim, which needs --tp")
+    return found
 
-    def _head_inputs(self, cols: set[str], rows: set[str], layer: str, heads: tuple[int, int, int]) -> dict[str, str]:
-        """Arguments of the attention block that carry one slice per head (made outside it) -> their cut.
 
-        ``S(d)`` where the head dim is a dim of its own; ``batch_major`` where it is fused with
-        the batch; arguments without a head dim are not per head and stay replicated.
-        """
-        from hpgen.planner.head_inputs import head_layouts
-
-        common = self._common(cols, rows, layer)
-        inner: Flow = self._flow(common)  # type: ignore[attr-defined]
-        inner_linears = {f for f in inner.edges if is_linear(self.modules.get(f))}
-        names = sorted(
-            {
-                m
-                for row in rows
-                for m in sources(inner, row, inner_linears, self._per_head).markers  # type: ignore[attr-defined]
-                if per_head_input(m) and not self._switched_off(m)  # type: ignore[attr-defined]
-            }
-        )
-        if not names:
-            return {}
-        listed = ", ".join(repr(n) for n in names)
-        try:
-            layouts = head_layouts(self.model, {common: tuple(names)}, heads[0])
-        except RuntimeError as error:
-            raise Refused(
-                f"the attention adds {listed}, made outside it, and hpgen cannot tell its head dim: {error}"
-            ) from None
-        found: dict[str, str] = {}
-        for name in names:
-            layout = layouts[(common, name)]
-            if layout.kind == "dim":
-                found[name] = f"S({layout.dim})"
-            elif layout.kind == "batch_major":
-                found[name] = "batch_major"
-        if any(p == "batch_major" for p in found.values()) and self.tp is None:
-            raise Refused(f"the attention adds {listed} with the heads fused into the batch dim, which needs --tp")
-        return found
-
-    def _cut_heads(
-        self, placed: Placed, head_inputs: Mapping[str, str] | None, cols: set[str], rows: set[str], layer: str
-    ) -> None:
-        """Record on ``placed`` (the attention's block or its ``heads`` entry) the cuts of its per-head inputs."""
-        for name, placement in sorted((head_inputs or {}).items()):
-            placed.head_inputs[name] = placement
-            if placement == "batch_major":
-                placed.global_heads = self._heads(cols, rows, layer)[0]  # type: ignore[attr-defined]
-                placed.why += (
-                    f"; its per-head input {name!r} ([batch * heads, ...], made outside it) cut to this rank's "
-                    "heads by the region's local compute"
-                )
-            else:
-                placed.why += f"; its per-head input {name!r} cut to this rank's heads ({placement})"
+def cut_heads(placed: Placed, head_inputs: Mapping[str, HeadCut] | None, query_heads: int | None) -> None:
+    """Record on ``placed`` (the attention's block or its ``heads`` entry) the cuts of its per-head inputs."""
+    for name, placement in sorted((head_inputs or {}).items()):
+        placed.head_inputs[name] = placement
+        if placement == BATCH_MAJOR:
+            assert query_heads is not None  # per-head inputs are found for an attention, whose heads are known
+            placed.global_heads = query_heads
+            placed.why += (
+                f"; its per-head input {name!r} ([batch * heads, ...], made outside it) cut to this rank's "
+                "heads by the region's local compute"
+            )
+        else:
+            placed.why += f"; its per-head input {name!r} cut to this rank's heads ({placement})"

@@ -23,8 +23,9 @@ from typing import Any
 
 from hpgen.planner.flow import Flow
 from hpgen.planner.flow.runner import function_def
-from hpgen.planner.heads import HEAD_DIM_ATTRS, HEADS_ATTRS, KV_HEADS_ATTRS
+from hpgen.planner.head_names import HEAD_DIM_ATTRS, HEADS_ATTRS, KV_HEADS_ATTRS
 from hpgen.planner.layouts import last_dim
+from hpgen.placement import REPLICATE, Placement, shard
 
 __all__ = ["head_matrix_placement", "param_use", "per_head_view", "view_sizes"]
 
@@ -93,8 +94,8 @@ def param_use(model: Any, name: str) -> str | None:
         while (  # self.p.float(): the call's value is the parameter still
             isinstance(parent, ast.Attribute)
             and parent.attr in _CASTS
-            and isinstance(parents.get(id(parent)), ast.Call)
-            and parents[id(parent)].func is parent  # type: ignore[attr-defined]
+            and isinstance(call := parents.get(id(parent)), ast.Call)
+            and call.func is parent
         ):
             current = parents[id(parent)]
             parent = parents.get(id(current))
@@ -109,7 +110,7 @@ def param_use(model: Any, name: str) -> str | None:
 
 def head_matrix_placement(
     model: Any, name: str, param: Any, heads: Iterable[int], sizes: set[int], mixed_widths: set[int]
-) -> str | None:
+) -> Placement | None:
     """``S(0)`` for a per-head scale, ``R`` for a map shared by the heads, ``S(d)`` for a channels dim, else None.
 
     ``heads``: the group's query and key/value head counts; ``sizes``: the per-head sizes of its
@@ -121,13 +122,13 @@ def head_matrix_placement(
     rows, cols = param.shape
     use = param_use(model, name)
     if use == "scale" and rows in set(heads) and cols in sizes:
-        return "S(0)"
+        return shard(0)
     if use == "map" and rows in sizes:
-        return "R"
+        return REPLICATE
     if use != "map":
         dims = [d for d, size in enumerate(param.shape) if size in mixed_widths]
         if len(dims) == 1 and param.shape[1 - dims[0]] not in mixed_widths:
-            return f"S({dims[0]})"
+            return shard(dims[0])
     return None
 
 

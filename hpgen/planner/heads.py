@@ -9,18 +9,18 @@ attention when its module says so or a module in it has a head size. Per-head la
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from pathlib import Path
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from hpgen.planner.entries import Derivation, Refused
-from hpgen.planner.modules import between, lca, out_features, positive_int, prefixes, relative
+from hpgen.planner.entries import Refused
+from hpgen.planner.flow import Flow
+from hpgen.planner.head_maps import per_head_map
+from hpgen.planner.head_names import HEAD_DIM_ATTRS, HEADS_ATTRS, KV_HEADS_ATTRS
+from hpgen.planner.head_params import param_use, per_head_view
+from hpgen.planner.modules import between, is_linear, lca, out_features, positive_int, prefixes, relative
 from hpgen.shards import row_heads
 
 __all__ = [
-    "HEADS_ATTRS",
-    "HEAD_DIM_ATTRS",
-    "KV_HEADS_ATTRS",
     "PER_HEAD_INPUTS",
     "HeadRules",
     "is_head_dim_name",
@@ -28,52 +28,40 @@ __all__ = [
     "per_head_input",
 ]
 
-HEAD_DIM_ATTRS = (
-    "head_dim",
-    "attention_head_size",
-    "head_size",
-    "d_head",
-    "dim_head",
-    "depth",
-    "kv_channels",
-    "size_per_head",
-    "attn_head_size",
-    "hidden_size_per_attention_head",
-    "head_dim_qk",
-    "qk_head_dim",
-)
-
-
-HEADS_ATTRS = (
-    "num_heads",
-    "num_attention_heads",
-    "n_head",
-    "n_heads",
-    "num_attn_heads",
-    "n_attention_heads",
-    "num_q_heads",
-    "num_head",
-)
-
-
-KV_HEADS_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads", "num_kv", "n_head_kv")
 
 # forward parameters of an attention that carry one slice per head, computed outside it
 PER_HEAD_INPUTS = ("alibi", "position_bias", "attn_bias", "rel_pos", "relative_position", "pos_bias", "bias")
 
 
 class HeadRules:
-    """The attention rules of the deriver."""
+    """The attention rules of a derivation: head counts and sizes, and which layers work on whole heads.
 
-    _layer_flow: Any  # the flow of the decoder layer whose groups are being found (set by the deriver)
+    One is made per model (:func:`hpgen.planner.derive.derive`) and one per decoder layer from it
+    (:meth:`for_layer`), with that layer's flow; they share what does not change during a
+    derivation (the head sizes and counts the modules hold, the linear layers' widths).
+    """
 
-    model: Any
-    tp: int | None
-    source: Path
-    modules: dict[str, Any]
-    result: Derivation
+    def __init__(
+        self,
+        model: Any,
+        modules: Mapping[str, Any],
+        tp: int | None,
+        config: Callable[[str], Any],
+        flow: Flow | None = None,
+        cache: dict[str, Any] | None = None,
+    ) -> None:
+        self.model = model
+        self.modules = modules
+        self.tp = tp
+        self.config = config  # a (text) config value by name, None where absent
+        self.flow = flow  # the decoder layer's flow
+        self._cache: dict[str, Any] = {} if cache is None else cache
 
-    def _head_counts(self, cols: set[str], rows: set[str]) -> dict[str, int]:
+    def for_layer(self, flow: Flow) -> HeadRules:
+        """The rules inside the decoder layer whose flow is ``flow``."""
+        return HeadRules(self.model, self.modules, self.tp, self.config, flow, self._cache)
+
+    def head_counts(self, cols: set[str], rows: set[str]) -> dict[str, int]:
         """Head counts the modules between the projections hold (``num_heads``...), by attribute name."""
         counts: dict[str, int] = {}
         for path in between(cols, lca(cols | rows)):
@@ -82,12 +70,12 @@ class HeadRules:
                 if value:
                     counts[name] = value
         for name in ("num_attention_heads", "num_key_value_heads"):
-            value = positive_int(self._config(name))
+            value = positive_int(self.config(name))
             if value:
                 counts.setdefault(name, value)
         return counts
 
-    def _runtime_head_check(self, cols: set[str], layer: str) -> None:
+    def check_runtime_heads(self, cols: set[str], layer: str) -> None:
         """``parallelize`` refuses a row shard of a linear, in a module with a ``head_dim``, that would cut
         a head: refuse it here, with the module named, rather than write a plan it will not install."""
         if self.tp is None:
@@ -109,35 +97,32 @@ class HeadRules:
                         f"--tp {self.tp}" + _unequal_blocks(self.modules.get(path), n, head_dim)
                     )
 
-    def _per_head(self, fqn: str) -> bool:
+    def per_head(self, fqn: str) -> bool:
         """A layer that works on whole heads: 1-D parameters of one head's size (a per-head ``q_norm``), or a
         weightless torch norm over a whole number of heads' features (:func:`normalized_heads`)."""
-        if not hasattr(self, "_head_sizes"):
-            sizes = {positive_int(self._config("head_dim"))}
+        if "head_sizes" not in self._cache:
+            sizes = {positive_int(self.config("head_dim"))}
             for module in self.modules.values():
                 sizes |= {positive_int(getattr(module, name, None)) for name in HEAD_DIM_ATTRS}
-            self._head_sizes = {size for size in sizes if size}
+            self._cache["head_sizes"] = {size for size in sizes if size}
+        head_sizes = self._cache["head_sizes"]
         module = self.modules[fqn]
         params = list(module.parameters())
-        if params and all(p.dim() == 1 and p.numel() in self._head_sizes for p in params):
+        if params and all(p.dim() == 1 and p.numel() in head_sizes for p in params):
             return True
-        if not params and normalized_heads(module, self._head_sizes) is not None:
+        if not params and normalized_heads(module, head_sizes) is not None:
             return True  # torch's weightless norm over whole heads
-        return self._maps_heads(fqn) or self._norms_heads(fqn) or self._scales_heads(fqn)
+        return self.maps_heads(fqn) or self.norms_heads(fqn) or self.scales_heads(fqn)
 
     def _head_view(self, fqn: str) -> int | None:
         """``d`` when leaf ``fqn`` reads a per-head view ``[..., heads, d]`` of one column's output."""
-        from hpgen.planner.head_params import per_head_view
-        from hpgen.planner.modules import is_linear
-
-        flow = getattr(self, "_layer_flow", None)
-        if flow is None:
+        if self.flow is None:
             return None
-        if not hasattr(self, "_linear_widths"):  # the model's modules do not change during a derivation
-            self._linear_widths = {f: out_features(m) for f, m in self.modules.items() if is_linear(m)}
-        return per_head_view(flow, fqn, self._linear_widths)
+        if "linear_widths" not in self._cache:  # the model's modules do not change during a derivation
+            self._cache["linear_widths"] = {f: out_features(m) for f, m in self.modules.items() if is_linear(m)}
+        return per_head_view(self.flow, fqn, self._cache["linear_widths"])
 
-    def _norms_heads(self, fqn: str) -> bool:
+    def norms_heads(self, fqn: str) -> bool:
         """A norm without parameters over a per-head view (an unweighted RMSNorm of each value head).
 
         A norm of the modeling file normalises the last dim (one head's features here); torch's
@@ -155,10 +140,8 @@ class HeadRules:
             return size is not None and tuple(module.normalized_shape) == (size,)
         return size is not None
 
-    def _scales_heads(self, fqn: str) -> bool:
+    def scales_heads(self, fqn: str) -> bool:
         """A leaf over a per-head view whose parameters are per-head scales ``[heads, d]`` (sharded ``S(0)``)."""
-        from hpgen.planner.head_params import param_use
-
         params = dict(self.modules[fqn].named_parameters())
         size = self._head_view(fqn) if params else None
         if size is None:
@@ -171,60 +154,57 @@ class HeadRules:
 
     def _all_head_counts(self) -> set[int]:
         """Every head count a module or the config holds (``num_heads``, ``num_key_value_heads``...)."""
-        if not hasattr(self, "_counts_seen"):
-            counts = {positive_int(self._config(n)) for n in (*HEADS_ATTRS, *KV_HEADS_ATTRS)}
+        if "head_counts" not in self._cache:
+            counts = {positive_int(self.config(n)) for n in (*HEADS_ATTRS, *KV_HEADS_ATTRS)}
             for module in self.modules.values():
                 counts |= {positive_int(getattr(module, n, None)) for n in (*HEADS_ATTRS, *KV_HEADS_ATTRS)}
-            self._counts_seen = {c for c in counts if c}
-        return self._counts_seen
+            self._cache["head_counts"] = {c for c in counts if c}
+        return self._cache["head_counts"]
 
-    def _maps_heads(self, fqn: str) -> bool:
+    def maps_heads(self, fqn: str) -> bool:
         """A leaf applying one matrix to each head's features alone (:mod:`hpgen.planner.head_maps`)."""
-        from hpgen.planner.head_maps import per_head_map
+        return self.flow is not None and per_head_map(self.modules, fqn, self.flow) is not None
 
-        flow = getattr(self, "_layer_flow", None)
-        return flow is not None and per_head_map(self.modules, fqn, flow) is not None
-
-    def _switched_off(self, name: str) -> bool:
+    def switched_off(self, name: str) -> bool:
         """An ``alibi`` input of a model whose config turns alibi off (Falcon's default): it arrives as None."""
         for attr in (name, f"use_{name}"):
-            value = self._config(attr)
+            value = self.config(attr)
             if value is False:
                 return True
         return False
 
-    def _is_attention(self, cols: set[str], rows: set[str]) -> bool:
+    def is_attention(self, cols: set[str], rows: set[str]) -> bool:
         common = lca(cols | rows)
         name = type(self.modules[common]).__name__.lower() if common in self.modules else ""
         if "attn" in name or "attention" in name:
             return True
         return any(self._attr(p, HEAD_DIM_ATTRS) is not None for p in between(cols, common))
 
-    def _head_dim(self, cols: set[str]) -> int | None:
+    def head_dim(self, cols: set[str]) -> int | None:
         for path in between(cols, lca(cols)):
             value = self._attr(path, HEAD_DIM_ATTRS)
             if value is not None:
                 return value
-        value = positive_int(self._config("head_dim"))
+        value = positive_int(self.config("head_dim"))
         if value:
             return value
-        hidden, heads = (positive_int(self._config(a)) for a in ("hidden_size", "num_attention_heads"))
+        hidden, heads = (positive_int(self.config(a)) for a in ("hidden_size", "num_attention_heads"))
         return hidden // heads if hidden and heads else None
 
-    def _heads(self, cols: set[str], rows: set[str], layer: str) -> tuple[int, int, int] | None:
+    def query_kv_heads(self, cols: set[str], rows: set[str], layer: str) -> tuple[int, int, int] | None:
         """(query heads, key/value heads, head_dim) of an attention group."""
-        head_dim = self._head_dim(cols)
+        head_dim = self.head_dim(cols)
         if not head_dim:
             raise Refused("cannot tell the head size of the attention (no head_dim attribute or config value)")
         heads = None
         for path in between(cols, lca(cols | rows)):
             heads = heads or self._attr(path, HEADS_ATTRS)
-        heads = heads or positive_int(self._config("num_attention_heads"))
+        heads = heads or positive_int(self.config("num_attention_heads"))
         kv = None
         for path in between(cols, lca(cols | rows)):
             kv = kv or self._attr(path, KV_HEADS_ATTRS)
         if kv is None:
-            kv = positive_int(self._config("num_key_value_heads")) or heads
+            kv = positive_int(self.config("num_key_value_heads")) or heads
         if not heads:
             raise Refused("cannot tell the number of attention heads")
         return heads, kv, head_dim
@@ -237,7 +217,7 @@ class HeadRules:
                 return value
         return None
 
-    def _check_heads(
+    def check_heads(
         self, cols: set[str], layouts: Mapping[str, tuple[str, int]], heads: tuple[int, int, int], layer: str
     ) -> None:
         q, kv, head_dim = heads
@@ -252,12 +232,12 @@ class HeadRules:
                 raise Refused(f"{relative(col, layer)} has {n} features, not a whole number of heads of {head_dim}")
             else:
                 units = per_block // head_dim
-            if kind == "S" and k > 1:  # interleaved per head or per key/value group
+            if kind == "S" and k > 1:  # interleaved per head, per key/value group or per group of heads
                 units = k
             if tp is not None and units % tp:
                 raise Refused(
-                    f"{relative(col, layer)} holds {units} heads (or key/value groups), which do not divide over "
-                    f"--tp {tp}"
+                    f"{relative(col, layer)} holds {units} heads (or key/value groups, or groups of heads), which do "
+                    f"not divide over --tp {tp}"
                 )
         if tp is not None and (q % tp or kv % tp):
             raise Refused(f"{q} query and {kv} key/value heads do not divide over --tp {tp}")

@@ -88,6 +88,10 @@ def layout_of(use: ShapeUse, n: int, heads: tuple[int, int, int] | None) -> tupl
             return "S", lead  # [heads, features of one head] of another width (MLA's key and value per head)
         if lead in (q, kv) and n % head_dim and n % lead == 0:
             return "S", lead  # [heads, 1, taps]: a few values per head, no head_dim (per-head conv taps)
+        if len(suffix) == 2 and 1 < lead < q == kv and q % lead == 0 and rest == 3 * (q // lead) * head_dim:
+            # [groups, 3 blocks of the group's heads]: CodeGen's qkv_proj, [q | v | k] of q / groups heads in each of
+            # its mp_num groups; whole groups stay together, so a rank's rows are its own heads' q, v and k
+            return "S", lead
         return "unknown", None
     return "unknown", None
 

@@ -71,7 +71,7 @@ def plan_model(
     summed: bool = True,
 ) -> dict[str, Any]:
     """The frozen plan for ``model`` (an instance, normally on the meta device); ``ep_axis`` as for
-    :func:`hpgen.planner.translator.plan_for_model` (transformers' plans only). A plan whose boundaries live
+    :func:`hpgen.planner.translator.translated_plan` (transformers' plans only). A plan whose boundaries live
     in several modeling files names each class by file (:func:`hpgen.planner.files.name_files`).
     ``summed``: parallel-residual blocks reduce their two branches once (:mod:`hpgen.planner.summed`)."""
     from hpgen.planner.files import name_files
@@ -87,10 +87,10 @@ def plan_model(
 def _plan_model(
     model: Any, *, tp: int | None, ep: int | None, sp: bool, from_source: bool, ep_axis: str | None, name: str
 ) -> dict[str, Any]:
-    from hpgen.planner.translator import plan_for_model
+    from hpgen.planner.translator import translated_plan
 
     if plan_source(model, from_source=from_source) == TRANSFORMERS:
-        plan = plan_for_model(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, name=name)
+        plan = translated_plan(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, name=name)
         plan["comments"] = {"plan_source": TRANSFORMERS, **plan.get("comments", {})}
         if ep is None and not sp:
             plan = _completed(model, plan, tp=tp, name=name)
@@ -103,7 +103,7 @@ def _plan_model(
             "is tensor parallel only (its experts shard on --tp)"
         )
     from hpgen.planner.derive import derive
-    from hpgen.planner.translate import derived_plan
+    from hpgen.planner.derived_plan import derived_plan
 
     derivation = derive(model, tp=tp)
     if not derivation.placed:
@@ -131,7 +131,7 @@ def _completed(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -
     from hpgen.planner.crosscheck import drop_contradicted, drop_feature_statistics, drop_regathered
     from hpgen.planner.derive import derive
     from hpgen.planner.entries import Derivation
-    from hpgen.planner.translate import derived_plan
+    from hpgen.planner.derived_plan import derived_plan
 
     plan = drop_feature_statistics(model, plan)  # block instances reducing a sharded value's features
     try:
@@ -200,7 +200,7 @@ def _regathered_sp(model: Any, plan: dict[str, Any], *, tp: int | None, name: st
     from hpgen.planner.crosscheck import drop_regathered
     from hpgen.planner.derive import derive
     from hpgen.planner.entries import Derivation
-    from hpgen.planner.translate import derived_plan
+    from hpgen.planner.derived_plan import derived_plan
 
     try:
         derivation = derive(model, tp=tp)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
+from hpgen.placement import Placement, shard, strided_shard
 
 __all__ = ["absent", "conv_placement", "per_head_placement", "single_column_conv"]
 
@@ -37,7 +38,7 @@ def absent(model: Any, name: str) -> bool:
     return leaf in getattr(module, "_parameters", {}) and module._parameters[leaf] is None
 
 
-def conv_placement(model: Any, name: str, param: Any, col_widths: list[int], shapes: Any = ()) -> str | None:
+def conv_placement(model: Any, name: str, param: Any, col_widths: list[int], shapes: Any = ()) -> Placement | None:
     """``SS(0,k)`` / ``S(0)`` for the weight of a depthwise ``nn.Conv1d`` over ``k`` equal sharded columns.
 
     The blocks are read from the ``split`` of the convolution's output (``[self.qkv_dim] * 3``):
@@ -50,10 +51,10 @@ def conv_placement(model: Any, name: str, param: Any, col_widths: list[int], sha
     blocks = _split_blocks(shapes, f"param:{name}", channels)
     if blocks is None or len(set(blocks)) != 1 or Counter(col_widths)[blocks[0]] < len(blocks):
         return None
-    return f"SS(0,{len(blocks)})" if len(blocks) > 1 else "S(0)"
+    return strided_shard(0, len(blocks)) if len(blocks) > 1 else shard(0)
 
 
-def single_column_conv(model: Any, name: str, param: Any, flow: Any, widths: Mapping[str, int]) -> str | None:
+def single_column_conv(model: Any, name: str, param: Any, flow: Any, widths: Mapping[str, int]) -> Placement | None:
     """``S(0)`` for the weight of a depthwise ``nn.Conv1d`` whose input is one plainly sharded column's output.
 
     ``widths``: the plainly sharded columns (``S(1)``) and their output widths. The column the
@@ -84,7 +85,7 @@ def single_column_conv(model: Any, name: str, param: Any, flow: Any, widths: Map
         if column in use.receiver and origin not in use.receiver:
             if {o for o in use.receiver if not o.startswith(("in:", "param:"))} == {column}:
                 return None  # the column's output reshaped on its own: its features may not reach the conv in order
-    return "S(0)"
+    return shard(0)
 
 
 def _depthwise_channels(model: Any, name: str, param: Any) -> int | None:
@@ -119,11 +120,11 @@ def _split_blocks(shapes: Any, origin: str, channels: int) -> list[int] | None:
     return None
 
 
-def per_head_placement(param: Any, heads: int | None) -> str | None:
+def per_head_placement(param: Any, heads: int | None) -> Placement | None:
     """``S(d)`` for a tensor whose only non-1 dim ``d`` holds one value per query head."""
     if heads is None or heads < 2 or param.dim() < 2:
         return None
     dims = [d for d, size in enumerate(param.shape) if size != 1]
     if len(dims) == 1 and param.shape[dims[0]] == heads:
-        return f"S({dims[0]})"
+        return shard(dims[0])
     return None

@@ -8,6 +8,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+_DIGITS = re.compile(r"\.\d+(?=\.|$)")  # a list index segment
+
 __all__ = [
     "between",
     "generic",
@@ -132,4 +134,5 @@ def join(prefix: str, name: str) -> str:
 
 
 def generic(name: str) -> str:
-    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
+    """``model.layers.3.mlp`` -> ``model.layers.*.mlp`` (transformers' wildcard form)."""
+    return _DIGITS.sub(".*", name)

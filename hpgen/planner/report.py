@@ -30,6 +30,7 @@ from typing import Any
 
 from hpgen.classify import COMMUNICATING, DEFAULT_BACKWARD, summed_ops, value_ops
 from hpgen.plan import Plan, plan_from_dict
+from hpgen.planner.modules import generic
 
 __all__ = ["Collective", "SizeReport", "format_bytes", "size_report"]
 
@@ -257,11 +258,11 @@ def size_report(model: Any, plan: Mapping[str, Any] | Plan, *, tp: int, dtype: A
             for fqn, cs in members.items()
             for c in cs
         )
-        pattern = kinds.setdefault(signature, _generic(layer))
+        pattern = kinds.setdefault(signature, generic(layer))
         report.layers[pattern] = report.layers.get(pattern, 0) + 1
         if pattern not in report.per_layer:
             report.per_layer[pattern] = [
-                Collective(_generic(c.module), c.value, c.kind, c.phase, c.tensor_bytes, c.sent_bytes, c.calls)
+                Collective(generic(c.module), c.value, c.kind, c.phase, c.tensor_bytes, c.sent_bytes, c.calls)
                 for cs in members.values()
                 for c in cs
             ]
@@ -305,7 +306,7 @@ def _collectives(
                     if kind is None or kind not in COMMUNICATING:
                         continue
                     calls = 2 if phase == "forward" and exchanges else 1
-                    found.append(Collective(_generic(fqn), value.name, kind, phase, width * element, 0.0, calls))
+                    found.append(Collective(generic(fqn), value.name, kind, phase, width * element, 0.0, calls))
     summed = summed_ops(plan, entry.key)
     if summed is not None and summed.axis == "tp" and isinstance(hidden, int):
         # the block's one reduction of both branches, and its shared input's transition (on the stream's width)
@@ -316,7 +317,7 @@ def _collectives(
                 continue
             for phase, kind in (("forward", op.kind), ("backward", op.backward or DEFAULT_BACKWARD.get(op.kind))):
                 if kind in COMMUNICATING:
-                    found.append(Collective(_generic(fqn), op.name, kind, phase, width * hidden * element, 0.0, 1))
+                    found.append(Collective(generic(fqn), op.name, kind, phase, width * hidden * element, 0.0, 1))
     return found
 
 
@@ -417,10 +418,6 @@ def _layer_of(fqn: str) -> str | None:
 
 def _relative_pattern(fqn: str, layer: str) -> str:
     return fqn[len(layer) + 1 :] if fqn.startswith(layer + ".") else ""
-
-
-def _generic(fqn: str) -> str:
-    return _DIGIT.sub(".*", fqn)
 
 
 def _natural(fqn: str) -> list[Any]:

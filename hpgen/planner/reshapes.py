@@ -16,6 +16,7 @@ from typing import Any
 
 from hpgen.planner.entries import Derivation, Refused
 from hpgen.planner.flow import SIZE, Flow
+from hpgen.planner.head_names import HEADS_ATTRS, KV_HEADS_ATTRS
 from hpgen.planner.heads import is_head_dim_name
 from hpgen.planner.layouts import arg_reads, dim_of, last_dim, layout_of
 from hpgen.planner.modules import in_features, out_features, relative
@@ -69,6 +70,8 @@ class ReshapeRules:
             kind, k = layouts[col]
             if kind == "SS":
                 counts.add(n // k)
+            elif k > 1:  # interleaved per head, per key/value group or per group of heads: the group count too
+                counts.add(k)
         for row in rows:
             counts.add(in_features(self.modules[row]))
         if heads is not None:
@@ -155,8 +158,6 @@ class ReshapeRules:
 def _within_heads(use: Any) -> set[tuple[str, str]]:
     """Attributes read only by the dims after a head count in a ``view``/``reshape`` (``(..., self.num_heads, 1,
     self.conv_kernel_size)``): sizes within one head, which sharding the heads leaves whole."""
-    from hpgen.planner.heads import HEADS_ATTRS, KV_HEADS_ATTRS
-
     if use.method not in ("view", "reshape"):
         return set()
     values = list(use.arg_vals[0].items) if len(use.arg_vals) == 1 and use.arg_vals[0].items else list(use.arg_vals)

@@ -27,6 +27,7 @@ from typing import Any
 
 from hpgen.planner.entries import Derivation, Placed
 from hpgen.planner.modules import generic, in_features, is_nn_linear, out_features
+from hpgen.placement import REPLICATE, shard
 
 __all__ = ["place_split_rows", "reshapes_weight"]
 
@@ -80,9 +81,9 @@ def place_split_rows(
             + _reason(result, fqn)
             + ")",
         )
-        piece.params["weight"] = "S(1)"
+        piece.params["weight"] = shard(1)
         if getattr(module, "bias", None) is not None:
-            piece.params["bias"] = "R"
+            piece.params["bias"] = REPLICATE
             piece.deferred.add("bias")
         result.placed[fqn] = piece
         result.notes[:] = [n for n in result.notes if n.target != generic(fqn)]

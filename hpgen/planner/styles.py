@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpgen.errors import HpgenError
-from hpgen.planner.boundary import generic
+from hpgen.planner.modules import generic
 
 __all__ = [
     "COLWISE",

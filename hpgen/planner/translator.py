@@ -61,7 +61,7 @@ step 1 is :mod:`~hpgen.planner.load` (the model) and :mod:`~hpgen.planner.styles
 rules, TP and EP); step 2 :mod:`~hpgen.planner.blocks` (boundaries and parameters) and
 :mod:`~hpgen.planner.checks` (sizes); step 3 :mod:`~hpgen.planner.signatures`; step 4
 :mod:`~hpgen.planner.document`; ``--sp`` is :mod:`~hpgen.planner.sequence`.
-:mod:`hpgen.planner.translate` subclasses :class:`Translator` for the plans derived from
+:mod:`hpgen.planner.derived_plan` subclasses :class:`Translator` for the plans derived from
 the source.
 
 torch and transformers are imported inside the functions that need them: the generator
@@ -77,9 +77,9 @@ from hpgen.errors import HpgenError
 from hpgen.planner.blocks import BoundaryFinding
 from hpgen.planner.boundary import Boundary
 from hpgen.planner.checks import SizeChecks
-from hpgen.planner.corrections import PackedChunks
+from hpgen.planner.corrections import correct_packed_chunks
 from hpgen.planner.document import PlanDocument
-from hpgen.planner.load import index_source, load_config, meta_model, source_file
+from hpgen.planner.load import index_source, source_file
 from hpgen.planner.sequence import SequenceParallel
 from hpgen.planner.signatures import ForwardSignatures
 from hpgen.planner.styles import Rule, StyleRules
@@ -89,24 +89,10 @@ if TYPE_CHECKING:
 
     from hpgen.index import ModuleIndex, ParsedSource
 
-__all__ = ["Translator", "make_plan", "plan_for_model"]
+__all__ = ["Translator", "translated_plan"]
 
 
-def make_plan(
-    target: str, *, tp: int | None = None, ep: int | None = None, sp: bool = False, ep_axis: str | None = None
-) -> dict[str, Any]:
-    """The frozen plan for ``target``: a transformers model type (``llama``) or a config.json path.
-
-    ``tp`` and ``ep`` are the axis sizes the plan must divide (heads, experts); without
-    either, a tensor-parallel plan whose divisibility is not checked. ``sp`` keeps the
-    residual stream sequence-sharded between decoder layers. ``ep_axis`` names an axis
-    of the experts' own (mesh ``ep_axis x tp``); without it they share ``tp``.
-    """
-    config = load_config(target)
-    return plan_for_model(meta_model(config), tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, name=target)
-
-
-def plan_for_model(
+def translated_plan(
     model: nn.Module,
     *,
     tp: int | None = None,
@@ -123,9 +109,7 @@ def plan_for_model(
     return Translator(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, name=name or type(model).__name__).plan()
 
 
-class Translator(
-    StyleRules, PackedChunks, BoundaryFinding, SizeChecks, SequenceParallel, ForwardSignatures, PlanDocument
-):
+class Translator(StyleRules, BoundaryFinding, SizeChecks, SequenceParallel, ForwardSignatures, PlanDocument):
     """transformers' plan of one model translated into hpgen's plan, one step per base class."""
 
     rules: dict[str, Rule]
@@ -154,8 +138,8 @@ class Translator(
         # AutoModel from another model's file), each indexed once
         self._sources: dict[Path, tuple[ParsedSource, ModuleIndex]] = {self.source.resolve(): (self.parsed, self.index)}
         self.boundaries: dict[str, Boundary] = {}
-        self.corrected: dict[str, str] = {}  # rule -> why transformers' style was changed
-        self._correct_packed_chunks()
+        # rule -> why transformers' style was changed (the rules corrected in place)
+        self.corrected = correct_packed_chunks(self.rules, self.modules, self._forward_owner, self._source_of)
 
     def plan(self) -> dict[str, Any]:
         """The plan document: boundaries, their parameters, the checks, ``--sp``, inputs and outputs."""

@@ -17,6 +17,7 @@ from typing import Any
 
 from hpgen.planner.entries import Derivation, Placed
 from hpgen.planner.modules import is_nn_linear
+from hpgen.placement import Placement, shard
 
 __all__ = ["place_vocabulary"]
 
@@ -98,22 +99,22 @@ class _Vocabulary:
                 self.result.note(emb_fqn, False, f"its weight is also {other}'s, which would compute with a shard")
         if ok_emb and emb_fqn:
             self.result.placed[emb_fqn] = Placed(
-                emb_fqn, "embedding", {"weight": "S(0)"}, why="vocab-parallel embedding"
+                emb_fqn, "embedding", {"weight": shard(0)}, why="vocab-parallel embedding"
             )
             self.result.note(emb_fqn, True, "vocab-parallel embedding: rows S(0), the partial lookups all-reduced")
-            self._aliases(emb_fqn, "weight", "S(0)")
+            self._aliases(emb_fqn, "weight", shard(0))
         if ok_emb and emb_fqn and not self._tables_done:
             self._tables_done = True
             self._other_tables(embedding.num_embeddings, raw)
         if ok_head and head_fqn:
-            placed = Placed(head_fqn, "lm_head", {"weight": "S(0)"}, why="column-parallel output projection")
+            placed = Placed(head_fqn, "lm_head", {"weight": shard(0)}, why="column-parallel output projection")
             if head.bias is not None:
-                placed.params["bias"] = "S(0)"
-                self._aliases(head_fqn, "bias", "S(0)")
+                placed.params["bias"] = shard(0)
+                self._aliases(head_fqn, "bias", shard(0))
             self.result.placed[head_fqn] = placed
             self.result.note(head_fqn, True, "column-parallel output projection: vocabulary rows S(0), logits gathered")
             if not tied:
-                self._aliases(head_fqn, "weight", "S(0)")
+                self._aliases(head_fqn, "weight", shard(0))
 
     def _other_tables(self, word_rows: int, raw: set[str]) -> None:
         """Other lookup tables outside the layers (learned positions, shape ids) as large as a quarter of the
@@ -134,7 +135,7 @@ class _Vocabulary:
                 if not n.startswith(fqn + ".")
             ):
                 continue  # tied to something else
-            self.result.placed[fqn] = Placed(fqn, "embedding", {"weight": "S(0)"}, why="vocab-parallel table")
+            self.result.placed[fqn] = Placed(fqn, "embedding", {"weight": shard(0)}, why="vocab-parallel table")
             self.result.note(
                 fqn,
                 True,
@@ -161,7 +162,7 @@ class _Vocabulary:
                 return f"{name} ({type(module).__name__})"
         return None
 
-    def _aliases(self, owner: str, leaf: str, placement: str) -> None:
+    def _aliases(self, owner: str, leaf: str, placement: Placement) -> None:
         """Other registrations of ``owner.leaf`` (BERT's ``predictions.bias``, ProphetNet's second
         ``word_embeddings``): the same layout under that name; an ``nn.Embedding`` holding it is
         a vocab-parallel boundary too, since its lookups now see a shard."""

@@ -16,9 +16,9 @@ that it names every module and nothing else):
   ``counterparts``, ``params``, ``attrs``, ``groups``, ``hooks``, ``summed``, ``kernels``,
   ``stubs``, ``inputs``, ``tuners``, ``errors``;
 - forward (what generated forwards call): ``defaults``, ``collectives``,
-  ``traced_collectives``, ``boundary``, ``ops``, ``wrappers``, ``local``, ``local_heads``,
-  ``streams``, ``sampling``;
-- shard layout (torch-side of the core's :mod:`hpgen.shards`): ``sharding``,
+  ``traced_collectives``, ``handback``, ``boundary``, ``ops``, ``wrappers``, ``local``,
+  ``local_heads``, ``streams``, ``sampling``;
+- shard layout (DTensor's names for the core's :class:`hpgen.shards.ShardLayout`):
   ``shard_layout``;
 - checkpoints: ``loading``, ``checkpoint_files``, ``file_maps``, ``conversions``,
   ``state_dict``, ``fsdp_state``, ``dcp_files``, ``saving``, ``folder_swap``, ``adapters``.

@@ -41,13 +41,14 @@ from hpgen.placement import REPLICATE, Placement
 from hpgen.plan import Layout, body_is_sharded
 from hpgen.runtime.collectives import AxisCollectives
 from hpgen.runtime.errors import ParallelizeError
+from hpgen.runtime.handback import call
 from hpgen.runtime.hooks import FollowReducedParameters, GradAllReduce
-from hpgen.runtime.params import Matched
-from hpgen.runtime.sharding import local_chunk, local_shape, normalize_dim
+from hpgen.runtime.params import Matched, rank_shard
 from hpgen.runtime.state_dict import ShardRecorder
 from hpgen.runtime.streams import LayoutChange
 from hpgen.runtime.tuners import is_tuner_layer, method_problem
 from hpgen.runtime.wrappers import is_conv1d
+from hpgen.shards import ShardLayout, normalize_dim
 
 __all__ = ["AdapterWatch", "adapter_layouts", "survey_adapters", "watch_adapters"]
 
@@ -207,8 +208,8 @@ class AdapterWatch:
         reduced: list[tuple[nn.Module, str, GradAllReduce]] = []
         for owner, attr, shape, layout, reduce, label in parts:
             where = f"{slot.where}.{label}.{name}.{attr}"
-            shares = tuple((layout.on(axis), self.axes[axis].rank, self.axes[axis].size) for axis in self.names)
-            param = self._local(owner, attr, shape, shares, where)
+            shard_layout = rank_shard(shape, layout, self.axes, self.names)
+            param = self._local(owner, attr, shard_layout, where)
             self._align(param, layout)
             groups = [self.axes[axis].group for axis in reduce if self.axes[axis].size > 1]
             if groups:
@@ -219,7 +220,7 @@ class AdapterWatch:
                 param.requires_grad_(not frozen)
                 param._hp_grad_reduce = reducer
                 reduced.append((owner, attr, reducer))
-            self.recorder.record([(owner, attr)], where, shape, shares, gathered=True)
+            self.recorder.record([(owner, attr)], where, shard_layout, gathered=True)
         if reduced:  # FSDP2 registers parameters of its own for the forward: the reduction follows them
             layer.register_forward_pre_hook(FollowReducedParameters(f"{slot.where} ({name})", reduced))
         self._follow_streams(slot, layer, name)
@@ -243,9 +244,7 @@ class AdapterWatch:
         dropout.register_forward_hook(LayoutChange(streams, local=not row))
         streams.dropouts.append(dropout)  # the model's streams run when some dropout draws
 
-    def _local(
-        self, owner: nn.Module, attr: str, shape: tuple[int, ...], shares: tuple, where: str
-    ) -> nn.Parameter:
+    def _local(self, owner: nn.Module, attr: str, shard_layout: ShardLayout, where: str) -> nn.Parameter:
         """The parameter holding this rank's chunk: cut from the full one (peft made it before parallelize)."""
         param = owner._parameters[attr]
         dtensor = sys.modules.get("torch.distributed.tensor")  # nothing is a DTensor before it is imported
@@ -254,7 +253,7 @@ class AdapterWatch:
                 f"{where} is already a DTensor: fully_shard ran before hpgen saw this adapter. Put the adapters on "
                 "first: get_peft_model, then parallelize, then fully_shard"
             )
-        local = local_shape(shape, shares)
+        shape, local = shard_layout.shape, shard_layout.local_shape
         current = tuple(param.shape)
         if current == local:
             return param
@@ -263,7 +262,7 @@ class AdapterWatch:
                 f"{where} has shape {current}; its base layer's plan gives it {shape} (this rank: {local})"
             )
         with torch.no_grad():
-            chunk = local_chunk(param.detach(), shares).clone(memory_format=torch.contiguous_format)
+            chunk = shard_layout.local_slice(param.detach()).clone(memory_format=torch.contiguous_format)
         new = nn.Parameter(chunk, requires_grad=param.requires_grad)
         setattr(owner, attr, new)
         if isinstance(owner, nn.Linear):
@@ -276,7 +275,7 @@ class AdapterWatch:
             ax = self.axes[axis]
             if layout.on(axis) == REPLICATE and ax.size > 1:
                 with torch.no_grad():
-                    dist.broadcast(param.data, group=ax.group, group_src=0)
+                    call(dist.broadcast, param.data, group=ax.group, group_src=0)
 
 
 def survey_adapters(model: nn.Module, matched: Iterable[Matched], mesh_names: Sequence[str]) -> list[_Slot]:

@@ -29,6 +29,7 @@ from hpgen import __version__
 from hpgen.header import read_header
 from hpgen.plan import Plan
 from hpgen.runtime.errors import ParallelizeError
+from hpgen.runtime.handback import all_gather_object, call
 
 __all__ = ["check_ranks_agree", "raise_together", "rank_record"]
 
@@ -111,11 +112,10 @@ def raise_together(error: ParallelizeError | None, mesh: DeviceMesh, axes: Itera
         if size == 1:
             continue
         failed = torch.tensor([0 if error is None else 1], device=mesh_device(mesh))
-        dist.all_reduce(failed, group=group)
+        call(dist.all_reduce, failed, group=group)
         if not failed.item():
             continue
-        messages: list[str | None] = [None] * size
-        dist.all_gather_object(messages, None if error is None else str(error), group=group)
+        messages = all_gather_object(None if error is None else str(error), group)
         if error is not None:
             raise error
         ranks = dist.get_process_group_ranks(group)
@@ -133,11 +133,10 @@ def check_ranks_agree(model: nn.Module, plan: Plan, mesh: DeviceMesh, axes: Iter
         if size == 1:
             continue
         digests = [torch.empty_like(mine) for _ in range(size)]
-        dist.all_gather(digests, mine, group=group)
+        call(dist.all_gather, digests, mine, group=group)
         if all(torch.equal(d, digests[0]) for d in digests):
             continue
-        records: list[dict[str, object] | None] = [None] * size
-        dist.all_gather_object(records, record, group=group)
+        records = all_gather_object(record, group)
         ranks = dist.get_process_group_ranks(group)
         lines = []
         for index in range(1, size):

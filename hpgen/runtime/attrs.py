@@ -29,7 +29,7 @@ from hpgen.plan import Plan
 from hpgen.runtime.collectives import AxisCollectives
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.params import Matched
-from hpgen.runtime.sharding import local_range
+from hpgen.shards import ShardLayout
 
 __all__ = ["survey_attrs"]
 
@@ -117,8 +117,8 @@ def _projections(item: Matched, query_rows: int, kv_rows: int) -> tuple[str | No
 
 def _rows(item: Matched, name: str, mesh: tuple[str, ...], ranks: tuple[int, ...], sizes: list[int]) -> tuple[int, int]:
     layout = item.entry.params[name]
-    rows = item.module.get_parameter(name).shape[0]
-    return local_range(rows, [(layout.on(a), r, s) for a, r, s in zip(mesh, ranks, sizes)], 0, 2)
+    shape = item.module.get_parameter(name).shape
+    return ShardLayout.of(shape, [layout.on(a) for a in mesh], ranks, sizes).range(0)
 
 
 def _config_value(config: object, name: str) -> object:

@@ -35,6 +35,7 @@ from hpgen.placement import Placement
 from hpgen.plan import Layout, Plan, body_is_sharded
 from hpgen.runtime.collectives import AxisCollectives
 from hpgen.runtime.errors import ParallelizeError
+from hpgen.runtime.handback import call
 from hpgen.runtime.ops import (
     Address,
     Step,
@@ -81,15 +82,17 @@ class DTensorMove:
         grad_src: tuple[DPlacement, ...],
         grad_dst: tuple[DPlacement, ...],
     ) -> None:
+        from torch.distributed.tensor import Replicate
+
+        from hpgen.runtime.shard_layout import dtensor_placement
+
         self.name = name
         self.mesh = mesh
         self.src = src  # hpgen placements, one per mesh dim (in the mesh's order)
-        self.src_dt = tuple(_dtensor_placement(p) for p in src)
+        self.src_dt = tuple(dtensor_placement(p) for p in src)
         # Axes made partial here: redistribute to R there, then partition locally.
         made_partial = [i for i, (a, b) in enumerate(zip(src, dst)) if b.is_partial and a != b]
-        from torch.distributed.tensor import Replicate
-
-        self.mid_dt = tuple(Replicate() if i in made_partial else _dtensor_placement(p) for i, p in enumerate(dst))
+        self.mid_dt = tuple(Replicate() if i in made_partial else dtensor_placement(p) for i, p in enumerate(dst))
         self.grad_src = grad_src
         self.grad_mid = tuple(Replicate() if i in made_partial else g for i, g in enumerate(grad_dst))
         coordinate = mesh.get_coordinate() or []
@@ -121,14 +124,14 @@ class DTensorMove:
         shape = list(x.shape)
         for index in reversed(range(len(self.src))):
             placement = self.src[index]
-            if placement.kind != "S":
+            if not placement.is_shard:
                 continue
             dim = normalize_dim(placement.dim, x.dim())
             group = self.mesh.get_group(index)
             size = dist.get_world_size(group)
             mine = torch.tensor([shape[dim]], dtype=torch.int64, device=x.device)
             every = [torch.empty_like(mine) for _ in range(size)]
-            dist.all_gather(every, mine, group=group)
+            call(dist.all_gather, every, mine, group=group)
             sizes = tuple(int(t.item()) for t in every)
             total = sum(sizes)
             if sizes != split_sizes(total, size) or sizes != chunk_sizes(total, size):
@@ -153,27 +156,17 @@ class _Partition(torch.autograd.Function):
         return grad, None
 
 
-def _dtensor_placement(placement: Placement) -> DPlacement:
-    from torch.distributed.tensor import Partial, Replicate, Shard
-
-    if placement.kind == "R":
-        return Replicate()
-    if placement.kind == "S":
-        return Shard(placement.dim)
-    if placement.kind == "P":
-        return Partial(placement.op)
-    raise ValueError(f"{placement} has no DTensor placement here")
-
-
 def _grad_placement(placement: Placement, *, partial: bool) -> DPlacement:
     """The placement of a value's gradient: partial when asked, replicated for a partial value."""
     from torch.distributed.tensor import Partial, Replicate
 
+    from hpgen.runtime.shard_layout import dtensor_placement
+
     if partial:
         return Partial("sum")
-    if placement.kind == "P":
+    if placement.is_partial:
         return Replicate()
-    return _dtensor_placement(placement)
+    return dtensor_placement(placement)
 
 
 def mover_for(

@@ -76,6 +76,7 @@ from torch.autograd.function import once_differentiable
 
 from hpgen.shards import split_sizes
 
+from .handback import call
 from .traced_collectives import TRACED as _TRACED
 from .traced_collectives import fc_all_gather as _fc_all_gather
 from .traced_collectives import received_shapes as _received_shapes
@@ -216,7 +217,7 @@ class AxisCollectives:
         if op == "sum" and not (torch.is_grad_enabled() and x.requires_grad) and not _tracing():
             # The eager decode hot path: no autograd node, one clone, one in-place all-reduce.
             out = x.clone(memory_format=torch.contiguous_format)
-            dist.all_reduce(out, group=self.group)
+            call(dist.all_reduce, out, group=self.group)
             return out
         return self._run(x, _Move("all_reduce", None, None, op), backward)
 
@@ -365,7 +366,7 @@ class AxisCollectives:
         if key in _UNSUPPORTED:
             return False
         try:
-            collective(out, *args, group=self.group)
+            call(collective, out, *args, group=self.group)
         except RuntimeError as error:  # c10d says "Backend <name> does not support <op>"
             if "does not support" not in str(error):
                 raise
@@ -377,14 +378,14 @@ class AxisCollectives:
         """Rank ``i``'s contiguous ``inp`` into the ``i``-th block of contiguous ``out``."""
         stacked = out.view(self.size * inp.shape[0], *inp.shape[1:])  # the shape gloo checks
         if not self._native(_all_gather_single, stacked, inp):
-            dist.all_gather(list(stacked.chunk(self.size)), inp, group=self.group)
+            call(dist.all_gather, list(stacked.chunk(self.size)), inp, group=self.group)
 
     def _reduce_scatter_into(self, out: Tensor, blocks: Tensor) -> None:
         """``out`` = the sum over ranks of their block ``rank`` of ``blocks`` (``[size, *out.shape]``)."""
         stacked = blocks.view(self.size * out.shape[0], *out.shape[1:])  # the shape gloo checks
         if not self._native(_reduce_scatter_single, out, stacked):
             total = blocks.clone(memory_format=torch.contiguous_format)  # fallback: all-reduce, keep ours
-            dist.all_reduce(total, group=self.group)
+            call(dist.all_reduce, total, group=self.group)
             out.copy_(total[self.rank])
 
 
@@ -432,7 +433,7 @@ def _identity(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
 def _all_reduce(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
     out = x.clone(memory_format=torch.contiguous_format)
     op = "SUM" if move.reduce == "avg" else move.reduce.upper()  # avg: sum then divide, as gloo lacks AVG
-    dist.all_reduce(out, op=getattr(dist.ReduceOp, op), group=ax.group)
+    call(dist.all_reduce, out, op=getattr(dist.ReduceOp, op), group=ax.group)
     if move.reduce == "avg":
         out.div_(ax.size)
     return out

@@ -33,7 +33,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.shard_layout import PackedShard
-from hpgen.shards import chunk_bounds
+from hpgen.shards import chunk_bounds, split_sizes
 
 if TYPE_CHECKING:
     from hpgen.runtime.state_dict import ShardedParam
@@ -109,14 +109,10 @@ def composed_form(
                 f"dim {dim} of size {n}: FSDP2 on {dp} ranks at coordinate {coordinate} holds "
                 f"{len(ours)} rows from {ours[:1]}, DTensor's {placements} would read {len(theirs)} from {theirs[:1]}"
             )
-        if packed and (hi - lo) != _tensor_split_len(len(local), dp, coordinate[0]):
+        if packed and (hi - lo) != split_sizes(len(local), dp)[coordinate[0]]:
             # PackedShard names its blocks the hpgen way (tensor_split) on every mesh dim
             return None, f"dim {dim} of size {n} splits differently under chunk and tensor_split on {dp} ranks"
     return placements, None
-
-
-def _tensor_split_len(n: int, size: int, rank: int) -> int:
-    return n // size + (1 if rank < n % size else 0)
 
 
 _MESHES: dict[tuple[DeviceMesh, DeviceMesh], DeviceMesh] = {}

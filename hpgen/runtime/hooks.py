@@ -37,6 +37,7 @@ from hpgen.plan import Plan, body_is_sharded
 from hpgen.runtime.collectives import AxisCollectives
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.groups import replica_group
+from hpgen.runtime.handback import call
 from hpgen.runtime.ops import address_of, get_output, replace_output
 from hpgen.runtime.params import Matched
 from hpgen.runtime.wrappers import BiasShare, is_conv1d, subclass_with
@@ -84,7 +85,7 @@ class GradAllReduce:
     def __call__(self, grad: Tensor) -> Tensor:
         total = grad.clone(memory_format=torch.contiguous_format)
         for group in self.groups:
-            dist.all_reduce(total, group=group)
+            call(dist.all_reduce, total, group=group)
         return total
 
     def __repr__(self) -> str:

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from hpgen.runtime.handback import all_gather_object, call
+
 __all__ = ["CHECKED_FORWARDS", "InputCheck", "input_digests"]
 
 CHECKED_FORWARDS = 3
@@ -81,11 +83,10 @@ class InputCheck:
         for axis, group in self.groups:
             size = dist.get_world_size(group)
             gathered = [torch.empty_like(mine) for _ in range(size)]
-            dist.all_gather(gathered, mine, group=group)
+            call(dist.all_gather, gathered, mine, group=group)
             if all(torch.equal(other, gathered[0]) for other in gathered):
                 continue
-            every: list[Any] = [None] * size
-            dist.all_gather_object(every, digests, group=group)
+            every = all_gather_object(digests, group)
             raise RuntimeError(_message(type(module).__name__, axis, dist.get_process_group_ranks(group), every))
         return None
 

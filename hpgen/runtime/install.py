@@ -138,7 +138,8 @@ def parallelize(
     survey.install(axes, plan.mesh_dim_names)
     device = mesh_device(mesh)
     # random ops: one stream for replicated and partial values, one per rank for sharded ones
-    install_streams(model, [(t.item, t.form) for t in survey.targets], plan, axes, device)
+    branches = branch_fqns((t.item for t in survey.targets), plan)
+    install_streams(model, [(t.item, t.form) for t in survey.targets], plan, axes, device, branches)
     groups = [(axis, axes[axis].group) for axis in plan.mesh_dim_names if axes[axis].size > 1]
     bind_generate(model, [group for _, group in groups], device)
     if check_inputs and groups:

@@ -39,8 +39,8 @@ from hpgen.runtime.checkpoint_files import CheckpointFiles
 from hpgen.runtime.conversions import Mapped, Source, checkpoint_sources, model_conversions
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.folder_swap import recover
-from hpgen.runtime.shard_layout import boxes
 from hpgen.runtime.state_dict import local_state_dict, sharded_params
+from hpgen.shards import ShardLayout
 
 __all__ = ["from_pretrained"]
 
@@ -257,7 +257,7 @@ def _read_local(
     A chunk that is one box of the file, in its dtype, on the CPU, is the file's bytes as
     they are (:meth:`Source.view`); any other is allocated once and each of its boxes read
     straight into its place, cast on the way."""
-    parts = boxes(shape, shares)
+    parts = ShardLayout(shape, shares).boxes()
     whole = len(parts) == 1 and parts[0].local_offsets == (0,) * len(shape)
     if whole and device.type == "cpu":
         view = source.view(parts[0].bounds())

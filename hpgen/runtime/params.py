@@ -29,7 +29,7 @@ every name it had, which keeps tied parameters tied.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,18 +40,10 @@ from hpgen.placement import REPLICATE, Placement
 from hpgen.plan import Entry, Layout, Plan
 from hpgen.runtime.collectives import AxisCollectives
 from hpgen.runtime.errors import ParallelizeError
-from hpgen.runtime.sharding import (
-    AxisShare,
-    chunks_and_index,
-    local_chunk,
-    local_shape,
-    normalize_dim,
-    placement_problem,
-)
 from hpgen.runtime.wrappers import is_conv1d
-from hpgen.shards import row_heads
+from hpgen.shards import ShardLayout, chunks_and_index, normalize_dim, placement_problem, row_heads
 
-__all__ = ["Matched", "ParamShard", "shard_params", "survey_params"]
+__all__ = ["Matched", "ParamShard", "rank_shard", "shard_params", "survey_params"]
 
 
 @dataclass(frozen=True)
@@ -71,12 +63,16 @@ class ParamShard:
     param: nn.Parameter
     names: list[str]  # every FQN it is registered under (several when tied)
     owners: list[tuple[nn.Module, str]]  # (module, attribute) for each name
-    layout: Layout
-    shares: tuple[AxisShare, ...]
+    layout: Layout  # the plan's placement on each axis
+    shard_layout: ShardLayout  # this rank's shard of the full parameter
 
-    @property
-    def sharded(self) -> bool:
-        return any(placement.kind != "R" for placement, _, _ in self.shares)
+
+def rank_shard(
+    shape: Sequence[int], layout: Layout, axes: Mapping[str, AxisCollectives], names: Sequence[str]
+) -> ShardLayout:
+    """This rank's shard of a tensor of full ``shape`` laid out as ``layout`` on the axes ``names`` (mesh order)."""
+    placements = [layout.on(axis) for axis in names]
+    return ShardLayout.of(shape, placements, [axes[axis].rank for axis in names], [axes[axis].size for axis in names])
 
 
 def _join(prefix: str, name: str) -> str:
@@ -152,10 +148,10 @@ def survey_params(
         if key in shards:
             continue
         _check_tied(full, layout, names, planned, mesh)
-        shares = tuple((layout.on(axis), axes[axis].rank, axes[axis].size) for axis in mesh)
+        shard_layout = rank_shard(param.shape, layout, axes, mesh)
         name = full[len(item.fqn) + 1 :] if item.fqn else full
-        _check_placements(item, name, tuple(param.shape), shares, mesh)
-        shards[key] = ParamShard(param, list(names), list(owners), layout, shares)
+        _check_placements(item, name, shard_layout, mesh)
+        shards[key] = ParamShard(param, list(names), list(owners), layout, shard_layout)
 
     for item in matched:
         _check_linear_biases(item, planned, mesh)
@@ -214,17 +210,18 @@ def _heads_label(module: nn.Module, heads: int) -> str:
     return "heads"
 
 
-def _check_placements(
-    item: Matched, name: str, shape: tuple[int, ...], shares: tuple[AxisShare, ...], mesh: tuple[str, ...]
-) -> None:
+def _check_placements(item: Matched, name: str, shard_layout: ShardLayout, mesh: tuple[str, ...]) -> None:
     """Each axis's placement fits the parameter, splits no head and no expert group."""
     where = f"{item.fqn or '<root>'} ({type(item.module).__name__})"
     owner_path, _, _ = name.rpartition(".")
     owner = item.module.get_submodule(owner_path) if owner_path else item.module
     head_dim = getattr(item.module, "head_dim", None)
     num_experts = getattr(item.module, "num_experts", None)
-    current = shape
-    for axis, (placement, _, size) in zip(mesh, shares):
+    # Each axis splits what the ones before it left; rank 0's chunk stands for all, so every
+    # rank reaches the same verdict (a refusal on one rank only would hang the others).
+    first = ShardLayout.of(shard_layout.shape, shard_layout.placements, [0] * len(mesh), shard_layout.sizes)
+    for index, (axis, (placement, _, size)) in enumerate(zip(mesh, shard_layout.shares)):
+        current = first.prefix(index).local_shape
         problem = placement_problem(current, placement, size)
         if problem is not None:
             raise ParallelizeError(f"{where}: {name} {placement} on axis {axis!r}: {problem}")
@@ -242,9 +239,6 @@ def _check_placements(
                     f"{where}: {name} dim {dim} holds {n} experts, which do not divide over axis {axis!r} "
                     f"of size {size}"
                 )
-        # The next axis splits what this one left; rank 0's chunk stands for all, so every
-        # rank reaches the same verdict (a refusal on one rank only would hang the others).
-        current = local_shape(current, [(placement, 0, size)])
 
 
 def _heads_message(
@@ -323,10 +317,10 @@ def shard_params(shards: Iterable[ParamShard]) -> dict[int, nn.Parameter]:
     replaced: dict[int, nn.Parameter] = {}
     with torch.no_grad():
         for shard in shards:
-            if not shard.sharded:
+            if not shard.shard_layout.sharded:
                 continue
             old = shard.param
-            local = local_chunk(old.detach(), shard.shares).clone(memory_format=torch.contiguous_format)
+            local = shard.shard_layout.local_slice(old.detach()).clone(memory_format=torch.contiguous_format)
             new = nn.Parameter(local, requires_grad=old.requires_grad)
             for module, attr in shard.owners:
                 setattr(module, attr, new)

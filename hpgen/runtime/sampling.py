@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hpgen.runtime.handback import call
 from hpgen.runtime.streams import default_generators
 
 __all__ = ["bind_generate", "first_rank_random_state"]
@@ -41,7 +42,7 @@ def first_rank_random_state(
         for generator, state in zip(generators, own):
             shared = state.to(device, copy=True)  # (to() of a CPU tensor to the CPU is the tensor itself)
             for group in groups:
-                dist.broadcast(shared, src=dist.get_global_rank(group, 0), group=group)
+                call(dist.broadcast, shared, src=dist.get_global_rank(group, 0), group=group)
             generator.set_state(shared.cpu())
         yield
     finally:

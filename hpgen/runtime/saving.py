@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from hpgen.runtime.conversions import model_conversions
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.folder_swap import replacing
+from hpgen.runtime.handback import all_gather_object, broadcast_object
 from hpgen.runtime.state_dict import gather_full, local_state_dict, sharded_params
 
 __all__ = ["bind_save_pretrained", "full_state_dict", "save_pretrained", "write_checkpoint"]
@@ -137,8 +138,7 @@ def _same_on_every_rank(given: bool) -> None:
     """Refuse, everywhere, a ``state_dict`` passed on some ranks only: their gathers would not pair up."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    flags: list[bool | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, given)
+    flags = all_gather_object(given)
     if len(set(flags)) > 1:
         with_it = [rank for rank, flag in enumerate(flags) if flag]
         raise ParallelizeError(
@@ -151,9 +151,7 @@ def _writer_error(error: BaseException | None, directory: str | os.PathLike[str]
     """The writer's error as one message, known to every rank (None: the checkpoint is written)."""
     message = None if error is None else f"save_pretrained({os.fspath(directory)!r}): {type(error).__name__}: {error}"
     if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [message]
-        dist.broadcast_object_list(box, src=0)
-        message = box[0]
+        message = broadcast_object(message, src=0)
     return message
 
 

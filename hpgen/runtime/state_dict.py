@@ -46,10 +46,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from hpgen.runtime.collectives import AxisCollectives
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.fsdp_state import composed_dtensor, dp_piece, fsdp_value, is_fsdp_shard
+from hpgen.runtime.handback import call
 from hpgen.runtime.params import ParamShard
 from hpgen.runtime.shard_layout import DTensorForm, PackedShard, dtensor_form
-from hpgen.runtime.sharding import local_chunk
-from hpgen.shards import AxisShare, local_shape, normalize_dim, piece_sizes
+from hpgen.shards import AxisShare, ShardLayout
 
 __all__ = [
     "PackedShard",
@@ -83,8 +83,7 @@ class ShardedParam:
     """A sharded parameter as the state dict sees it: full shape, layout, DTensor form."""
 
     name: str  # one FQN, for messages
-    global_shape: tuple[int, ...]
-    shares: tuple[AxisShare, ...]  # (placement, rank, size) per plan axis, mesh order
+    shard_layout: ShardLayout  # the full shape, and (placement, rank, size) per plan axis in mesh order
     axes: tuple[str, ...]
     mesh: DeviceMesh | None  # the DTensor form's mesh: the plan's axes, RS axes unflattened (None: no form)
     groups: tuple[Any, ...]  # each axis's process group
@@ -92,8 +91,16 @@ class ShardedParam:
     gathered: bool = False  # state_dict() gives the full tensor (peft's adapters), not a DTensor
 
     @property
+    def global_shape(self) -> tuple[int, ...]:
+        return self.shard_layout.shape
+
+    @property
     def local_shape(self) -> tuple[int, ...]:
-        return local_shape(self.global_shape, self.shares)
+        return self.shard_layout.local_shape
+
+    @property
+    def shares(self) -> tuple[AxisShare, ...]:
+        return self.shard_layout.shares
 
     def __deepcopy__(self, memo: dict) -> ShardedParam:
         return self  # immutable, holds process groups: shared by copies of a model
@@ -131,7 +138,7 @@ class ShardedParam:
                 return value.to_local()
             value = value.full_tensor()  # another layout: collective over its mesh
         if isinstance(value, Tensor) and tuple(value.shape) == self.global_shape != self.local_shape:
-            return local_chunk(value, self.shares)
+            return self.shard_layout.local_slice(value)
         return value  # the local shape already, or a size load_state_dict reports
 
 
@@ -238,7 +245,7 @@ def install_state_dict_hooks(
     """
     recorder = ShardRecorder(mesh, axes, names)
     for shard in shards:
-        recorder.record(shard.owners, shard.names[0], tuple(shard.param.shape), tuple(shard.shares))
+        recorder.record(shard.owners, shard.names[0], shard.shard_layout)
     recorder.hook_loading(model)
     return recorder
 
@@ -257,20 +264,20 @@ class ShardRecorder:
         self,
         owners: Iterable[tuple[nn.Module, str]],
         name: str,
-        shape: tuple[int, ...],
-        shares: tuple[AxisShare, ...],
+        shard_layout: ShardLayout,
         *,
         gathered: bool = False,
     ) -> ShardedParam | None:
-        """Record the parameter of full ``shape`` held as ``shares`` under each (owner, attribute); None if whole."""
-        if local_shape(shape, shares) == shape:
+        """Record the parameter held as ``shard_layout`` under each (owner, attribute); None if whole."""
+        shape = shard_layout.shape
+        if shard_layout.local_shape == shape:
             return None  # whole on every rank (R, or split over axes of one rank)
-        layout = tuple(p for (p, _, _), axis in zip(shares, self.names) if axis in self.on_mesh)
+        layout = tuple(p for p, axis in zip(shard_layout.placements, self.names) if axis in self.on_mesh)
         form = dtensor_form(shape, layout, tuple(self.sizes[axis] for axis in self.on_mesh))
         dtensor_mesh = self.meshes.get(form.split) if form.placements is not None else None
         if not form.exact and form.placements is not None and not gathered:
             logger.debug("%s: state_dict() copies it DTensor's way: %s", name, form.problem)
-        record = ShardedParam(name, shape, shares, self.names, dtensor_mesh, self.groups, form, gathered)
+        record = ShardedParam(name, shard_layout, self.names, dtensor_mesh, self.groups, form, gathered)
         for owner, attr in owners:
             registry = owner.__dict__.get("_hp_sharded")
             if registry is None:
@@ -404,35 +411,34 @@ def gather_full(local: Tensor, param: ShardedParam) -> Tensor:
     """The full tensor of ``param`` from every rank's ``local`` shard (all ranks of the plan's axes call it).
 
     Undoes the axes in reverse mesh order: on each, an all-gather of the (padded) pieces,
-    which are put back by ``tensor_split`` sizes (``S``) or block by block (``SS``).
+    each put back where :meth:`ShardLayout.pieces` says it came from (one range for ``S``,
+    one per block for ``SS``; of the ``r`` equal pieces of an ``RS(d,r)`` chunk, the first).
     """
-    ndim = len(param.global_shape)
-    # the size along each sharded dim before each axis split it (this rank's coordinates)
-    levels = []
-    current = list(param.global_shape)
-    for placement, rank, size in param.shares:
-        levels.append(list(current))
-        current = list(local_shape(current, [(placement, rank, size)]))
+    layout = param.shard_layout
     tensor = local.contiguous()
-    for (placement, _, size), group, before in reversed(list(zip(param.shares, param.groups, levels))):
-        if placement.kind not in ("R", "S", "SS", "RS"):
-            raise ParallelizeError(f"{param.name}: cannot gather a {placement} shard (only R, S(d), SS(d,k), RS(d,r))")
-        if placement.kind == "R" or size == 1:
+    for axis in reversed(range(len(layout.shares))):
+        placement, _, size = layout.shares[axis]
+        if placement.is_replicate or size == 1:
             continue
-        dim = normalize_dim(placement.dim, ndim)
-        n = before[dim]
-        sizes = piece_sizes(placement, n, size)
-        pieces = _all_gather_uneven(tensor, dim, sizes, group)
-        if placement.kind == "S":
-            tensor = torch.cat(pieces, dim)
-        elif placement.kind == "RS":
-            tensor = torch.cat(pieces[:: placement.replicas], dim)  # one rank of each replica group
-        else:
-            per_block = [
-                piece.chunk(placement.blocks, dim) if piece.size(dim) else [piece] * placement.blocks
-                for piece in pieces
-            ]
-            tensor = torch.cat([per_block[r][j] for j in range(placement.blocks) for r in range(size)], dim)
+        try:
+            dim = layout.split_dim(axis)
+            ranges = layout.pieces(axis)
+        except ValueError as error:
+            raise ParallelizeError(f"{param.name}: cannot gather: {error}") from None
+        sizes = [sum(stop - start for start, stop in runs) for runs in ranges]
+        pieces = _all_gather_uneven(tensor, dim, sizes, param.groups[axis])
+        shape = list(tensor.shape)
+        shape[dim] = layout.prefix(axis).local_shape[dim]
+        tensor = tensor.new_empty(shape)
+        placed: set[tuple[tuple[int, int], ...]] = set()
+        for piece, runs in zip(pieces, ranges):
+            if tuple(runs) in placed:
+                continue  # a replica of a piece already in place (RS)
+            placed.add(tuple(runs))
+            position = 0
+            for start, stop in runs:
+                tensor.narrow(dim, start, stop - start).copy_(piece.narrow(dim, position, stop - start))
+                position += stop - start
     return tensor
 
 
@@ -445,5 +451,5 @@ def _all_gather_uneven(tensor: Tensor, dim: int, sizes: Sequence[int], group: An
         shape[dim] = longest - tensor.size(dim)
         padded = torch.cat([tensor, tensor.new_zeros(shape)], dim)
     gathered = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(gathered, padded.contiguous(), group=group)
+    call(dist.all_gather, gathered, padded.contiguous(), group=group)
     return [piece.narrow(dim, 0, n) for piece, n in zip(gathered, sizes)]

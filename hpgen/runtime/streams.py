@@ -24,10 +24,17 @@ states are put back when it returns:
   layer) and *replicated* otherwise; after a column-parallel projection (its output
   features sharded: ``q_proj``, GPT-2's ``c_attn``, ``fc1``) it is local, after a
   row-parallel one (a partial sum: ``o_proj``, ``c_proj``, ``fc2``) replicated again
-  (:class:`LayoutChange`, a hook of each projection). Each change reseeds the default
+  (:class:`LayoutChange`, a hook of each projection, registered only while the model
+  draws: eval mode and decode run without them). Each change reseeds the default
   generators from a seed derived from the body's frame: the replicated seeds from the
   stream the body was entered with (the same on every rank), the local ones with this
-  rank's coordinates on the axes the body is sharded on added.
+  rank's coordinates on the axes the body is sharded on added. A summed block's body (a
+  parallel-residual layer reducing its two branches once) starts replicated even on a
+  sequence-sharded stream: its branches read their input gathered whole and leave partial
+  sums, whose dropouts before the one reduction must draw one mask on every rank; the
+  branches have no body of their own, and their projections change the block's layout.
+  (A random op after that reduction on a sequence-sharded stream, Falcon's ``dropout_add``,
+  then draws from the replicated stream: the same numbers on each rank's tokens.)
 - :class:`WrappedProjection` (hook of a wrapped ``nn.Linear`` boundary): outside the bodies,
   a column-parallel linear whose output stays sharded opens a per-rank region, and the
   row-parallel linear that reduces it closes it (BioGPT's ``fc1``, activation dropout, ``fc2``).
@@ -42,6 +49,7 @@ generators).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +57,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from hpgen.runtime.handback import call
 
 __all__ = ["BodyStreams", "LayoutChange", "ModelStreams", "default_generators", "mix", "reseed_random_streams"]
 
@@ -101,6 +111,10 @@ class ModelStreams:
     generators: list[torch.Generator] = field(default_factory=list)
     frames: list[_Frame] = field(default_factory=list)
     _saved: list[list[torch.Tensor] | None] = field(default_factory=list)
+    # (FQN, column-parallel) of the projections whose hook moves a body's stream: registered on a model while it
+    # draws (train mode), removed by its next forward that does not, so eval and decode run without them
+    projections: list[tuple[str, bool]] = field(default_factory=list)
+    _armed: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
 
     def __deepcopy__(self, memo: dict) -> ModelStreams:
         return self  # hooks of copies of a model share one stream, as they share the process groups
@@ -111,9 +125,16 @@ class ModelStreams:
         if _compiling():  # traced: the graph keeps the user's generators (see the module docstring)
             return
         if not module.training or not self._draws():
+            for handle in self._armed.pop(module, ()):
+                handle.remove()
             self._saved.append(None)
             self.enabled = False
             return
+        if module not in self._armed:
+            self._armed[module] = [
+                module.get_submodule(fqn).register_forward_hook(LayoutChange(self, column))
+                for fqn, column in self.projections
+            ]
         self.enabled = True
         self.generators = default_generators(module)
         self._saved.append([generator.get_state() for generator in self.generators])
@@ -284,7 +305,7 @@ def first_rank_seed(groups: Iterable[dist.ProcessGroup | None], device: torch.de
     seed = torch.tensor([torch.initial_seed() & ((1 << 63) - 1)], dtype=torch.int64, device=device)
     for group in groups:
         if group is not None and dist.get_world_size(group) > 1:
-            dist.broadcast(seed, src=dist.get_global_rank(group, 0), group=group)
+            call(dist.broadcast, seed, src=dist.get_global_rank(group, 0), group=group)
     return int(seed.item())
 
 
@@ -322,10 +343,16 @@ def projection_layout(module: nn.Module, placements: Iterable[Any]) -> str | Non
 
 
 def install_streams(
-    model: nn.Module, bodies: Sequence[tuple[Any, str]], plan: Any, axes: Mapping[str, Any], device: torch.device
+    model: nn.Module,
+    bodies: Sequence[tuple[Any, str]],
+    plan: Any,
+    axes: Mapping[str, Any],
+    device: torch.device,
+    branches: Iterable[str] = (),
 ) -> ModelStreams:
     """Seed the model's streams from the first rank and hook the model, its sharded bodies and
-    their projections. ``bodies``: (``Matched``, form) of each planned module."""
+    their projections. ``bodies``: (``Matched``, form) of each planned module; ``branches``: the FQNs
+    of the summed blocks' branches (modules with no body of their own, run inside their block's)."""
     groups = [axes[axis].group for axis in plan.mesh_dim_names if axes[axis].size > 1]
     config = getattr(model, "config", None)
     streams = ModelStreams(
@@ -338,6 +365,7 @@ def install_streams(
     model.register_forward_hook(streams.exit_model, always_call=True)
     from hpgen.plan import body_is_sharded
 
+    branches = frozenset(branches)
     for item, form in bodies:
         entry = item.entry
         sharded = [a for a in plan.mesh_dim_names if axes[a].size > 1 and body_is_sharded(entry, a)]
@@ -351,26 +379,39 @@ def install_streams(
             if opens or closes:
                 item.module.register_forward_hook(WrappedProjection(streams, opens, [axes[a].rank for a in sharded]))
             continue
+        if item.fqn in branches:  # its projections change the layout of its block's body
+            _follow_projections(streams, item, sharded)
+            continue
         if form not in ("tp_collective", "generic", "region"):
             continue
-        local = any(layout.on(a).kind in ("S", "SS", "RS") for layout in entry.in_dst.values() for a in sharded)
+        # a summed block's body computes on its branches' inputs, gathered whole, and on their partial outputs,
+        # whose dropouts (before the one reduction) must draw one mask everywhere: it starts replicated
+        local = entry.summed_reduction is None and any(
+            layout.on(a).kind in ("S", "SS", "RS") for layout in entry.in_dst.values() for a in sharded
+        )
         name = "__hp_compute__" if form == "region" else "_forward_impl"  # what the generated forward calls
         body = getattr(item.module, name, None)
         if body is None:
             continue
         setattr(item.module, name, BodyStreams(streams, item.module, body, local, [axes[a].rank for a in sharded]))
-        hooked: set[int] = set()
-        for name, layout in entry.params.items():
-            owner_path, _, leaf = name.rpartition(".")
-            if leaf != "weight" or not owner_path:
-                continue
-            owner = item.module.get_submodule(owner_path)
-            kind = projection_layout(owner, [layout.on(a) for a in sharded])
-            if kind is not None and id(owner) not in hooked:
-                hooked.add(id(owner))
-                owner.register_forward_hook(LayoutChange(streams, kind == "column"))
+        _follow_projections(streams, item, sharded)
     model._hp_streams = streams
     return streams
+
+
+def _follow_projections(streams: ModelStreams, item: Any, sharded: Sequence[str]) -> None:
+    """Record each projection of ``item`` the plan shards (hooked in train mode only): after a column-parallel
+    one the body's value is sharded (local), after a row-parallel one a partial sum (replicated)."""
+    seen: set[str] = set()
+    for name, layout in item.entry.params.items():
+        owner_path, _, leaf = name.rpartition(".")
+        if leaf != "weight" or not owner_path or owner_path in seen:
+            continue
+        kind = projection_layout(item.module.get_submodule(owner_path), [layout.on(a) for a in sharded])
+        if kind is not None:
+            seen.add(owner_path)
+            fqn = f"{item.fqn}.{owner_path}" if item.fqn else owner_path
+            streams.projections.append((fqn, kind == "column"))
 
 
 def reseed_random_streams(model: nn.Module, seed: int, step: int = 0) -> None:

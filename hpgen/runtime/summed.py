@@ -5,20 +5,27 @@ in its body). Two things live outside the generated source:
 
 - the shared input: where both branches read the output of one norm, the branches'
   input transition (``copy``, or the ``all_gather`` of a sequence-sharded stream) runs
-  once, on that norm's output, in a forward hook; its backward then reduces the sum of
-  both branches' partial gradients in one collective. The residual does not pass
-  through it, so its gradient is not reduced;
+  once, on that norm's output (the norm's class gets a mixin that runs its ``forward``,
+  then the transition); its backward then reduces the sum of both branches' partial
+  gradients in one collective. The residual does not pass through it, so its gradient is
+  not reduced;
 - a paired input: where each branch reads its own norm of the block input (GPT-NeoX's
-  ``input_layernorm(x)`` and ``post_attention_layernorm(x)``), the first norm's hook
-  computes the second's output on the same ``x`` as well and moves both, concatenated,
-  through that one collective; the second norm's hook then returns the prepared value.
-  Backward reduces both branches' partial gradients in one collective, and both norms'
-  weight gradients are complete. Where the second norm is called on anything else, its
-  hook moves its own output (two collectives, still exact);
+  ``input_layernorm(x)`` and ``post_attention_layernorm(x)``), the first norm also
+  computes the second's output on the same ``x`` and moves both, concatenated, through
+  that one collective; the second norm then returns the prepared value without running
+  its own ``forward``. Backward reduces both branches' partial gradients in one
+  collective, and both norms' weight gradients are complete. Where the second norm is
+  called on anything else, it moves its own output (two collectives, still exact). A
+  ``copy`` with nothing to reduce (no gradient) is the identity, so then nothing is
+  paired and each norm runs once, as in the source;
 - the branches' deferred biases: each is added, on the axis's first rank only, to the
   partial output the block sums (:class:`~hpgen.runtime.wrappers.BiasShare`, the whole
   gradient on every rank; :class:`~hpgen.runtime.wrappers.PartialBiasLinear`), so the
   single reduction adds it once, inside any dropout the source applies there.
+
+The norms change class rather than getting forward hooks: a hook cannot keep the second
+norm's own ``forward`` from running, and any hook puts a module on ``nn.Module``'s slower
+call path, on every decode step.
 """
 
 from __future__ import annotations
@@ -36,75 +43,84 @@ from hpgen.runtime.collectives import AxisCollectives
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.ops import Step, run_steps, step_for
 from hpgen.runtime.params import Matched
-from hpgen.runtime.wrappers import BiasShare, subclass_with
+from hpgen.runtime.wrappers import BiasShare, subclass_with, with_mixin
 
-__all__ = ["PairedInput", "PairedOutput", "SharedInput", "SummedBlock", "branch_fqns", "survey_summed"]
+__all__ = ["SummedBlock", "branch_fqns", "survey_summed"]
 
-_PAIRED = "_hp_paired_norm"  # on the first norm: the second (plain attribute, no submodule)
-_PREPARED = "_hp_paired_prepared"  # on the second norm: (its input, that input's version, its moved output)
-
-
-class SharedInput:
-    """Forward hook of the norm both branches read: their input's transition, run once."""
-
-    def __init__(self, step: Step) -> None:
-        self.step = step
-
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if not isinstance(output, Tensor):
-            raise TypeError(f"{type(module).__name__}: a summed reduction's shared input must return one tensor")
-        return run_steps(output, (self.step,))
-
-    def __deepcopy__(self, memo: dict) -> SharedInput:
-        return self  # holds a bound collective of a process group
+_PREPARED = "_hp_prepared"  # on the second norm: (its input, that input's version, its moved output)
 
 
-class PairedInput:
-    """Forward hook of the first of two norms of one input: both outputs moved at once.
+class _SharedInputMixin:
+    """The norm both branches read: its own ``forward``, then their input's transition, run once."""
+
+    _hp_step: Step
+    _hp_moves: bool  # the transition communicates in forward (an all_gather), not only in backward
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return _moved(self, super().forward(*args, **kwargs))  # type: ignore[misc]
+
+
+class _PairedFirstMixin:
+    """The first of two norms of one input: both outputs moved at once.
 
     Concatenated on the last dimension, so that the transition (``copy``, or the
     ``all_gather`` of the sequence dimension) is one collective, and its backward one
-    ``all_reduce`` (one ``reduce_scatter``) of both partial gradients.
+    ``all_reduce`` (one ``reduce_scatter``) of both partial gradients. A ``copy`` with no
+    gradient to reduce is the identity: then nothing is paired and the second norm runs
+    as it is (the decode hot path computes each norm once).
     """
 
-    def __init__(self, step: Step) -> None:
-        self.step = step
+    _hp_step: Step
+    _hp_moves: bool  # the transition communicates in forward (an all_gather): paired without a gradient too
+    _hp_paired: nn.Module  # the second norm: an instance attribute, not a submodule
 
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        paired = self._hp_paired
+        paired.__dict__.pop(_PREPARED, None)  # never a value prepared by an earlier forward
+        output = super().forward(*args, **kwargs)  # type: ignore[misc]
         if not isinstance(output, Tensor):
-            raise TypeError(f"{type(module).__name__}: a summed reduction's shared input must return one tensor")
-        paired = module.__dict__[_PAIRED]
-        x = args[0] if len(args) == 1 else None
-        other = paired.forward(x) if isinstance(x, Tensor) else None  # the hooks of ``paired`` stay out
+            raise TypeError(f"{type(self).__name__}: a summed reduction's shared input must return one tensor")
+        if not self._hp_moves and not (torch.is_grad_enabled() and output.requires_grad):
+            return output  # a copy with no gradient to reduce: nothing to move, nothing to pair
+        x = args[0] if len(args) == 1 and not kwargs else None
+        other = paired._hp_own_forward(x) if isinstance(x, Tensor) else None
         if not isinstance(other, Tensor) or other.ndim < 2 or other.shape[:-1] != output.shape[:-1]:
-            return run_steps(output, (self.step,))  # not the two-norm shape: each norm moves its own
+            return run_steps(output, (self._hp_step,))  # not the two-norm shape: each norm moves its own
         width = output.shape[-1]
-        moved = run_steps(torch.cat([output, other], dim=-1), (self.step,))
+        moved = run_steps(torch.cat([output, other], dim=-1), (self._hp_step,))
         first, second = moved.split([width, other.shape[-1]], dim=-1)
         paired.__dict__[_PREPARED] = (x, _version(x), second)
         return first
 
-    def __deepcopy__(self, memo: dict) -> PairedInput:
-        return self  # holds a bound collective; the modules it reads travel with the model
 
+class _PairedSecondMixin:
+    """The second norm: the value the first prepared for this very input, without running its own ``forward``.
 
-class PairedOutput:
-    """Forward hook of the second norm: the value :class:`PairedInput` prepared for this very input.
-
-    Called on another input (or one changed in place since), it moves its own output.
+    Called on another input (or one changed in place since), or with nothing prepared, it
+    runs its ``forward`` and moves its own output (two collectives a layer, still exact).
     """
 
-    def __init__(self, step: Step) -> None:
-        self.step = step
+    _hp_step: Step
+    _hp_moves: bool
 
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
-        prepared = module.__dict__.pop(_PREPARED, None)
-        if prepared is not None and len(args) == 1 and args[0] is prepared[0] and _version(args[0]) == prepared[1]:
-            return prepared[2]
-        return run_steps(output, (self.step,))
+    def _hp_own_forward(self, x: Tensor) -> Any:
+        return super().forward(x)  # type: ignore[misc]
 
-    def __deepcopy__(self, memo: dict) -> PairedOutput:
-        return self
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        prepared = self.__dict__.pop(_PREPARED, None)
+        if prepared is not None and len(args) == 1 and not kwargs and args[0] is prepared[0]:
+            if _version(args[0]) == prepared[1]:
+                return prepared[2]
+        return _moved(self, super().forward(*args, **kwargs))  # type: ignore[misc]
+
+
+def _moved(module: nn.Module, output: Any) -> Tensor:
+    """``output`` through the branches' input transition; as it is where that is a ``copy`` with no gradient."""
+    if not isinstance(output, Tensor):
+        raise TypeError(f"{type(module).__name__}: a summed reduction's shared input must return one tensor")
+    if not module._hp_moves and not (torch.is_grad_enabled() and output.requires_grad):
+        return output  # what ``copy`` returns then, without the call
+    return run_steps(output, (module._hp_step,))  # type: ignore[arg-type]
 
 
 def _version(x: Tensor) -> int:
@@ -114,27 +130,39 @@ def _version(x: Tensor) -> int:
 
 @dataclass
 class SummedBlock:
-    """One block instance: the shared input's hook and the branches' biases to make partial."""
+    """One block instance: the norm(s) whose output the branches read, and the branches' biases to make partial."""
 
     fqn: str
-    shared: tuple[nn.Module, SharedInput | PairedInput] | None
-    paired: tuple[nn.Module, PairedOutput] | None
+    shared: nn.Module | None  # the norm both branches read, or the first of two
+    paired: nn.Module | None  # the second of two norms of the block input
+    step: Step | None  # the branches' input transition, run on the norm's output
+    moves: bool  # that transition communicates in forward (not a ``copy``)
     biases: list[nn.Linear]
     first: bool  # this rank is the axis's first: it adds the biases
 
     def install(self) -> None:
-        if self.shared is not None:
-            module, hook = self.shared
-            module.register_forward_hook(hook)
-        if self.paired is not None and self.shared is not None:
-            module, hook = self.paired
-            self.shared[0].__dict__[_PAIRED] = module
-            module.register_forward_hook(hook)
+        # the norms change class, not hooks: a hook would let the second norm's forward run
+        # and discard its output, and any hook puts the module on nn.Module's slow call path
+        if self.shared is not None and self.paired is None:
+            _mix_in(self.shared, _SharedInputMixin, "SharedInput", step=self.step, moves=self.moves)
+        elif self.shared is not None and self.paired is not None:
+            _mix_in(self.paired, _PairedSecondMixin, "PairedSecond", step=self.step, moves=self.moves)
+            _mix_in(self.shared, _PairedFirstMixin, "PairedFirst", step=self.step, moves=self.moves, paired=self.paired)
         for linear in self.biases:
             linear.__class__ = subclass_with(type(linear), "partial_bias")
             # the gradient reaching a branch's partial output is the whole one on every
             # rank (the reduction's backward), so no rank's share needs its gradient summed
             linear._hp_bias_share = BiasShare(self.first, reduced=1)
+
+
+def _mix_in(module: nn.Module, mixin: type, prefix: str, **attrs: Any) -> None:
+    """``module`` becomes its class with ``mixin`` first; ``attrs`` become ``_hp_<name>`` instance attributes.
+
+    Set past ``nn.Module.__setattr__``: the paired norm is a reference, not a submodule.
+    """
+    module.__class__ = with_mixin(type(module), mixin, prefix)
+    for name, value in attrs.items():
+        object.__setattr__(module, f"_hp_{name}", value)
 
 
 def branch_fqns(matched: Iterable[Matched], plan: Plan) -> set[str]:
@@ -157,15 +185,12 @@ def survey_summed(matched: list[Matched], plan: Plan, axes: Mapping[str, AxisCol
         where = f"{item.fqn} ({type(item.module).__name__})"
         ops = summed_ops(plan, item.key)
         assert ops is not None
-        shared = paired = None
+        shared = paired = step = None
         if ops.shared_input is not None and not ops.shared.is_identity:
-            module = _child(item, ops.shared_input, where)
+            shared = _child(item, ops.shared_input, where)
             step = step_for(ops.shared, axes)
-            if ops.paired_input is None:
-                shared = (module, SharedInput(step))
-            else:
-                shared = (module, PairedInput(step))
-                paired = (_child(item, ops.paired_input, where), PairedOutput(step))
+            if ops.paired_input is not None:
+                paired = _child(item, ops.paired_input, where)
         biases = []
         for branch in summed_branches(plan.entries, plan.mesh_dim_names, item.key)[1]:
             child = by_fqn.get(f"{item.fqn}.{branch.path}")
@@ -180,7 +205,8 @@ def survey_summed(matched: list[Matched], plan: Plan, axes: Mapping[str, AxisCol
                         "plain nn.Linear"
                     )
                 biases.append(owner)
-        found.append(SummedBlock(item.fqn, shared, paired, biases, axes[ops.axis].rank == 0))
+        moves = ops.shared is not None and ops.shared.communicates
+        found.append(SummedBlock(item.fqn, shared, paired, step, moves, biases, axes[ops.axis].rank == 0))
     return found
 
 

@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hpgen.classify import is_identity_contract
+from hpgen.placement import REPLICATE, Placement
 from hpgen.plan import Plan, contract_signature
 from hpgen.plan import Target as PlanTarget
 from hpgen.runtime.boundary import GenericBoundary, StaticMove, boundary_movers, generic_boundary
@@ -45,10 +46,10 @@ from hpgen.runtime.collectives import AxisCollectives
 from hpgen.runtime.counterparts import GeneratedModule, counterpart, is_generated_file
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.kernels import instance_forward_problem, route_dispatch
-from hpgen.runtime.params import Matched
-from hpgen.runtime.sharding import local_range, normalize_dim
+from hpgen.runtime.params import Matched, rank_shard
 from hpgen.runtime.tuners import is_tuner_layer
 from hpgen.runtime.wrappers import is_conv1d, subclass_with
+from hpgen.shards import normalize_dim
 
 __all__ = ["ModuleInstall", "module_install"]
 
@@ -57,6 +58,9 @@ __all__ = ["ModuleInstall", "module_install"]
 # integer ids, which carry no gradient, so it has nothing to add.
 KNOWN_INPUTS = {"linear": ("input",), "embedding": ()}
 GENERATED_FORMS = ("tp_collective", "generic", "region")
+# The layouts a wrapped nn.Linear / nn.Embedding implements, on each axis its weight shards.
+PARTIAL_SUM = Placement("P", op="sum")
+LAST_DIM = Placement("S", dim=-1)
 _REGENERATE = "regenerate it with `hpgen lower SOURCE PLAN` (or `hpgen lower` for the targets in pyproject.toml)"
 
 
@@ -209,7 +213,7 @@ def _vocab_sharded(item: Matched, plan: Plan) -> bool:
     """An embedding whose rows are sharded needs the masked lookup, whatever its ops."""
     weight = item.entry.params.get("weight")
     return weight is not None and any(
-        weight.on(axis).kind == "S" and normalize_dim(weight.on(axis).dim, 2) == 0 for axis in plan.mesh_dim_names
+        weight.on(axis).is_shard and normalize_dim(weight.on(axis).dim, 2) == 0 for axis in plan.mesh_dim_names
     )
 
 
@@ -306,14 +310,14 @@ def _wrapper(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, Axi
     output = entry.output_names[0] if entry.output_names else None
     for axis in mesh_axes:
         w = weight.on(axis) if weight is not None else None
-        if w is None or w.kind == "R":
+        if w is None or w.is_replicate:
             continue
         dim = normalize_dim(w.dim, 2)
         out_src = entry.output_layouts(output, mesh_axes)[0].on(axis) if output else None
         in_dst = entry.input_layouts("input", mesh_axes)[1].on(axis)
         if role == "embedding":
-            expected = {0: "P(sum)", 1: "S(-1)"}.get(dim) if w.kind == "S" else None
-            if expected is None or str(out_src) != expected:
+            expected = {0: PARTIAL_SUM, 1: LAST_DIM}.get(dim) if w.is_shard else None
+            if expected is None or out_src != expected:
                 wanted = expected or "(none: the weight must be S(0), vocab-parallel, or S(1))"
                 raise ParallelizeError(
                     f"{where}: weight {w} on axis {axis!r} needs out_src {wanted} on that axis; the plan says {out_src}"
@@ -321,14 +325,14 @@ def _wrapper(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, Axi
         else:
             out_dst = entry.output_layouts(output, mesh_axes)[1].on(axis) if output else None
             # packed blocks (a fused gate_up_proj) are fine while the output stays sharded: no gather to reorder
-            packed_local = w.kind == "SS" and dim == 0 and out_dst is not None and str(out_dst) == "S(-1)"
-            if w.kind != "S" and not packed_local:
+            packed_local = w.kind == "SS" and dim == 0 and out_dst == LAST_DIM
+            if not w.is_shard and not packed_local:
                 raise ParallelizeError(
                     f"{where}: weight {w} on axis {axis!r}: a wrapped nn.Linear takes S(0) (column-parallel) or "
                     "S(1) (row-parallel) weights, or SS(0,k) when its output stays sharded"
                 )
-            expected_out, expected_in = {0: ("S(-1)", "R"), 1: ("P(sum)", "S(-1)")}[dim]
-            if str(out_src) != expected_out or str(in_dst) != expected_in:
+            expected_out, expected_in = {0: (LAST_DIM, REPLICATE), 1: (PARTIAL_SUM, LAST_DIM)}[dim]
+            if out_src != expected_out or in_dst != expected_in:
                 raise ParallelizeError(
                     f"{where}: weight {w} on axis {axis!r} is a "
                     f"{'column' if dim == 0 else 'row'}-parallel layout: it needs in_dst {expected_in} and out_src "
@@ -340,17 +344,15 @@ def _wrapper(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, Axi
     in_mover = movers_in.get("input")
     if isinstance(item.module, nn.Linear) and weight is not None and isinstance(in_mover, StaticMove):
         # a column-parallel linear gathering its sharded input (a gathered column) knows its in_features
-        in_mover = _known_totals(in_mover, weight, item.module.weight.shape[1], 1, axes)
+        in_mover = _known_totals(in_mover, weight, tuple(item.module.weight.shape), 1, axes)
     target.bind["_hp_in"] = _unless_empty(in_mover)
     out_mover = movers_out.get(output) if output else None
     if weight is not None and isinstance(out_mover, StaticMove):
         feature_dim = 0 if role == "linear" else 1  # the weight dim that is the output's last dim
-        out_mover = _known_totals(out_mover, weight, item.module.weight.shape[feature_dim], feature_dim, axes)
+        out_mover = _known_totals(out_mover, weight, tuple(item.module.weight.shape), feature_dim, axes)
     target.bind["_hp_out"] = _unless_empty(out_mover)
-    if role == "embedding" and weight is not None:
-        shares = [(weight.on(axis), axes[axis].rank, axes[axis].size) for axis in mesh_axes]
-        if any(p.kind == "S" and normalize_dim(p.dim, 2) == 0 for p, _, _ in shares):
-            target.bind["_hp_vocab"] = local_range(item.module.weight.shape[0], shares, 0, 2)
+    if role == "embedding" and _vocab_sharded(item, plan):
+        target.bind["_hp_vocab"] = rank_shard(item.module.weight.shape, weight, axes, mesh_axes).range(0)
     return target
 
 
@@ -363,9 +365,9 @@ def _identity_expert(item: Matched, plan: Plan, axes: Mapping[str, AxisCollectiv
     divisor = 1
     for axis in plan.mesh_dim_names:
         src, dst = (layout.on(axis) for layout in entry.output_layouts(entry.output_names[0], plan.mesh_dim_names))
-        if str(src) == str(dst):
+        if src == dst:
             continue
-        if str(src) != "R" or str(dst) != "P(sum)":
+        if src != REPLICATE or dst != PARTIAL_SUM:
             raise ParallelizeError(
                 f"{where}: on axis {axis!r} the plan moves its output {src} -> {dst}; an identity expert takes only "
                 "R -> P(sum) (its output divided by the axis size)"
@@ -377,12 +379,12 @@ def _identity_expert(item: Matched, plan: Plan, axes: Mapping[str, AxisCollectiv
 
 
 def _known_totals(
-    mover: StaticMove, weight: Any, features: int, feature_dim: int, axes: Mapping[str, AxisCollectives]
+    mover: StaticMove, weight: Any, shape: tuple[int, ...], feature_dim: int, axes: Mapping[str, AxisCollectives]
 ) -> StaticMove:
     """``mover`` with each gather of the last dim told its full size (no size exchange).
 
-    A wrapper's output features are its weight's ``feature_dim`` rows or columns (its input
-    features, for a gather of the input, the weight's dim 1). Outputs
+    A wrapper's output features are its weight's (full ``shape``) ``feature_dim`` rows or
+    columns (its input features, for a gather of the input, the weight's dim 1). Outputs
     undo the axes in reverse mesh order, so when axis ``a`` gathers, the axes before it in
     the mesh still shard the dim: the size after the gather is the chunk they leave.
     """
@@ -391,8 +393,7 @@ def _known_totals(
         ax = getattr(method, "__self__", None)
         if isinstance(ax, AxisCollectives) and method.__name__ == "all_gather" and kwargs.get("dim") == -1:
             names = list(axes)  # in mesh order
-            before = [(weight.on(axis), axes[axis].rank, axes[axis].size) for axis in names[: names.index(ax.name)]]
-            start, stop = local_range(features, before, feature_dim, 2)
+            start, stop = rank_shard(shape, weight, axes, names[: names.index(ax.name)]).range(feature_dim)
             kwargs = {**kwargs, "total": stop - start}
         steps.append((method, kwargs))
     return StaticMove(tuple(steps))

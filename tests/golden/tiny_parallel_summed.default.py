@@ -2,7 +2,7 @@
 # source: modeling_tiny_parallel.py sha256=0456421c038b9b12fde76baecd8afe48630728089f2eb542498e04a911f0e5a0
 # plan: plan_tp_summed.json sha256=e12c8493623cbd1d2cee040a150042f793b9ec92b39b5662d7a21f349fe9f912
 # options: mode=default package=-
-# body: sha256=f845d9e9bf715ee00db6d797aeb7c077f20be6a5f1c74191df0a9bba3bb6fcf5
+# body: sha256=26e4f7b61751dbeba6c0dcbc0a302c682e84e8ade175ff075ebff756c1b4b41d
 
 # A small modeling file in the style of transformers' modeling_gptj.py, with no dependency
 # beyond torch: the bundled example of a parallel-residual block (hpgen's summed reduction).
@@ -84,7 +84,7 @@ class TinyParallelBlock(nn.Module):
     def forward(self, hidden_states):
         # hpgen tp_collective: param_plan["transformer.h.*"]
         # summed reduction: attn + mlp reduced once, in _forward_impl (marked there)
-        # ln_1 output: tp R -> R ==> copy (backward all_reduce) for both branches, a hook parallelize installs
+        # ln_1 output: tp R -> R ==> copy (backward all_reduce) for both branches, run in the norm's forward by parallelize
         outputs = self._forward_impl(hidden_states)
         return outputs
 

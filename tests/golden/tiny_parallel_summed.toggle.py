@@ -2,7 +2,7 @@
 # source: modeling_tiny_parallel.py sha256=0456421c038b9b12fde76baecd8afe48630728089f2eb542498e04a911f0e5a0
 # plan: plan_tp_summed.json sha256=e12c8493623cbd1d2cee040a150042f793b9ec92b39b5662d7a21f349fe9f912
 # options: mode=toggle package=-
-# body: sha256=772d60c3808bf91d33e79364b2785a187882b1ed098fc85da361d707ba3f783f
+# body: sha256=5fcf8bdacdfa8eced94459f1daf1914d44737d7a1333ba9226accbfda9622ceb
 
 # A small modeling file in the style of transformers' modeling_gptj.py, with no dependency
 # beyond torch: the bundled example of a parallel-residual block (hpgen's summed reduction).
@@ -85,7 +85,7 @@ class TinyParallelBlock(nn.Module):
     def forward(self, hidden_states):
         # hpgen tp_collective (toggle): param_plan["transformer.h.*"]
         # summed reduction: attn + mlp reduced once, in _forward_impl (marked there)
-        # ln_1 output: tp R -> R ==> copy (backward all_reduce) for both branches, a hook parallelize installs
+        # ln_1 output: tp R -> R ==> copy (backward all_reduce) for both branches, run in the norm's forward by parallelize
         outputs = self._forward_impl(hidden_states)
         return outputs
 

@@ -66,6 +66,9 @@ class TrainResult:
     weight_failures: list[str]
     weights_checked: int
     weight_max_err: float
+    local_bytes: int  # this rank's plan-axis shards (FSDP2's dp pieces gathered)
+    expected_bytes: int  # its share by the plan
+    full_bytes: int
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -103,8 +106,11 @@ def _compare(
         if value is None:
             failures.append(f"{name}: missing")
             continue
-        want = expected_local(full, layouts.get(name, {}), axes, mesh)
-        err, tol = (_full(value) - want).abs().max().item(), tolerance(full)
+        want, value = expected_local(full, layouts.get(name, {}), axes, mesh), _full(value)
+        if value.shape != want.shape:  # a subtraction would broadcast
+            failures.append(f"{name}: shape {tuple(value.shape)}, this rank's slice is {tuple(want.shape)}")
+            continue
+        err, tol = (value - want).abs().max().item(), tolerance(full)
         checked += 1
         worst = max(worst, err)
         if not err <= tol:
@@ -147,6 +153,7 @@ def run_train_case(case: TrainCase, mesh: Any) -> TrainResult:
     weights = {name: p.detach() for name, p in model.named_parameters()}
     ref_weights = {name: p.detach() for name, p in reference.named_parameters()}
     weight_failures, weights_checked, weight_err = _compare(weights, ref_weights, layouts, axes, mesh)
+    held = [_full(p) for p in weights.values()]  # in one order on every rank: full_tensor is collective
     return TrainResult(
         loss_err=abs(out.loss.item() - ref_share.item()),
         loss_tol=tolerance(ref_share),
@@ -158,6 +165,12 @@ def run_train_case(case: TrainCase, mesh: Any) -> TrainResult:
         weight_failures=weight_failures,
         weights_checked=weights_checked,
         weight_max_err=weight_err,
+        local_bytes=sum(p.numel() * p.element_size() for p in held),
+        expected_bytes=sum(
+            expected_local(p, layouts.get(name, {}), axes, mesh).numel() * p.element_size()
+            for name, p in ref_weights.items()
+        ),
+        full_bytes=sum(p.numel() * p.element_size() for p in ref_weights.values()),
     )
 
 
@@ -176,3 +189,5 @@ def check_training(results: list[dict[str, TrainResult]], name: str) -> None:
         assert result.grads_checked > 0 and result.weights_checked == result.grads_checked
         assert not result.grad_failures, f"rank {rank}: " + "; ".join(result.grad_failures)
         assert not result.weight_failures, f"rank {rank}: after AdamW: " + "; ".join(result.weight_failures)
+        held, planned, full = result.local_bytes, result.expected_bytes, result.full_bytes
+        assert held == planned < full, f"rank {rank}: holds {held} bytes of parameters, its share {planned} of {full}"

@@ -135,9 +135,9 @@ def generated_plan(family: str, config: Mapping[str, Any] | None = None, **flags
     """What ``hpgen plan`` writes for the tiny config of ``family`` (with ``config`` overrides),
     for ``flags`` ``tp=``, ``ep=``, ``ep_axis=``, ``sp=``."""
     from hpgen.planner.load import meta_model
-    from hpgen.planner.translator import plan_for_model
+    from hpgen.planner.translator import translated_plan
 
-    return plan_for_model(meta_model(make_config(family, **(config or {}))), name=family, **flags)
+    return translated_plan(meta_model(make_config(family, **(config or {}))), name=family, **flags)
 
 
 def load_plan_dict(name: str) -> dict[str, Any]:
@@ -276,8 +276,9 @@ class Result:
     tied: bool  # lm_head and embed_tokens still share one Parameter
     same_keys: bool  # state_dict keys unchanged by parallelize
     region_calls: list[str]  # labels recorded by ``recording`` during the forward
-    local_bytes: int
-    full_bytes: int
+    local_bytes: int  # this rank's parameters after parallelize
+    full_bytes: int  # the model's parameters before
+    expected_bytes: int  # this rank's share by the plan: each reference parameter's slice (expected_local)
 
 
 REGION_CALLS: list[str] = []
@@ -334,6 +335,9 @@ def run_case(case: Case, mesh: Any) -> Result:
             failures.append(f"{name}: no gradient")
             continue
         want = expected_local(ref_param.grad, layouts.get(name, {}), axes, mesh) if case.parallel else ref_param.grad
+        if param.grad.shape != want.shape:  # a subtraction would broadcast
+            failures.append(f"{name}: gradient of shape {tuple(param.grad.shape)}, its slice {tuple(want.shape)}")
+            continue
         err, tol = (param.grad - want).abs().max().item(), tolerance(ref_param.grad)
         checked += 1
         worst = max(worst, err)
@@ -370,6 +374,12 @@ def run_case(case: Case, mesh: Any) -> Result:
         region_calls=region_calls,
         local_bytes=param_bytes(model),
         full_bytes=full_bytes,
+        expected_bytes=sum(
+            expected_local(ref_param, layouts.get(name, {}), axes, mesh).numel() * ref_param.element_size()
+            for name, ref_param in reference.named_parameters()
+        )
+        if case.parallel
+        else full_bytes,
     )
 
 
@@ -409,6 +419,16 @@ def check_gradients(results: list[dict[str, Result]], name: str) -> None:
         result = by_case[name]
         assert result.grads_checked > 0
         assert not result.grad_failures, f"rank {rank}: " + "; ".join(result.grad_failures)
+
+
+def check_share(results: list[dict[str, Result]], name: str) -> None:
+    """Each rank holds exactly its share of the parameters by the plan, and less than all of them: a plan or a
+    runtime that shards nothing fails here, where logits and gradients would still match."""
+    for rank, by_case in enumerate(results):
+        result = by_case[name]
+        held, planned, full = result.local_bytes, result.expected_bytes, result.full_bytes
+        assert held == planned, f"rank {rank}: holds {held} bytes of parameters, the plan gives it {planned}"
+        assert held < full, f"rank {rank}: holds all {full} bytes of parameters: nothing sharded"
 
 
 def check_generation(results: list[dict[str, Result]], name: str, new_tokens: int = 12) -> None:

@@ -59,9 +59,9 @@ def hpgen_plan(family: str, **options: Any) -> Callable[[], dict[str, Any]]:
 
     def make() -> dict[str, Any]:
         from hpgen.planner.load import meta_model
-        from hpgen.planner.translator import plan_for_model
+        from hpgen.planner.translator import translated_plan
 
-        return plan_for_model(meta_model(make_config(family)), **options)
+        return translated_plan(meta_model(make_config(family)), **options)
 
     make.__name__ = f"hpgen_plan_{family}"
     return make

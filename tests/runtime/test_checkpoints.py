@@ -583,12 +583,12 @@ def _strided_shard_checks(mesh: Any, rank: int, size: int) -> list[str]:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     from hpgen.placement import Placement
-    from hpgen.runtime.sharding import local_chunk
+    from hpgen.shards import ShardLayout
 
     failures = []
     for shape, dim, k in [((12, 3), 0, 2), ((18, 2), 0, 3), ((3, 14), 1, 2), ((2, 10, 4), 1, 2)]:
         full = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape)
-        ours = local_chunk(full, [(Placement("SS", dim=dim, blocks=k), rank, size)])
+        ours = ShardLayout(shape, [(Placement("SS", dim=dim, blocks=k), rank, size)]).local_slice(full)
         placement = _StridedShard(dim, split_factor=k)
         # src_data_rank=None: each rank splits locally (DTensor's scatter path needs even blocks)
         theirs = distribute_tensor(full, mesh, [placement], src_data_rank=None).to_local()
@@ -795,11 +795,13 @@ def results4(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     dict's DTensors are copies laid out DTensor's way there."""
     import json
 
-    from hpgen.planner.translator import make_plan
+    from hpgen.planner.load import load_config, meta_model
+    from hpgen.planner.translator import translated_plan
 
     root = tmp_path_factory.mktemp("checkpoints4")
     _write_checkpoint("llama", root / "llama", 5, max_shard_size="100KB")
-    plan = make_plan(str(root / "llama" / "config.json"), tp=4)
+    config_path = str(root / "llama" / "config.json")
+    plan = translated_plan(meta_model(load_config(config_path)), tp=4, name=config_path)
     (root / "plan.json").write_text(json.dumps(plan))
     generated = str(lower_family("llama", plan, root))
     return run_distributed(_run_tp4, str(root), generated, plan, world_size=4, timeout=400)

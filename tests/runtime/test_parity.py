@@ -2,7 +2,8 @@
 
 Each test checks one property of one row on both ranks: logits, every parameter's
 gradient (the local slice of the reference gradient), 12 greedily generated tokens with
-the KV cache, and that ``parallelize`` kept the state-dict keys. Models run with
+the KV cache, that ``parallelize`` kept the state-dict keys, and that each rank holds its
+share of the parameters by the plan, less than the whole model. Models run with
 transformers' defaults (sdpa attention, the grouped_mm experts kernel).
 """
 
@@ -10,7 +11,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.runtime.models import check_generation, check_gradients, check_logits, check_state_dict_keys
+from tests.runtime.models import (
+    check_generation,
+    check_gradients,
+    check_logits,
+    check_share,
+    check_state_dict_keys,
+)
 from tests.runtime.parity_table import PARITY
 
 
@@ -27,6 +34,11 @@ def test_state_dict_keys_unchanged(parity: list[dict], name: str) -> None:
 @pytest.mark.parametrize("name", PARITY)
 def test_gradients(parity: list[dict], name: str) -> None:
     check_gradients(parity, name)
+
+
+@pytest.mark.parametrize("name", PARITY)
+def test_each_rank_holds_its_share(parity: list[dict], name: str) -> None:
+    check_share(parity, name)
 
 
 @pytest.mark.parametrize("name", PARITY)

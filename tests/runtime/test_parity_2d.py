@@ -46,6 +46,7 @@ from tests.runtime.models import (
     check_generation,
     check_gradients,
     check_logits,
+    check_share,
     generated_model,
     generated_plan,
     import_file,
@@ -191,6 +192,11 @@ def test_gradients(results: list[dict], name: str) -> None:
 @pytest.mark.parametrize("name", PARITY_2D)
 def test_greedy_generation(results: list[dict], name: str) -> None:
     check_generation(results, name)
+
+
+@pytest.mark.parametrize("name", [name for name, row in PARITY_2D.items() if row.parallel])
+def test_each_rank_holds_its_share(results: list[dict], name: str) -> None:
+    check_share(results, name)
 
 
 @pytest.mark.parametrize("name", TRAINING)

@@ -33,9 +33,11 @@ reduce-scatter the runtime uses) over a forward and a backward of one sequence.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,20 +49,25 @@ from tests.dist import run_distributed
 FAMILIES = (
     "gpt2", "gpt_neox", "opt", "gpt_bigcode", "bloom", "mpt", "xlstm", "fuyu", "mamba", "zamba", "mamba2",
     "deepseek_v3", "kimi_linear", "diffllama", "diffllama_grouped", "recurrent_gemma", "doge",
-    "gptj", "phi", "cohere", "stablelm", "falcon_nda", "falcon_mha",
+    "gptj", "phi", "cohere", "stablelm", "falcon_nda", "falcon_mha", "codegen", "cohere2",
 )  # fmt: skip
 # families planned as `hpgen plan` does by default: transformers' plan, its blocks cross-checked against the
 # source (Doge's attention replaced by the derived one, whose dt_proj gathers the values on entry)
-TRANSFORMERS_PLAN = ("doge", "gptj", "phi", "cohere")
+TRANSFORMERS_PLAN = ("doge", "gptj", "phi", "cohere", "cohere2")
 # families also planned with --sp (the sequence-sharded stream around the same blocks), as case "<family>_sp"
-SP = ("doge", "gptj", "cohere", "gpt_neox", "falcon_mha")  # the summed blocks: one norm for both branches (sums a + m + x, x + a + m), two norms
+SP = ("doge", "gptj", "cohere", "gpt_neox", "falcon_mha", "codegen", "cohere2")  # the summed blocks: one norm for both branches (sums a + m + x, x + a + m), two norms
 # parallel-residual blocks, planned with the summed reduction (one all-reduce a layer: the embedding's, then one
 # per layer forward and one per layer backward: one norm for both branches, or two norms moved as a pair)
-SUMMED = {"gptj": 1, "phi": 1, "cohere": 1, "stablelm": 1, "gpt_neox": 1, "falcon_nda": 1, "falcon_mha": 1}
+SUMMED = {
+    "gptj": 1, "phi": 1, "cohere": 1, "stablelm": 1, "gpt_neox": 1, "falcon_nda": 1, "falcon_mha": 1, "codegen": 1,
+    "cohere2": 1,
+}  # fmt: skip
 # in bfloat16, with and without the summed reduction ("<family>_two_bf16": two reductions a layer)
 BF16 = ("gptj", "gpt_neox")
 VARIANTS = {
     **{f"{family}_sp": (family, {"sp": True}) for family in SP},
+    # CodeGen planned from transformers' plan too (the default of `hpgen plan`): mp_num and embed_dim left whole
+    "codegen_tp_plan": ("codegen", {"from_source": False}),
     **{f"{family}_bf16": (family, {"dtype": "bfloat16"}) for family in BF16},
     **{f"{family}_two_bf16": (family, {"dtype": "bfloat16", "summed": False}) for family in BF16},
 }
@@ -92,8 +99,8 @@ def _plan_and_generated(case: str, directory: Path) -> tuple[dict, str]:
     from hpgen.planner.make import plan_model
 
     family = _family(case)
-    from_source = family not in TRANSFORMERS_PLAN
     options = _options(case)
+    from_source = options.get("from_source", family not in TRANSFORMERS_PLAN)
     plan = plan_model(
         meta_model(tiny(family)),
         tp=2,
@@ -135,8 +142,6 @@ class _CollectiveCounter:
         self.bytes: Counter = Counter()
 
     def installed(self) -> Any:
-        import contextlib
-
         import torch.distributed as dist
 
         import hpgen.runtime.collectives as collectives
@@ -194,12 +199,18 @@ def _run(case: str, plan: dict, generated: str, mesh: Any, counter: _CollectiveC
     counter.calls.clear()
     counter.bytes.clear()
     counter.phase = "forward"
-    logits = model(input_ids=ids).logits
+    with _layer_norms() as norms:
+        logits = model(input_ids=ids).logits
     counter.phase = "backward"
     logits.sum().backward()
     counter.phase = "idle"
     counted = {"calls": dict(counter.calls), "bytes": dict(counter.bytes)}
     model.zero_grad(set_to_none=True)
+    with torch.no_grad(), _layer_norms() as no_grad_norms:
+        model(input_ids=ids)
+    with torch.no_grad(), _layer_norms() as reference_norms:
+        reference(input_ids=ids)
+    counted["layer_norms"] = {"forward": norms[0], "no_grad": no_grad_norms[0], "reference": reference_norms[0]}
 
     ids = torch.randint(0, config.get_text_config().vocab_size, (BATCH, SEQ), generator=generator)
     ref_logits = reference(input_ids=ids).logits
@@ -237,6 +248,24 @@ def _run(case: str, plan: dict, generated: str, mesh: Any, counter: _CollectiveC
         "full_bytes": sum(p.numel() * p.element_size() for p in reference.parameters()),
         **counted,
     }
+
+
+@contextlib.contextmanager
+def _layer_norms() -> Iterator[list[int]]:
+    """Counts the calls of ``F.layer_norm`` (every ``nn.LayerNorm`` forward) inside the block."""
+    import torch.nn.functional as F
+
+    count, original = [0], F.layer_norm
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    F.layer_norm = counted
+    try:
+        yield count
+    finally:
+        F.layer_norm = original
 
 
 def _bf16_error(model: Any, reference: Any, config: Any) -> dict:
@@ -347,6 +376,18 @@ def test_a_parallel_residual_block_reduces_once_a_layer(results: tuple[dict, lis
             sp = by_family[f"{family}_sp"]["calls"]
             assert sp[("forward", "reduce_scatter", "data")] == LAYERS, sp
             assert sp[("backward", "reduce_scatter", "data")] == SUMMED[family] * LAYERS, sp
+
+
+# Cohere's norms are their own classes (CohereLayerNorm, Cohere2LayerNorm), not F.layer_norm: nothing to count
+@pytest.mark.parametrize("family", sorted(set(SUMMED) - {"cohere", "cohere2"}))
+def test_a_summed_block_runs_each_norm_once(results: tuple[dict, list[dict]], family: str) -> None:
+    """As many norm forwards as the unsharded model: two norms moved as a pair compute the second one once (with a
+    gradient), and without a gradient nothing is paired."""
+    _, ranks = results
+    for by_family in ranks:
+        norms = by_family[family]["layer_norms"]
+        assert norms["reference"] > 0
+        assert norms["forward"] == norms["no_grad"] == norms["reference"], norms
 
 
 @pytest.mark.parametrize("family", BF16)

@@ -13,15 +13,12 @@ ranks, logits and every gradient.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def test_multifile_and_corrected_plans_match_the_unsharded_model(tmp_path: Path) -> None:
-    sys.path.insert(0, str(BENCHMARKS))
-    import coverage
+    # by its package path, sys.path untouched: a top-level ``coverage`` would shadow coverage.py (pytest-cov)
+    from benchmarks import coverage
 
     prepared = [coverage.prepare(name, tmp_path) for name in ("got_ocr2", "inkling2_text", "longcat_flash")]
     for row, case in prepared:

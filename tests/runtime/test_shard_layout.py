@@ -1,4 +1,5 @@
-"""The boxes a rank's shard is made of, and when DTensor's placements describe it exactly.
+"""The boxes a rank's shard is made of (:class:`hpgen.shards.ShardLayout`), and when DTensor's placements
+describe it exactly.
 
 DTensor's semantics are taken from DTensor itself (``Shard._split_tensor`` and
 ``_StridedShard._split_tensor`` on an index tensor), not restated, so a torch that
@@ -13,8 +14,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hpgen.placement import Placement
-from hpgen.runtime.shard_layout import boxes, dim_runs, dtensor_form, dtensor_indices, hpgen_indices
-from hpgen.runtime.sharding import local_chunk
+from hpgen.runtime.shard_layout import dtensor_form, dtensor_placement, hpgen_placement
+from hpgen.shards import ShardLayout
 
 S0, SS02, SS03, R = (Placement.parse(t) for t in ("S(0)", "SS(0,2)", "SS(0,3)", "R"))
 
@@ -24,16 +25,21 @@ def _dtensor_split(n: int, placement, m: int) -> list[list[int]]:
     return [piece.tolist() for piece in pieces] + [[]] * (m - len(pieces))
 
 
+def _dtensor_indices(n: int, placement: Placement, m: int, r: int) -> list[int]:
+    """What DTensor gives rank ``r`` of ``m``, read by the core (``torch.chunk`` pieces)."""
+    return ShardLayout((n,), [(placement, r, m)]).indices(0, chunked=True)
+
+
 @pytest.mark.parametrize("m", [2, 3, 4])
 def test_dtensor_semantics_as_dtensor_itself_splits(m: int) -> None:
     for n in range(0, 13):
-        assert [dtensor_indices(n, [S0], [m], [r]) for r in range(m)] == _dtensor_split(n, Shard(0), m)
+        assert [_dtensor_indices(n, S0, m, r) for r in range(m)] == _dtensor_split(n, Shard(0), m)
         for k in (2, 3):
             if n % k:
                 continue
             strided = _StridedShard(0, split_factor=k)
             ss = Placement("SS", dim=0, blocks=k)
-            assert [dtensor_indices(n, [ss], [m], [r]) for r in range(m)] == _dtensor_split(n, strided, m)
+            assert [_dtensor_indices(n, ss, m, r) for r in range(m)] == _dtensor_split(n, strided, m)
 
 
 def test_strided_shard_is_ss_when_the_blocks_split_alike() -> None:
@@ -41,8 +47,8 @@ def test_strided_shard_is_ss_when_the_blocks_split_alike() -> None:
     for n, k, m in [(10, 2, 2), (12, 3, 2), (8, 2, 4), (18, 3, 3), (14, 2, 2)]:
         ss = Placement("SS", dim=0, blocks=k)
         for r in range(m):
-            ours = local_chunk(torch.arange(n), [(ss, r, m)]).tolist()
-            assert hpgen_indices(n, [ss], [m], [r]) == ours
+            layout = ShardLayout((n,), [(ss, r, m)])
+            assert layout.indices(0) == layout.local_slice(torch.arange(n)).tolist()
         assert dtensor_form((n, 3), (ss,), (m,)).placements == (_StridedShard(0, split_factor=k),)
 
 
@@ -62,20 +68,41 @@ def test_agreement_and_refusal() -> None:
     rs = dtensor_form((8, 3), (Placement.parse("RS(0,2)"),), (4,))
     assert rs.exact and rs.placements == (Shard(0), Replicate()) and rs.split == (2,)
     assert dtensor_form((8, 3), (Placement.parse("RS(0,4)"),), (4,)).placements == (Replicate(),)
+    # RS(0,1) is S(0): 5 rows on 4 ranks split differently for DTensor there too
+    assert dtensor_form((5, 3), (Placement.parse("RS(0,1)"),), (4,)) == form
+
+
+def test_dtensor_placements_and_back() -> None:
+    from torch.distributed.tensor import Partial
+
+    pairs = [
+        ("R", Replicate()),
+        ("S(1)", Shard(1)),
+        ("SS(0,2)", _StridedShard(0, split_factor=2)),
+        ("P(sum)", Partial("sum")),
+        ("P(max)", Partial("max")),
+    ]
+    for text, theirs in pairs:
+        assert dtensor_placement(Placement.parse(text)) == theirs
+        assert hpgen_placement(theirs) == Placement.parse(text)
+    assert dtensor_placement(Placement.parse("S(-1)"), 3) == Shard(2)  # counted from the front for 3 dims
+    with pytest.raises(ValueError, match="no DTensor placement"):
+        dtensor_placement(Placement.parse("RS(0,2)"))  # Shard x Replicate on an unflattened mesh: dtensor_form
 
 
 def test_boxes_of_a_packed_shard() -> None:
     # gate_up [2I=10, H=3], SS(0,2) on 2 ranks: rank 1 holds rows 3-4 of gate and 8-9 of up
-    assert dim_runs((10, 3), [(SS02, 1, 2)]) == [[(3, 5), (8, 10)], [(0, 3)]]
-    found = boxes((10, 3), [(SS02, 1, 2)])
+    layout = ShardLayout((10, 3), [(SS02, 1, 2)])
+    assert layout.runs() == [[(3, 5), (8, 10)], [(0, 3)]]
+    found = layout.boxes()
     assert [(b.offsets, b.sizes, b.local_offsets) for b in found] == [
         ((3, 0), (2, 3), (0, 0)),
         ((8, 0), (2, 3), (2, 0)),
     ]
     # adjacent ranges merge: S(0) then S(0) on a second axis is one box
-    assert boxes((8, 2), [(S0, 1, 2), (S0, 0, 2)])[0].offsets == (4, 0)
+    assert ShardLayout((8, 2), [(S0, 1, 2), (S0, 0, 2)]).boxes()[0].offsets == (4, 0)
     full = torch.arange(30).view(10, 3)
-    local = local_chunk(full, [(SS02, 1, 2)])
+    local = layout.local_slice(full)
     for box in found:
         assert torch.equal(box.local_view(local), full[box.global_index()])
 

@@ -50,6 +50,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "biogpt": dict(hidden_dropout_prob=DROPOUT, attention_probs_dropout_prob=DROPOUT, activation_dropout=DROPOUT),
 }
 FAMILIES = tuple(OVERRIDES)
+# trained with --sp as well (case "<family>_sp"): a summed block whose two norms' outputs are gathered as one pair
+SP_TRAINED = ("gpt_neox",)
+TRAINED = FAMILIES + tuple(f"{family}_sp" for family in SP_TRAINED)
 
 
 def _config(family: str) -> Any:
@@ -139,16 +142,23 @@ def _train(model: Any, batches: list[torch.Tensor], *, watch: Any = None) -> lis
     return losses
 
 
-def _family_report(family: str, plan: dict, generated: str, mesh: Any) -> dict[str, Any]:
+def _family_report(case: str, plan: dict, generated: str, mesh: Any) -> dict[str, Any]:
+    """Train ``case`` 20 steps; the replicated values' spread over the ranks, and the losses beside the unsharded
+    model's. The stream compared is the final norm's input, or with --sp (where that is each rank's own tokens)
+    the logits, gathered whole."""
     import torch.distributed as dist
 
+    family = case.removesuffix("_sp")
     reference, model = _models(family, plan, generated, mesh)
     full = {name: param.shape for name, param in reference.named_parameters()}
     streams: list[float] = []
-    norm = _final_norm(model).register_forward_pre_hook(lambda m, a: streams.append(_spread(a[0])))
+    if case.endswith("_sp"):
+        watched = model.get_output_embeddings().register_forward_hook(lambda m, a, out: streams.append(_spread(out)))
+    else:
+        watched = _final_norm(model).register_forward_pre_hook(lambda m, a: streams.append(_spread(a[0])))
     batches = _batches(reference.config.vocab_size)
     losses = _train(model, batches)
-    norm.remove()
+    watched.remove()
     replicated = {
         name: _spread(param) for name, param in model.named_parameters() if param.shape == full[name]
     }
@@ -204,23 +214,38 @@ def _sharded_heads_draw_apart(plan: dict, generated: str, mesh: Any) -> float:
     return _spread(masks[0])
 
 
-def _checkpointing(family: str, plan: dict, generated: str, mesh: Any) -> float:
-    """The largest gradient difference between a step with and without gradient checkpointing."""
+def _checkpointing(family: str, plan: dict, generated: str, mesh: Any) -> dict[str, Any]:
+    """The largest gradient difference between a step with and without gradient checkpointing, and the widths
+    (last dimension) of the all-reduces each step's backward ran, and the norms the checkpointed backward ran."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
     from hpgen.runtime import reseed_random_streams
 
     _, model = _models(family, plan, generated, mesh)
     ids = _batches(model.config.vocab_size)[0]
     model.train()
-    grads = []
+    grads, widths = [], []
     for checkpointing in (False, True):
         if checkpointing:
             model.gradient_checkpointing_enable()
         reseed_random_streams(model, 99)
-        model(input_ids=ids, labels=ids).loss.backward()
+        loss = model(input_ids=ids, labels=ids).loss
+        seen: list[int] = []
+        all_reduce = dist.all_reduce
+        dist.all_reduce = lambda tensor, *a, **k: seen.append(tensor.shape[-1]) or all_reduce(tensor, *a, **k)
+        layer_norm, norms = F.layer_norm, [0]
+        F.layer_norm = lambda *a, **k: norms.__setitem__(0, norms[0] + 1) or layer_norm(*a, **k)
+        try:
+            loss.backward()
+        finally:
+            dist.all_reduce, F.layer_norm = all_reduce, layer_norm
+        widths.append(sorted(seen))
         grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
         model.zero_grad(set_to_none=True)
     assert grads[0].keys() == grads[1].keys()
-    return max((grads[0][name] - grads[1][name]).abs().max().item() for name in grads[0])
+    diff = max((grads[0][name] - grads[1][name]).abs().max().item() for name in grads[0])
+    return {"grad_diff": diff, "widths": widths, "hidden": model.config.hidden_size, "recomputed_norms": norms[0]}
 
 
 def _autocast_and_bf16(plan: dict, generated: str, mesh: Any) -> dict[str, float]:
@@ -282,7 +307,7 @@ def _rank(rank: int, world_size: int, files: dict[str, tuple[dict, str]]) -> dic
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
-    report: dict[str, Any] = {family: _family_report(family, *files[family], mesh) for family in FAMILIES}
+    report: dict[str, Any] = {case: _family_report(case, *files[case], mesh) for case in TRAINED}
     report["bias"] = _bias_inside_dropout(*files["gpt2"], mesh)
     report["heads"] = _sharded_heads_draw_apart(*files["gpt2"], mesh)
     report["checkpointing"] = {
@@ -302,10 +327,11 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     directory = tmp_path_factory.mktemp("training")
     files = {family: _lowered(family, directory) for family in FAMILIES}
     files["llama_sp"] = _lowered("llama", directory, sp=True)
+    files.update({f"{family}_sp": _lowered(family, directory, sp=True) for family in SP_TRAINED})
     return run_distributed(_rank, files, timeout=300)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", TRAINED)
 def test_the_replicated_stream_and_parameters_stay_equal_across_ranks(report: list[dict], family: str) -> None:
     for by_rank in report:
         assert by_rank[family]["stream"] == 0.0
@@ -315,7 +341,7 @@ def test_the_replicated_stream_and_parameters_stay_equal_across_ranks(report: li
     assert report[0][family]["losses"] == report[1][family]["losses"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", TRAINED)
 def test_the_loss_lies_within_the_spread_of_unsharded_seeds(report: list[dict], family: str) -> None:
     # Exactness is impossible with dropout on: the unsharded model, trained from the same weights on the same
     # batches from 4 seeds (4 sets of masks), gives at each step a mean and a spread (stdev over the seeds).
@@ -344,7 +370,21 @@ def test_dropout_of_sharded_heads_draws_apart_on_each_rank(report: list[dict]) -
 @pytest.mark.parametrize("case", ["gpt2", "llama_sp", "gpt_neox"])
 def test_gradient_checkpointing_redraws_the_same_masks(report: list[dict], case: str) -> None:
     for by_rank in report:
-        assert by_rank["checkpointing"][case] <= 1e-6
+        assert by_rank["checkpointing"][case]["grad_diff"] <= 1e-6
+
+
+def test_gradient_checkpointing_still_moves_two_norms_as_one_pair(report: list[dict]) -> None:
+    """GPT-NeoX's recomputed forward pairs its norms again: its backward all-reduces both branches' partial
+    gradients in one collective of twice the hidden width a layer, as without checkpointing (the fallback, each
+    norm moving its own, would reduce two of the hidden width). (The recompute stops at the last op whose saved
+    tensors backward needs, before the summed reduction: no forward all-reduce is run again.)"""
+    layers = 2
+    for by_rank in report:
+        found = by_rank["checkpointing"]["gpt_neox"]
+        hidden, (plain, recomputed) = found["hidden"], found["widths"]
+        assert plain.count(2 * hidden) == recomputed.count(2 * hidden) == layers, found
+        assert len(recomputed) == len(plain), found
+        assert found["recomputed_norms"] == 2 * layers, found  # the recompute ran: both norms of every layer
 
 
 def test_autocast_and_bf16_keep_the_stream_equal(report: list[dict]) -> None:

@@ -50,10 +50,9 @@ class _Walk(Constants):
             self.statement(statement, in_loop=in_loop)
 
     def statement(self, node: ast.stmt, *, in_loop: bool) -> None:
-        if in_loop:
-            for call in ast.walk(node):
-                if isinstance(call, ast.Call) and call.keywords:
-                    self.calls.append(frozenset(kw.arg for kw in call.keywords if kw.arg and self._none(kw.value)))
+        if in_loop:  # the calls this statement makes itself: a compound one's bodies are statements of their own
+            for expression in _own_expressions(node):
+                self._collect(expression)
         if isinstance(node, ast.Assign):
             const = self.const(node.value)
             for target in node.targets:
@@ -84,5 +83,24 @@ class _Walk(Constants):
         elif isinstance(node, (ast.With, ast.Try)):
             self.block(node.body, in_loop=in_loop)
 
+    def _collect(self, expression: ast.AST) -> None:
+        for call in ast.walk(expression):
+            if isinstance(call, ast.Call) and call.keywords:
+                self.calls.append(frozenset(kw.arg for kw in call.keywords if kw.arg and self._none(kw.value)))
+
     def _none(self, node: ast.expr) -> bool:
         return isinstance(node, (ast.Name, ast.Constant)) and self.const(node) is None
+
+
+def _own_expressions(node: ast.stmt) -> list[ast.AST]:
+    """What ``node`` evaluates itself: all of a simple statement; a compound one's test, iterable or context
+    managers (its bodies are walked as statements, and a branch the folding rules out is not walked at all)."""
+    if isinstance(node, (ast.If, ast.While)):
+        return [node.test]
+    if isinstance(node, (ast.For, ast.AsyncFor)):
+        return [node.iter]
+    if isinstance(node, (ast.With, ast.AsyncWith)):
+        return [item.context_expr for item in node.items]
+    if isinstance(node, (ast.Try, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Match)):
+        return []
+    return [node]

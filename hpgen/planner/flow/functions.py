@@ -16,15 +16,18 @@ import inspect
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hpgen.planner.flow.constants import self_path
-from hpgen.planner.flow.values import Val, union
+from hpgen.planner.flow.values import MAX_DEPTH, Val, union
+
+if TYPE_CHECKING:
+    from hpgen.planner.flow.statements import Frame
 
 __all__ = ["in_place", "tuple_function"]
 
 
-def in_place(frame: Any, target: ast.expr, operands: list[Val]) -> None:
+def in_place(frame: Frame, target: ast.expr, operands: list[Val]) -> None:
     """Record an in-place method on ``target``: the variable at its root now depends on ``operands``."""
     while isinstance(target, (ast.Subscript, ast.Attribute)) and not self_path(target):
         target = target.value
@@ -32,11 +35,8 @@ def in_place(frame: Any, target: ast.expr, operands: list[Val]) -> None:
         frame.env[target.id] = union((frame.env[target.id], *operands))
 
 
-def tuple_function(frame: Any, name: str, args: list[Val], kwargs: Mapping[str, Val]) -> Val | None:
+def tuple_function(frame: Frame, name: str, args: list[Val], kwargs: Mapping[str, Val]) -> Val | None:
     """The tuple a call of the file's function ``name`` returns, item by item; None when it is not one."""
-    from hpgen.planner.flow.runner import MAX_DEPTH
-    from hpgen.planner.flow.statements import Frame
-
     try:
         path = inspect.getsourcefile(type(frame.module))
     except TypeError:
@@ -56,7 +56,8 @@ def tuple_function(frame: Any, name: str, args: list[Val], kwargs: Mapping[str, 
     shapes = len(frame.runner.flow.shapes)
     frame.runner.stack.append(("", name))
     try:
-        inner = Frame(frame.runner, frame.fqn, frame.module, env, frame.depth + 1)
+        # a frame of the caller's class: statements.Frame, not imported, since it imports this module
+        inner = type(frame)(frame.runner, frame.fqn, frame.module, env, frame.depth + 1)
         inner.block(function.body)
         value = inner.returned()
     finally:

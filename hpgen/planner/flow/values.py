@@ -15,6 +15,7 @@ from typing import Any
 
 __all__ = [
     "EMPTY",
+    "MAX_DEPTH",
     "SIZE",
     "UNKNOWN",
     "Flow",
@@ -28,6 +29,8 @@ __all__ = [
     "size_of",
     "union",
 ]
+
+MAX_DEPTH = 24  # how deep a run follows calls of interpreted modules and functions
 
 UNKNOWN = object()  # a constant the interpreter cannot know (a branch test that takes both branches)
 

@@ -34,8 +34,11 @@ from __future__ import annotations
 from typing import Any
 
 from hpgen.errors import HpgenError
-from hpgen.planner.boundary import Boundary, generic
+from hpgen.placement import Placement
+from hpgen.planner.boundary import Boundary
+from hpgen.planner.modules import generic
 from hpgen.planner.derive import Derivation, Placed
+from hpgen.planner.entries import BATCH_MAJOR
 from hpgen.planner.translator import Translator
 
 __all__ = ["derived_plan"]
@@ -96,7 +99,7 @@ class _DerivedTranslator(Translator):
     def _place_params(self) -> None:
         for fqn, placed in self.placed.items():
             boundary = self.boundaries[fqn]
-            boundary.params = {name: {"tp": text} for name, text in placed.params.items()}
+            boundary.params = {name: {"tp": str(placement)} for name, placement in placed.params.items()}
             boundary.deferred = set(placed.deferred)
 
     def _implicit_grad_reduce(self) -> None:
@@ -159,7 +162,7 @@ class _DerivedTranslator(Translator):
             return
         if kind == "heads":  # only the per-head inputs move; the leaves inside do the rest
             for name, placement in sorted(placed.head_inputs.items()):
-                dst = {"tp": placement} if placement.startswith("S(") else dict(replicated)
+                dst = {"tp": str(placement)} if isinstance(placement, Placement) else dict(replicated)
                 boundary.inputs[name] = (dict(replicated), dst)
             return
         if placed is None:  # a decoder layer or the final norm of --sp: the translator's own
@@ -177,8 +180,8 @@ class _DerivedTranslator(Translator):
             # a per-head tensor made outside the block (MPT's position_bias): each rank keeps its heads' slice
             if name not in parameters and name not in self._keyword_names(boundary):
                 raise HpgenError(f"{self.name}: {boundary.fqn}: {name} is not a parameter of its forward")
-            if placement.startswith("S("):
-                boundary.inputs[name] = (dict(replicated), {"tp": placement})
+            if isinstance(placement, Placement):  # cut on its head dim; a batch-major one by the region
+                boundary.inputs[name] = (dict(replicated), {"tp": str(placement)})
         names = self._outputs(boundary.module, boundary.fqn)
         boundary.out_names = names if len(names) > 1 else None
         if kind == "col_block":
@@ -196,7 +199,7 @@ class _DerivedTranslator(Translator):
         injections = list(document.get("injections", []))
         for key, (boundary, _) in sorted(self._grouped().items()):
             placed = self.placed.get(boundary.fqn)
-            names = sorted(n for n, p in placed.head_inputs.items() if p == "batch_major") if placed else []
+            names = sorted(n for n, p in placed.head_inputs.items() if p == BATCH_MAJOR) if placed else []
             if names:
                 target = {"_target_": BATCH_MAJOR_HEADS, "head_inputs": names, "global_heads": placed.global_heads}
                 injections.append({"match": key, "local_compute_fn": {**target, "axis": "tp"}})
