@@ -2,11 +2,14 @@
 
     python benchmarks/checkpoint_memory.py [--layers 10] [--rounds 2] [--json out.json]
     python benchmarks/checkpoint_memory.py --gb 0.7 2 4 --variants "transformers tp_plan" hpgen
+    python benchmarks/checkpoint_memory.py --gb 0.7 2 4 --variants "transformers tp_plan" hpgen --baseline ../main
 
 ``--gb`` gives checkpoint sizes (the layer count that comes closest to each); ``--layers``
 takes several counts too; each size is one table, then one line per size with hpgen's
 load time over ``tp_plan``'s. ``--variants`` runs only those (the ratio needs
-``transformers tp_plan``; the memory columns ``transformers``).
+``transformers tp_plan``; the memory columns ``transformers``). ``--baseline DIR`` also
+runs hpgen imported from the source tree ``DIR`` (another checkout) as ``hpgen, baseline``,
+so that a change is measured against the code before it in the same run.
 
 Writes a random Llama-shaped checkpoint (fp32 safetensors, sharded files as transformers
 writes them; nothing downloaded) to a temporary folder, then loads it, each variant in
@@ -18,7 +21,8 @@ fresh processes (gloo, one thread a rank), one forward included:
 - ``hpgen``: ``hpgen.runtime.from_pretrained(generated.LlamaForCausalLM, folder,
   "tests/plans/llama_tp_vocab.json", mesh)`` on 2 ranks (the same layout as transformers');
 - ``hpgen, whole model first``: the generated class's own ``from_pretrained`` on every
-  rank, then ``parallelize`` (what the README did before ``from_pretrained`` existed).
+  rank, then ``parallelize`` (what the README did before ``from_pretrained`` existed);
+- ``hpgen, baseline``: ``hpgen`` with the ranks importing hpgen from ``--baseline``.
 
 The time to the first logits (loading and one forward) is also reported: a loader that
 leaves its parameters as lazy views of the mapped files (transformers' does, for every
@@ -28,6 +32,8 @@ that were touched) above its resident set just before loading (``/proc/self/clea
 resets the peak there), over loading and one forward. Load time is the wall time of the
 loading call and its CPU time (user + system, all threads: copies and page faults),
 each the slower rank's; on a shared machine the CPU time is the steadier of the two.
+Minor page faults of the loading call (the slower rank's) count the fresh pages copies
+fill and the file pages mapped.
 Each variant runs ``--rounds`` times in turn; the table gives medians. Logits of the
 forward are compared with the unsharded model's.
 """
@@ -51,6 +57,7 @@ VARIANTS = {  # name -> ranks
     "transformers": 1,
     "transformers tp_plan": 2,
     "hpgen": 2,
+    "hpgen, baseline": 2,  # hpgen from another source tree (--baseline): before and after in one run
     "hpgen, whole model first": 2,
 }
 
@@ -90,6 +97,11 @@ def _cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _minor_faults() -> int:
+    """Minor page faults of this process so far: each fresh page a copy fills, each file page mapped."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def worker(variant: str, checkpoint: str, generated: str, out: str) -> None:
     import importlib.util
 
@@ -121,26 +133,34 @@ def worker(variant: str, checkpoint: str, generated: str, out: str) -> None:
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS := RSS now
     before = _status("VmRSS")
     cpu_started = _cpu_s()
+    faults_started = _minor_faults()
     started = time.perf_counter()
     if variant == "transformers":
         model = transformers.LlamaForCausalLM.from_pretrained(checkpoint)
     elif variant == "transformers tp_plan":
         config = transformers.DistributedConfig(tp_plan="auto")
         model = transformers.LlamaForCausalLM.from_pretrained(checkpoint, distributed_config=config)
-    elif variant == "hpgen":
+    elif variant in ("hpgen", "hpgen, baseline"):
         model = from_pretrained(module.LlamaForCausalLM, checkpoint, PLAN, mesh)
     else:
         model = module.LlamaForCausalLM.from_pretrained(checkpoint)
         parallelize(model, PLAN, mesh)
     load_s = time.perf_counter() - started
     load_cpu_s = _cpu_s() - cpu_started
+    load_faults = _minor_faults() - faults_started
     with torch.no_grad():
         logits = model.eval()(ids).logits
     first_s = time.perf_counter() - started  # a loader that maps lazily reads the weights here
     peak = _status("VmHWM") - before
     if rank == 0:
         torch.save(logits, f"{out}.logits.pt")
-    result = {"peak_bytes": peak, "load_s": load_s, "load_cpu_s": load_cpu_s, "first_logits_s": first_s}
+    result = {
+        "peak_bytes": peak,
+        "load_s": load_s,
+        "load_cpu_s": load_cpu_s,
+        "load_faults": load_faults,
+        "first_logits_s": first_s,
+    }
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(result))
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -178,9 +198,12 @@ def lower_llama(out: Path) -> None:
     )
 
 
-def run_variant(variant: str, checkpoint: Path, generated: Path, folder: Path, tag: str) -> dict:
+def run_variant(
+    variant: str, checkpoint: Path, generated: Path, folder: Path, tag: str, baseline: Path | None = None
+) -> dict:
     out = folder / tag
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    source = baseline if variant == "hpgen, baseline" else ROOT  # whose hpgen the ranks import
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(source)}
     script = [str(Path(__file__).resolve()), "--worker", variant, "--checkpoint", str(checkpoint)]
     script += ["--generated", str(generated), "--out", str(out)]
     ranks = VARIANTS[variant]
@@ -194,6 +217,7 @@ def run_variant(variant: str, checkpoint: Path, generated: Path, folder: Path, t
         "peak_bytes": [r["peak_bytes"] for r in per_rank],
         "load_s": max(r["load_s"] for r in per_rank),
         "load_cpu_s": max(r["load_cpu_s"] for r in per_rank),
+        "load_faults": max(r["load_faults"] for r in per_rank),
         "first_logits_s": max(r["first_logits_s"] for r in per_rank),
         "logits": f"{out}.logits.pt",
     }
@@ -208,7 +232,7 @@ def layers_for(gigabytes: float) -> int:
     return max(1, round((gigabytes * 1e9 - FIXED_BYTES) / LAYER_BYTES))
 
 
-def measure(layers: int, rounds: int, names: list[str]) -> dict:
+def measure(layers: int, rounds: int, names: list[str], baseline: Path | None = None) -> dict:
     """Write a checkpoint of ``layers`` layers, load it with each variant ``rounds`` times in turn; medians."""
     import torch
 
@@ -222,7 +246,7 @@ def measure(layers: int, rounds: int, names: list[str]) -> dict:
         for round_ in range(rounds):
             for name in names:
                 tag = f"{name.replace(' ', '_').replace(',', '')}_{round_}"
-                runs[name].append(run_variant(name, checkpoint, generated, folder, tag))
+                runs[name].append(run_variant(name, checkpoint, generated, folder, tag, baseline))
         first = names[0]  # the logits reference: the unsharded load when it ran
         reference = torch.load(runs[first][0]["logits"])
         results = {"checkpoint_bytes": size, "layers": layers, "rounds": rounds, "reference": first, "variants": {}}
@@ -236,6 +260,7 @@ def measure(layers: int, rounds: int, names: list[str]) -> dict:
                 "load_s": statistics.median(item["load_s"] for item in items),
                 "load_s_all": [item["load_s"] for item in items],
                 "load_cpu_s": statistics.median(item["load_cpu_s"] for item in items),
+                "load_faults": statistics.median(item["load_faults"] for item in items),
                 "first_logits_s": statistics.median(item["first_logits_s"] for item in items),
                 "first_logits_s_all": [item["first_logits_s"] for item in items],
                 "logits_err": logits_err,
@@ -251,6 +276,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="runs of each variant (median reported)")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS), metavar="VARIANT")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="also run hpgen from this source tree (e.g. a worktree of main) as 'hpgen, baseline'",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--generated", help=argparse.SUPPRESS)
@@ -260,10 +290,12 @@ def main() -> None:
         worker(args.worker, args.checkpoint, args.generated, args.out)
         return
     counts = [layers_for(gb) for gb in args.gb] if args.gb else args.layers
-    names = [name for name in VARIANTS if name in args.variants]
+    names = [name for name in VARIANTS if name in args.variants and name != "hpgen, baseline"]
+    if args.baseline:
+        names.append("hpgen, baseline")
     every = []
     for layers in counts:
-        results = measure(layers, args.rounds, names)
+        results = measure(layers, args.rounds, names, args.baseline)
         every.append(results)
         print(report(results), flush=True)
         print(flush=True)
@@ -274,21 +306,39 @@ def main() -> None:
 
 
 def scaling(every: list[dict]) -> str:
-    """One line per size: hpgen's load time (wall and CPU) over transformers' tp_plan's."""
+    """One line per size: hpgen's load time over transformers' tp_plan's (wall, CPU, to the first
+    logits), minor faults and peak memory per rank; the baseline tree's too when it ran."""
+    baseline = "hpgen, baseline" in every[0]["variants"]
     lines = [
         "| layers | checkpoint MiB | hpgen load s | tp_plan load s | × tp_plan (wall) | × tp_plan (CPU) "
-        "| × tp_plan (to first logits) |"
+        "| × tp_plan (to first logits) | minor faults per rank, hpgen / tp_plan | peak per rank MiB, hpgen / tp_plan |"
+        + (" baseline × tp_plan (wall / CPU / to first logits) | baseline faults, peak MiB |" if baseline else "")
     ]
-    lines.append("|---:|---:|---:|---:|---:|---:|---:|")
+    lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if baseline else ""))
     for results in every:
-        ours, theirs = results["variants"]["hpgen"], results["variants"]["transformers tp_plan"]
-        lines.append(
+        variants = results["variants"]
+        ours, theirs = variants["hpgen"], variants["transformers tp_plan"]
+        line = (
             f"| {results['layers']} | {results['checkpoint_bytes'] / 2**20:,.0f} | {ours['load_s']:.2f} | "
-            f"{theirs['load_s']:.2f} | {ours['load_s'] / theirs['load_s']:.2f} | "
-            f"{ours['load_cpu_s'] / theirs['load_cpu_s']:.2f} | "
-            f"{ours['first_logits_s'] / theirs['first_logits_s']:.2f} |"
+            f"{theirs['load_s']:.2f} | {_ratios(ours, theirs)} | "
+            f"{ours['load_faults'] / 1000:,.0f}k / {theirs['load_faults'] / 1000:,.0f}k | "
+            f"{_peak(ours):,.0f} / {_peak(theirs):,.0f} |"
         )
+        if baseline:
+            before = variants["hpgen, baseline"]
+            line += f" {_ratios(before, theirs, ' / ')} | {before['load_faults'] / 1000:,.0f}k, {_peak(before):,.0f} |"
+        lines.append(line)
     return "\n".join(lines)
+
+
+def _ratios(item: dict, base: dict, between: str = " | ") -> str:
+    """Load time (wall, CPU) and time to the first logits of ``item`` over ``base``'s."""
+    keys = ("load_s", "load_cpu_s", "first_logits_s")
+    return between.join(f"{item[key] / base[key]:.2f}" for key in keys)
+
+
+def _peak(item: dict) -> float:
+    return max(item["peak_bytes_per_rank"]) / 2**20
 
 
 def report(results: dict) -> str:
@@ -304,8 +354,8 @@ def report(results: dict) -> str:
         f"peak RSS growth per rank over loading + one forward; median of {results['rounds']} runs",
         "",
         "| variant | ranks | peak RSS per rank (MiB) | × unsharded | load s (wall) | × tp_plan | "
-        "load CPU s | × tp_plan | to first logits s | × tp_plan | max logits diff |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "load CPU s | × tp_plan | minor faults | to first logits s | × tp_plan | max logits diff |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     tp_first = tp["first_logits_s"] if tp else None
     for name, item in variants.items():
@@ -314,7 +364,7 @@ def report(results: dict) -> str:
         lines.append(
             f"| {name} | {item['ranks']} | {per_rank} | {_ratio(peak, base)} | {item['load_s']:.2f} | "
             f"{_ratio(item['load_s'], tp_load)} | {item['load_cpu_s']:.2f} | {_ratio(item['load_cpu_s'], tp_cpu)} | "
-            f"{item['first_logits_s']:.2f} | {_ratio(item['first_logits_s'], tp_first)} | {item['logits_err']:.1e} |"
+            f"{item['load_faults'] / 1000:,.0f}k | {item['first_logits_s']:.2f} | {_ratio(item['first_logits_s'], tp_first)} | {item['logits_err']:.1e} |"
         )
     return "\n".join(lines)
 

@@ -185,8 +185,12 @@ class Box:
     sizes: tuple[int, ...]
     local_offsets: tuple[int, ...]
 
+    def bounds(self) -> tuple[tuple[int, int], ...]:
+        """``[start, stop)`` per dim in the full tensor (the box a checkpoint reader reads)."""
+        return tuple((o, o + s) for o, s in zip(self.offsets, self.sizes))
+
     def global_index(self) -> tuple[slice, ...]:
-        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
+        return tuple(slice(a, b) for a, b in self.bounds())
 
     def full_view(self, full: T) -> T:
         """The block as a view of the full tensor ``full``."""

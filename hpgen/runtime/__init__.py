@@ -20,8 +20,8 @@ that it names every module and nothing else):
   ``local_heads``, ``streams``, ``sampling``;
 - shard layout (DTensor's names for the core's :class:`hpgen.shards.ShardLayout`):
   ``shard_layout``;
-- checkpoints: ``loading``, ``checkpoint_files``, ``conversions``, ``state_dict``,
-  ``fsdp_state``, ``dcp_files``, ``saving``, ``folder_swap``, ``adapters``.
+- checkpoints: ``loading``, ``checkpoint_files``, ``file_maps``, ``conversions``,
+  ``state_dict``, ``fsdp_state``, ``dcp_files``, ``saving``, ``folder_swap``, ``adapters``.
 """
 
 from __future__ import annotations

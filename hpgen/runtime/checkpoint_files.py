@@ -1,22 +1,18 @@
-"""A transformers checkpoint folder's safetensors files, opened for slice reads.
+"""A transformers checkpoint folder's safetensors files, read box by box.
 
 A folder holds ``model.safetensors``, or shards listed by ``model.safetensors.index.json``
 (``weight_map``: tensor name -> file), as ``save_pretrained(..., max_shard_size=...)``
-writes them. :class:`CheckpointFiles` opens each file once with ``safetensors.safe_open``
-and hands out ``get_slice`` handles: indexing one (``handle[0:64, :]``) reads only those
-elements, which is how every rank reads just its shard.
+writes them. :class:`CheckpointFiles` reads each file's header once and hands out boxes
+of a tensor (``tensor[a0:b0, a1:b1]``), each a view of a mapping of just the bytes it
+spans (:mod:`hpgen.runtime.file_maps`): this rank's rows, columns or experts, nothing else.
 
-A large slice that is one contiguous run of bytes (a whole tensor, or rows of it:
-``S(0)``) is a view of the file mapped with ``mmap``, as transformers' own loader leaves
-its CPU parameters: nothing is copied, the mapping is copy-on-write, and only pages that
-are used become resident (an embedding's rows that no token looks up never do). Every
-other slice is copied out of a second mapping of the file that :meth:`CheckpointFiles.drop_copies`
-unmaps once the tensors copied out of it since the last unmapping reach ``COPY_WINDOW_BYTES``,
-so the file pages it touched (all of a tensor's pages for columns, ``S(1)``) leave the
-rank's memory soon, without reopening every file after every parameter (a header parsed
-again each time). Small slices are copied rather than viewed because the kernel maps file
-pages in folios of up to a few MiB: a view of a small slice can make a much larger part
-of the tensor resident.
+:meth:`CheckpointFiles.view` gives a box to keep as it is (a parameter on the CPU in the
+file's dtype), as transformers' own loader leaves its CPU parameters: nothing is copied,
+the mapping is copy-on-write, and only pages that are used become resident (an
+embedding's rows that no token looks up never do). :meth:`CheckpointFiles.read` gives
+any box (strided for columns) to copy into a tensor of any dtype and device, casting on
+the way; its mapping is unmapped once the copy is made, so the file pages it touched (all
+of a tensor's pages for columns, ``S(1)``) leave the process at once.
 
 Every file is opened (its header read) when the folder is, so a truncated file, a file
 that is not safetensors, a shard the index names but the folder lacks, or a tensor the
@@ -37,24 +33,21 @@ import torch
 from safetensors import safe_open
 
 from hpgen.runtime.errors import ParallelizeError
+from hpgen.runtime.file_maps import StoredTensor, box_view, read_header
 
-__all__ = ["CheckpointFiles", "INDEX_FILE", "SINGLE_FILE", "describe_unreadable", "open_safetensors"]
+__all__ = ["CheckpointFiles", "INDEX_FILE", "Index", "SINGLE_FILE", "describe_unreadable", "open_safetensors"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
+Index = tuple[tuple[int, int], ...]
+"""A box of a tensor: ``[start, stop)`` per dim (``()``: all of it)."""
 
-VIEW_MIN_BYTES = 4 * 2**20
-"""Contiguous slices at least this large are views of the mapped file; smaller ones are copied.
+VIEW_MIN_BYTES = 2**16
+"""Contiguous boxes at least this large are kept as views of the file; smaller ones are copied.
 
-4 MiB: a few folios, so the pages a view makes resident beyond its own are a few percent
-of it. Against 32 MiB, on a 40-layer Llama at tp 2 (``benchmarks/checkpoint_memory.py``):
-peak memory +6%, CPU time of loading -35% (together with the copy window below)."""
-
-COPY_WINDOW_BYTES = 32 * 2**20
-"""Tensor bytes copied out of the copying mappings after which :meth:`CheckpointFiles.drop_copies` unmaps them."""
-
-_ITEM_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
+A view costs a mapping (a kernel object, and the two file pages it starts and ends in);
+below 64 KiB (norm weights, biases) a copy costs less."""
 
 
 def describe_unreadable(path: Path, error: Exception) -> str:
@@ -96,42 +89,22 @@ def open_safetensors(path: Path) -> Any:
         raise ParallelizeError(f"{path} {describe_unreadable(path, error)}") from None
 
 
-def _range(s: slice, n: int) -> tuple[int, int]:
-    return (s.start or 0, n if s.stop is None else s.stop)
-
-
-def _contiguous(shape: list[int], index: tuple[slice, ...]) -> bool:
-    """Whether ``tensor[index]`` is one run of bytes: leading dims of size 1, one cut dim, then whole dims."""
-    if not index:
-        return True
-    cut = next((d for d, (s, n) in enumerate(zip(index, shape)) if _range(s, n) != (0, n)), None)
-    if cut is None:
-        return True
-    before = all(n == 1 for n in shape[:cut])
-    return before and all(_range(s, n) == (0, n) for s, n in zip(index[cut + 1 :], shape[cut + 1 :]))
-
-
-def _nbytes(shape: list[int], index: tuple[slice, ...], dtype: str) -> int:
-    count = 1
-    for d, n in enumerate(shape):
-        a, b = _range(index[d], n) if index else (0, n)
-        count *= b - a
-    return count * _ITEM_BYTES.get(dtype, 1)
-
-
 class CheckpointFiles:
-    """Tensor name -> lazy slice handle over the safetensors files of a checkpoint folder.
+    """Tensor name -> boxes of it, over the safetensors files of a checkpoint folder.
 
-    Use as a context manager (or call :meth:`close`) so the files are closed after loading.
+    Use as a context manager (or call :meth:`close`) so the files are closed after loading;
+    the views handed out stay valid.
     """
 
     def __init__(self, folder: str | os.PathLike[str]) -> None:
         self.folder = Path(folder)
         self._where = self._weight_map()
-        self.views = True  # False: copy every slice (a parameter going to another device or dtype)
-        self._open: dict[str, Any] = {}  # file -> handle that views are taken from
-        self._copying: dict[str, Any] = {}  # file -> handle that copies are read from
-        self._touched = 0  # tensor bytes copied out of ``_copying`` since it was last unmapped
+        self._stored: dict[str, StoredTensor] = {}
+        for name in sorted(set(self._where.values())):
+            stored = read_header(self.folder / name)
+            self._stored.update((key, stored[key]) for key, file in self._where.items() if file == name)
+        # file -> descriptor the mappings are made from (opened here: reading threads share them)
+        self._fds = {name: os.open(self.folder / name, os.O_RDONLY) for name in sorted(set(self._where.values()))}
 
     def _weight_map(self) -> dict[str, str]:
         single, index = self.folder / SINGLE_FILE, self.folder / INDEX_FILE
@@ -172,52 +145,39 @@ class CheckpointFiles:
     def __contains__(self, key: str) -> bool:
         return key in self._where
 
-    def _handle(self, key: str, kind: str) -> Any:
-        name = self._where[key]
-        handles = self._open if kind == "view" else self._copying
-        handle = handles.get(name)
-        if handle is None:
-            handle = handles[name] = open_safetensors(self.folder / name)
-        return handle
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
 
-    def slice(self, key: str) -> Any:
-        """The ``get_slice`` handle of ``key`` (``.get_shape()``, ``.get_dtype()``, ``[...]``)."""
-        return self._handle(key, "view").get_slice(key)
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._stored[key].shape
 
-    def read(self, key: str, index: tuple[slice, ...] = ()) -> torch.Tensor:
-        """The elements ``index`` (one slice per dim; all of them for ``()``) of tensor ``key``."""
-        mapped = self.slice(key)
-        shape = mapped.get_shape()
-        large = _nbytes(shape, index, mapped.get_dtype()) >= VIEW_MIN_BYTES
-        if self.views and large and _contiguous(shape, index):
-            return mapped[index] if index else mapped[...]
-        source = self._handle(key, "copy").get_slice(key)
-        view = source[index] if index else source[...]
-        # the pages touched: the slice's for rows, every page of the tensor for columns
-        self._touched += _nbytes(shape, index if _contiguous(shape, index) else (), mapped.get_dtype())
-        return torch.empty(view.shape, dtype=view.dtype).copy_(view)
+    def dtype(self, key: str) -> torch.dtype | None:
+        """The torch dtype ``key`` is stored in (None for a safetensors dtype torch lacks)."""
+        return self._stored[key].dtype
 
-    def drop_copies(self, *, now: bool = False) -> None:
-        """Unmap the files copies were read from (their touched pages stop counting as ours), once
-        ``COPY_WINDOW_BYTES`` were copied since the last time, or ``now``."""
-        if not now and self._touched < COPY_WINDOW_BYTES:
-            return
-        for handle in self._copying.values():
-            handle.__exit__(None, None, None)
-        self._copying.clear()
-        self._touched = 0
+    def read(self, key: str, index: Index = ()) -> torch.Tensor:
+        """The box ``index`` of ``key``: a view of the file, strided unless the box is one run of
+        bytes; to keep it, copy it (or take :meth:`view`)."""
+        stored, name = self._stored[key], self._where[key]
+        if stored.dtype is None:
+            raise ParallelizeError(f"{self.folder / name}: {key} is stored as {stored.dtype_name}, which torch lacks")
+        return box_view(self._fds[name], stored, index)
+
+    def view(self, key: str, index: Index = ()) -> torch.Tensor | None:
+        """The box as a tensor to keep (a contiguous view of the file), or None when it is not one
+        run of bytes or is under ``VIEW_MIN_BYTES``: then copy :meth:`read`'s."""
+        box = self.read(key, index)
+        if box.is_contiguous() and box.numel() * box.element_size() >= VIEW_MIN_BYTES:
+            return box
+        return None
 
     def close(self) -> None:
-        self.drop_copies(now=True)
-        for handle in self._open.values():
-            handle.__exit__(None, None, None)
-        self._open.clear()
+        for fd in self._fds.values():
+            os.close(fd)  # the views' mappings outlive it
+        self._fds.clear()
 
     def __enter__(self) -> CheckpointFiles:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._where)

@@ -27,14 +27,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hpgen.runtime.checkpoint_files import CheckpointFiles
+from hpgen.runtime.checkpoint_files import CheckpointFiles, Index
 from hpgen.runtime.errors import ParallelizeError
 
 __all__ = ["Concatenated", "FileSource", "Mapped", "Source", "Stacked", "checkpoint_sources", "model_conversions"]
-
-Index = tuple[tuple[int, int], ...]
-"""A box of a tensor: ``[start, stop)`` per dim."""
-
 
 class Source:
     """A tensor of ``shape`` in the checkpoint, read box by box."""
@@ -43,19 +39,31 @@ class Source:
     described: str  # for messages: where it comes from
 
     def read(self, index: Index) -> Tensor:
+        """The box ``index``; it may be a (strided) view of the file: copy what is kept."""
         raise NotImplementedError
+
+    def view(self, index: Index) -> Tensor | None:
+        """The box as a tensor to keep as it is, when it can be had without a copy; else None."""
+        return None
+
+    def read_into(self, index: Index, out: Tensor) -> None:
+        """Copy the box into ``out`` (of its shape; any dtype and device)."""
+        out.copy_(self.read(index))
 
 
 class FileSource(Source):
-    """One safetensors tensor: a box is one ``get_slice`` read."""
+    """One safetensors tensor: a box is a view of the bytes it spans."""
 
     def __init__(self, files: CheckpointFiles, key: str) -> None:
         self.files, self.key = files, key
-        self.shape = tuple(files.slice(key).get_shape())
+        self.shape = files.shape(key)
         self.described = key
 
     def read(self, index: Index) -> Tensor:
-        return self.files.read(self.key, tuple(slice(a, b) for a, b in index))
+        return self.files.read(self.key, index)
+
+    def view(self, index: Index) -> Tensor | None:
+        return self.files.view(self.key, index)
 
 
 class Stacked(Source):
@@ -79,6 +87,12 @@ class Stacked(Source):
             return torch.empty([b - a for a, b in index])
         return torch.stack(pieces, self.dim)
 
+    def read_into(self, index: Index, out: Tensor) -> None:
+        lo, hi = index[self.dim]
+        rest = index[: self.dim] + index[self.dim + 1 :]
+        for i in range(lo, hi):  # each part straight into its place: no stacked copy in between
+            self.parts[i].read_into(rest, out.select(self.dim, i - lo))
+
 
 class Concatenated(Source):
     """``torch.cat(parts, dim)`` (transformers' ``Concatenate``): a box reads each part's overlap."""
@@ -90,19 +104,28 @@ class Concatenated(Source):
         self.shape = tuple(first)
         self.described = " + ".join(part.described for part in self.parts)
 
-    def read(self, index: Index) -> Tensor:
+    def _overlaps(self, index: Index) -> list[tuple[Source, Index, int, int]]:
+        """Each part the box overlaps: (part, its box, where that box starts in ours along dim, its size)."""
         lo, hi = index[self.dim]
-        pieces, offset = [], 0
+        found, offset = [], 0
         for part in self.parts:
             n = part.shape[self.dim]
             a, b = max(lo, offset), min(hi, offset + n)
             if a < b:
                 box = index[: self.dim] + ((a - offset, b - offset),) + index[self.dim + 1 :]
-                pieces.append(part.read(box))
+                found.append((part, box, a - lo, b - a))
             offset += n
+        return found
+
+    def read(self, index: Index) -> Tensor:
+        pieces = [part.read(box) for part, box, _, _ in self._overlaps(index)]
         if not pieces:
             return torch.empty([b - a for a, b in index])
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, self.dim)
+
+    def read_into(self, index: Index, out: Tensor) -> None:
+        for part, box, start, size in self._overlaps(index):
+            part.read_into(box, out.narrow(self.dim, start, size))
 
 
 class Mapped(Source):

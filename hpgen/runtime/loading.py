@@ -6,8 +6,10 @@ The whole model never exists on one rank:
 2. ``parallelize`` gives every planned parameter its local shape (still meta);
 3. each parameter is read from the safetensors files box by box — only this rank's rows
    or columns, or its experts (:mod:`hpgen.runtime.shard_layout`,
-   :mod:`hpgen.runtime.conversions`) — cast, moved to ``device`` and put in place under
-   all its names (tied weights stay one Parameter; tensor hooks ``parallelize``
+   :mod:`hpgen.runtime.conversions`) — straight into one tensor of its dtype on
+   ``device`` (a shard that is one run of the file's bytes, in its dtype, on the CPU, is a
+   view of the file instead: :mod:`hpgen.runtime.checkpoint_files`), and put in place
+   under all its names (tied weights stay one Parameter; tensor hooks ``parallelize``
    registered move to the new Parameter);
 4. non-persistent buffers (rotary ``inv_freq``, ...) are allocated on ``device`` and
    initialised the way transformers does after its own meta build: the model's
@@ -119,17 +121,14 @@ def _dtype(dtype: torch.dtype | str | None, config: Any, files: CheckpointFiles)
         if isinstance(configured, torch.dtype):
             return configured
         for key in files.keys():
-            found = _SAFETENSORS_DTYPES.get(files.slice(key).get_dtype())
-            if found is not None and found.is_floating_point:
+            found = files.dtype(key)
+            if found in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
                 return found
         return torch.get_default_dtype()
     found = getattr(torch, str(dtype), None)
     if not isinstance(found, torch.dtype):
         raise ParallelizeError(f"dtype {dtype!r} is not a torch dtype (nor 'auto')")
     return found
-
-
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def _device(mesh: DeviceMesh, device: torch.device | str | None) -> torch.device:
@@ -222,20 +221,16 @@ def _load(model: nn.Module, files: CheckpointFiles, device: torch.device) -> Non
                 f"parameter is {wanted}; is this the checkpoint of this model and config?"
             )
         dtype = _target_dtype(name, tensor, dtype_plan)
-        # a view of the file only when it is the parameter as is; else it would stay mapped until the end
-        files.views = device.type == "cpu" and _SAFETENSORS_DTYPES.get(_file_dtype(source)) == dtype
         try:
-            local = _read_local(source, wanted, record.shares if record is not None else ())
+            value = _read_local(source, wanted, record.shares if record is not None else (), dtype, device)
         except ValueError as error:
             raise ParallelizeError(f"{name}: {error}") from None
-        files.drop_copies()
-        if tuple(local.shape) != tuple(tensor.shape):  # the layout and the parameter must agree
+        if tuple(value.shape) != tuple(tensor.shape):  # the layout and the parameter must agree
             raise ParallelizeError(
-                f"{name}: read a shard of shape {tuple(local.shape)} for a parameter of {tuple(tensor.shape)}"
+                f"{name}: read a shard of shape {tuple(value.shape)} for a parameter of {tuple(tensor.shape)}"
             )
         if isinstance(source, Mapped):
             source.release()
-        value = local.to(device=device, dtype=dtype)
         if kind == "param":
             _replace_param(tensor, value, owners)
         else:
@@ -254,31 +249,26 @@ def _load(model: nn.Module, files: CheckpointFiles, device: torch.device) -> Non
     _initialise_buffers(model, device)
 
 
-def _file_dtype(source: Source) -> str | None:
-    """The safetensors dtype of a plain file tensor (None for stacked/converted sources: those are copies)."""
-    from hpgen.runtime.conversions import FileSource
+def _read_local(
+    source: Source, shape: tuple[int, ...], shares: Any, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """This rank's chunk of ``source`` (full ``shape``) in ``dtype`` on ``device``.
 
-    return source.files.slice(source.key).get_dtype() if isinstance(source, FileSource) else None
-
-
-def _read_local(source: Source, shape: tuple[int, ...], shares: Any) -> torch.Tensor:
-    """This rank's chunk of ``source`` (full ``shape``): its boxes read one by one into one tensor."""
+    A chunk that is one box of the file, in its dtype, on the CPU, is the file's bytes as
+    they are (:meth:`Source.view`); any other is allocated once and each of its boxes read
+    straight into its place, cast on the way."""
     parts = ShardLayout(shape, shares).boxes()
-    if len(parts) == 1 and parts[0].local_offsets == (0,) * len(shape):
-        box = parts[0]
-        if any(s == 0 for s in box.sizes):
-            return torch.empty(box.sizes)
-        return source.read(tuple((o, o + s) for o, s in zip(box.offsets, box.sizes)))
+    whole = len(parts) == 1 and parts[0].local_offsets == (0,) * len(shape)
+    if whole and device.type == "cpu":
+        view = source.view(parts[0].bounds())
+        if view is not None and view.dtype == dtype:
+            return view
     local_sizes = [max(b.local_offsets[d] + b.sizes[d] for b in parts) for d in range(len(shape))]
-    out = None
+    out = torch.empty(local_sizes, dtype=dtype, device=device)
     for box in parts:
-        if any(s == 0 for s in box.sizes):
-            continue
-        piece = source.read(tuple((o, o + s) for o, s in zip(box.offsets, box.sizes)))
-        if out is None:
-            out = torch.empty(local_sizes, dtype=piece.dtype)
-        box.local_view(out).copy_(piece)
-    return out if out is not None else torch.empty(local_sizes)
+        if all(s > 0 for s in box.sizes):
+            source.read_into(box.bounds(), box.local_view(out))
+    return out
 
 
 def _replace_param(old: torch.Tensor, value: torch.Tensor, owners: list[tuple[nn.Module, str]]) -> None:

@@ -63,7 +63,13 @@ def _config(family: str, **overrides: Any) -> Any:
 
 
 def _write_checkpoint(
-    family: str, folder: Path, seed: int, *, max_shard_size: str | None = None, **config: Any
+    family: str,
+    folder: Path,
+    seed: int,
+    *,
+    max_shard_size: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    **config: Any,
 ) -> None:
     import transformers
 
@@ -72,6 +78,7 @@ def _write_checkpoint(
     torch.manual_seed(seed)
     model = getattr(transformers, FAMILIES[family].model)(_config(family, **config))
     perturb_(model, seed)
+    model.to(dtype)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **kwargs)
 
@@ -93,6 +100,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     _write_checkpoint("llama", root / "llama_tied", 1, max_shard_size="100KB", tie_word_embeddings=True)
     _write_checkpoint("qwen3", root / "qwen3", 2)
     _write_checkpoint("qwen3_moe", root / "qwen3_moe", 3, max_shard_size="200KB")
+    _write_checkpoint("llama", root / "llama_bf16", 0, dtype=torch.bfloat16)
+    shutil.copytree(root / "llama", root / "llama_views")  # opened by hpgen only: its mappings are hpgen's
     # a checkpoint that lacks a weight
     shutil.copytree(root / "llama", root / "llama_broken")
     from safetensors.torch import load_file, save_file
@@ -151,7 +160,7 @@ class Loaded:
     inv_freq_equal: bool
     dtensor_keys: int  # state-dict entries that are DTensors with the global shape
     checkpoint_files: int
-    views: int  # parameters whose storage is more than their data: views of the mapped file
+    views: int  # parameters whose bytes lie in a mapping of one of the checkpoint's files
 
 
 @dataclass
@@ -163,6 +172,7 @@ class RankResults:
     errors: dict[str, str] = field(default_factory=dict)
     strided: list[str] = field(default_factory=list)
     kills: dict[str, Any] = field(default_factory=dict)  # case -> what each kill of a save left (rank 0)
+    loaded_views: dict[str, int] = field(default_factory=dict)  # views of the files, mappings, descriptors
 
 
 def _inputs() -> torch.Tensor:
@@ -187,6 +197,24 @@ def _compare(model: torch.nn.Module, reference: torch.nn.Module, plan: dict, ran
         if name not in ours or not torch.equal(ours[name].detach(), want):
             bad.append(name)
     return bad
+
+
+def _file_mappings(folder: str) -> list[tuple[int, int]]:
+    """The address ranges this process has mapped from files in ``folder`` (``/proc/self/maps``)."""
+    found = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith(str(Path(folder).resolve()) + "/"):
+            start, stop = (int(x, 16) for x in fields[0].split("-"))
+            found.append((start, stop))
+    return found
+
+
+def _in_mappings(tensor: torch.Tensor, folder: str) -> bool:
+    """Whether ``tensor``'s bytes are a view of a file of ``folder`` (no copy was made)."""
+    start = tensor.data_ptr()
+    stop = start + tensor.numel() * tensor.element_size()
+    return any(a <= start and stop <= b for a, b in _file_mappings(folder))
 
 
 def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> RankResults:
@@ -237,7 +265,7 @@ def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> 
                 isinstance(v, DTensor) and tuple(v.shape) == tuple(full_shapes[k].shape) for k, v in state.items()
             ),
             checkpoint_files=len(list(Path(case.folder).glob("*.safetensors"))),
-            views=sum(p.untyped_storage().nbytes() > p.nbytes for p in model.parameters()),
+            views=sum(_in_mappings(p, case.folder) for p in model.parameters()),
         )
         models[case.name], references[case.name] = model, reference
 
@@ -375,11 +403,52 @@ def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> 
         except ParallelizeError as error:
             out.errors[label] = str(error)
 
+    _dtypes_and_mappings(out, case, root, mesh, rank, world_size)
     _misshapen_state_dict(out, case, reference, mesh)
     _failed_dcp_loads(out, case, models["llama"], root, mesh)
     out.strided = _strided_shard_checks(mesh, rank, world_size)
     _train_save_resume(out, cases[0], references["llama"], models["llama"], root, mesh, rank, world_size)
     return out
+
+
+def _dtypes_and_mappings(out: RankResults, case: Checkpoint, root: str, mesh: Any, rank: int, size: int) -> None:
+    """Loads that cast (bf16 file -> float32, float32 file -> bf16), bit-equal to transformers' cast of the
+    same file; then what a load leaves of the files: views' mappings, no descriptor, nothing once freed."""
+    import gc
+    import os
+
+    import transformers
+
+    from hpgen.runtime import checkpoint_files, from_pretrained
+
+    cls = import_file(case.generated).LlamaForCausalLM
+    plan = load_plan_dict(case.plan)
+    checkpoint_files.VIEW_MIN_BYTES = 0  # every contiguous shard a view where the dtype allows it
+    for label, folder, dtype in [
+        ("bf16 file as float32", f"{root}/llama_bf16", torch.float32),
+        ("float32 file as bf16", f"{root}/llama", torch.bfloat16),
+        ("bf16 file, auto", f"{root}/llama_bf16", "auto"),
+    ]:
+        model = from_pretrained(cls, folder, plan, mesh, dtype=dtype)
+        want = torch.bfloat16 if dtype == "auto" else dtype
+        reference = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=want).eval()
+        out.dcp[f"{label}: mismatches"] = _compare(model, reference, plan, rank, size)
+        out.errors[f"{label}: dtypes"] = str(sorted({str(p.dtype) for p in model.parameters()}))
+        out.loaded_views[label] = sum(_in_mappings(p, folder) for p in model.parameters())
+        if want == torch.float32:  # bf16 logits of a tp=2 run are not within float32's tolerance
+            out.logits[label] = ((_logits(model) - _logits(reference)).abs().max().item(), tolerance(_logits(reference)))
+        del model, reference
+
+    folder = f"{root}/llama_views"
+    model = from_pretrained(cls, folder, plan, mesh)
+    descriptors = [os.path.realpath(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")]
+    out.loaded_views["views: mappings while loaded"] = len(_file_mappings(folder))
+    out.loaded_views["views: descriptors while loaded"] = sum(d.startswith(str(Path(folder).resolve())) for d in descriptors)
+    reference = _logits(transformers.LlamaForCausalLM.from_pretrained(case.folder))
+    out.logits["views"] = ((_logits(model) - reference).abs().max().item(), tolerance(reference))
+    del model
+    gc.collect()
+    out.loaded_views["views: mappings once freed"] = len(_file_mappings(folder))
 
 
 def _misshapen_state_dict(out: RankResults, case: Checkpoint, reference: Any, mesh: Any) -> None:
@@ -660,6 +729,36 @@ def test_refusals_are_clear(results: list[RankResults]) -> None:
         assert "llama_tied_shard_missing" in errors["shard missing"] and "-of-" in errors["shard missing"]
         assert "llama_tied_shard_truncated/model-00002-of-" in errors["truncated shard"]
         assert "is truncated" in errors["truncated shard"]
+
+
+@pytest.mark.parametrize(
+    "label, dtype, views",
+    [
+        ("bf16 file as float32", "torch.float32", False),
+        ("float32 file as bf16", "torch.bfloat16", False),
+        ("bf16 file, auto", "torch.bfloat16", True),
+    ],
+)
+def test_from_pretrained_casts_exactly(results: list[RankResults], label: str, dtype: str, views: bool) -> None:
+    """Each rank's shard, read straight into the target dtype, is transformers' cast of the file, bit for bit;
+    only a load in the file's own dtype keeps views of it."""
+    for rank, result in enumerate(results):
+        assert result.dcp[f"{label}: mismatches"] == [], f"rank {rank}: {result.dcp[f'{label}: mismatches']}"
+        assert result.errors[f"{label}: dtypes"] == f"['{dtype}']"
+        assert (result.loaded_views[label] > 0) == views, (rank, result.loaded_views[label])
+        if dtype == "torch.float32":
+            err, tol = result.logits[label]
+            assert err <= tol, f"rank {rank}: {err} > {tol}"
+
+
+def test_a_load_leaves_views_of_the_files_and_no_descriptor_and_nothing_once_freed(results: list[RankResults]) -> None:
+    for rank, result in enumerate(results):
+        views = result.loaded_views
+        assert views["views: mappings while loaded"] > 0, rank
+        assert views["views: descriptors while loaded"] == 0, rank
+        assert views["views: mappings once freed"] == 0, rank
+        err, tol = result.logits["views"]
+        assert err <= tol, f"rank {rank}: {err} > {tol}"
 
 
 def test_misshapen_state_dict_names_the_full_and_the_local_shape(results: list[RankResults]) -> None:
