@@ -78,9 +78,7 @@ class _PairedFirstMixin:
         paired = self._hp_paired
         paired.__dict__.pop(_PREPARED, None)  # never a value prepared by an earlier forward
         output = super().forward(*args, **kwargs)  # type: ignore[misc]
-        if not isinstance(output, Tensor):
-            raise TypeError(f"{type(self).__name__}: a summed reduction's shared input must return one tensor")
-        if not self._hp_moves and not (torch.is_grad_enabled() and output.requires_grad):
+        if not _to_move(self, output):
             return output  # a copy with no gradient to reduce: nothing to move, nothing to pair
         x = args[0] if len(args) == 1 and not kwargs else None
         other = paired._hp_own_forward(x) if isinstance(x, Tensor) else None
@@ -114,13 +112,17 @@ class _PairedSecondMixin:
         return _moved(self, super().forward(*args, **kwargs))  # type: ignore[misc]
 
 
-def _moved(module: nn.Module, output: Any) -> Tensor:
-    """``output`` through the branches' input transition; as it is where that is a ``copy`` with no gradient."""
+def _to_move(module: nn.Module, output: Any) -> bool:
+    """Whether the norm's ``output`` goes through the branches' input transition: not where that
+    is a ``copy`` with no gradient to reduce (``copy`` returns its input then)."""
     if not isinstance(output, Tensor):
         raise TypeError(f"{type(module).__name__}: a summed reduction's shared input must return one tensor")
-    if not module._hp_moves and not (torch.is_grad_enabled() and output.requires_grad):
-        return output  # what ``copy`` returns then, without the call
-    return run_steps(output, (module._hp_step,))  # type: ignore[arg-type]
+    return bool(module._hp_moves) or (torch.is_grad_enabled() and output.requires_grad)
+
+
+def _moved(module: nn.Module, output: Any) -> Tensor:
+    """``output`` through the branches' input transition, where :func:`_to_move` says it goes."""
+    return run_steps(output, (module._hp_step,)) if _to_move(module, output) else output  # type: ignore[arg-type]
 
 
 def _version(x: Tensor) -> int:
