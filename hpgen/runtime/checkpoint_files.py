@@ -99,12 +99,12 @@ class CheckpointFiles:
     def __init__(self, folder: str | os.PathLike[str]) -> None:
         self.folder = Path(folder)
         self._where = self._weight_map()
-        self._stored: dict[str, StoredTensor] = {}
-        for name in sorted(set(self._where.values())):
-            stored = read_header(self.folder / name)
-            self._stored.update((key, stored[key]) for key, file in self._where.items() if file == name)
         # file -> descriptor the mappings are made from (opened here: reading threads share them)
         self._fds = {name: os.open(self.folder / name, os.O_RDONLY) for name in sorted(set(self._where.values()))}
+        self._stored: dict[str, StoredTensor] = {}
+        for name, fd in self._fds.items():
+            stored = read_header(fd)
+            self._stored.update((key, stored[key]) for key, file in self._where.items() if file == name)
 
     def _weight_map(self) -> dict[str, str]:
         single, index = self.folder / SINGLE_FILE, self.folder / INDEX_FILE

@@ -26,7 +26,6 @@ import mmap
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -65,11 +64,10 @@ class StoredTensor:
         return DTYPES.get(self.dtype_name)
 
 
-def read_header(path: Path) -> dict[str, StoredTensor]:
-    """Every tensor of the safetensors file ``path`` and where it lies (the file is assumed valid)."""
-    with open(path, "rb") as stream:
-        length = int.from_bytes(stream.read(8), "little")
-        header = json.loads(stream.read(length))
+def read_header(fd: int) -> dict[str, StoredTensor]:
+    """Every tensor of the safetensors file open as ``fd`` and where it lies (the file is assumed valid)."""
+    length = int.from_bytes(os.pread(fd, 8, 0), "little")
+    header = json.loads(os.pread(fd, length, 8))
     header.pop("__metadata__", None)
     return {
         key: StoredTensor(entry["dtype"], tuple(entry["shape"]), 8 + length + entry["data_offsets"][0])
@@ -114,7 +112,7 @@ def box_view(fd: int, stored: StoredTensor, index: Sequence[tuple[int, int]]) ->
         return torch.empty(sizes, dtype=dtype)
     first = sum(a * s for (a, _), s in zip(index, strides))
     last = sum((b - 1) * s for (_, b), s in zip(index, strides))
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     begin, end = stored.start + first * item, stored.start + (last + 1) * item
     offset = begin - begin % mmap.PAGESIZE
     mapping = _map(fd, offset, end - offset)
