@@ -17,6 +17,7 @@ from hpgen.planner.flow import Flow
 from hpgen.planner.head_maps import per_head_map
 from hpgen.planner.head_names import HEAD_DIM_ATTRS, HEADS_ATTRS, KV_HEADS_ATTRS
 from hpgen.planner.head_params import param_use, per_head_view
+from hpgen.planner.layouts import ColumnLayout
 from hpgen.planner.modules import between, is_linear, lca, out_features, positive_int, prefixes, relative
 from hpgen.shards import row_heads
 
@@ -218,22 +219,23 @@ class HeadRules:
         return None
 
     def check_heads(
-        self, cols: set[str], layouts: Mapping[str, tuple[str, int]], heads: tuple[int, int, int], layer: str
+        self, cols: Iterable[str], layouts: Mapping[str, ColumnLayout], heads: tuple[int, int, int], layer: str
     ) -> None:
+        """Refuse columns that do not hold whole heads, or whose heads (or groups) do not divide over ``--tp``."""
         q, kv, head_dim = heads
         tp = self.tp
         for col in sorted(cols):
             n = out_features(self.modules[col])
-            kind, k = layouts[col]
-            per_block = n // k if kind == "SS" else n
-            if kind == "S" and k == 1 and n in (q, kv) and n % head_dim:
+            layout = layouts[col]
+            per_block = layout.block(n)
+            if layout.plain and n in (q, kv) and n % head_dim:
                 units = n  # one value per head (a per-head gate)
-            elif per_block % head_dim and not (kind == "S" and k > 1 and per_block % k == 0):
+            elif per_block % head_dim and not (layout.grouped and per_block % layout.count == 0):
                 raise Refused(f"{relative(col, layer)} has {n} features, not a whole number of heads of {head_dim}")
             else:
                 units = per_block // head_dim
-            if kind == "S" and k > 1:  # interleaved per head, per key/value group or per group of heads
-                units = k
+            if layout.grouped:  # interleaved per head, per key/value group or per group of heads
+                units = layout.count
             if tp is not None and units % tp:
                 raise Refused(
                     f"{relative(col, layer)} holds {units} heads (or key/value groups, or groups of heads), which do "
