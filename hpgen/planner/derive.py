@@ -228,7 +228,7 @@ def _place_group(
     raw = sorted({p for row in rows for p in sources(flow, row, linears, rules.per_head).raw})
     sharded = cols | mids
     # a column reading another column's output whole (Doge's dt_proj): gathered on entry, checked with the heads
-    gathered = gathered_columns(flow, set(cols), linears, modules, rules.per_head, first_marker(flow))
+    gathered = gathered_columns(flow, cols, linears, modules, rules.per_head, first_marker(flow))
     for consumer, origins in flow.edges.items():
         if origins & sharded and consumer not in rows and consumer not in mids and consumer not in gathered:
             raise Contradicted(
@@ -239,8 +239,8 @@ def _place_group(
     if flow.result.item(0).whole() & sharded:
         raise Refused("the layer returns a value computed from the sharded projections")
     if group.latent:
-        replicated = replicated_closure(flow, group.latent, set(sharded))
-        check_broadcast(flow, replicated, rules.head_counts(set(cols), set(rows)), layer)
+        replicated = replicated_closure(flow, group.latent, sharded)
+        check_broadcast(flow, replicated, rules.head_counts(cols, rows), layer)
     side = sorted(
         {
             m
@@ -249,16 +249,16 @@ def _place_group(
             if per_head_input(m) and not rules.switched_off(m)
         }
     )
-    heads = rules.query_kv_heads(set(cols), set(rows), layer) if attention else None
+    heads = rules.query_kv_heads(cols, rows, layer) if attention else None
     # heads split into parts that work together (differential attention): a strided cut of every part
     parts = head_parts(ctx, group, heads)
     replicated = {c for c, layout in (parts.layouts if parts else {}).items() if layout.replicated}
-    rules.check_runtime_heads(set(cols - replicated), layer)
+    rules.check_runtime_heads(cols - replicated, layer)
     cut: dict[str, HeadCut] = {}
     if side and heads:
         common = lca(cols | rows)
         common = common if common == layer or common.startswith(layer + ".") else layer
-        cut = head_inputs(rules, ctx.flow(common), common, set(rows), heads[0])
+        cut = head_inputs(rules, ctx.flow(common), common, rows, heads[0])
     layouts: dict[str, ColumnLayout]
     if parts is not None:
         layouts = dict(parts.layouts)  # the parts rule checked the heads against --tp itself

@@ -15,6 +15,7 @@ and writes one value per query or key/value head.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from hpgen.planner.entries import Contradicted
@@ -29,7 +30,7 @@ __all__ = ["check_gathered", "gathered_columns"]
 
 def gathered_columns(
     flow: Flow,
-    cols: set[str],
+    cols: AbstractSet[str],
     linears: set[str],
     modules: Mapping[str, Any],
     per_head: Callable[[str], bool],

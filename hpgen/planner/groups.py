@@ -11,6 +11,7 @@ directly must follow the shards (:func:`direct_params`).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -232,7 +233,7 @@ class Sources:
     raw: set[str] = field(default_factory=set)  # parameters the code between reads directly (F.conv1d(x, w))
 
 
-def sources(flow: Flow, fqn: str, linears: set[str], per_head: Any = None) -> Sources:
+def sources(flow: Flow, fqn: str, linears: AbstractSet[str], per_head: Any = None) -> Sources:
     """The projections and inputs feeding ``fqn``, looking through per-head norms (``q_norm``).
 
     Any other layer on the way (a norm over the whole width, a convolution) ends the walk:

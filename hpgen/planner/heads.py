@@ -10,6 +10,7 @@ attention when its module says so or a module in it has a head size. Per-head la
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from hpgen.planner.entries import Refused
@@ -62,7 +63,7 @@ class HeadRules:
         """The rules inside the decoder layer whose flow is ``flow``."""
         return HeadRules(self.model, self.modules, self.tp, self.config, flow, self._cache)
 
-    def head_counts(self, cols: set[str], rows: set[str]) -> dict[str, int]:
+    def head_counts(self, cols: AbstractSet[str], rows: AbstractSet[str]) -> dict[str, int]:
         """Head counts the modules between the projections hold (``num_heads``...), by attribute name."""
         counts: dict[str, int] = {}
         for path in between(cols, lca(cols | rows)):
@@ -76,7 +77,7 @@ class HeadRules:
                 counts.setdefault(name, value)
         return counts
 
-    def check_runtime_heads(self, cols: set[str], layer: str) -> None:
+    def check_runtime_heads(self, cols: Iterable[str], layer: str) -> None:
         """``parallelize`` refuses a row shard of a linear, in a module with a ``head_dim``, that would cut
         a head: refuse it here, with the module named, rather than write a plan it will not install."""
         if self.tp is None:
@@ -174,14 +175,14 @@ class HeadRules:
                 return True
         return False
 
-    def is_attention(self, cols: set[str], rows: set[str]) -> bool:
+    def is_attention(self, cols: AbstractSet[str], rows: AbstractSet[str]) -> bool:
         common = lca(cols | rows)
         name = type(self.modules[common]).__name__.lower() if common in self.modules else ""
         if "attn" in name or "attention" in name:
             return True
         return any(self._attr(p, HEAD_DIM_ATTRS) is not None for p in between(cols, common))
 
-    def head_dim(self, cols: set[str]) -> int | None:
+    def head_dim(self, cols: Iterable[str]) -> int | None:
         for path in between(cols, lca(cols)):
             value = self._attr(path, HEAD_DIM_ATTRS)
             if value is not None:
@@ -192,7 +193,7 @@ class HeadRules:
         hidden, heads = (positive_int(self.config(a)) for a in ("hidden_size", "num_attention_heads"))
         return hidden // heads if hidden and heads else None
 
-    def query_kv_heads(self, cols: set[str], rows: set[str], layer: str) -> tuple[int, int, int] | None:
+    def query_kv_heads(self, cols: AbstractSet[str], rows: AbstractSet[str], layer: str) -> tuple[int, int, int] | None:
         """(query heads, key/value heads, head_dim) of an attention group."""
         head_dim = self.head_dim(cols)
         if not head_dim:

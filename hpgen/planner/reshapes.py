@@ -11,6 +11,7 @@ from an unsharded tensor's size are refused.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from hpgen.planner.entries import Refused
@@ -80,7 +81,7 @@ def sharded_counts(
 def divided_attrs(
     modules: Mapping[str, Any],
     flow: Flow,
-    sharded: set[str],
+    sharded: AbstractSet[str],
     counts: set[int],
     layer: str,
     parts: Collection[tuple[str, int]] = (),
