@@ -49,7 +49,8 @@ class Context:
         """The dataflow of the ``forward`` of the module at ``fqn``, with its callers' constant ``None`` arguments."""
         if fqn not in self._flows:
             nones = caller_nones(self.model, fqn)
-            self._flows[fqn] = run_module(self.model, fqn, self.read, names=self.names, nones=nones)  # type: ignore[arg-type]
+            flow = run_module(self.model, fqn, self.read, names=self.names, nones=nones)  # type: ignore[arg-type]
+            self._flows[fqn] = flow
         return self._flows[fqn]
 
     def leaf_flow(self, fqn: str) -> Flow:

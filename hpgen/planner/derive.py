@@ -154,12 +154,13 @@ def _place_layer(ctx: Context, model_rules: HeadRules, layer: str, result: Deriv
     for group in find_groups(ctx, rules, layer, flow, linears, depths(flow)):
         cols = group.cols
         try:
-            _record(result, *_place_group(ctx, rules, group, linears), layer)
+            _record(result, group, *_place_group(ctx, rules, group, linears))
         except Refused as refused:
             if group.latent:  # the group with its latent projections as columns: the reason it had before
                 cols = group.cols | group.latent
+                plain = replace(group, cols=cols, latent=frozenset())
                 try:
-                    _record(result, *_place_group(ctx, rules, replace(group, cols=cols, latent=frozenset()), linears), layer)
+                    _record(result, plain, *_place_group(ctx, rules, plain, linears))
                     continue
                 except Refused as plain:
                     if not isinstance(refused, LatentRefused):  # a latent's own refusal says more
@@ -287,11 +288,12 @@ def _place_group(
     return boundaries(ctx, rules, group, layout), divide
 
 
-def _record(result: Derivation, pieces: list[Placed], divide: Mapping[str, set[str]], layer: str) -> None:
-    """Write one group's entries and divided attributes into ``result`` (none where a module would hold two)."""
+def _record(result: Derivation, group: Group, pieces: list[Placed], divide: Mapping[str, set[str]]) -> None:
+    """Write one group's entries and divided attributes into ``result`` (:class:`Refused`, and nothing written,
+    where a module would hold two groups)."""
     for piece in pieces:
         if piece.fqn in result.placed:
-            raise Refused(f"{relative(piece.fqn, layer) or layer} would hold two groups")
+            raise Refused(f"{relative(piece.fqn, group.layer) or group.layer} would hold two groups")
     for piece in pieces:
         result.placed[piece.fqn] = piece
         # a gathered leaf needs its input whole: the cross-check drops a transformers plan that shards it otherwise

@@ -171,7 +171,11 @@ def boundaries(ctx: Context, rules: HeadRules, group: Group, layout: GroupLayout
 
 
 def _params(
-    modules: Mapping[str, Any], placed: Placed, cols: Collection[str], rows: Collection[str], layouts: Mapping[str, ColumnLayout]
+    modules: Mapping[str, Any],
+    placed: Placed,
+    cols: Collection[str],
+    rows: Collection[str],
+    layouts: Mapping[str, ColumnLayout],
 ) -> None:
     """The placements of the columns' and rows' weights and biases, named relative to ``placed``."""
     for col in sorted(cols):
