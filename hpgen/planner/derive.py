@@ -52,7 +52,7 @@ the values of the step before it, and returning its own:
 :mod:`~hpgen.planner.head_parts`, heads split into parts), together a
 :class:`~hpgen.planner.derived_blocks.GroupLayout`;
 :func:`~hpgen.planner.derived_blocks.boundaries` (3 and 4: the boundaries and their
-parameters, the plan entries this module records).
+parameters). This module records the entries and the attributes to divide.
 """
 
 from __future__ import annotations
@@ -284,7 +284,7 @@ def _place_group(
     for module, attrs in (parts.divide if parts else {}).items():
         divide.setdefault(module, set()).update(attrs)
     what = "attention" if attention else "MLP"
-    layout = GroupLayout(what, heads, parts, layouts, frozenset(gathered), direct, divide, cut)
+    layout = GroupLayout(what, heads, parts, layouts, frozenset(gathered), direct, cut)
     return boundaries(ctx, rules, group, layout), divide
 
 

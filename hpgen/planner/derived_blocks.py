@@ -40,7 +40,6 @@ class GroupLayout:
     layouts: Mapping[str, ColumnLayout]  # column -> its layout
     gathered: frozenset[str]  # columns reading another column's output whole, gathered on entry
     direct: Mapping[str, Placement]  # parameters the code between the projections reads itself
-    divide: Mapping[str, set[str]]  # module FQN -> attributes divided by tp
     head_inputs: Mapping[str, HeadCut]  # per-head inputs made outside the attention -> their cut
 
 
