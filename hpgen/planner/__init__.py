@@ -21,7 +21,7 @@ module of the package; :mod:`hpgen.planner.flow` has a map of its own):
   keys), :mod:`~hpgen.planner.boundary` (the record of one boundary the steps fill in).
 - deriving a plan from the modeling source (:mod:`~hpgen.planner.derive`, the layer
   loop calling each step, a function handed what it reads and returning what it decides):
-  :mod:`~hpgen.planner.context` (what every step reads: the model, its files, ``--tp``,
+  :mod:`~hpgen.planner.derive_context` (what every step reads: the model, its files, ``--tp``,
   the cached dataflows); :mod:`~hpgen.planner.flow` (which layer feeds which, by an
   abstract run of the ``forward`` bodies); :mod:`~hpgen.planner.groups` (column -> row
   groups, and what lies between their projections); :mod:`~hpgen.planner.heads`,

@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpgen.planner.context import Context
+from hpgen.planner.derive_context import DeriveContext
 from hpgen.planner.entries import Placed, Refused
 from hpgen.planner.flow import Flow, leaf_kind
 from hpgen.planner.layouts import UnequalBlocks, arg_reads, flat_dims, layout_of, packed
@@ -62,7 +62,7 @@ class ChannelMixer:
     divide: dict[str, set[str]] = field(default_factory=dict)  # module FQN -> attributes sized by the channels
 
 
-def find_channel_mixer(ctx: Context, fqn: str, layer: str, hidden: int | None) -> ChannelMixer | None:
+def find_channel_mixer(ctx: DeriveContext, fqn: str, layer: str, hidden: int | None) -> ChannelMixer | None:
     """The placement of the state-space mixer at ``fqn`` (in the decoder layer ``layer``), None when it is not one.
 
     A mixer is a module of the file with parameters of its own, a depthwise convolution,
@@ -149,7 +149,7 @@ def _gathered(
 
 
 def _channel_parallel(
-    ctx: Context,
+    ctx: DeriveContext,
     fqn: str,
     layer: str,
     flow: Flow,
@@ -239,7 +239,7 @@ def _channel_parallel(
     return mixer
 
 
-def channel_attrs(ctx: Context, mixer: ChannelMixer) -> dict[str, set[str]]:
+def channel_attrs(ctx: DeriveContext, mixer: ChannelMixer) -> dict[str, set[str]]:
     """Module FQN -> integer attributes that size the channels (divided on install).
 
     The generated code runs the mixer's own body on the local channels, so a size it reads
@@ -302,7 +302,7 @@ def mixer_rows(mixer: ChannelMixer) -> list[str]:
     return [piece.fqn for piece in mixer.reduced]
 
 
-def _column_placement(ctx: Context, flow: Flow, col: str, layer: str, channels: int) -> Placement:
+def _column_placement(ctx: DeriveContext, flow: Flow, col: str, layer: str, channels: int) -> Placement:
     """``S(0)`` for a projection of ``C`` outputs, ``SS(0,k)`` for ``k`` equal packed blocks."""
     n = out_features(ctx.modules[col])
     k = n // channels

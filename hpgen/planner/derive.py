@@ -41,7 +41,7 @@ writes the notes into the plan.
 
 This module walks the decoder layers and takes each group through the steps, each a
 function of a module of its own, handed what it reads (a read-only
-:class:`~hpgen.planner.context.Context`: the model, its files, ``--tp``, the dataflows) and
+:class:`~hpgen.planner.derive_context.DeriveContext`: the model, its files, ``--tp``, the dataflows) and
 the values of the step before it, and returning its own:
 :func:`~hpgen.planner.groups.find_groups` (1: the groups, each a
 :class:`~hpgen.planner.groups.Group`, and what lies between their projections);
@@ -65,7 +65,7 @@ from typing import Any
 
 from hpgen.placement import REPLICATE
 from hpgen.planner.channels import channel_attrs, find_channel_mixer
-from hpgen.planner.context import Context
+from hpgen.planner.derive_context import DeriveContext
 from hpgen.planner.derived_blocks import GroupLayout, boundaries
 from hpgen.planner.entries import Contradicted, Derivation, HeadCut, Note, Placed, Refused
 from hpgen.planner.flow import leaf_kind, module_names
@@ -92,7 +92,7 @@ def derive(model: Any, *, tp: int | None, source: Path | None = None) -> Derivat
     layers, read = decoder_layers(modules, source)
     config = getattr(model, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    ctx = Context(model, tp, source, read, modules, module_names(model), text_config)
+    ctx = DeriveContext(model, tp, source, read, modules, module_names(model), text_config)
     rules = HeadRules(model, modules, tp, ctx.config)  # the head rules of the model; each layer's from them
     result = Derivation()
     for layer in layers:
@@ -145,7 +145,7 @@ def _elements(modules: Mapping[str, Any], read: Path | tuple[Path, ...]) -> list
     return found
 
 
-def _place_layer(ctx: Context, model_rules: HeadRules, layer: str, result: Derivation) -> None:
+def _place_layer(ctx: DeriveContext, model_rules: HeadRules, layer: str, result: Derivation) -> None:
     """Place the mixers and groups of one decoder layer into ``result``, and note what stays replicated."""
     flow = ctx.flow(layer)
     rules = model_rules.for_layer(flow)
@@ -178,7 +178,7 @@ def _place_layer(ctx: Context, model_rules: HeadRules, layer: str, result: Deriv
             result.note(fqn, False, "not part of a column -> row pair: kept replicated")
 
 
-def _channel_mixers(ctx: Context, layer: str, result: Derivation) -> set[str]:
+def _channel_mixers(ctx: DeriveContext, layer: str, result: Derivation) -> set[str]:
     """Place the state-space mixers of ``layer`` (:mod:`hpgen.planner.channels`); the projections they hold."""
     taken: set[str] = set()
     hidden = positive_int(ctx.config("hidden_size"))
@@ -210,7 +210,7 @@ def _channel_mixers(ctx: Context, layer: str, result: Derivation) -> set[str]:
 
 
 def _place_group(
-    ctx: Context, rules: HeadRules, group: Group, linears: set[str]
+    ctx: DeriveContext, rules: HeadRules, group: Group, linears: set[str]
 ) -> tuple[list[Placed], Mapping[str, set[str]]]:
     """The entries of one group and the attributes to divide, or :class:`Refused` saying why it stays whole."""
     modules, flow, layer = ctx.modules, group.flow, group.layer

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpgen.placement import REPLICATE, Placement, shard
-from hpgen.planner.context import Context
+from hpgen.planner.derive_context import DeriveContext
 from hpgen.planner.entries import HeadCut, Placed, Refused
 from hpgen.planner.flow import leaf_kind, top_level_class
 from hpgen.planner.groups import Group
@@ -51,7 +51,7 @@ class _Body:
     pre: frozenset[str]  # norms of the replicated input, latent down-projections (MLA)
 
 
-def boundaries(ctx: Context, rules: HeadRules, group: Group, layout: GroupLayout) -> list[Placed]:
+def boundaries(ctx: DeriveContext, rules: HeadRules, group: Group, layout: GroupLayout) -> list[Placed]:
     """The plan entries of one group: its block, or its column and row boundaries, with their parameters.
 
     ``rules``: the decoder layer's head rules. Raises :class:`Refused` where no module around
@@ -193,7 +193,7 @@ def _params(
             placed.deferred.add(name)
 
 def _clean(
-    ctx: Context,
+    ctx: DeriveContext,
     fqn: str,
     cols: frozenset[str],
     rows: frozenset[str],

@@ -15,7 +15,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpgen.planner.context import Context
+from hpgen.planner.derive_context import DeriveContext
 from hpgen.planner.entries import Refused
 from hpgen.planner.flow import Flow
 from hpgen.planner.head_params import head_matrix_placement, view_sizes
@@ -42,7 +42,7 @@ class Group:
 
 
 def find_groups(
-    ctx: Context, rules: HeadRules, layer: str, flow: Flow, linears: set[str], depth: Mapping[str, int]
+    ctx: DeriveContext, rules: HeadRules, layer: str, flow: Flow, linears: set[str], depth: Mapping[str, int]
 ) -> list[Group]:
     """The column -> row groups of one layer, with the per-head layers between their projections.
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hpgen.placement import shard, strided_shard
-from hpgen.planner.context import Context
+from hpgen.planner.derive_context import DeriveContext
 from hpgen.planner.entries import Refused
 from hpgen.planner.groups import Group
 from hpgen.planner.head_inputs import meta_forward, probe_sizes
@@ -71,7 +71,7 @@ class Parts:
     why: str = ""
 
 
-def head_parts(ctx: Context, group: Group, heads: tuple[int, int, int] | None) -> Parts | None:
+def head_parts(ctx: DeriveContext, group: Group, heads: tuple[int, int, int] | None) -> Parts | None:
     """The parts of an attention group whose code splits its heads, or None when it splits none."""
     flow, cols, rows, layer = group.flow, group.cols, group.rows, group.layer
     if heads is None or not any(_may_split_heads(use, cols) for use in flow.shapes):
@@ -123,7 +123,7 @@ def head_parts(ctx: Context, group: Group, heads: tuple[int, int, int] | None) -
 
 
 def _parts_layouts(
-    ctx: Context, group: Group, heads: tuple[int, int, int], k: int, lines: set[tuple[str, int]], at: str
+    ctx: DeriveContext, group: Group, heads: tuple[int, int, int], k: int, lines: set[tuple[str, int]], at: str
 ) -> Parts:
     q, kv, head_dim = heads
     modules, cols, rows, layer = ctx.modules, group.cols, group.rows, group.layer
@@ -179,7 +179,7 @@ def _parts_layouts(
     return parts
 
 
-def _traced(ctx: Context, heads: int) -> list[TracedCall] | None:
+def _traced(ctx: DeriveContext, heads: int) -> list[TracedCall] | None:
     """The calls of one meta-device forward sized for ``heads`` query heads (one forward per count, cached)."""
     if heads not in ctx.traced:
         try:

@@ -3,7 +3,7 @@
 To the dataflow (:mod:`hpgen.planner.flow`) a module of the modeling file holding
 parameters and no children is one opaque layer (a norm, an experts module). Inside a
 state-space mixer (:mod:`hpgen.planner.channels`) such a module is *opened*: its
-``forward`` is interpreted on its own (:meth:`~hpgen.planner.context.Context.leaf_flow`), so its direct
+``forward`` is interpreted on its own (:meth:`~hpgen.planner.derive_context.DeriveContext.leaf_flow`), so its direct
 parameter reads, reshapes and allocations are seen, and it is accepted as working on
 this rank's channels only when its code shows, for ``C`` channels:
 
@@ -34,7 +34,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from hpgen.planner.context import Context
+from hpgen.planner.derive_context import DeriveContext
 from hpgen.planner.entries import Refused
 from hpgen.planner.flow import Flow, leaf_kind
 from hpgen.planner.flow.runner import class_nodes, forward_owner, function_def, is_norm
@@ -67,7 +67,7 @@ def state_leaves(model: Any, fqn: str, source: Path | tuple[Path, ...]) -> list[
     return found
 
 
-def check_state_leaf(ctx: Context, fqn: str, channels: int, mixer: str) -> set[int]:
+def check_state_leaf(ctx: DeriveContext, fqn: str, channels: int, mixer: str) -> set[int]:
     """The head counts of the leaf's per-head parameters, once its code shows it works per channel / per
     head (see the module docstring); raises :class:`Refused` saying what does not."""
     module = ctx.modules[fqn]

@@ -1,6 +1,6 @@
 """What every step of a derivation reads and none changes: the model, the files, ``--tp``, the dataflows.
 
-One :class:`Context` is made per derivation (:func:`hpgen.planner.derive.derive`) and passed
+One :class:`DeriveContext` is made per derivation (:func:`hpgen.planner.derive.derive`) and passed
 to each step explicitly, as torchtitan passes the model and the mesh to ``apply_tp``; what
 one step hands the next (a group, its layouts, its boundaries) is in the steps' signatures.
 The dataflow of a module (:mod:`hpgen.planner.flow`) and the splits of a meta-device
@@ -20,11 +20,11 @@ from hpgen.planner.flow.caller_nones import caller_nones
 if TYPE_CHECKING:
     from hpgen.planner.head_parts import TracedCall
 
-__all__ = ["Context"]
+__all__ = ["DeriveContext"]
 
 
 @dataclass(frozen=True)
-class Context:
+class DeriveContext:
     """The model being derived and what its steps read (see the module docstring)."""
 
     model: Any
