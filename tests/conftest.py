@@ -32,6 +32,7 @@ def tiny_source() -> str:
 # A new module is not fast until it is listed here.
 FAST_MODULES = (
     "test_classify",
+    "test_column_layouts",
     "test_docs",
     "test_golden",
     "test_hardening_injection",

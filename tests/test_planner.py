@@ -488,16 +488,18 @@ def test_a_gathered_column_must_write_one_value_per_head_of_a_plain_layout() -> 
 
     from hpgen.planner.entries import Contradicted
     from hpgen.planner.gathered import check_gathered
+    from hpgen.planner.layouts import PLAIN, grouped, packed
 
     modules = {"a.v": nn.Linear(64, 32), "a.dt": nn.Linear(32, 2), "a.mix": nn.Linear(32, 3)}
     heads = (4, 2, 16)
-    check_gathered({"a.dt": {"a.v"}}, modules, {"a.v": ("S", 1)}, heads, 2, "a")  # one per key/value head
+    check_gathered({"a.dt": {"a.v"}}, modules, {"a.v": PLAIN}, heads, 2, "a")  # one per key/value head
     with pytest.raises(Contradicted, match="not one per head"):
-        check_gathered({"a.mix": {"a.v"}}, modules, {"a.v": ("S", 1)}, heads, 2, "a")
-    with pytest.raises(Contradicted, match="packed layout"):
-        check_gathered({"a.dt": {"a.v"}}, modules, {"a.v": ("SS", 2)}, heads, 2, "a")
+        check_gathered({"a.mix": {"a.v"}}, modules, {"a.v": PLAIN}, heads, 2, "a")
+    for layout in (packed(2), grouped(2)):  # blocks, or heads interleaved with their values: out of order gathered
+        with pytest.raises(Contradicted, match="packed layout"):
+            check_gathered({"a.dt": {"a.v"}}, modules, {"a.v": layout}, heads, 2, "a")
     with pytest.raises(Contradicted, match="do not divide"):
-        check_gathered({"a.dt": {"a.v"}}, modules, {"a.v": ("S", 1)}, heads, 4, "a")
+        check_gathered({"a.dt": {"a.v"}}, modules, {"a.v": PLAIN}, heads, 4, "a")
 
 
 def plan_model_of(family: str) -> dict[str, Any]:

@@ -19,13 +19,15 @@ module of the package; :mod:`hpgen.planner.flow` has a map of its own):
   :mod:`~hpgen.planner.signatures` (each boundary's inputs and outputs, from its
   ``forward``), :mod:`~hpgen.planner.document` (the plan document, grouped into ``*``
   keys), :mod:`~hpgen.planner.boundary` (the record of one boundary the steps fill in).
-- deriving a plan from the modeling source (:mod:`~hpgen.planner.derive`):
-  :mod:`~hpgen.planner.flow` (which layer feeds which, by an abstract run of the
-  ``forward`` bodies); :mod:`~hpgen.planner.groups` (column -> row groups, and what lies
-  between their projections); :mod:`~hpgen.planner.heads`,
+- deriving a plan from the modeling source (:mod:`~hpgen.planner.derive`, the layer
+  loop calling each step, a function handed what it reads and returning what it decides):
+  :mod:`~hpgen.planner.derive_context` (what every step reads: the model, its files, ``--tp``,
+  the cached dataflows); :mod:`~hpgen.planner.flow` (which layer feeds which, by an
+  abstract run of the ``forward`` bodies); :mod:`~hpgen.planner.groups` (column -> row
+  groups, and what lies between their projections); :mod:`~hpgen.planner.heads`,
   :mod:`~hpgen.planner.head_names`, :mod:`~hpgen.planner.reshapes`,
-  :mod:`~hpgen.planner.layouts` (attention heads, fused layouts, the attributes to
-  divide); :mod:`~hpgen.planner.head_cuts`, :mod:`~hpgen.planner.head_inputs` (per-head
+  :mod:`~hpgen.planner.layouts` (attention heads, each column's typed layout, the
+  attributes to divide); :mod:`~hpgen.planner.head_cuts`, :mod:`~hpgen.planner.head_inputs` (per-head
   inputs made outside the attention, ALiBi); :mod:`~hpgen.planner.head_parts` (heads
   split into parts working together); :mod:`~hpgen.planner.head_maps`,
   :mod:`~hpgen.planner.head_params` (a leaf applying one matrix to each head's features;

@@ -34,16 +34,19 @@ reduced values. Anything else (a norm across the channels) refuses, with the rea
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpgen.planner.derive_context import DeriveContext
 from hpgen.planner.entries import Placed, Refused
 from hpgen.planner.flow import Flow, leaf_kind
-from hpgen.planner.modules import in_features, is_nn_linear, join, out_features, relative
-from hpgen.planner.state_leaves import check_state_leaf, follows_channels, leaf_flow, state_leaves
+from hpgen.planner.layouts import UnequalBlocks, arg_reads, flat_dims, layout_of, packed
+from hpgen.planner.modules import attr_value, in_features, is_nn_linear, join, out_features, relative
+from hpgen.planner.state_leaves import check_state_leaf, follows_channels, state_leaves
 from hpgen.placement import REPLICATE, Placement, shard, strided_shard
 
-__all__ = ["ChannelMixer", "find_channel_mixer"]
+__all__ = ["ChannelMixer", "channel_attrs", "find_channel_mixer"]
 
 
 @dataclass
@@ -59,8 +62,8 @@ class ChannelMixer:
     divide: dict[str, set[str]] = field(default_factory=dict)  # module FQN -> attributes sized by the channels
 
 
-def find_channel_mixer(deriver: Any, fqn: str, hidden: int | None) -> ChannelMixer | None:
-    """The placement of the state-space mixer at ``fqn``, None when it is not one.
+def find_channel_mixer(ctx: DeriveContext, fqn: str, layer: str, hidden: int | None) -> ChannelMixer | None:
+    """The placement of the state-space mixer at ``fqn`` (in the decoder layer ``layer``), None when it is not one.
 
     A mixer is a module of the file with parameters of its own, a depthwise convolution,
     stream-fed projections and one projection back to the stream's width, whose ``forward``
@@ -71,16 +74,16 @@ def find_channel_mixer(deriver: Any, fqn: str, hidden: int | None) -> ChannelMix
     input around a replicated body, and the notes say why. Raises :class:`Refused` when the
     mixer cannot be sharded at all (it returns more than the back projection's output).
     """
-    modules = deriver.modules
+    modules = ctx.modules
     module = modules[fqn]
-    if not hidden or leaf_kind(module, deriver.source) != "source":
+    if not hidden or leaf_kind(module, ctx.source) != "source":
         return None
     own = dict(module.named_parameters(recurse=False))
-    if not own and not state_leaves(deriver.model, fqn, deriver.read):
+    if not own and not state_leaves(ctx.model, fqn, ctx.read):
         return None  # a mixer holds per-channel state parameters: its own (A_log, D) or a recurrence's (RG-LRU)
     if not any(_depthwise(child) for child in module.modules()):
         return None  # the mark of a state-space mixer: a convolution along the sequence, channel by channel
-    flow: Flow = deriver._flow(fqn)
+    flow = ctx.flow(fqn)
     linears = {f for f in flow.edges if is_nn_linear(modules.get(f)) and f.startswith(fqn + ".")}
     first = flow.first_input
     stream = f"in:{first}"
@@ -95,20 +98,20 @@ def find_channel_mixer(deriver: Any, fqn: str, hidden: int | None) -> ChannelMix
     out = outs[0]
     channels = in_features(modules[out])
     if not own and not all(
-        follows_channels(modules[leaf], channels) for leaf in state_leaves(deriver.model, fqn, deriver.read)
+        follows_channels(modules[leaf], channels) for leaf in state_leaves(ctx.model, fqn, ctx.read)
     ):
         return None  # its only parameterised leaves are not per-channel states: not a state-space mixer
     # from here on it is a state-space mixer: what does not fit is a reason, not a silent replica
     if flow.result.item(0).whole() != {out}:
-        raise Refused(f"{relative(fqn, deriver_layer(deriver, fqn))} returns more than its back projection's output")
-    if deriver.tp is not None and channels < deriver.tp:
-        raise Refused(f"{channels} channels do not spread over --tp {deriver.tp}")
-    where = relative(fqn, deriver_layer(deriver, fqn)) or fqn
+        raise Refused(f"{relative(fqn, layer)} returns more than its back projection's output")
+    if ctx.tp is not None and channels < ctx.tp:
+        raise Refused(f"{channels} channels do not spread over --tp {ctx.tp}")
+    where = relative(fqn, layer) or fqn
     unequal = [c for c in cols if out_features(modules[c]) % channels]
     if unequal:
         sizes = out_features(modules[unequal[0]])
         return _gathered(
-            deriver,
+            modules,
             fqn,
             channels,
             cols,
@@ -118,17 +121,16 @@ def find_channel_mixer(deriver: Any, fqn: str, hidden: int | None) -> ChannelMix
             "which no S or SS placement cuts per rank",
         )
     try:
-        return _channel_parallel(deriver, fqn, flow, channels, cols, out, linears, where)
+        return _channel_parallel(ctx, fqn, layer, flow, channels, cols, out, linears, where)
     except Refused as refused:
-        return _gathered(deriver, fqn, channels, cols, out, linears, str(refused))
+        return _gathered(modules, fqn, channels, cols, out, linears, str(refused))
 
 
 def _gathered(
-    deriver: Any, fqn: str, channels: int, cols: list[str], out: str, linears: set[str], reason: str
+    modules: Mapping[str, Any], fqn: str, channels: int, cols: list[str], out: str, linears: set[str], reason: str
 ) -> ChannelMixer:
     """The honest fallback: the stream-fed projections column-parallel with their outputs gathered, the body
     replicated (every parameter in it whole), and the back projection row-parallel from a local split."""
-    modules = deriver.modules
     mixer = ChannelMixer(fqn, channels, None, linears=set(linears))
     for col in cols:
         piece = Placed(
@@ -147,20 +149,28 @@ def _gathered(
 
 
 def _channel_parallel(
-    deriver: Any, fqn: str, flow: Flow, channels: int, cols: list[str], out: str, linears: set[str], where: str
+    ctx: DeriveContext,
+    fqn: str,
+    layer: str,
+    flow: Flow,
+    channels: int,
+    cols: list[str],
+    out: str,
+    linears: set[str],
+    where: str,
 ) -> ChannelMixer:
     """The Megatron layout: every per-channel weight sharded with the channels (see the module docstring)."""
-    modules = deriver.modules
+    modules, tp = ctx.modules, ctx.tp
     module = modules[fqn]
     first = flow.first_input
     own = dict(module.named_parameters(recurse=False))
-    leaves = state_leaves(deriver.model, fqn, deriver.read)
+    leaves = state_leaves(ctx.model, fqn, ctx.read)
     for leaf in leaves:
-        own.update(deriver.modules[leaf].named_parameters(prefix=relative(leaf, fqn), recurse=False))
+        own.update(modules[leaf].named_parameters(prefix=relative(leaf, fqn), recurse=False))
     if not any(_heads_of(p, channels) is not None for p in own.values()):
         raise Refused(f"none of the parameters of {where} follows its {channels} channels")
     for leaf in leaves:  # a recurrence of the file holding its gates: opened, and proven to work per channel
-        check_state_leaf(deriver, leaf, channels, fqn)
+        check_state_leaf(ctx, leaf, channels, fqn)
     why = "state-space mixer: channel-parallel projections and scan"
     if leaves:
         opened = ", ".join(relative(leaf, fqn) for leaf in leaves)
@@ -168,7 +178,7 @@ def _channel_parallel(
     block = Placed(fqn, "block", inputs=(first,), why=why)
     mixer = ChannelMixer(fqn, channels, block, linears=set(linears))
     for col in cols:
-        block.params[join(relative(col, fqn), "weight")] = _column_placement(deriver, flow, col, channels, where)
+        block.params[join(relative(col, fqn), "weight")] = _column_placement(ctx, flow, col, layer, channels)
         if modules[col].bias is not None:
             block.params[join(relative(col, fqn), "bias")] = block.params[join(relative(col, fqn), "weight")]
     block.params[join(relative(out, fqn), "weight")] = shard(1)
@@ -201,10 +211,10 @@ def _channel_parallel(
             if groups is not None and owner_fqn in flow.edges:
                 # called as a module (not read as F.conv1d(x, self.conv.weight, groups=x.shape[1])): nn.Conv1d
                 # runs with its own groups, which must be this rank's channels
-                if deriver.tp is not None and channels % deriver.tp:
+                if tp is not None and channels % tp:
                     raise Refused(
                         f"{relative(owner_fqn, fqn)} is a depthwise convolution called as a module, whose groups "
-                        f"({channels}) do not divide over --tp {deriver.tp}"
+                        f"({channels}) do not divide over --tp {tp}"
                     )
                 mixer.divide.setdefault(owner_fqn, set()).update(("groups", "in_channels", "out_channels"))
             if _is_norm_across(sub, owner_fqn, fqn):
@@ -213,10 +223,10 @@ def _channel_parallel(
                 )
             if heads < channels:
                 mixer.heads.add(heads)
-                if deriver.tp is not None and heads % deriver.tp:
+                if tp is not None and heads % tp:
                     raise Refused(
                         f"{name} {tuple(param.shape)} holds {heads} heads of {channels // heads} channels, which do "
-                        f"not divide over --tp {deriver.tp}"
+                        f"not divide over --tp {tp}"
                     )
             block.params[name] = shard(0)
         elif owner_fqn != fqn and _fed_only_by(flow, owner_fqn, set(mixer_rows(mixer))):
@@ -229,7 +239,7 @@ def _channel_parallel(
     return mixer
 
 
-def channel_attrs(deriver: Any, mixer: ChannelMixer) -> dict[str, set[str]]:
+def channel_attrs(ctx: DeriveContext, mixer: ChannelMixer) -> dict[str, set[str]]:
     """Module FQN -> integer attributes that size the channels (divided on install).
 
     The generated code runs the mixer's own body on the local channels, so a size it reads
@@ -244,20 +254,18 @@ def channel_attrs(deriver: Any, mixer: ChannelMixer) -> dict[str, set[str]]:
     gets its ``groups`` divided. A count read from ``self.config`` in a reshape cannot be
     divided and refuses.
     """
-    from hpgen.planner.layouts import arg_reads
-
-    counts = {mixer.channels, *mixer.heads} | {int(out_features(deriver.modules[c])) for c in mixer.linears}
-    hidden = deriver._config("hidden_size")
+    counts = {mixer.channels, *mixer.heads} | {int(out_features(ctx.modules[c])) for c in mixer.linears}
+    hidden = ctx.config("hidden_size")
     counts.discard(hidden)
-    leaves = state_leaves(deriver.model, mixer.fqn, deriver.read)
-    flows = [deriver._flow(mixer.fqn), *(leaf_flow(deriver, leaf) for leaf in leaves)]
+    leaves = state_leaves(ctx.model, mixer.fqn, ctx.read)
+    flows = [ctx.flow(mixer.fqn), *(ctx.leaf_flow(leaf) for leaf in leaves)]
     wanted: dict[str, set[str]] = {module: set(attrs) for module, attrs in mixer.divide.items()}
     for flow in flows:
         for use in flow.shapes:
             for module, attr in arg_reads(use):
                 if attr.startswith(("missing:", "method:")):
                     continue
-                value = deriver._value(module, attr)
+                value = attr_value(ctx.modules, module, attr)
                 if isinstance(value, bool) or not isinstance(value, int) or value not in counts:
                     continue
                 if attr.startswith("config.") or "." in attr:
@@ -267,12 +275,12 @@ def channel_attrs(deriver: Any, mixer: ChannelMixer) -> dict[str, set[str]]:
                     )
                 wanted.setdefault(module, set()).add(attr)
         for use in flow.allocations:
-            for module, attr in _allocated_channels(deriver, use, {mixer.channels, *mixer.heads}):
+            for module, attr in _allocated_channels(ctx.modules, use, {mixer.channels, *mixer.heads}):
                 wanted.setdefault(module, set()).add(attr)
     return wanted
 
 
-def _allocated_channels(deriver: Any, use: Any, counts: set[int]) -> list[tuple[str, str]]:
+def _allocated_channels(modules: Mapping[str, Any], use: Any, counts: set[int]) -> list[tuple[str, str]]:
     """The ``(module, attribute)`` of each dim of an allocation that is one plain attribute of a channel count."""
     values = list(use.arg_vals)
     if len(values) == 1 and values[0].items is not None:
@@ -285,7 +293,7 @@ def _allocated_channels(deriver: Any, use: Any, counts: set[int]) -> list[tuple[
         module, attr = reads[0]
         if attr.startswith("config.") or "." in attr or value.const not in counts:
             continue
-        if deriver._value(module, attr) == value.const:  # the attribute itself, not an expression of it
+        if attr_value(modules, module, attr) == value.const:  # the attribute itself, not an expression of it
             found.append((module, attr))
     return found
 
@@ -294,40 +302,35 @@ def mixer_rows(mixer: ChannelMixer) -> list[str]:
     return [piece.fqn for piece in mixer.reduced]
 
 
-def deriver_layer(deriver: Any, fqn: str) -> str:
-    """The decoder layer holding ``fqn`` (for relative names in notes)."""
-    return getattr(deriver, "_current_layer", "") or ""
-
-
-def _column_placement(deriver: Any, flow: Flow, col: str, channels: int, where: str) -> Placement:
+def _column_placement(ctx: DeriveContext, flow: Flow, col: str, layer: str, channels: int) -> Placement:
     """``S(0)`` for a projection of ``C`` outputs, ``SS(0,k)`` for ``k`` equal packed blocks."""
-    n = out_features(deriver.modules[col])
+    n = out_features(ctx.modules[col])
     k = n // channels
     if k == 1:
         return shard(0)
     use = next((u for u in flow.shapes if col in u.receiver), None)
     if use is None:
-        name = relative(col, deriver_layer(deriver, col))
-        raise Refused(f"{name} packs {k} blocks and no split of it shows their layout")
-    from hpgen.planner.layouts import flat_dims, layout_of
-
+        raise Refused(f"{relative(col, layer)} packs {k} blocks and no split of it shows their layout")
     if use.method in ("view", "reshape"):
         dims = flat_dims(use.arg_vals)
         for a, b in zip(dims, dims[1:]):
             if a in (-1, channels) and b == k:  # [..., C, k, ...]: each channel's k values side by side
-                if deriver.tp is not None and channels % deriver.tp:
+                if ctx.tp is not None and channels % ctx.tp:
                     raise Refused(
-                        f"{relative(col, deriver_layer(deriver, col))} interleaves {k} values per channel and its "
-                        f"{channels} channels do not divide over --tp {deriver.tp}"
+                        f"{relative(col, layer)} interleaves {k} values per channel and its "
+                        f"{channels} channels do not divide over --tp {ctx.tp}"
                     )
                 return shard(0)
             if a == k and b in (-1, channels):  # [..., k, C, ...]: k packed blocks
                 return strided_shard(0, k)
-    kind, count = layout_of(use, n, None)
-    if kind == "SS" and count == k:
+    try:
+        layout = layout_of(use, n, None)
+    except UnequalBlocks:
+        layout = None
+    if layout == packed(k):
         return strided_shard(0, k)
     raise Refused(
-        f"{relative(col, deriver_layer(deriver, col))} ({n} outputs) is split at line {use.line} into blocks other "
+        f"{relative(col, layer)} ({n} outputs) is split at line {use.line} into blocks other "
         f"than {k} equal ones of the {channels} channels"
     )
 

@@ -39,264 +39,270 @@ file) :mod:`hpgen.planner.flow` gives the graph of its layers: which ``nn.Linear
 Every group or module left replicated gets a note saying why; :mod:`hpgen.planner`
 writes the notes into the plan.
 
-This module walks the decoder layers and takes each group through the steps, each a base
-class of the deriver: :mod:`~hpgen.planner.groups` (1: the groups, and what lies between
-their projections), :mod:`~hpgen.planner.heads` and :mod:`~hpgen.planner.reshapes` (2: the
-heads, fused layouts, attributes to divide; :mod:`~hpgen.planner.head_cuts`, per-head inputs
-made outside the attention; :mod:`~hpgen.planner.head_parts`, heads split into parts),
-:mod:`~hpgen.planner.derived_blocks` (3 and 4: the boundaries and their parameters).
+This module walks the decoder layers and takes each group through the steps, each a
+function of a module of its own, handed what it reads (a read-only
+:class:`~hpgen.planner.derive_context.DeriveContext`: the model, its files, ``--tp``, the dataflows) and
+the values of the step before it, and returning its own:
+:func:`~hpgen.planner.groups.find_groups` (1: the groups, each a
+:class:`~hpgen.planner.groups.Group`, and what lies between their projections);
+:mod:`~hpgen.planner.heads` (a :class:`~hpgen.planner.heads.HeadRules` per layer) and
+:mod:`~hpgen.planner.reshapes` (2: the heads, each column's
+:class:`~hpgen.planner.layouts.ColumnLayout`, attributes to divide;
+:mod:`~hpgen.planner.head_cuts`, per-head inputs made outside the attention;
+:mod:`~hpgen.planner.head_parts`, heads split into parts), together a
+:class:`~hpgen.planner.derived_blocks.GroupLayout`;
+:func:`~hpgen.planner.derived_blocks.boundaries` (3 and 4: the boundaries and their
+parameters). This module records the entries and the attributes to divide.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hpgen.planner.derived_blocks import BlockChoice
+from hpgen.placement import REPLICATE
+from hpgen.planner.channels import channel_attrs, find_channel_mixer
+from hpgen.planner.derive_context import DeriveContext
+from hpgen.planner.derived_blocks import GroupLayout, boundaries
 from hpgen.planner.entries import Contradicted, Derivation, HeadCut, Note, Placed, Refused
-from hpgen.planner.flow.caller_nones import caller_nones
-from hpgen.planner.flow import Flow, leaf_kind, module_names, run_module
+from hpgen.planner.flow import leaf_kind, module_names
 from hpgen.planner.gathered import check_gathered, gathered_columns
-from hpgen.planner.groups import Group, GroupFinding, depths, direct_params, first_marker, sources
+from hpgen.planner.groups import Group, check_mid, depths, direct_params, find_groups, first_marker, sources
 from hpgen.planner.head_cuts import head_inputs
-from hpgen.planner.head_parts import HeadParts
+from hpgen.planner.head_parts import head_parts
 from hpgen.planner.heads import HeadRules, per_head_input
 from hpgen.planner.latent import LatentRefused, check_broadcast, replicated_closure
+from hpgen.planner.layouts import PLAIN, ColumnLayout
 from hpgen.planner.modules import generic, is_linear, is_nn_linear, lca, positive_int, relative
-from hpgen.planner.reshapes import ReshapeRules
+from hpgen.planner.reshapes import column_layout, divided_attrs, sharded_counts
 from hpgen.planner.split_rows import place_split_rows, reshapes_weight
 from hpgen.planner.vocab import place_vocabulary
-from hpgen.placement import REPLICATE
 
-__all__ = ["Derivation", "Note", "Placed", "derive"]
+__all__ = ["Derivation", "Note", "Placed", "decoder_layers", "derive"]
 
 
 def derive(model: Any, *, tp: int | None, source: Path | None = None) -> Derivation:
     """The derived layout of ``model`` (normally on the meta device) for ``tp`` ranks."""
     if source is None:
         source = Path(inspect.getsourcefile(type(model)) or "")
-    return _Deriver(model, tp, source).run()
+    modules = dict(model.named_modules())
+    layers, read = decoder_layers(modules, source)
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    ctx = DeriveContext(model, tp, source, read, modules, module_names(model), text_config)
+    rules = HeadRules(model, modules, tp, ctx.config)  # the head rules of the model; each layer's from them
+    result = Derivation()
+    for layer in layers:
+        _place_layer(ctx, rules, layer, result)
+    place_vocabulary(model, tp=tp, source=source, names=ctx.names, result=result)
+    return result
 
 
-class _Deriver(GroupFinding, HeadParts, ReshapeRules, BlockChoice):
-    """The derivation of one model: each decoder layer's groups placed, then the vocabulary."""
+# -- decoder layers
 
-    def __init__(self, model: Any, tp: int | None, source: Path) -> None:
-        self.model = model
-        self.tp = tp
-        self.source = source
-        self.read: Path | tuple[Path, ...] = source  # the files whose forwards are interpreted (see _layers)
-        self.names = module_names(model)
-        self.modules = dict(model.named_modules())
-        self.config = getattr(model, "config", None)
-        text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
-        self.text_config = text
-        self.result = Derivation()
-        self._flows: dict[str, Flow] = {}
-        self._pre: dict[str, set[str]] = {}  # block FQN -> replicated layers before its columns (norms)
-        self._latent: dict[str, set[str]] = {}  # row FQN -> replicated down-projections of its group (MLA)
-        self.model_heads = HeadRules(model, self.modules, tp, self._config)  # the head rules of the model
-        self.heads = self.model_heads  # and of the decoder layer being placed (see _layer)
 
-    def run(self) -> Derivation:
-        for layer in self._layers():
-            self._layer(layer)
-        place_vocabulary(self.model, tp=self.tp, source=self.source, names=self.names, result=self.result)
-        return self.result
+def decoder_layers(modules: Mapping[str, Any], source: Path) -> tuple[list[str], Path | tuple[Path, ...]]:
+    """The decoder layers (elements of module lists whose class is in the file, outermost first, not nested in
+    another), and the files whose forwards are read: ``source``, or with the files of the layers' classes."""
+    import torch.nn as nn
 
-    # -- decoder layers
+    found = _elements(modules, source)
+    if found:
+        return found, source
+    # a composite model whose decoder layers are in another modeling file (Fuyu's language model
+    # is a PersimmonModel): read that file's forwards too; only the lowered file's classes become
+    # blocks (derived_blocks._clean), so its groups shard as wrapped leaves
+    others = {
+        Path(path)
+        for module in modules.values()
+        if isinstance(module, nn.ModuleList)
+        for child in module.children()
+        if (path := _source_file(type(child))) is not None and "/transformers/models/" in path
+    }
+    if not others:
+        return found, source
+    read = (source, *sorted(others))
+    return _elements(modules, read), read
 
-    def _layers(self) -> list[str]:
-        """Elements of module lists whose class is in the file, outermost first (not nested in another)."""
-        import torch.nn as nn
 
-        found = self._elements(self.source)
-        if not found:
-            # a composite model whose decoder layers are in another modeling file (Fuyu's language model
-            # is a PersimmonModel): read that file's forwards too; only the lowered file's classes become
-            # blocks (_clean), so its groups shard as wrapped leaves
-            others = {
-                Path(path)
-                for module in self.modules.values()
-                if isinstance(module, nn.ModuleList)
-                for child in module.children()
-                if (path := _source_file(type(child))) is not None and "/transformers/models/" in path
-            }
-            if others:
-                self.read = (self.source, *sorted(others))
-                found = self._elements(self.read)
-        return found
+def _elements(modules: Mapping[str, Any], read: Path | tuple[Path, ...]) -> list[str]:
+    import torch.nn as nn
 
-    def _elements(self, read: Path | tuple[Path, ...]) -> list[str]:
-        import torch.nn as nn
-
-        found: list[str] = []
-        for fqn, module in self.modules.items():
-            if not isinstance(module, nn.ModuleList):
+    found: list[str] = []
+    for fqn, module in modules.items():
+        if not isinstance(module, nn.ModuleList):
+            continue
+        for name, child in module.named_children():
+            element = f"{fqn}.{name}" if fqn else name
+            if leaf_kind(child, read) != "source":
                 continue
-            for name, child in module.named_children():
-                element = f"{fqn}.{name}" if fqn else name
-                if leaf_kind(child, read) != "source":
-                    continue
-                if any(element.startswith(other + ".") for other in found):
-                    continue
-                found.append(element)
-        return found
-
-    def _layer(self, layer: str) -> None:
-        flow = self._flow(layer)
-        self.heads = self.model_heads.for_layer(flow)
-        linears = {fqn for fqn in flow.edges if is_linear(self.modules.get(fqn))}
-        linears -= self._channel_mixers(layer)
-        depth = depths(flow)
-        groups = self._groups(flow, linears, depth)
-        for cols, rows, mids in groups:
-            try:
-                self._place_group(layer, flow, linears, cols, rows, mids)
-            except Refused as refused:
-                latent = set().union(*(self._latent.pop(row, set()) for row in rows))
-                if latent:  # the group with its latent projections as columns: the reason it had before
-                    cols = cols | latent
-                    try:
-                        self._place_group(layer, flow, linears, cols, rows, mids)
-                        continue
-                    except Refused as plain:
-                        if not isinstance(refused, LatentRefused):  # a latent's own refusal says more
-                            refused = plain
-                for fqn in sorted(cols | rows):
-                    self.result.note(
-                        fqn, False, str(refused), needs_whole=refused.consumer if isinstance(refused, Contradicted) else ""
-                    )
-        place_split_rows(self.result, self.modules, linears, positive_int(self._config("hidden_size")), layer)
-        placed = set(self.result.placed)
-        for fqn in sorted(linears):
-            if not any(fqn == p or fqn.startswith(p + ".") for p in placed) and not any(
-                n.target == generic(fqn) for n in self.result.notes
-            ):
-                self.result.note(fqn, False, "not part of a column -> row pair: kept replicated")
-
-    def _channel_mixers(self, layer: str) -> set[str]:
-        """Place the state-space mixers of ``layer`` (:mod:`hpgen.planner.channels`); the projections they hold."""
-        from hpgen.planner.channels import channel_attrs, find_channel_mixer
-
-        taken: set[str] = set()
-        self._current_layer = layer
-        hidden = positive_int(self._config("hidden_size"))
-        for fqn in sorted(self.modules):
-            if not (fqn == layer or fqn.startswith(layer + ".")) or any(fqn.startswith(t + ".") for t in taken):
+            if any(element.startswith(other + ".") for other in found):
                 continue
-            try:
-                mixer = find_channel_mixer(self, fqn, hidden)
-                divide = channel_attrs(self, mixer) if mixer is not None and mixer.block is not None else {}
-            except Refused as refused:
-                self.result.note(fqn, False, str(refused))
-                taken.add(fqn)
-                continue
-            if mixer is None:
-                continue
-            taken.add(fqn)
-            for piece in ([mixer.block] if mixer.block is not None else []) + mixer.reduced:
-                self.result.placed[piece.fqn] = piece
-                self.result.note(piece.fqn, True, piece.why)
-            for module, attrs in divide.items():
-                owner = self.result.placed.get(module) or self.result.placed.setdefault(
-                    module, Placed(module, "attrs", why="sizes of the sharded channels")
-                )
-                owner.divide |= attrs
-        return {f for f in self._linears_under(taken)}
+            found.append(element)
+    return found
 
-    def _linears_under(self, roots: set[str]) -> set[str]:
-        return {f for f, m in self.modules.items() if is_linear(m) and any(f.startswith(r + ".") for r in roots)}
 
-    def _flow(self, fqn: str) -> Flow:
-        if fqn not in self._flows:
-            nones = caller_nones(self.model, fqn)
-            self._flows[fqn] = run_module(self.model, fqn, self.read, names=self.names, nones=nones)  # type: ignore[arg-type]
-        return self._flows[fqn]
-
-    # -- one group
-
-    def _place_group(
-        self, layer: str, flow: Flow, linears: set[str], cols: set[str], rows: set[str], mids: set[str]
-    ) -> None:
-        group = Group(flow)
-        what = "attention" if self.heads.is_attention(cols, rows) else "MLP"
-        for fqn in sorted(cols | rows):
-            if not is_linear(self.modules[fqn]):
-                raise Refused(f"{relative(fqn, layer)} is a {type(self.modules[fqn]).__name__}, not a linear layer")
-            if is_nn_linear(self.modules[fqn]) and reshapes_weight(self.modules[fqn]):
-                raise Refused(
-                    f"{relative(fqn, layer)} is a {type(self.modules[fqn]).__name__}, whose forward reshapes its weight "
-                    "(a grouped projection): a slice of its rows is not a linear layer's shard"
-                )
-        for fqn in sorted(mids):
-            self._check_mid(fqn, cols, layer, rows)
-        raw = sorted({p for row in rows for p in sources(flow, row, linears, self.heads.per_head).raw})
-        sharded = cols | mids
-        # a column reading another column's output whole (Doge's dt_proj): gathered on entry, checked with the heads
-        gathered = gathered_columns(flow, cols, linears, self.modules, self.heads.per_head, first_marker(flow))
-        for consumer, origins in flow.edges.items():
-            if origins & sharded and consumer not in rows and consumer not in mids and consumer not in gathered:
-                raise Contradicted(
-                    f"the output of {', '.join(relative(c, layer) for c in sorted(origins & cols)) or 'a column'} "
-                    f"also reaches {relative(consumer, layer)}, which needs it whole",
-                    consumer,
-                )
-        if flow.result.item(0).whole() & sharded:
-            raise Refused("the layer returns a value computed from the sharded projections")
-        latent = set().union(*(self._latent.get(row, set()) for row in rows))
-        if latent:
-            replicated = replicated_closure(flow, latent, sharded)
-            check_broadcast(flow, replicated, self.heads.head_counts(cols, rows), layer)
-        group.latent = latent
-        side = sorted(
-            {
-                m
-                for row in rows
-                for m in sources(flow, row, linears, self.heads.per_head).markers
-                if per_head_input(m) and not self.heads.switched_off(m)
-            }
-        )
-        heads = group.heads = self.heads.query_kv_heads(cols, rows, layer) if what == "attention" else None
-        # heads split into parts that work together (differential attention): a strided cut of every part
-        parts = group.parts = self._head_parts(flow, cols, rows, layer, heads)
-        replicated = {c for c, layout in (parts.layouts if parts else {}).items() if layout[0] == "RS"}
-        self.heads.check_runtime_heads(cols - replicated, layer)
-        cut: dict[str, HeadCut] = {}
-        if side and heads:
-            common = lca(cols | rows)
-            common = common if common == layer or common.startswith(layer + ".") else layer
-            cut = head_inputs(self.heads, self._flow(common), common, rows, heads[0])
-        if parts is not None:
-            layouts = dict(parts.layouts)  # the parts rule checked the heads against --tp itself
-        else:
-            plain = sorted(cols - set(gathered))
-            layouts = {col: self._column_layout(flow, col, cols, heads, layer, what) for col in plain}
-            layouts.update({col: ("S", 1) for col in gathered})  # its outputs are whole values, one per head
-        check_gathered(gathered, self.modules, layouts, heads if what == "attention" else None, self.tp, layer)
-        if what == "attention" and heads is not None and parts is None:
-            self.heads.check_heads(cols, layouts, heads, layer)
-        counts = self._sharded_counts(cols - replicated, rows, layouts, heads)
-        direct = direct_params(self.model, self.modules, group, raw, cols, layouts, heads, layer)
-        # reshapes of the parameters sharded with the heads (dt_bias.view(1, 1, num_heads, head_dim)) size shards too
-        divide = self._divided_attrs(
-            flow,
-            sharded | {f"param:{n}" for n, p in direct.items() if p != REPLICATE},
-            counts,
-            layer,
-            parts.lines if parts else set(),
-        )
-        for module, attrs in (parts.divide if parts else {}).items():
-            divide.setdefault(module, set()).update(attrs)
-        self._boundaries(group, layer, cols, rows, mids, layouts, divide, what, direct, cut, set(gathered))
-
-    def _config(self, name: str) -> Any:
-        """A value of the (text) config, or None where it is absent or per layer (transformers raises then)."""
+def _place_layer(ctx: DeriveContext, model_rules: HeadRules, layer: str, result: Derivation) -> None:
+    """Place the mixers and groups of one decoder layer into ``result``, and note what stays replicated."""
+    flow = ctx.flow(layer)
+    rules = model_rules.for_layer(flow)
+    linears = {fqn for fqn in flow.edges if is_linear(ctx.modules.get(fqn))}
+    linears -= _channel_mixers(ctx, layer, result)
+    for group in find_groups(ctx, rules, layer, flow, linears, depths(flow)):
+        cols = group.cols
         try:
-            return getattr(self.text_config, name, None)
-        except Exception:
-            return None
+            _record(result, group, *_place_group(ctx, rules, group, linears))
+        except Refused as refused:
+            if group.latent:  # the group with its latent projections as columns: the reason it had before
+                cols = group.cols | group.latent
+                plain = replace(group, cols=cols, latent=frozenset())
+                try:
+                    _record(result, plain, *_place_group(ctx, rules, plain, linears))
+                    continue
+                except Refused as plain:
+                    if not isinstance(refused, LatentRefused):  # a latent's own refusal says more
+                        refused = plain
+            for fqn in sorted(cols | group.rows):
+                result.note(
+                    fqn, False, str(refused), needs_whole=refused.consumer if isinstance(refused, Contradicted) else ""
+                )
+    place_split_rows(result, ctx.modules, linears, positive_int(ctx.config("hidden_size")), layer)
+    placed = set(result.placed)
+    for fqn in sorted(linears):
+        if not any(fqn == p or fqn.startswith(p + ".") for p in placed) and not any(
+            n.target == generic(fqn) for n in result.notes
+        ):
+            result.note(fqn, False, "not part of a column -> row pair: kept replicated")
+
+
+def _channel_mixers(ctx: DeriveContext, layer: str, result: Derivation) -> set[str]:
+    """Place the state-space mixers of ``layer`` (:mod:`hpgen.planner.channels`); the projections they hold."""
+    taken: set[str] = set()
+    hidden = positive_int(ctx.config("hidden_size"))
+    for fqn in sorted(ctx.modules):
+        if not (fqn == layer or fqn.startswith(layer + ".")) or any(fqn.startswith(t + ".") for t in taken):
+            continue
+        try:
+            mixer = find_channel_mixer(ctx, fqn, layer, hidden)
+            divide = channel_attrs(ctx, mixer) if mixer is not None and mixer.block is not None else {}
+        except Refused as refused:
+            result.note(fqn, False, str(refused))
+            taken.add(fqn)
+            continue
+        if mixer is None:
+            continue
+        taken.add(fqn)
+        for piece in ([mixer.block] if mixer.block is not None else []) + mixer.reduced:
+            result.placed[piece.fqn] = piece
+            result.note(piece.fqn, True, piece.why)
+        for module, attrs in divide.items():
+            owner = result.placed.get(module) or result.placed.setdefault(
+                module, Placed(module, "attrs", why="sizes of the sharded channels")
+            )
+            owner.divide |= attrs
+    return {f for f, m in ctx.modules.items() if is_linear(m) and any(f.startswith(r + ".") for r in taken)}
+
+
+# -- one group
+
+
+def _place_group(
+    ctx: DeriveContext, rules: HeadRules, group: Group, linears: set[str]
+) -> tuple[list[Placed], Mapping[str, set[str]]]:
+    """The entries of one group and the attributes to divide, or :class:`Refused` saying why it stays whole."""
+    modules, flow, layer = ctx.modules, group.flow, group.layer
+    cols, rows, mids = group.cols, group.rows, group.mids
+    attention = rules.is_attention(cols, rows)
+    for fqn in sorted(cols | rows):
+        if not is_linear(modules[fqn]):
+            raise Refused(f"{relative(fqn, layer)} is a {type(modules[fqn]).__name__}, not a linear layer")
+        if is_nn_linear(modules[fqn]) and reshapes_weight(modules[fqn]):
+            raise Refused(
+                f"{relative(fqn, layer)} is a {type(modules[fqn]).__name__}, whose forward reshapes its weight "
+                "(a grouped projection): a slice of its rows is not a linear layer's shard"
+            )
+    for fqn in sorted(mids):
+        check_mid(modules, rules, fqn, group)
+    raw = sorted({p for row in rows for p in sources(flow, row, linears, rules.per_head).raw})
+    sharded = cols | mids
+    # a column reading another column's output whole (Doge's dt_proj): gathered on entry, checked with the heads
+    gathered = gathered_columns(flow, cols, linears, modules, rules.per_head, first_marker(flow))
+    for consumer, origins in flow.edges.items():
+        if origins & sharded and consumer not in rows and consumer not in mids and consumer not in gathered:
+            raise Contradicted(
+                f"the output of {', '.join(relative(c, layer) for c in sorted(origins & cols)) or 'a column'} "
+                f"also reaches {relative(consumer, layer)}, which needs it whole",
+                consumer,
+            )
+    if flow.result.item(0).whole() & sharded:
+        raise Refused("the layer returns a value computed from the sharded projections")
+    if group.latent:
+        replicated = replicated_closure(flow, group.latent, sharded)
+        check_broadcast(flow, replicated, rules.head_counts(cols, rows), layer)
+    side = sorted(
+        {
+            m
+            for row in rows
+            for m in sources(flow, row, linears, rules.per_head).markers
+            if per_head_input(m) and not rules.switched_off(m)
+        }
+    )
+    heads = rules.query_kv_heads(cols, rows, layer) if attention else None
+    # heads split into parts that work together (differential attention): a strided cut of every part
+    parts = head_parts(ctx, group, heads)
+    replicated = {c for c, layout in (parts.layouts if parts else {}).items() if layout.replicated}
+    rules.check_runtime_heads(cols - replicated, layer)
+    cut: dict[str, HeadCut] = {}
+    if side and heads:
+        common = lca(cols | rows)
+        common = common if common == layer or common.startswith(layer + ".") else layer
+        cut = head_inputs(rules, ctx.flow(common), common, rows, heads[0])
+    layouts: dict[str, ColumnLayout]
+    if parts is not None:
+        layouts = dict(parts.layouts)  # the parts rule checked the heads against --tp itself
+    else:
+        plain = sorted(cols - set(gathered))
+        layouts = {col: column_layout(modules, group, col, heads, attention) for col in plain}
+        layouts.update({col: PLAIN for col in gathered})  # its outputs are whole values, one per head
+    check_gathered(gathered, modules, layouts, heads if attention else None, ctx.tp, layer)
+    if attention and heads is not None and parts is None:
+        rules.check_heads(cols, layouts, heads, layer)
+    counts = sharded_counts(modules, cols - replicated, rows, layouts, heads)
+    direct = direct_params(ctx.model, modules, group, raw, layouts, heads, parts.k if parts else None)
+    # reshapes of the parameters sharded with the heads (dt_bias.view(1, 1, num_heads, head_dim)) size shards too
+    divide = divided_attrs(
+        modules,
+        flow,
+        sharded | {f"param:{n}" for n, p in direct.items() if p != REPLICATE},
+        counts,
+        layer,
+        parts.lines if parts else set(),
+    )
+    for module, attrs in (parts.divide if parts else {}).items():
+        divide.setdefault(module, set()).update(attrs)
+    what = "attention" if attention else "MLP"
+    layout = GroupLayout(what, heads, parts, layouts, frozenset(gathered), direct, cut)
+    return boundaries(ctx, rules, group, layout), divide
+
+
+def _record(result: Derivation, group: Group, pieces: list[Placed], divide: Mapping[str, set[str]]) -> None:
+    """Write one group's entries and divided attributes into ``result`` (:class:`Refused`, and nothing written,
+    where a module would hold two groups)."""
+    for piece in pieces:
+        if piece.fqn in result.placed:
+            raise Refused(f"{relative(piece.fqn, group.layer) or group.layer} would hold two groups")
+    for piece in pieces:
+        result.placed[piece.fqn] = piece
+        # a gathered leaf needs its input whole: the cross-check drops a transformers plan that shards it otherwise
+        result.note(piece.fqn, True, piece.why, needs_whole=piece.fqn if piece.kind == "gather_leaf" else "")
+    for module, attrs in divide.items():
+        owner = result.placed.get(module)
+        if owner is None:
+            owner = result.placed[module] = Placed(module, "attrs", why="sizes of the sharded heads")
+        owner.divide |= attrs
 
 
 def _source_file(cls: type) -> str | None:

@@ -15,11 +15,13 @@ and writes one value per query or key/value head.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from hpgen.planner.entries import Contradicted
 from hpgen.planner.flow import Flow
 from hpgen.planner.groups import sources
+from hpgen.planner.layouts import PLAIN, ColumnLayout
 from hpgen.planner.modules import in_features, is_nn_linear, out_features, relative
 from hpgen.planner.split_rows import reshapes_weight
 
@@ -28,7 +30,7 @@ __all__ = ["check_gathered", "gathered_columns"]
 
 def gathered_columns(
     flow: Flow,
-    cols: set[str],
+    cols: AbstractSet[str],
     linears: set[str],
     modules: Mapping[str, Any],
     per_head: Callable[[str], bool],
@@ -60,7 +62,7 @@ def gathered_columns(
 def check_gathered(
     gathered: Mapping[str, set[str]],
     modules: Mapping[str, Any],
-    layouts: Mapping[str, tuple[str, int]],
+    layouts: Mapping[str, ColumnLayout],
     heads: tuple[int, int, int] | None,
     tp: int | None,
     layer: str,
@@ -68,7 +70,7 @@ def check_gathered(
     """Refuse a gathered column that does not write one value per head of a plain head layout.
 
     The gather concatenates the ranks' contiguous shards in rank order, which is the
-    column's feature order only for a plain ``S`` layout; and the projection's ``S(0)``
+    column's feature order only for a plain layout (``S``); and the projection's ``S(0)``
     outputs line up with this rank's heads only when it writes one value per head.
     """
     for col, fed in sorted(gathered.items()):
@@ -81,7 +83,7 @@ def check_gathered(
                 "it needs the sharded value whole",
                 col,
             )
-        packed = sorted(f for f in fed if layouts.get(f) != ("S", 1))
+        packed = sorted(f for f in fed if layouts.get(f) != PLAIN)
         if packed:
             raise Contradicted(
                 f"{name} reads the output of {relative(packed[0], layer)} whole, whose packed layout a gather of "

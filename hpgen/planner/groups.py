@@ -4,123 +4,128 @@ A projection that writes the stream's width from other projections' outputs alon
 from the residual stream) is row-parallel; the projections it reads are its columns.
 :func:`sources` walks back from a projection through per-head norms; any other layer on
 the way ends the walk. What the code between a group's projections does is checked here
-too: a layer there must work on whole heads (:meth:`GroupFinding._check_mid`), and a
-parameter it reads directly must follow the shards (:func:`direct_params`).
+too: a layer there must work on whole heads (:func:`check_mid`), and a parameter it reads
+directly must follow the shards (:func:`direct_params`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from hpgen.planner.entries import Derivation, Refused
+from hpgen.planner.derive_context import DeriveContext
+from hpgen.planner.entries import Refused
 from hpgen.planner.flow import Flow
 from hpgen.planner.head_params import head_matrix_placement, view_sizes
 from hpgen.planner.heads import HeadRules, normalized_heads
 from hpgen.planner.latent import pre_projections, replicated_closure
+from hpgen.planner.layouts import ColumnLayout
 from hpgen.planner.mixers import absent, conv_placement, per_head_placement, single_column_conv
 from hpgen.planner.modules import in_features, out_features, positive_int, relative
 from hpgen.placement import REPLICATE, Placement, shard, strided_shard
 
-if TYPE_CHECKING:
-    from hpgen.planner.head_parts import Parts
-
-__all__ = ["Group", "GroupFinding", "Sources", "depths", "direct_params", "first_marker", "sources"]
+__all__ = ["Group", "Sources", "check_mid", "depths", "direct_params", "find_groups", "first_marker", "sources"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Group:
-    """What the steps placing one column -> row group share, passed to each: the layer's flow, the
-    latent down-projections kept replicated in the block (MLA), the heads' parts (differential attention), the heads."""
+    """One column -> row group of a decoder layer, as :func:`find_groups` finds it."""
 
-    flow: Flow
-    latent: set[str] = field(default_factory=set)
-    parts: Parts | None = None
-    heads: tuple[int, int, int] | None = None  # (query heads, key/value heads, head_dim) of an attention
+    layer: str  # the decoder layer's FQN
+    flow: Flow  # the decoder layer's dataflow
+    cols: frozenset[str]  # the column-parallel projections
+    rows: frozenset[str]  # the row-parallel projections
+    mids: frozenset[str]  # the per-head layers between them (q_norm)
+    latent: frozenset[str] = frozenset()  # latent down-projections kept replicated in the block (MLA)
 
 
-class GroupFinding:
-    """The groups of one layer, and what lies between their projections (a base of the deriver)."""
+def find_groups(
+    ctx: DeriveContext, rules: HeadRules, layer: str, flow: Flow, linears: set[str], depth: Mapping[str, int]
+) -> list[Group]:
+    """The column -> row groups of one layer, with the per-head layers between their projections.
 
-    model: Any
-    tp: int | None
-    source: Path
-    modules: dict[str, Any]
-    result: Derivation
-    _latent: dict[str, set[str]]
-    heads: HeadRules  # the decoder layer's
-
-    def _groups(
-        self, flow: Flow, linears: set[str], depth: Mapping[str, int]
-    ) -> list[tuple[set[str], set[str], set[str]]]:
-        """(columns, rows, per-head layers between) of each column -> row group of one layer.
-
-        A row-parallel projection writes the stream's width (the hidden size, or the width
-        the layer's stream-fed projections read) from other projections' outputs alone; the
-        projections it reads are its columns, unless they are rows themselves (a reduced,
-        replicated value: ``down_proj -> linear`` in Zamba2 pairs ``down_proj`` with its
-        own columns, and ``linear`` stays replicated).
-        """
-        main = first_marker(flow)
-        found = {fqn: sources(flow, fqn, linears, self.heads.per_head) for fqn in linears}
-        widths = {positive_int(self._config("hidden_size"))}
-        widths |= {in_features(self.modules[f]) for f, src in found.items() if not src.linears}
-        rows = {
-            fqn
-            for fqn, src in found.items()
-            if src.linears
-            and main not in src.markers
-            # a full-width norm of a latent down-projection (MLA's kv_a_layernorm) is no stop: it stays replicated
-            and not src.stops - replicated_closure(flow, pre_projections(flow, src.linears, linears), set())
-            and out_features(self.modules[fqn]) in widths
-        }
-        for fqn in sorted(rows):  # a "row" whose output another row mixes with columns is a column of that row
-            if fqn in rows and found[fqn].linears - rows:  # (Kimi's f_b_proj: qkv_dim == hidden_size, into o_proj)
-                rows -= found[fqn].linears & rows
-        groups: list[tuple[set[str], set[str], set[str]]] = []
-        for row in sorted(rows, key=lambda f: (depth.get(f, 0), f)):
-            src = found[row]
-            cols = src.linears - rows
-            if not cols or src.linears & rows:  # nothing to pair, or a sharded value mixed with a reduced one
-                continue
-            latent = pre_projections(flow, cols, linears)  # MLA's down-projections: replicated, not columns
-            if latent and cols - latent:
-                cols -= latent
-                self._latent[row] = latent
-            merged = next((g for g in groups if g[0] & cols), None)
-            if merged is None:
-                groups.append((set(cols), {row}, set(src.mids)))
-            else:
-                merged[0].update(cols)
-                merged[1].add(row)
-                merged[2].update(src.mids)
-        return groups
-
-    def _check_mid(self, fqn: str, cols: set[str], layer: str, rows: set[str]) -> None:
-        module = self.modules[fqn]
-        head_dim = self.heads.head_dim(cols)
-        sizes = {p.numel() for p in module.parameters()}
-        shapes = [tuple(p.shape) for p in module.parameters()]
-        if not shapes:  # a weightless norm over whole heads, narrower than the rows' input: rows a rank holds whole
-            width = normalized_heads(module, {head_dim} if head_dim else set())
-            if width is not None and all(width < in_features(self.modules[r]) for r in rows):
-                return
-            if self.heads.norms_heads(fqn):
-                return  # a norm of the file without parameters over a per-head view
-            raise Refused(
-                f"{relative(fqn, layer)} ({type(module).__name__}) sits between the column- and row-parallel "
-                "projections and normalises across the sharded features"
-            )
-        if all(len(s) == 1 for s in shapes) and head_dim is not None and sizes <= {head_dim}:
-            return  # a per-head norm (q_norm): runs on whole heads; its gradient is reduced
-        if self.heads.maps_heads(fqn) or self.heads.norms_heads(fqn) or self.heads.scales_heads(fqn):
-            return  # one matrix for each head's features, a norm or a per-head scale over a per-head view
-        raise Refused(
-            f"{relative(fqn, layer)} ({type(module).__name__}, parameters {shapes}) sits between the column- and "
-            "row-parallel projections and works across the sharded features"
+    A row-parallel projection writes the stream's width (the hidden size, or the width
+    the layer's stream-fed projections read) from other projections' outputs alone; the
+    projections it reads are its columns, unless they are rows themselves (a reduced,
+    replicated value: ``down_proj -> linear`` in Zamba2 pairs ``down_proj`` with its
+    own columns, and ``linear`` stays replicated). A latent down-projection feeding another
+    column (MLA's) is no column: it is the group's ``latent``.
+    """
+    modules = ctx.modules
+    main = first_marker(flow)
+    found = {fqn: sources(flow, fqn, linears, rules.per_head) for fqn in linears}
+    widths = {positive_int(ctx.config("hidden_size"))}
+    widths |= {in_features(modules[f]) for f, src in found.items() if not src.linears}
+    rows = {
+        fqn
+        for fqn, src in found.items()
+        if src.linears
+        and main not in src.markers
+        # a full-width norm of a latent down-projection (MLA's kv_a_layernorm) is no stop: it stays replicated
+        and not src.stops - replicated_closure(flow, pre_projections(flow, src.linears, linears), set())
+        and out_features(modules[fqn]) in widths
+    }
+    for fqn in sorted(rows):  # a "row" whose output another row mixes with columns is a column of that row
+        if fqn in rows and found[fqn].linears - rows:  # (Kimi's f_b_proj: qkv_dim == hidden_size, into o_proj)
+            rows -= found[fqn].linears & rows
+    groups: list[tuple[set[str], set[str], set[str]]] = []
+    latents: dict[str, set[str]] = {}  # row -> its latent down-projections
+    for row in sorted(rows, key=lambda f: (depth.get(f, 0), f)):
+        src = found[row]
+        cols = src.linears - rows
+        if not cols or src.linears & rows:  # nothing to pair, or a sharded value mixed with a reduced one
+            continue
+        latent = pre_projections(flow, cols, linears)  # MLA's down-projections: replicated, not columns
+        if latent and cols - latent:
+            cols -= latent
+            latents[row] = latent
+        merged = next((g for g in groups if g[0] & cols), None)
+        if merged is None:
+            groups.append((set(cols), {row}, set(src.mids)))
+        else:
+            merged[0].update(cols)
+            merged[1].add(row)
+            merged[2].update(src.mids)
+    return [
+        Group(
+            layer,
+            flow,
+            frozenset(cols),
+            frozenset(rows),
+            frozenset(mids),
+            frozenset().union(*(latents.get(row, set()) for row in rows)),
         )
+        for cols, rows, mids in groups
+    ]
+
+
+def check_mid(modules: Mapping[str, Any], rules: HeadRules, fqn: str, group: Group) -> None:
+    """Refuse a layer between the group's projections that does not work on whole heads."""
+    module = modules[fqn]
+    head_dim = rules.head_dim(group.cols)
+    sizes = {p.numel() for p in module.parameters()}
+    shapes = [tuple(p.shape) for p in module.parameters()]
+    layer = group.layer
+    if not shapes:  # a weightless norm over whole heads, narrower than the rows' input: rows a rank holds whole
+        width = normalized_heads(module, {head_dim} if head_dim else set())
+        if width is not None and all(width < in_features(modules[r]) for r in group.rows):
+            return
+        if rules.norms_heads(fqn):
+            return  # a norm of the file without parameters over a per-head view
+        raise Refused(
+            f"{relative(fqn, layer)} ({type(module).__name__}) sits between the column- and row-parallel "
+            "projections and normalises across the sharded features"
+        )
+    if all(len(s) == 1 for s in shapes) and head_dim is not None and sizes <= {head_dim}:
+        return  # a per-head norm (q_norm): runs on whole heads; its gradient is reduced
+    if rules.maps_heads(fqn) or rules.norms_heads(fqn) or rules.scales_heads(fqn):
+        return  # one matrix for each head's features, a norm or a per-head scale over a per-head view
+    raise Refused(
+        f"{relative(fqn, layer)} ({type(module).__name__}, parameters {shapes}) sits between the column- and "
+        "row-parallel projections and works across the sharded features"
+    )
 
 
 def _parts_placement(param: Any, heads: tuple[int, int, int], k: int, name: str) -> Placement:
@@ -143,10 +148,9 @@ def direct_params(
     modules: Mapping[str, Any],
     group: Group,
     raw: list[str],
-    cols: set[str],
-    layouts: Mapping[str, tuple[str, int]],
+    layouts: Mapping[str, ColumnLayout],
     heads: tuple[int, int, int] | None,
-    layer: str,
+    parts: int | None,
 ) -> dict[str, Placement]:
     """Parameters the code between the projections reads itself, and their placement.
 
@@ -155,13 +159,15 @@ def direct_params(
     gradient reduced by the block; a depthwise conv's weight over the columns
     (:mod:`hpgen.planner.mixers`); a per-head scale ``[heads, d]``, a map of each head's
     features ``[d, e]`` or a weight over a column's channels (:mod:`hpgen.planner.head_params`);
-    anything else cannot follow the shards.
+    anything else cannot follow the shards. ``parts``: the parts the heads are split into
+    (:mod:`hpgen.planner.head_parts`), None where they are not.
     """
     found: dict[str, Placement] = {}
     head_dim = heads[2] if heads is not None else None
-    plain = {c: out_features(modules[c]) for c in cols if layouts[c] == ("S", 1)}
+    cols, layer = group.cols, group.layer
+    plain = {c: out_features(modules[c]) for c in cols if layouts[c].plain}
     widths, col_widths = set(plain.values()), list(plain.values())
-    contiguous = {c: out_features(modules[c]) for c in cols if layouts[c][0] == "S"}  # S(0) weights
+    contiguous = {c: out_features(modules[c]) for c in cols if layouts[c].contiguous}  # S(0) weights
     shapes = group.flow.shapes
     for name in raw:
         if absent(model, name):
@@ -172,7 +178,6 @@ def direct_params(
             raise Refused(
                 f"the code between the projections reads a parameter hpgen cannot place ({name})"
             ) from None
-        parts = group.parts
         special = (
             conv_placement(model, name, param, col_widths, shapes)
             or single_column_conv(model, name, param, group.flow, plain)
@@ -180,7 +185,7 @@ def direct_params(
             or _head_matrix(model, group.flow, name, param, contiguous, heads)
         )
         if parts is not None and heads is not None:  # heads in parts: a per-head vector takes every part's chunk
-            found[name] = _parts_placement(param, heads, parts.k, relative(name, layer))
+            found[name] = _parts_placement(param, heads, parts, relative(name, layer))
         elif special is not None:
             found[name] = special  # a depthwise conv over the columns, or one value per head (A_log)
         elif param.dim() == 1 and (param.numel() in widths or (heads is not None and param.numel() == heads[0])):
@@ -193,6 +198,7 @@ def direct_params(
                 f"{tuple(param.shape)} directly, which does not follow the shards"
             )
     return found
+
 
 def _head_matrix(
     model: Any, flow: Flow, name: str, param: Any, contiguous: Mapping[str, int], heads: tuple[int, int, int] | None
@@ -227,7 +233,7 @@ class Sources:
     raw: set[str] = field(default_factory=set)  # parameters the code between reads directly (F.conv1d(x, w))
 
 
-def sources(flow: Flow, fqn: str, linears: set[str], per_head: Any = None) -> Sources:
+def sources(flow: Flow, fqn: str, linears: AbstractSet[str], per_head: Any = None) -> Sources:
     """The projections and inputs feeding ``fqn``, looking through per-head norms (``q_norm``).
 
     Any other layer on the way (a norm over the whole width, a convolution) ends the walk:

@@ -11,7 +11,7 @@ forward (:mod:`hpgen.planner.head_inputs`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from hpgen.placement import shard
 from hpgen.planner.entries import BATCH_MAJOR, HeadCut, Placed, Refused
@@ -23,7 +23,7 @@ from hpgen.planner.modules import is_linear
 __all__ = ["cut_heads", "head_inputs"]
 
 
-def head_inputs(rules: HeadRules, inner: Flow, common: str, rows: set[str], query_heads: int) -> dict[str, HeadCut]:
+def head_inputs(rules: HeadRules, inner: Flow, common: str, rows: Iterable[str], query_heads: int) -> dict[str, HeadCut]:
     """Arguments of the attention block ``common`` (whose flow is ``inner``) that carry one slice per head
     (made outside it) -> their cut.
 

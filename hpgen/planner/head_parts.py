@@ -32,13 +32,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpgen.placement import shard, strided_shard
+from hpgen.planner.derive_context import DeriveContext
 from hpgen.planner.entries import Refused
-from hpgen.planner.flow import Flow
+from hpgen.planner.groups import Group
 from hpgen.planner.head_inputs import meta_forward, probe_sizes
-from hpgen.planner.layouts import dim_of
+from hpgen.planner.layouts import ColumnLayout, dim_of, packed, replicated
 from hpgen.planner.modules import in_features, lca, out_features, relative
 
-__all__ = ["HeadParts", "Parts", "TracedCall", "traced_calls"]
+__all__ = ["Parts", "TracedCall", "head_parts", "traced_calls"]
 
 SPLITS = ("chunk", "split", "tensor_split")
 JOINS = ("cat", "concat", "concatenate")
@@ -64,143 +66,130 @@ class Parts:
 
     k: int
     lines: set[tuple[str, int]] = field(default_factory=set)  # (module FQN, line) of the splits over the heads
-    layouts: dict[str, tuple[str, int]] = field(default_factory=dict)  # column -> ("SS", k) | ("RS", tp)
+    layouts: dict[str, ColumnLayout] = field(default_factory=dict)  # column -> packed(k) | replicated(tp)
     divide: dict[str, set[str]] = field(default_factory=dict)  # module FQN -> attributes divided by tp
     why: str = ""
 
 
-class HeadParts:
-    """The head-parts rule of the deriver (see the module docstring)."""
-
-    model: Any
-    tp: int | None
-    modules: dict[str, Any]
-
-    def _head_parts(
-        self, flow: Flow, cols: set[str], rows: set[str], layer: str, heads: tuple[int, int, int] | None
-    ) -> Parts | None:
-        """The parts of an attention group whose code splits its heads, or None when it splits none."""
-        if heads is None or not any(_may_split_heads(use, cols) for use in flow.shapes):
-            return None
-        q, kv, head_dim = heads
-        common = lca(cols | rows)
-        calls = self._traced(q)
-        if calls is None:
-            return None  # the model does not run on the meta device: the reshape rules decide alone
-        static = {(use.module, use.line) for use in flow.shapes if use.receiver & cols and use.method in SPLITS}
-        inside = [c for c in calls if c.module == common or c.module.startswith(common + ".")]
-        batch, length = probe_sizes(q)
-        sizes = {q, kv}
-        found: dict[tuple[str, int], int] = {}
-        for call in inside:
-            if call.op not in SPLITS or (call.module, call.line) not in static or call.dim in (None, 0):
-                continue
-            size = call.shapes[0][call.dim]
-            if size not in sizes:
-                continue
-            where = f"{relative(call.module, layer) or 'the layer'} (line {call.line})"
-            last = call.dim == len(call.shapes[0]) - 1
-            if last and size == head_dim:
-                continue  # the features of each head (the heads come before them)
-            if size in (batch, length) or last:
-                raise Refused(f"{where} {call.op}s a dim of size {size}: hpgen cannot tell whether it holds the heads")
-            if call.parts is None or call.parts < 2:
-                raise Refused(f"{where} splits the heads into unequal parts: no placement keeps each share whole")
-            found[(call.module, call.line)] = call.parts
-        if not found:
-            return None
-        if len(set(found.values())) > 1:
-            counts = sorted(set(found.values()))
-            raise Refused(f"the attention splits its heads into different numbers of parts {counts}")
-        k = next(iter(found.values()))
-        lines = ", ".join(str(line) for _, line in sorted(found))
-        for call in inside:
-            if call.dim is None or call.dim == len(call.shapes[0]) - 1:
-                continue
-            where = f"{relative(call.module, layer) or 'the layer'} (line {call.line})"
-            if call.op in JOINS and sum(s[call.dim] for s in call.shapes) in sizes:
-                raise Refused(
-                    f"{where} concatenates parts of the heads back along the heads (split at line {lines}): the row "
-                    "projection's input would be strided, which the derivation does not place"
-                )
-            if call.op == "repeat_interleave" and call.shapes[0][call.dim] in sizes | {q // k, kv // k}:
-                raise Refused(f"{where} interleaves copies of the heads, which a strided cut of the parts breaks")
-        return self._parts_layouts(cols, rows, layer, heads, k, set(found), lines)
-
-    def _parts_layouts(
-        self,
-        cols: set[str],
-        rows: set[str],
-        layer: str,
-        heads: tuple[int, int, int],
-        k: int,
-        lines: set[tuple[str, int]],
-        at: str,
-    ) -> Parts:
-        q, kv, head_dim = heads
-        tp = self.tp or 1
-        if q % k or kv % k:
-            raise Refused(f"{q} query and {kv} key/value heads do not split into the code's {k} parts (line {at})")
-        if (q // k) % tp:
+def head_parts(ctx: DeriveContext, group: Group, heads: tuple[int, int, int] | None) -> Parts | None:
+    """The parts of an attention group whose code splits its heads, or None when it splits none."""
+    flow, cols, rows, layer = group.flow, group.cols, group.rows, group.layer
+    if heads is None or not any(_may_split_heads(use, cols) for use in flow.shapes):
+        return None
+    q, kv, head_dim = heads
+    common = lca(cols | rows)
+    calls = _traced(ctx, q)
+    if calls is None:
+        return None  # the model does not run on the meta device: the reshape rules decide alone
+    static = {(use.module, use.line) for use in flow.shapes if use.receiver & cols and use.method in SPLITS}
+    inside = [c for c in calls if c.module == common or c.module.startswith(common + ".")]
+    batch, length = probe_sizes(q)
+    sizes = {q, kv}
+    found: dict[tuple[str, int], int] = {}
+    for call in inside:
+        if call.op not in SPLITS or (call.module, call.line) not in static or call.dim in (None, 0):
+            continue
+        size = call.shapes[0][call.dim]
+        if size not in sizes:
+            continue
+        where = f"{relative(call.module, layer) or 'the layer'} (line {call.line})"
+        last = call.dim == len(call.shapes[0]) - 1
+        if last and size == head_dim:
+            continue  # the features of each head (the heads come before them)
+        if size in (batch, length) or last:
+            raise Refused(f"{where} {call.op}s a dim of size {size}: hpgen cannot tell whether it holds the heads")
+        if call.parts is None or call.parts < 2:
+            raise Refused(f"{where} splits the heads into unequal parts: no placement keeps each share whole")
+        found[(call.module, call.line)] = call.parts
+    if not found:
+        return None
+    if len(set(found.values())) > 1:
+        counts = sorted(set(found.values()))
+        raise Refused(f"the attention splits its heads into different numbers of parts {counts}")
+    k = next(iter(found.values()))
+    lines = ", ".join(str(line) for _, line in sorted(found))
+    for call in inside:
+        if call.dim is None or call.dim == len(call.shapes[0]) - 1:
+            continue
+        where = f"{relative(call.module, layer) or 'the layer'} (line {call.line})"
+        if call.op in JOINS and sum(s[call.dim] for s in call.shapes) in sizes:
             raise Refused(
-                f"the attention splits its {q} query heads into {k} parts (line {at}) whose {q // k} heads each do not "
-                f"divide over --tp {tp}: a rank would hold part of a group"
+                f"{where} concatenates parts of the heads back along the heads (split at line {lines}): the row "
+                "projection's input would be strided, which the derivation does not place"
             )
-        if (kv // k) % tp == 0:
-            kv_layout: tuple[str, int] = ("SS", k)
-        elif kv == k:
-            kv_layout = ("RS", tp)
+        if call.op == "repeat_interleave" and call.shapes[0][call.dim] in sizes | {q // k, kv // k}:
+            raise Refused(f"{where} interleaves copies of the heads, which a strided cut of the parts breaks")
+    return _parts_layouts(ctx, group, heads, k, set(found), lines)
+
+
+def _parts_layouts(
+    ctx: DeriveContext, group: Group, heads: tuple[int, int, int], k: int, lines: set[tuple[str, int]], at: str
+) -> Parts:
+    q, kv, head_dim = heads
+    modules, cols, rows, layer = ctx.modules, group.cols, group.rows, group.layer
+    tp = ctx.tp or 1
+    if q % k or kv % k:
+        raise Refused(f"{q} query and {kv} key/value heads do not split into the code's {k} parts (line {at})")
+    if (q // k) % tp:
+        raise Refused(
+            f"the attention splits its {q} query heads into {k} parts (line {at}) whose {q // k} heads each do not "
+            f"divide over --tp {tp}: a rank would hold part of a group"
+        )
+    if (kv // k) % tp == 0:
+        kv_layout = packed(k)
+    elif kv == k:
+        kv_layout = replicated(tp)
+    else:
+        raise Refused(
+            f"the attention splits its {kv} key/value heads into {k} parts (line {at}); {kv // k} per part neither "
+            f"divide over --tp {tp} nor are one per part (which every rank could hold whole)"
+        )
+    parts = Parts(k, lines)
+    for col in sorted(cols):
+        n = out_features(modules[col])
+        if n == q * head_dim:
+            parts.layouts[col] = packed(k)
+        elif n == kv * head_dim:
+            parts.layouts[col] = kv_layout
         else:
             raise Refused(
-                f"the attention splits its {kv} key/value heads into {k} parts (line {at}); {kv // k} per part neither "
-                f"divide over --tp {tp} nor are one per part (which every rank could hold whole)"
+                f"{relative(col, layer)} has {n} features, neither the query nor the key/value heads, in an "
+                f"attention whose heads are split into {k} parts"
             )
-        parts = Parts(k, lines)
-        for col in sorted(cols):
-            n = out_features(self.modules[col])
-            if n == q * head_dim:
-                parts.layouts[col] = ("SS", k)
-            elif n == kv * head_dim:
-                parts.layouts[col] = kv_layout
-            else:
-                raise Refused(
-                    f"{relative(col, layer)} has {n} features, neither the query nor the key/value heads, in an "
-                    f"attention whose heads are split into {k} parts"
-                )
-        for row in sorted(rows):
-            if in_features(self.modules[row]) != q * head_dim:
-                raise Refused(f"{relative(row, layer)} does not read the {q} query heads' features")
-        why = (
-            f"the heads are split into {k} parts that work together (line {at}): each rank keeps its chunk of every "
-            f"part (SS(0,{k})), whole groups, whose combined outputs reach the row projection contiguously (S(1))"
-        )
-        if kv_layout[0] == "RS":
-            common = lca(cols | rows)
-            module = self.modules.get(common)
-            groups = getattr(module, "num_key_value_groups", None)
-            if not isinstance(groups, int) or isinstance(groups, bool) or groups % tp:
-                raise Refused(
-                    f"each of the {k} parts has one key/value head, which every rank needs, and "
-                    f"{relative(common, layer) or 'the layer'} has no num_key_value_groups dividing over --tp {tp}"
-                )
-            parts.divide[common] = {"num_key_value_groups"}
-            why += f"; one key/value head per part, on every rank (RS(0,{tp})), num_key_value_groups divided"
-        parts.why = why
-        return parts
-
-    def _traced(self, heads: int) -> list[TracedCall] | None:
-        """The calls of one meta-device forward sized for ``heads`` query heads (one forward per count)."""
-        if not hasattr(self, "_traced_calls"):
-            self._traced_calls: dict[int, list[TracedCall] | None] = {}
-        if heads not in self._traced_calls:
-            try:
-                self._traced_calls[heads] = traced_calls(self.model, heads)
-            except RuntimeError:
-                self._traced_calls[heads] = None
-        return self._traced_calls[heads]
+    for row in sorted(rows):
+        if in_features(modules[row]) != q * head_dim:
+            raise Refused(f"{relative(row, layer)} does not read the {q} query heads' features")
+    why = (
+        f"the heads are split into {k} parts that work together (line {at}): each rank keeps its chunk of every "
+        f"part ({strided_shard(0, k)}), whole groups, whose combined outputs reach the row projection contiguously "
+        f"({shard(1)})"
+    )
+    if kv_layout.replicated:
+        common = lca(cols | rows)
+        module = modules.get(common)
+        groups = getattr(module, "num_key_value_groups", None)
+        if not isinstance(groups, int) or isinstance(groups, bool) or groups % tp:
+            raise Refused(
+                f"each of the {k} parts has one key/value head, which every rank needs, and "
+                f"{relative(common, layer) or 'the layer'} has no num_key_value_groups dividing over --tp {tp}"
+            )
+        parts.divide[common] = {"num_key_value_groups"}
+        why += f"; one key/value head per part, on every rank ({kv_layout.placement(0)}), num_key_value_groups divided"
+    parts.why = why
+    return parts
 
 
-def _may_split_heads(use: Any, cols: set[str]) -> bool:
+def _traced(ctx: DeriveContext, heads: int) -> list[TracedCall] | None:
+    """The calls of one meta-device forward sized for ``heads`` query heads (one forward per count, cached)."""
+    if heads not in ctx.traced:
+        try:
+            ctx.traced[heads] = traced_calls(ctx.model, heads)
+        except RuntimeError:
+            ctx.traced[heads] = None
+    return ctx.traced[heads]
+
+
+def _may_split_heads(use: Any, cols: frozenset[str]) -> bool:
     """A split of a value computed from the columns along a constant dim other than the last one."""
     if use.method not in SPLITS or not use.receiver & cols:
         return False

@@ -10,6 +10,7 @@ attention when its module says so or a module in it has a head size. Per-head la
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from hpgen.planner.entries import Refused
@@ -17,6 +18,7 @@ from hpgen.planner.flow import Flow
 from hpgen.planner.head_maps import per_head_map
 from hpgen.planner.head_names import HEAD_DIM_ATTRS, HEADS_ATTRS, KV_HEADS_ATTRS
 from hpgen.planner.head_params import param_use, per_head_view
+from hpgen.planner.layouts import ColumnLayout
 from hpgen.planner.modules import between, is_linear, lca, out_features, positive_int, prefixes, relative
 from hpgen.shards import row_heads
 
@@ -61,7 +63,7 @@ class HeadRules:
         """The rules inside the decoder layer whose flow is ``flow``."""
         return HeadRules(self.model, self.modules, self.tp, self.config, flow, self._cache)
 
-    def head_counts(self, cols: set[str], rows: set[str]) -> dict[str, int]:
+    def head_counts(self, cols: AbstractSet[str], rows: AbstractSet[str]) -> dict[str, int]:
         """Head counts the modules between the projections hold (``num_heads``...), by attribute name."""
         counts: dict[str, int] = {}
         for path in between(cols, lca(cols | rows)):
@@ -75,7 +77,7 @@ class HeadRules:
                 counts.setdefault(name, value)
         return counts
 
-    def check_runtime_heads(self, cols: set[str], layer: str) -> None:
+    def check_runtime_heads(self, cols: Iterable[str], layer: str) -> None:
         """``parallelize`` refuses a row shard of a linear, in a module with a ``head_dim``, that would cut
         a head: refuse it here, with the module named, rather than write a plan it will not install."""
         if self.tp is None:
@@ -173,14 +175,14 @@ class HeadRules:
                 return True
         return False
 
-    def is_attention(self, cols: set[str], rows: set[str]) -> bool:
+    def is_attention(self, cols: AbstractSet[str], rows: AbstractSet[str]) -> bool:
         common = lca(cols | rows)
         name = type(self.modules[common]).__name__.lower() if common in self.modules else ""
         if "attn" in name or "attention" in name:
             return True
         return any(self._attr(p, HEAD_DIM_ATTRS) is not None for p in between(cols, common))
 
-    def head_dim(self, cols: set[str]) -> int | None:
+    def head_dim(self, cols: Iterable[str]) -> int | None:
         for path in between(cols, lca(cols)):
             value = self._attr(path, HEAD_DIM_ATTRS)
             if value is not None:
@@ -191,7 +193,7 @@ class HeadRules:
         hidden, heads = (positive_int(self.config(a)) for a in ("hidden_size", "num_attention_heads"))
         return hidden // heads if hidden and heads else None
 
-    def query_kv_heads(self, cols: set[str], rows: set[str], layer: str) -> tuple[int, int, int] | None:
+    def query_kv_heads(self, cols: AbstractSet[str], rows: AbstractSet[str], layer: str) -> tuple[int, int, int] | None:
         """(query heads, key/value heads, head_dim) of an attention group."""
         head_dim = self.head_dim(cols)
         if not head_dim:
@@ -218,22 +220,23 @@ class HeadRules:
         return None
 
     def check_heads(
-        self, cols: set[str], layouts: Mapping[str, tuple[str, int]], heads: tuple[int, int, int], layer: str
+        self, cols: Iterable[str], layouts: Mapping[str, ColumnLayout], heads: tuple[int, int, int], layer: str
     ) -> None:
+        """Refuse columns that do not hold whole heads, or whose heads (or groups) do not divide over ``--tp``."""
         q, kv, head_dim = heads
         tp = self.tp
         for col in sorted(cols):
             n = out_features(self.modules[col])
-            kind, k = layouts[col]
-            per_block = n // k if kind == "SS" else n
-            if kind == "S" and k == 1 and n in (q, kv) and n % head_dim:
+            layout = layouts[col]
+            per_block = layout.block(n)
+            if layout.plain and n in (q, kv) and n % head_dim:
                 units = n  # one value per head (a per-head gate)
-            elif per_block % head_dim and not (kind == "S" and k > 1 and per_block % k == 0):
+            elif per_block % head_dim and not (layout.grouped and per_block % layout.count == 0):
                 raise Refused(f"{relative(col, layer)} has {n} features, not a whole number of heads of {head_dim}")
             else:
                 units = per_block // head_dim
-            if kind == "S" and k > 1:  # interleaved per head, per key/value group or per group of heads
-                units = k
+            if layout.grouped:  # interleaved per head, per key/value group or per group of heads
+                units = layout.count
             if tp is not None and units % tp:
                 raise Refused(
                     f"{relative(col, layer)} holds {units} heads (or key/value groups, or groups of heads), which do "

@@ -16,6 +16,7 @@ it sized by a head count (or by ``-1``), which is what a per-head slice would ne
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 
 from hpgen.planner.entries import Refused
 from hpgen.planner.flow import Flow
@@ -47,7 +48,7 @@ def _upstream(flow: Flow, start: str, linears: set[str]) -> set[str]:
     return found
 
 
-def pre_projections(flow: Flow, cols: set[str], linears: set[str]) -> set[str]:
+def pre_projections(flow: Flow, cols: AbstractSet[str], linears: set[str]) -> set[str]:
     """The columns that no other projection feeds and whose output feeds another column (a latent
     down-projection); an up-projection fed by a norm of a latent is a column."""
     pre: set[str] = set()
@@ -56,7 +57,7 @@ def pre_projections(flow: Flow, cols: set[str], linears: set[str]) -> set[str]:
     return {p for p in pre if not _upstream(flow, p, linears)}
 
 
-def replicated_closure(flow: Flow, pre: Iterable[str], sharded: set[str]) -> set[str]:
+def replicated_closure(flow: Flow, pre: Iterable[str], sharded: AbstractSet[str]) -> set[str]:
     """``pre`` and the layers computed from it (and the inputs) alone: the block's replicated values."""
     found = set(pre)
     changed = True
@@ -94,7 +95,7 @@ def _size_args(use):  # the size arguments of a reshape, a tuple argument's item
             yield value
 
 
-def fed_columns(flow: Flow, cols: set[str], group: set[str]) -> set[str]:
+def fed_columns(flow: Flow, cols: AbstractSet[str], group: AbstractSet[str]) -> set[str]:
     """Layers computed from the inputs (and each other) alone whose outputs reach only the columns:
     MLA's ``q_a_proj`` and ``q_a_layernorm`` before ``q_b_proj``, replicated in the block."""
     candidates: set[str] = set()
@@ -119,7 +120,7 @@ def fed_columns(flow: Flow, cols: set[str], group: set[str]) -> set[str]:
     return useful
 
 
-def pre_chain(flow: Flow, start: Iterable[str], pre: set[str]) -> set[str]:
+def pre_chain(flow: Flow, start: Iterable[str], pre: AbstractSet[str]) -> set[str]:
     """The replicated layers before the columns reached from ``start``, walking back."""
     found: set[str] = set()
     pending = [o for o in start if o in pre]

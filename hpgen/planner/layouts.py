@@ -3,31 +3,127 @@
 :mod:`hpgen.planner.flow` records every reshape-like call (``view``, ``reshape``,
 ``split``, ``chunk``) with the constant value of each size argument where module
 attributes decide it. For a projection of ``n`` output features, the first such call on
-its output says how the features are packed:
+its output says how the features are packed (a :class:`ColumnLayout`):
 
 - ``split(split_size)`` / ``split([a, a, a])`` / ``chunk(3)``: equal blocks, Q|K|V ->
-  ``("SS", 3)``; blocks of unequal sizes (one shared key/value head after the queries,
-  multi-query) are refused;
+  ``packed(3)``; blocks of unequal sizes (one shared key/value head after the queries,
+  multi-query) are refused (:class:`UnequalBlocks`);
 - ``view(..., heads, 3, head_dim)`` or ``view(..., heads, 3 * head_dim)``: per head
-  interleaved -> ``("S", heads)``, whole heads stay together under a plain shard;
+  interleaved -> ``grouped(heads)``, whole heads stay together under a plain shard;
   ``view(..., 3, heads, head_dim)``: blocks again; ``view(..., kv, q // kv + 2, head_dim)``
   (Falcon's grouped layout): per key/value group; ``view(..., heads + 2, head_dim)``
   (multi-query) refused;
-- an MLP's ``view(..., 2, -1)`` packs gate and up -> ``("SS", 2)``.
+- an MLP's ``view(..., 2, -1)`` packs gate and up -> ``packed(2)``.
+
+A layout becomes a placement (``S``, ``SS``, ``RS`` text) only on a weight's dim
+(:meth:`ColumnLayout.placement`), when the plan is written.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass
+from enum import Enum
 
+from hpgen.placement import Placement, replicated_shard, shard, strided_shard
 from hpgen.planner.flow import ShapeUse, Val
 
-__all__ = ["arg_reads", "dim_of", "last_dim", "layout_of"]
+__all__ = [
+    "PLAIN",
+    "ColumnLayout",
+    "Packing",
+    "UnequalBlocks",
+    "arg_reads",
+    "dim_of",
+    "grouped",
+    "last_dim",
+    "layout_of",
+    "packed",
+    "replicated",
+]
 
 
-def layout_of(use: ShapeUse, n: int, heads: tuple[int, int, int] | None) -> tuple[str, Any]:
-    """What the first reshape after a projection of ``n`` features says about its layout."""
+class Packing(Enum):
+    """How a column projection's output features are laid out, which says how its rows are cut."""
+
+    CONTIGUOUS = "contiguous"  # one run of features (S), maybe in groups a cut keeps whole (whole heads)
+    PACKED = "packed"  # equal packed blocks (Q|K|V), each cut on its own (SS)
+    REPLICATED = "replicated"  # each chunk on consecutive ranks: key/value heads every rank needs (RS)
+
+
+@dataclass(frozen=True)
+class ColumnLayout:
+    """The layout of one column projection's output features.
+
+    ``count``: CONTIGUOUS, the groups of features (heads, key/value groups) a rank takes whole
+    (1: no grouping); PACKED, the blocks; REPLICATED, the consecutive ranks holding each chunk.
+    """
+
+    packing: Packing
+    count: int = 1
+
+    @property
+    def plain(self) -> bool:
+        """One run of features with nothing to keep together (``S`` with no grouping)."""
+        return self.packing is Packing.CONTIGUOUS and self.count == 1
+
+    @property
+    def contiguous(self) -> bool:
+        """A rank's share is one run of the features (``S``)."""
+        return self.packing is Packing.CONTIGUOUS
+
+    @property
+    def grouped(self) -> bool:
+        """One run, in ``count`` > 1 groups a cut keeps whole (interleaved per head or per key/value group)."""
+        return self.packing is Packing.CONTIGUOUS and self.count > 1
+
+    @property
+    def packed(self) -> bool:
+        return self.packing is Packing.PACKED
+
+    @property
+    def replicated(self) -> bool:
+        return self.packing is Packing.REPLICATED
+
+    def block(self, features: int) -> int:
+        """The features of one packed block (all of them when not packed)."""
+        return features // self.count if self.packed else features
+
+    def placement(self, dim: int) -> Placement:
+        """The placement of a weight whose ``dim`` holds these features: ``S``, ``SS`` or ``RS`` on it (a
+        grouping needs no count there: a plain shard of whole groups keeps them whole)."""
+        if self.packed:
+            return strided_shard(dim, self.count)
+        if self.replicated:
+            return replicated_shard(dim, self.count)
+        return shard(dim)
+
+
+PLAIN = ColumnLayout(Packing.CONTIGUOUS)
+
+
+def grouped(groups: int) -> ColumnLayout:
+    """One run of features in ``groups`` groups a rank takes whole."""
+    return ColumnLayout(Packing.CONTIGUOUS, groups)
+
+
+def packed(blocks: int) -> ColumnLayout:
+    """``blocks`` equal packed blocks (``SS``)."""
+    return ColumnLayout(Packing.PACKED, blocks)
+
+
+def replicated(ranks: int) -> ColumnLayout:
+    """Each chunk held by ``ranks`` consecutive ranks (``RS``)."""
+    return ColumnLayout(Packing.REPLICATED, ranks)
+
+
+class UnequalBlocks(ValueError):
+    """The reshape packs blocks that no column layout cuts into whole heads per rank (the message says which)."""
+
+
+def layout_of(use: ShapeUse, n: int, heads: tuple[int, int, int] | None) -> ColumnLayout | None:
+    """What the first reshape after a projection of ``n`` features says about its layout: None where it
+    says nothing; :class:`UnequalBlocks` where it packs blocks no layout cuts."""
     if use.method in ("split", "tensor_split"):
         first = use.arg_vals[0] if use.arg_vals else None
         sizes = first.const if first is not None else None
@@ -35,65 +131,65 @@ def layout_of(use: ShapeUse, n: int, heads: tuple[int, int, int] | None) -> tupl
             sizes = tuple(item.const for item in first.items)
         if isinstance(sizes, int) and sizes > 0 and n % sizes == 0:
             k = n // sizes
-            return ("SS", k) if k > 1 else ("S", 1)
+            return packed(k) if k > 1 else PLAIN
         if isinstance(sizes, (tuple, list)) and sizes and all(isinstance(s, int) for s in sizes):
             if sum(sizes) != n:
-                return "unknown", None
+                return None
             if len(set(sizes)) == 1:
-                return ("SS", len(sizes)) if len(sizes) > 1 else ("S", 1)
-            return "refuse", (
+                return packed(len(sizes)) if len(sizes) > 1 else PLAIN
+            raise UnequalBlocks(
                 f"the projection packs blocks of unequal sizes {list(sizes)} (multi-query: one key/value head shared "
                 "by all query heads), which no S or SS placement cuts into whole heads per rank"
             )
-        return "unknown", None
+        return None
     if use.method == "chunk":
         k = use.arg_vals[0].const if use.arg_vals else None
         if isinstance(k, int) and k > 1 and n % k == 0:
-            return "SS", k
-        return "unknown", None
+            return packed(k)
+        return None
     if use.method in ("view", "reshape", "unflatten"):
         values = use.arg_vals[1:] if use.method == "unflatten" else use.arg_vals
         dims = flat_dims(values)
         suffix = feature_dims(dims, n)
         if suffix is None:
-            return "unknown", None
+            return None
         if heads is None:  # an MLP: [k, features] packs k projections (gate and up)
             if len(suffix) >= 2 and suffix[0] in (2, 3):
-                return "SS", suffix[0]
-            return "S", 1
+                return packed(suffix[0])
+            return PLAIN
         q, kv, head_dim = heads
         if len(suffix) == 1:
-            return "S", 1
+            return PLAIN
         lead = suffix[0]
         rest = n // lead
         if lead in (2, 3) and rest % head_dim == 0 and lead * rest == n and len(suffix) >= 2 and lead not in (q, kv):
-            return "SS", lead  # [k, heads, head_dim]: k packed blocks
+            return packed(lead)  # [k, heads, head_dim]: k packed blocks
         if (
             lead in (q, kv)
             and rest % head_dim == 0
             and rest // head_dim in (2, 3)
             or (lead in (q, kv) and len(suffix) >= 3 and suffix[1] in (2, 3))
         ):
-            return "S", lead  # [heads, k, head_dim]: interleaved per head, whole heads stay together
+            return grouped(lead)  # [heads, k, head_dim]: interleaved per head, whole heads stay together
         if lead == kv and len(suffix) == 3 and suffix[1] == q // kv + 2:
-            return "S", lead  # [kv groups, queries per group + 2, head_dim]: per key/value group
+            return grouped(lead)  # [kv groups, queries per group + 2, head_dim]: per key/value group
         if lead == q + 2 and len(suffix) == 2:
-            return "refuse", (
+            raise UnequalBlocks(
                 "the projection packs the query heads with one shared key and value head (multi-query), which no S "
                 "or SS placement cuts into whole heads per rank"
             )
         if lead * head_dim == n or (len(suffix) == 2 and suffix[1] == head_dim and lead == n // head_dim):
-            return "S", 1
+            return PLAIN
         if len(suffix) == 2 and lead in (q, kv) and lead * suffix[1] == n:
-            return "S", lead  # [heads, features of one head] of another width (MLA's key and value per head)
+            return grouped(lead)  # [heads, features of one head] of another width (MLA's key and value per head)
         if lead in (q, kv) and n % head_dim and n % lead == 0:
-            return "S", lead  # [heads, 1, taps]: a few values per head, no head_dim (per-head conv taps)
+            return grouped(lead)  # [heads, 1, taps]: a few values per head, no head_dim (per-head conv taps)
         if len(suffix) == 2 and 1 < lead < q == kv and q % lead == 0 and rest == 3 * (q // lead) * head_dim:
             # [groups, 3 blocks of the group's heads]: CodeGen's qkv_proj, [q | v | k] of q / groups heads in each of
             # its mp_num groups; whole groups stay together, so a rank's rows are its own heads' q, v and k
-            return "S", lead
-        return "unknown", None
-    return "unknown", None
+            return grouped(lead)
+        return None
+    return None
 
 
 def flat_dims(values: Iterable[Val]) -> list[int | None]:

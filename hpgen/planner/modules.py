@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 _DIGITS = re.compile(r"\.\d+(?=\.|$)")  # a list index segment
 
 __all__ = [
+    "attr_value",
     "between",
     "generic",
     "in_features",
@@ -127,6 +128,14 @@ def between(cols: Iterable[str], top: str) -> list[str]:
 
 def relative(fqn: str, base: str) -> str:
     return fqn[len(base) + 1 :] if base and fqn.startswith(base + ".") else ("" if fqn == base else fqn)
+
+
+def attr_value(modules: Mapping[str, Any], fqn: str, attr: str) -> Any:
+    """The value of ``self.<attr>`` (dotted) of the module at ``fqn``, None where it has none."""
+    obj: Any = modules.get(fqn)
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+    return obj
 
 
 def join(prefix: str, name: str) -> str:

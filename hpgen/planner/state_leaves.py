@@ -3,7 +3,7 @@
 To the dataflow (:mod:`hpgen.planner.flow`) a module of the modeling file holding
 parameters and no children is one opaque layer (a norm, an experts module). Inside a
 state-space mixer (:mod:`hpgen.planner.channels`) such a module is *opened*: its
-``forward`` is interpreted on its own (``run_module(..., open_leaf=True)``), so its direct
+``forward`` is interpreted on its own (:meth:`~hpgen.planner.derive_context.DeriveContext.leaf_flow`), so its direct
 parameter reads, reshapes and allocations are seen, and it is accepted as working on
 this rank's channels only when its code shows, for ``C`` channels:
 
@@ -34,13 +34,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from hpgen.planner.derive_context import DeriveContext
 from hpgen.planner.entries import Refused
-from hpgen.planner.flow import Flow, leaf_kind, run_module
+from hpgen.planner.flow import Flow, leaf_kind
 from hpgen.planner.flow.runner import class_nodes, forward_owner, function_def, is_norm
 from hpgen.planner.layouts import flat_dims
 from hpgen.planner.modules import relative
 
-__all__ = ["channel_groups", "check_state_leaf", "follows_channels", "leaf_flow", "state_leaves"]
+__all__ = ["channel_groups", "check_state_leaf", "follows_channels", "state_leaves"]
 
 REDUCTIONS = frozenset(
     {
@@ -66,18 +67,10 @@ def state_leaves(model: Any, fqn: str, source: Path | tuple[Path, ...]) -> list[
     return found
 
 
-def leaf_flow(deriver: Any, fqn: str) -> Flow:
-    """The dataflow of the leaf's own ``forward`` (cached on the deriver with the other flows)."""
-    key = f"{fqn}#open"
-    if key not in deriver._flows:
-        deriver._flows[key] = run_module(deriver.model, fqn, deriver.read, names=deriver.names, open_leaf=True)
-    return deriver._flows[key]
-
-
-def check_state_leaf(deriver: Any, fqn: str, channels: int, mixer: str) -> set[int]:
+def check_state_leaf(ctx: DeriveContext, fqn: str, channels: int, mixer: str) -> set[int]:
     """The head counts of the leaf's per-head parameters, once its code shows it works per channel / per
     head (see the module docstring); raises :class:`Refused` saying what does not."""
-    module = deriver.modules[fqn]
+    module = ctx.modules[fqn]
     where = relative(fqn, mixer)
     heads: set[int] = set()
     per_head: set[str] = set()
@@ -91,7 +84,7 @@ def check_state_leaf(deriver: Any, fqn: str, channels: int, mixer: str) -> set[i
         if count < channels:
             heads.add(count)
             per_head.add(name)
-    flow = leaf_flow(deriver, fqn)
+    flow = ctx.leaf_flow(fqn)
     first = flow.first_input
     for count in sorted(heads):
         if not _cuts_heads(flow, f"in:{first}", count, channels // count, fqn):

@@ -56,11 +56,13 @@ class _Vocabulary:
         if len(heads) != len(embeddings):
             heads = heads + [None] * (len(embeddings) - len(heads)) if len(heads) < len(embeddings) else heads
             embeddings = embeddings + [None] * (len(heads) - len(embeddings))
-        self._tables_done = False
+        tables = True  # the other lookup tables, sized by the first vocab-parallel embedding
         for one_embedding, one_head in zip(embeddings, heads):
-            self._place(one_embedding, one_head, raw)
+            tables = not self._place(one_embedding, one_head, raw, tables=tables) and tables
 
-    def _place(self, embedding: Any, head: Any, raw: set[str]) -> None:
+    def _place(self, embedding: Any, head: Any, raw: set[str], *, tables: bool) -> bool:
+        """Place one embedding and output projection (and, with ``tables``, the other lookup tables after the
+        embedding); whether the other tables were placed."""
         import torch.nn as nn
 
         emb_fqn = self.names.get(id(embedding)) if embedding is not None else None
@@ -103,8 +105,8 @@ class _Vocabulary:
             )
             self.result.note(emb_fqn, True, "vocab-parallel embedding: rows S(0), the partial lookups all-reduced")
             self._aliases(emb_fqn, "weight", shard(0))
-        if ok_emb and emb_fqn and not self._tables_done:
-            self._tables_done = True
+        placed_tables = bool(ok_emb and emb_fqn and tables)
+        if placed_tables:
             self._other_tables(embedding.num_embeddings, raw)
         if ok_head and head_fqn:
             placed = Placed(head_fqn, "lm_head", {"weight": shard(0)}, why="column-parallel output projection")
@@ -115,6 +117,7 @@ class _Vocabulary:
             self.result.note(head_fqn, True, "column-parallel output projection: vocabulary rows S(0), logits gathered")
             if not tied:
                 self._aliases(head_fqn, "weight", shard(0))
+        return placed_tables
 
     def _other_tables(self, word_rows: int, raw: set[str]) -> None:
         """Other lookup tables outside the layers (learned positions, shape ids) as large as a quarter of the
