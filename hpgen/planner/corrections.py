@@ -29,7 +29,9 @@ if TYPE_CHECKING:
 __all__ = ["chunked_attributes", "correct_packed_chunks"]
 
 
-def correct_packed_chunks(rules: StyleRules, modules: Mapping[str, Any], forwards: Forwards) -> tuple[StyleRules, dict[str, str]]:
+def correct_packed_chunks(
+    rules: StyleRules, modules: Mapping[str, Any], forwards: Forwards
+) -> tuple[StyleRules, dict[str, str]]:
     """``colwise`` on a fused projection whose output ``forward`` splits with ``chunk(2)`` becomes
     ``packed_colwise``: the rules corrected, and each correction's why, by pattern."""
     corrected = dict(rules.rules)

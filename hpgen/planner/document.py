@@ -40,7 +40,7 @@ def plan_document(
     injections: list[dict[str, Any]],
     comments: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The plan document of the grouped entries, loaded once before it is returned: what the planner writes must load."""
+    """The plan document of the grouped entries, loaded once before it is returned: what we write must load."""
     document: dict[str, Any] = {
         "format": PLAN_FORMAT,
         "model_class": type(context.model).__name__,
