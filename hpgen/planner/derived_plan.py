@@ -41,7 +41,7 @@ from hpgen.plan_entries import Layout
 from hpgen.planner.boundary import Boundary, Transition, add_boundary
 from hpgen.planner.context import PlanContext
 from hpgen.planner.derive import Derivation, Placed
-from hpgen.planner.document import grouped, plan_document
+from hpgen.planner.document import Grouped, grouped, plan_document
 from hpgen.planner.entries import BATCH_MAJOR
 from hpgen.planner.modules import generic
 from hpgen.planner.sequence import sequence_parallel
@@ -181,7 +181,7 @@ def _set_io(context: PlanContext, placed: Placed, boundary: Boundary) -> None:
     boundary.outputs[names[0]] = (_PARTIAL, _SEQ if boundary.sp_input else _R)
 
 
-def _batch_major_injections(groups: dict[str, tuple[Boundary, Any]], placed: dict[str, Placed]) -> list[dict[str, Any]]:
+def _batch_major_injections(groups: Grouped, placed: dict[str, Placed]) -> list[dict[str, Any]]:
     """The region injections of blocks whose per-head input fuses the heads into the batch dim
     (BLOOM's ``alibi``): see :mod:`hpgen.runtime.local_heads`."""
     injections = []
