@@ -11,7 +11,7 @@ block's input is ``R -> R`` and its output ``P(sum) -> R`` (from the sequence sh
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +22,7 @@ from hpgen.plan_entries import Layout
 from hpgen.planner.boundary import Boundary
 from hpgen.planner.checks import is_attention
 from hpgen.planner.load import index_source, source_file
-from hpgen.planner.styles import EMBEDDING_LEAVES, LINEAR_LEAVES, Rule
+from hpgen.planner.styles import EMBEDDING_LEAVES, LINEAR_LEAVES, StyleRules
 
 if TYPE_CHECKING:
     from hpgen.index import ClassInfo, ModuleIndex, ParsedSource
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["Forwards", "return_names", "self_calls", "set_translated_io"]
 
 
-def set_translated_io(context: PlanContext, rules: Mapping[str, Rule], boundary: Boundary) -> None:
+def set_translated_io(context: PlanContext, rules: StyleRules, boundary: Boundary) -> None:
     """Fill in ``boundary``'s inputs and outputs from its kind and style (``--sp`` boundaries have theirs)."""
     if boundary.kind == "sp":
         return
@@ -40,7 +40,7 @@ def set_translated_io(context: PlanContext, rules: Mapping[str, Rule], boundary:
     partial = Layout.same(axes, PARTIAL_SUM)
     if boundary.kind == "linear":
         boundary.wrapped_as = "nn.Linear"
-        if LINEAR_LEAVES[rules[boundary.fqn].style] == "col":
+        if LINEAR_LEAVES[rules.rules[boundary.fqn].style] == "col":
             boundary.inputs["input"] = (replicated, replicated)
             boundary.outputs["output"] = (Layout.same(axes, shard(-1)), replicated)
         else:
@@ -53,7 +53,7 @@ def set_translated_io(context: PlanContext, rules: Mapping[str, Rule], boundary:
         return
     if boundary.kind == "embedding":
         boundary.wrapped_as = "nn.Embedding"
-        vocab_rows = EMBEDDING_LEAVES[rules[boundary.fqn].style] == 0
+        vocab_rows = EMBEDDING_LEAVES[rules.rules[boundary.fqn].style] == 0
         boundary.outputs["output"] = (partial if vocab_rows else Layout.same(axes, shard(-1)), replicated)
         return
     forwards = context.forwards
@@ -100,6 +100,7 @@ class Forwards:
         return (path, *self._files[path])
 
     def class_info(self, module: Any, fqn: str) -> ClassInfo:
+        """The module's class in its modeling file (a top-level class there, or an error)."""
         cls = type(module)
         path, _, index = self.source_of(cls)
         info = index.class_named(cls.__name__)
@@ -147,6 +148,7 @@ class Forwards:
         return [p.name for p in positional if not p.has_default and p.name in scaled]
 
     def first_input(self, module: Any, fqn: str) -> str:
+        """The module's input: the first parameter of its ``forward`` after ``self``."""
         return self.parameters(module, fqn)[0]
 
     def outputs(self, module: Any, fqn: str) -> tuple[str, ...]:

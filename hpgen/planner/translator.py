@@ -126,7 +126,7 @@ def translated_plan(
     if sp:
         sequence_parallel(context, boundaries)
     for boundary in boundaries.values():
-        set_translated_io(context, rules.rules, boundary)
+        set_translated_io(context, rules, boundary)
     groups = grouped(context, boundaries)
     # transformers' styles the source contradicts (corrections.py)
     comments = {"corrected": dict(sorted(corrected.items()))} if corrected else None
