@@ -12,7 +12,7 @@ module of the package; :mod:`hpgen.planner.flow` has a map of its own):
 - translating transformers' ``base_model_tp_plan`` / ``base_model_ep_plan``
   (:mod:`~hpgen.planner.translator`, whose
   :func:`~hpgen.planner.translator.translated_plan` calls one function per step, each
-  reading a :mod:`~hpgen.planner.context` and returning what the next takes):
+  reading a :mod:`~hpgen.planner.plan_context` and returning what the next takes):
   :mod:`~hpgen.planner.styles` (each style, the rules on concrete modules and axes),
   :mod:`~hpgen.planner.corrections` (styles the source contradicts, corrected),
   :mod:`~hpgen.planner.blocks` (the boundaries the styles imply, the parameters inside

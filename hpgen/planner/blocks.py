@@ -42,7 +42,7 @@ from hpgen.planner.styles import (
 )
 
 if TYPE_CHECKING:
-    from hpgen.planner.context import PlanContext
+    from hpgen.planner.plan_context import PlanContext
 
 __all__ = ["find_boundaries", "implicit_grad_reduce", "place_params"]
 

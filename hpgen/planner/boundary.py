@@ -17,7 +17,7 @@ from hpgen.errors import HpgenError
 from hpgen.plan_entries import Layout
 
 if TYPE_CHECKING:
-    from hpgen.planner.context import PlanContext
+    from hpgen.planner.plan_context import PlanContext
 
 __all__ = ["Boundary", "Transition", "add_boundary", "enclosing"]
 

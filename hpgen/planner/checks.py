@@ -17,7 +17,7 @@ from hpgen.placement import replicated_shard, shard
 from hpgen.planner.boundary import Boundary
 
 if TYPE_CHECKING:
-    from hpgen.planner.context import PlanContext
+    from hpgen.planner.plan_context import PlanContext
 
 __all__ = ["check_sizes", "config_value", "is_attention"]
 

@@ -39,7 +39,7 @@ from hpgen.errors import HpgenError
 from hpgen.placement import PARTIAL_SUM, REPLICATE, Placement, shard
 from hpgen.plan_entries import Layout
 from hpgen.planner.boundary import Boundary, Transition, add_boundary
-from hpgen.planner.context import PlanContext
+from hpgen.planner.plan_context import PlanContext
 from hpgen.planner.derive import Derivation, Placed
 from hpgen.planner.document import Grouped, grouped, plan_document
 from hpgen.planner.entries import BATCH_MAJOR

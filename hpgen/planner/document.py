@@ -21,7 +21,7 @@ from hpgen.planner.modules import generic
 from hpgen.planner.styles import EXPERTS_PARALLEL
 
 if TYPE_CHECKING:
-    from hpgen.planner.context import PlanContext
+    from hpgen.planner.plan_context import PlanContext
 
 __all__ = ["Grouped", "boundary_classes", "dumps_plan", "expert_injections", "grouped", "plan_document"]
 

@@ -21,7 +21,7 @@ from hpgen.planner.load import defined_in
 from hpgen.planner.signatures import self_calls
 
 if TYPE_CHECKING:
-    from hpgen.planner.context import PlanContext
+    from hpgen.planner.plan_context import PlanContext
 
 __all__ = ["has_params", "is_norm", "is_per_token", "sequence_parallel"]
 

@@ -26,7 +26,7 @@ from hpgen.planner.styles import EMBEDDING_LEAVES, LINEAR_LEAVES, StyleRules
 
 if TYPE_CHECKING:
     from hpgen.index import ClassInfo, ModuleIndex, ParsedSource
-    from hpgen.planner.context import PlanContext
+    from hpgen.planner.plan_context import PlanContext
 
 __all__ = ["Forwards", "return_names", "self_calls", "set_translated_io"]
 

@@ -69,7 +69,7 @@ model) and :func:`~hpgen.planner.styles.style_rules` (the rules, TP and EP, as o
 :func:`~hpgen.planner.signatures.set_translated_io`; step 4
 :func:`~hpgen.planner.document.grouped` and
 :func:`~hpgen.planner.document.plan_document`. Every step reads one
-:class:`~hpgen.planner.context.PlanContext` (the model, its modules, its modeling files,
+:class:`~hpgen.planner.plan_context.PlanContext` (the model, its modules, its modeling files,
 the mesh). :func:`hpgen.planner.derived_plan.derived_plan` calls the same steps from
 ``--sp`` on, for the plans derived from the source.
 
@@ -84,7 +84,7 @@ from typing import TYPE_CHECKING, Any
 from hpgen.errors import HpgenError
 from hpgen.planner.blocks import find_boundaries, implicit_grad_reduce, place_params
 from hpgen.planner.checks import check_sizes
-from hpgen.planner.context import PlanContext
+from hpgen.planner.plan_context import PlanContext
 from hpgen.planner.corrections import correct_packed_chunks
 from hpgen.planner.document import expert_injections, grouped, plan_document
 from hpgen.planner.sequence import sequence_parallel
