@@ -89,6 +89,7 @@ class Placement:
 
 
 REPLICATE = Placement("R")
+PARTIAL_SUM = Placement("P", op="sum")
 
 
 def shard(dim: int) -> Placement:

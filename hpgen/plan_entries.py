@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from hpgen.placement import REPLICATE, Placement
@@ -43,6 +43,21 @@ class Layout:
             if name == axis:
                 return placement
         return REPLICATE
+
+    @staticmethod
+    def same(axes: Iterable[str], placement: Placement) -> Layout:
+        """``placement`` on each of ``axes``, in their order."""
+        return Layout(tuple((axis, placement) for axis in axes))
+
+    def with_axis(self, axis: str, placement: Placement) -> Layout:
+        """This layout with ``placement`` on ``axis``: replaced where it names the axis, else added last."""
+        if all(name != axis for name, _ in self.placements):
+            return Layout((*self.placements, (axis, placement)))
+        return Layout(tuple((name, placement if name == axis else old) for name, old in self.placements))
+
+    def document(self) -> dict[str, str]:
+        """The layout as a plan document writes it: axis -> placement text, for the axes it names."""
+        return {axis: str(placement) for axis, placement in self.placements}
 
     def __str__(self) -> str:
         return ", ".join(f"{axis} {placement}" for axis, placement in self.placements)

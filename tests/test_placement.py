@@ -51,3 +51,15 @@ def test_canonical_spelling_round_trips(text):
 def test_rejects(text, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Placement.parse(text)
+
+
+def test_a_layout_writes_the_axes_it_names_and_replaces_one_in_place():
+    """What the planner builds its entries from: a Layout written as text once, axes it omits are R."""
+    from hpgen.placement import PARTIAL_SUM, shard
+    from hpgen.plan_entries import Layout
+
+    layout = Layout.same(("tp",), REPLICATE).with_axis("ep", shard(0))
+    assert layout.document() == {"tp": "R", "ep": "S(0)"}
+    assert layout.with_axis("tp", PARTIAL_SUM).placements == (("tp", PARTIAL_SUM), ("ep", shard(0)))
+    assert layout.on("dp") == REPLICATE
+    assert Placement.parse(str(PARTIAL_SUM)) == PARTIAL_SUM

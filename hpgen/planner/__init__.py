@@ -10,15 +10,17 @@ module of the package; :mod:`hpgen.planner.flow` has a map of its own):
   the steps after either), :mod:`~hpgen.planner.load` (the config, the model on the meta
   device, its modeling file).
 - translating transformers' ``base_model_tp_plan`` / ``base_model_ep_plan``
-  (:mod:`~hpgen.planner.translator`, one :class:`~hpgen.planner.translator.Translator`
-  whose steps are its base classes): :mod:`~hpgen.planner.styles` (each style, the rules
-  on concrete modules and axes), :mod:`~hpgen.planner.corrections` (styles the source
-  contradicts, corrected), :mod:`~hpgen.planner.blocks` (the boundaries the styles imply,
-  the parameters inside them), :mod:`~hpgen.planner.checks` (the axes divide heads,
-  experts and vocabulary rows), :mod:`~hpgen.planner.sequence` (``--sp``),
-  :mod:`~hpgen.planner.signatures` (each boundary's inputs and outputs, from its
-  ``forward``), :mod:`~hpgen.planner.document` (the plan document, grouped into ``*``
-  keys), :mod:`~hpgen.planner.boundary` (the record of one boundary the steps fill in).
+  (:mod:`~hpgen.planner.translator`, whose
+  :func:`~hpgen.planner.translator.translated_plan` calls one function per step, each
+  reading a :mod:`~hpgen.planner.plan_context` and returning what the next takes):
+  :mod:`~hpgen.planner.styles` (each style, the rules on concrete modules and axes),
+  :mod:`~hpgen.planner.corrections` (styles the source contradicts, corrected),
+  :mod:`~hpgen.planner.blocks` (the boundaries the styles imply, the parameters inside
+  them), :mod:`~hpgen.planner.checks` (the axes divide heads, experts and vocabulary
+  rows), :mod:`~hpgen.planner.sequence` (``--sp``), :mod:`~hpgen.planner.signatures`
+  (each class's ``forward``: a boundary's inputs and outputs),
+  :mod:`~hpgen.planner.document` (the plan document, grouped into ``*`` keys),
+  :mod:`~hpgen.planner.boundary` (the record of one boundary the steps fill in).
 - deriving a plan from the modeling source (:mod:`~hpgen.planner.derive`, the layer
   loop calling each step, a function handed what it reads and returning what it decides):
   :mod:`~hpgen.planner.derive_context` (what every step reads: the model, its files, ``--tp``,
@@ -42,7 +44,7 @@ module of the package; :mod:`hpgen.planner.flow` has a map of its own):
   input); :mod:`~hpgen.planner.vocab` (the embedding and output projection);
   :mod:`~hpgen.planner.entries` (what a derivation decides); :mod:`~hpgen.planner.modules`
   (small questions about modules); :mod:`~hpgen.planner.derived_plan` (the derivation
-  written as a plan, through the translator's later steps).
+  written as a plan, calling the translator's steps from ``--sp`` on).
 - after either: :mod:`~hpgen.planner.crosscheck` (blocks of transformers' plan the
   source contradicts fall back), :mod:`~hpgen.planner.summed` (parallel-residual blocks
   reduced once), :mod:`~hpgen.planner.files` (boundaries in several modeling files).

@@ -3,7 +3,8 @@
 transformers' plans are written by hand, and a few give a style that the modeling code
 does not follow; translating them as written gives wrong numbers. This module finds
 such places in a class's ``forward`` so that the translator (:mod:`hpgen.planner.translator`)
-corrects the style and says so in the plan's ``comments`` (``corrected``):
+corrects the style (:func:`correct_packed_chunks` returns the rules corrected) and says so
+in the plan's ``comments`` (``corrected``):
 
 - a fused projection sharded ``colwise`` whose output the ``forward`` splits with
   ``.chunk(2, ...)`` (InklingExperts: ``linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)``)
@@ -14,33 +15,28 @@ corrects the style and says so in the plan's ``comments`` (``corrected``):
 from __future__ import annotations
 
 import ast
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from hpgen.errors import HpgenError
 from hpgen.planner.modules import generic
-from hpgen.planner.styles import Rule
+from hpgen.planner.styles import Rule, StyleRules
 
 if TYPE_CHECKING:
-    from hpgen.index import ClassInfo, ModuleIndex, ParsedSource
+    from hpgen.planner.signatures import Forwards
 
 __all__ = ["chunked_attributes", "correct_packed_chunks"]
 
 
 def correct_packed_chunks(
-    rules: dict[str, Rule],
-    modules: Mapping[str, Any],
-    forward_owner: Callable[[Any, str], ClassInfo],
-    source_of: Callable[[type], tuple[Path, ParsedSource, ModuleIndex]],
-) -> dict[str, str]:
+    rules: StyleRules, modules: Mapping[str, Any], forwards: Forwards
+) -> tuple[StyleRules, dict[str, str]]:
     """``colwise`` on a fused projection whose output ``forward`` splits with ``chunk(2)`` becomes
-    ``packed_colwise`` in ``rules`` (changed in place); returns each corrected rule's why, by pattern.
-
-    ``forward_owner`` and ``source_of`` are the translator's: the class whose ``forward`` a module
-    runs, and a class's modeling file parsed and indexed."""
-    corrected: dict[str, str] = {}
-    for fqn, rule in sorted(rules.items()):
+    ``packed_colwise``: the rules corrected, and each correction's why, by pattern."""
+    corrected = dict(rules.rules)
+    why: dict[str, str] = {}
+    for fqn, rule in sorted(rules.rules.items()):
         if rule.style != "colwise" or rule.via_module:
             continue
         owner_fqn, _, attr = fqn.rpartition(".")
@@ -48,20 +44,20 @@ def correct_packed_chunks(
         if owner is None:
             continue
         try:
-            info = forward_owner(owner, owner_fqn)
-            parsed = source_of(type(owner))[1]
+            info = forwards.owner(owner, owner_fqn)
+            parsed = forwards.source_of(type(owner))[1]
         except HpgenError:  # a class with no source to read (torch's own)
             continue
         if attr not in chunked_attributes(parsed.tree, info.name):
             continue
-        for name, other in list(rules.items()):
+        for name, other in list(corrected.items()):
             if name == fqn or (name.startswith(fqn + ".") and other.via_module and other.style == "colwise"):
-                rules[name] = Rule("packed_colwise", other.axis, other.via_module)
-        corrected[generic(fqn)] = (
+                corrected[name] = Rule("packed_colwise", other.axis, other.via_module)
+        why[generic(fqn)] = (
             f"transformers' plan says colwise, but {info.name}.forward splits the output of {attr} with "
             "chunk(2): two packed blocks, so packed_colwise (each rank takes its chunk of both)"
         )
-    return corrected
+    return replace(rules, rules=corrected), why
 
 
 def _class_of(tree: ast.Module, class_name: str) -> ast.ClassDef | None:

@@ -1,12 +1,14 @@
 """A derived layout (:mod:`hpgen.planner.derive`) written as a frozen plan.
 
-It reuses the translator of transformers' plans (:mod:`hpgen.planner.translator`) for
-everything after the choice of boundaries: the inputs and outputs read from each
-class's ``forward``, the replicated parameters of a sharded body in
-``grad_reduce_params``, grouping of the layers into ``*`` keys, ``boundary_classes``
-where static resolution needs them, and the check that the document loads. What differs is where the boundaries
-come from (the derivation, not the styles) and the kinds a derivation has that
-transformers' plans never produce:
+:func:`derived_plan` calls the steps of the translator of transformers' plans
+(:mod:`hpgen.planner.translator`) that come after the choice of boundaries: ``--sp``
+(:func:`~hpgen.planner.sequence.sequence_parallel`), grouping of the layers into ``*``
+keys, ``boundary_classes`` where static resolution needs them, and the check that the
+document loads (:mod:`~hpgen.planner.document`), with the inputs and outputs read from
+each class's ``forward`` (:class:`~hpgen.planner.signatures.Forwards`). What differs is
+where the boundaries come from (the derivation, not the styles: the styles' rules, size
+checks and corrections are not called), and the kinds a derivation has that transformers'
+plans never produce, with their transitions on ``tp`` (:data:`LEAF_TRANSITIONS`):
 
 - ``col_block``: a module holding only column-parallel projections, whose output stays
   sharded (``S(-1) -> S(-1)``) for the row-parallel ``nn.Linear`` after it;
@@ -34,14 +36,19 @@ from __future__ import annotations
 from typing import Any
 
 from hpgen.errors import HpgenError
-from hpgen.placement import Placement
-from hpgen.planner.boundary import Boundary
-from hpgen.planner.modules import generic
+from hpgen.placement import PARTIAL_SUM, REPLICATE, Placement, shard
+from hpgen.plan_entries import Layout
+from hpgen.planner.boundary import Boundary, Transition, add_boundary
+from hpgen.planner.plan_context import PlanContext
 from hpgen.planner.derive import Derivation, Placed
+from hpgen.planner.document import Grouped, grouped, plan_document
 from hpgen.planner.entries import BATCH_MAJOR
-from hpgen.planner.translator import Translator
+from hpgen.planner.modules import generic
+from hpgen.planner.sequence import sequence_parallel
+from hpgen.planner.signatures import Forwards
+from hpgen.planner.translator import check_axis_sizes
 
-__all__ = ["derived_plan"]
+__all__ = ["LEAF_TRANSITIONS", "derived_plan"]
 
 BATCH_MAJOR_HEADS = "hpgen.runtime.local_heads.batch_major_heads"
 
@@ -62,6 +69,25 @@ _KINDS = {
     "heads": "block",
 }
 
+# On the one axis of a derived plan: replicated, the last dim sharded, the sequence sharded (--sp), partial
+_R = Layout.same(("tp",), REPLICATE)
+_LAST = Layout.same(("tp",), shard(-1))
+_SEQ = Layout.same(("tp",), shard(1))
+_PARTIAL = Layout.same(("tp",), PARTIAL_SUM)
+
+# A wrapped leaf's kind -> its input's and its output's transition (an embedding takes no input transition)
+LEAF_TRANSITIONS: dict[str, tuple[Transition | None, Transition]] = {
+    "lm_head": ((_R, _R), (_LAST, _R)),
+    "col_gather": ((_R, _R), (_LAST, _R)),
+    "gather_leaf": ((_LAST, _R), (_LAST, _LAST)),  # a sharded column's output gathered; one output per local head
+    "split_row": ((_R, _LAST), (_PARTIAL, _R)),
+    "split_row_leaf": ((_R, _LAST), (_PARTIAL, _R)),  # a replicated input, split on entry (no communication)
+    "embedding": (None, (_PARTIAL, _R)),
+    "col_leaf": ((_R, _R), (_LAST, _LAST)),
+    "row_leaf": ((_LAST, _LAST), (_PARTIAL, _R)),
+    "reduce_leaf": ((_LAST, _LAST), (_PARTIAL, _R)),
+}
+
 
 def derived_plan(model: Any, derivation: Derivation, *, tp: int | None, sp: bool = False, name: str) -> dict[str, Any]:
     """The frozen plan document of ``derivation`` for ``model``."""
@@ -77,149 +103,92 @@ def derived_plan(model: Any, derivation: Derivation, *, tp: int | None, sp: bool
                 f"{name}: --sp needs every sharded group in a block of its own; the derived plan shards "
                 f"{generic(leaves[0])} on its own (the module around it adds a residual or a norm)"
             )
-    return _DerivedTranslator(model, derivation, tp=tp, sp=sp, name=name).plan()
+    check_axis_sizes(tp=tp, ep=None)
+    modules = dict(model.named_modules())
+    context = PlanContext(model, name, modules, Forwards(type(model), name), ("tp",))
+    placed = dict(sorted(derivation.placed.items()))
+    boundaries = _placed_boundaries(context, placed)
+    if sp:
+        sequence_parallel(context, boundaries)
+    for fqn, boundary in boundaries.items():
+        if fqn in placed:  # the others are --sp's, with their transitions
+            _set_io(context, placed[fqn], boundary)
+    groups = grouped(context, boundaries)
+    return plan_document(context, groups, injections=_batch_major_injections(groups, placed))
 
 
-class _DerivedTranslator(Translator):
-    def __init__(self, model: Any, derivation: Derivation, *, tp: int | None, sp: bool, name: str) -> None:
-        self.derivation = derivation
-        self.placed: dict[str, Placed] = {}
-        super().__init__(model, tp=tp, ep=None, sp=sp, ep_axis=None, name=name)
+def _placed_boundaries(context: PlanContext, placed: dict[str, Placed]) -> dict[str, Boundary]:
+    """A boundary per derived entry, with its parameters.
 
-    def _rules(self, tp: int | None, ep: int | None, ep_axis: str | None = None) -> tuple[dict, tuple[str, ...]]:
-        self.sizes = {"tp": tp} if tp is not None else {}
-        return {}, ("tp",)
+    The derivation says which replicated parameters the sharded body runs through (the norms
+    before the columns, per-head norms, scales read between the projections); only their
+    gradients are partial. A parameter a block merely returns (GPT-NeoX-Japanese's
+    ``dense_bias``, added by the caller) keeps its full gradient.
+    """
+    boundaries: dict[str, Boundary] = {}
+    for fqn, entry in placed.items():
+        add_boundary(context, boundaries, fqn, _KINDS[entry.kind]).axes.add("tp")
+    for fqn, entry in placed.items():
+        boundary = boundaries[fqn]
+        boundary.params = {param: Layout.same(("tp",), layout) for param, layout in entry.params.items()}
+        boundary.deferred = set(entry.deferred)
+        boundary.tp_divide_attrs = set(entry.divide)
+        if entry.kind == "reduce_leaf":
+            boundary.out_grad_partial = ("output",)
+    for fqn, entry in placed.items():
+        if entry.kind in ("block", "col_block"):
+            boundaries[fqn].grad_reduce.update(entry.grad_reduce)
+    return boundaries
 
-    def _find_boundaries(self) -> None:
-        for fqn, placed in sorted(self.derivation.placed.items()):
-            boundary = self._boundary(fqn, _KINDS[placed.kind])
-            boundary.axes.add("tp")
-            self.placed[fqn] = placed
 
-    def _place_params(self) -> None:
-        for fqn, placed in self.placed.items():
-            boundary = self.boundaries[fqn]
-            boundary.params = {name: {"tp": str(placement)} for name, placement in placed.params.items()}
-            boundary.deferred = set(placed.deferred)
+def _set_io(context: PlanContext, placed: Placed, boundary: Boundary) -> None:
+    """The transitions of one derived boundary, by its kind."""
+    kind = placed.kind
+    if kind in ("attrs", "alias"):
+        return
+    if kind in LEAF_TRANSITIONS:
+        into, out = LEAF_TRANSITIONS[kind]
+        boundary.wrapped_as = "nn.Embedding" if kind == "embedding" else "nn.Linear"
+        if into is not None:
+            boundary.inputs["input"] = into
+        boundary.outputs["output"] = out
+        return
+    if kind == "heads":  # only the per-head inputs move; the leaves inside do the rest
+        for name, cut in sorted(placed.head_inputs.items()):
+            boundary.inputs[name] = (_R, Layout.same(("tp",), cut) if isinstance(cut, Placement) else _R)
+        return
+    # a block: every input that feeds the columns is R -> R (its gradient comes back partial);
+    # entered from the sequence-sharded stream (--sp) it gathers S(1) first and reduce-scatters after
+    forwards = context.forwards
+    parameters = forwards.parameters(boundary.module, boundary.fqn)
+    for name in placed.inputs:
+        if name not in parameters and name not in forwards.keyword_names(boundary.module, boundary.fqn):
+            raise HpgenError(f"{context.name}: {boundary.fqn}: {name} is not a parameter of its forward")
+        boundary.inputs[name] = (_SEQ if boundary.sp_input and name == parameters[0] else _R, _R)
+    for name, cut in sorted(placed.head_inputs.items()):
+        # a per-head tensor made outside the block (MPT's position_bias): each rank keeps its heads' slice
+        if name not in parameters and name not in forwards.keyword_names(boundary.module, boundary.fqn):
+            raise HpgenError(f"{context.name}: {boundary.fqn}: {name} is not a parameter of its forward")
+        if isinstance(cut, Placement):  # cut on its head dim; a batch-major one by the region
+            boundary.inputs[name] = (_R, Layout.same(("tp",), cut))
+    names = forwards.outputs(boundary.module, boundary.fqn)
+    boundary.out_names = names if len(names) > 1 else None
+    if kind == "col_block":
+        boundary.outputs[names[0]] = (_LAST, _LAST)
+        return
+    if boundary.sp_input:
+        boundary.grad_reduce.update(boundary.deferred)  # added to a sequence shard
+    boundary.outputs[names[0]] = (_PARTIAL, _SEQ if boundary.sp_input else _R)
 
-    def _implicit_grad_reduce(self) -> None:
-        """The derivation says which replicated parameters the sharded body runs through (the norms
-        before the columns, per-head norms, scales read between the projections); only their
-        gradients are partial. A parameter a block merely returns (GPT-NeoX-Japanese's
-        ``dense_bias``, added by the caller) keeps its full gradient."""
-        for fqn, boundary in self.boundaries.items():
-            placed = self.placed.get(fqn)
-            if placed is not None and placed.kind in ("block", "col_block"):
-                boundary.grad_reduce.update(placed.grad_reduce)
 
-    def _check_sizes(self) -> None:
-        """The derivation checked heads and vocabulary against ``--tp`` already."""
-
-    def _set_io(self, boundary: Boundary) -> None:
-        placed = self.placed.get(boundary.fqn)
-        kind = placed.kind if placed is not None else None
-        replicated = {"tp": "R"}
-        if kind in ("attrs", "alias"):
-            return
-        if kind == "lm_head":
-            boundary.wrapped_as = "nn.Linear"
-            boundary.inputs["input"] = (dict(replicated), dict(replicated))
-            boundary.outputs["output"] = ({"tp": "S(-1)"}, dict(replicated))
-            return
-        if kind == "col_gather":
-            boundary.wrapped_as = "nn.Linear"
-            boundary.inputs["input"] = (dict(replicated), dict(replicated))
-            boundary.outputs["output"] = ({"tp": "S(-1)"}, dict(replicated))
-            return
-        if kind == "gather_leaf":  # a sharded column's output, gathered whole; one output per local head
-            boundary.wrapped_as = "nn.Linear"
-            boundary.inputs["input"] = ({"tp": "S(-1)"}, dict(replicated))
-            boundary.outputs["output"] = ({"tp": "S(-1)"}, {"tp": "S(-1)"})
-            return
-        if kind == "split_row":
-            boundary.wrapped_as = "nn.Linear"
-            boundary.inputs["input"] = (dict(replicated), {"tp": "S(-1)"})
-            boundary.outputs["output"] = ({"tp": "P(sum)"}, dict(replicated))
-            return
-        if kind == "embedding":
-            boundary.wrapped_as = "nn.Embedding"
-            boundary.outputs["output"] = ({"tp": "P(sum)"}, dict(replicated))
-            return
-        if kind == "col_leaf":
-            boundary.wrapped_as = "nn.Linear"
-            boundary.inputs["input"] = (dict(replicated), dict(replicated))
-            boundary.outputs["output"] = ({"tp": "S(-1)"}, {"tp": "S(-1)"})
-            return
-        if kind == "split_row_leaf":  # a replicated input, split on entry (no communication)
-            boundary.wrapped_as = "nn.Linear"
-            boundary.inputs["input"] = (dict(replicated), {"tp": "S(-1)"})
-            boundary.outputs["output"] = ({"tp": "P(sum)"}, dict(replicated))
-            return
-        if kind in ("row_leaf", "reduce_leaf"):
-            boundary.wrapped_as = "nn.Linear"
-            boundary.inputs["input"] = ({"tp": "S(-1)"}, {"tp": "S(-1)"})
-            boundary.outputs["output"] = ({"tp": "P(sum)"}, dict(replicated))
-            return
-        if kind == "heads":  # only the per-head inputs move; the leaves inside do the rest
-            for name, placement in sorted(placed.head_inputs.items()):
-                dst = {"tp": str(placement)} if isinstance(placement, Placement) else dict(replicated)
-                boundary.inputs[name] = (dict(replicated), dst)
-            return
-        if placed is None:  # a decoder layer or the final norm of --sp: the translator's own
-            super()._set_io(boundary)
-            return
-        # a block: every input that feeds the columns is R -> R (its gradient comes back partial);
-        # entered from the sequence-sharded stream (--sp) it gathers S(1) first and reduce-scatters after
-        parameters = self._parameters(boundary.module, boundary.fqn)
-        for name in placed.inputs:
-            if name not in parameters and name not in self._keyword_names(boundary):
-                raise HpgenError(f"{self.name}: {boundary.fqn}: {name} is not a parameter of its forward")
-            src = {"tp": "S(1)"} if boundary.sp_input and name == parameters[0] else dict(replicated)
-            boundary.inputs[name] = (src, dict(replicated))
-        for name, placement in sorted(placed.head_inputs.items()):
-            # a per-head tensor made outside the block (MPT's position_bias): each rank keeps its heads' slice
-            if name not in parameters and name not in self._keyword_names(boundary):
-                raise HpgenError(f"{self.name}: {boundary.fqn}: {name} is not a parameter of its forward")
-            if isinstance(placement, Placement):  # cut on its head dim; a batch-major one by the region
-                boundary.inputs[name] = (dict(replicated), {"tp": str(placement)})
-        names = self._outputs(boundary.module, boundary.fqn)
-        boundary.out_names = names if len(names) > 1 else None
-        if kind == "col_block":
-            boundary.outputs[names[0]] = ({"tp": "S(-1)"}, {"tp": "S(-1)"})
-        else:
-            dst = {"tp": "S(1)"} if boundary.sp_input else dict(replicated)
-            if boundary.sp_input:
-                boundary.grad_reduce.update(boundary.deferred)  # added to a sequence shard
-            boundary.outputs[names[0]] = ({"tp": "P(sum)"}, dst)
-
-    def _document(self) -> dict[str, Any]:
-        """The translator's document, plus the region injections of blocks whose per-head input fuses
-        the heads into the batch dim (BLOOM's ``alibi``): see :mod:`hpgen.runtime.local_heads`."""
-        document = super()._document()
-        injections = list(document.get("injections", []))
-        for key, (boundary, _) in sorted(self._grouped().items()):
-            placed = self.placed.get(boundary.fqn)
-            names = sorted(n for n, p in placed.head_inputs.items() if p == BATCH_MAJOR) if placed else []
-            if names:
-                target = {"_target_": BATCH_MAJOR_HEADS, "head_inputs": names, "global_heads": placed.global_heads}
-                injections.append({"match": key, "local_compute_fn": {**target, "axis": "tp"}})
-        if injections:
-            document["injections"] = injections
-        return document
-
-    def _keyword_names(self, boundary: Boundary) -> set[str]:
-        forward = self._forward_owner(boundary.module, boundary.fqn).forward
-        return {p.name for p in forward.parameters} if forward is not None else set()
-
-    def _entry(self, boundary: Boundary) -> dict[str, Any]:
-        entry = boundary.entry()
-        placed = self.placed.get(boundary.fqn)
-        if placed is not None and placed.divide:
-            entry["tp_divide_attrs"] = sorted(placed.divide)
-        if placed is not None and placed.kind == "reduce_leaf":
-            entry["out_grad_partial"] = ["output"]
-        return entry
-
-    def _boundary_classes(self, groups: dict[str, tuple[Boundary, dict[str, Any]]]) -> dict[str, str]:
-        lowered = {key: value for key, value in groups.items() if value[0].kind != "attrs"}
-        return super()._boundary_classes(lowered)
+def _batch_major_injections(groups: Grouped, placed: dict[str, Placed]) -> list[dict[str, Any]]:
+    """The region injections of blocks whose per-head input fuses the heads into the batch dim
+    (BLOOM's ``alibi``): see :mod:`hpgen.runtime.local_heads`."""
+    injections = []
+    for key, (boundary, _) in sorted(groups.items()):
+        entry = placed.get(boundary.fqn)
+        names = sorted(n for n, cut in entry.head_inputs.items() if cut == BATCH_MAJOR) if entry else []
+        if names:
+            target = {"_target_": BATCH_MAJOR_HEADS, "head_inputs": names, "global_heads": entry.global_heads}
+            injections.append({"match": key, "local_compute_fn": {**target, "axis": "tp"}})
+    return injections

@@ -3,26 +3,29 @@
 Concrete boundaries fold into one ``*`` key where every match of the key has the same
 class and entry, otherwise they are listed per index (one key may not overlap another).
 :mod:`hpgen.resolve` says which keys it resolves statically; the others get
-``boundary_classes``. The document is loaded once before it is returned: what the planner
-writes must load. :func:`dumps_plan` is its text.
+``boundary_classes``. :func:`grouped` folds the boundaries, :func:`plan_document` writes
+the document and loads it once before it is returned: what the planner writes must load.
+:func:`dumps_plan` is its text.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpgen.errors import HpgenError
 from hpgen.plan import PLAN_FORMAT, plan_from_dict
 from hpgen.planner.boundary import Boundary
 from hpgen.planner.modules import generic
 from hpgen.planner.styles import EXPERTS_PARALLEL
 
 if TYPE_CHECKING:
-    from hpgen.index import ModuleIndex
+    from hpgen.planner.plan_context import PlanContext
 
-__all__ = ["PlanDocument", "dumps_plan"]
+__all__ = ["Grouped", "boundary_classes", "dumps_plan", "expert_injections", "grouped", "plan_document"]
+
+Grouped = dict[str, tuple[Boundary, dict[str, Any]]]  # plan key -> (a boundary it matches, the entry)
 
 
 def dumps_plan(plan: Mapping[str, Any]) -> str:
@@ -30,83 +33,84 @@ def dumps_plan(plan: Mapping[str, Any]) -> str:
     return json.dumps(plan, indent=2, sort_keys=True) + "\n"
 
 
-class PlanDocument:
-    """The document step of a :class:`~hpgen.planner.translator.Translator`."""
+def plan_document(
+    context: PlanContext,
+    groups: Grouped,
+    *,
+    injections: list[dict[str, Any]],
+    comments: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The plan document of the grouped entries, loaded once before it is returned: what we write must load."""
+    document: dict[str, Any] = {
+        "format": PLAN_FORMAT,
+        "model_class": type(context.model).__name__,
+        "mesh_dim_names": list(context.mesh),
+        "param_plan": {key: entry for key, (_, entry) in groups.items()},
+    }
+    if injections:
+        document["injections"] = injections
+    if comments:
+        document["comments"] = dict(comments)
+    classes = boundary_classes(context, groups)
+    if classes:
+        document["boundary_classes"] = classes
+    plan_from_dict(document, name=f"hpgen plan {context.name}")
+    return document
 
-    model: Any
-    modules: dict[str, Any]
-    mesh: tuple[str, ...]
-    boundaries: dict[str, Boundary]
-    source: Path
-    index: ModuleIndex
-    name: str
 
-    def _document(self) -> dict[str, Any]:
-        groups = self._grouped()
-        param_plan = {key: entry for key, (_, entry) in groups.items()}
-        injections = [
-            {"match": key, "local_compute_fn": {"_target_": EXPERTS_PARALLEL, "axis": boundary.injection_axis}}
-            for key, (boundary, _) in sorted(groups.items())
-            if boundary.injection_axis is not None
-        ]
-        document: dict[str, Any] = {
-            "format": PLAN_FORMAT,
-            "model_class": type(self.model).__name__,
-            "mesh_dim_names": list(self.mesh),
-            "param_plan": param_plan,
+def expert_injections(groups: Grouped) -> list[dict[str, Any]]:
+    """The experts that dispatch tokens by expert (``ep_dispatch_experts``): :data:`EXPERTS_PARALLEL` on their axis."""
+    return [
+        {"match": key, "local_compute_fn": {"_target_": EXPERTS_PARALLEL, "axis": boundary.injection_axis}}
+        for key, (boundary, _) in sorted(groups.items())
+        if boundary.injection_axis is not None
+    ]
+
+
+def grouped(context: PlanContext, boundaries: Mapping[str, Boundary]) -> Grouped:
+    """Concrete boundaries folded into ``*`` keys where every match agrees, with their entries."""
+    by_pattern: dict[str, list[Boundary]] = {}
+    for fqn, boundary in sorted(boundaries.items()):
+        by_pattern.setdefault(generic(fqn), []).append(boundary)
+    result: Grouped = {}
+    for pattern, members in by_pattern.items():
+        matches = [fqn for fqn in context.modules if fqn and generic(fqn) == pattern]
+        signatures = {
+            (type(b.module).__name__, json.dumps(b.entry(), sort_keys=True), b.injection_axis) for b in members
         }
-        if injections:
-            document["injections"] = injections
-        if getattr(self, "corrected", None):  # transformers' styles the source contradicts (corrections.py)
-            document["comments"] = {"corrected": dict(sorted(self.corrected.items()))}
-        classes = self._boundary_classes(groups)
-        if classes:
-            document["boundary_classes"] = classes
-        plan_from_dict(document, name=f"hpgen plan {self.name}")  # what we write must load
-        return document
+        if len(members) == len(matches) and len(signatures) == 1:
+            result[pattern] = (members[0], members[0].entry())
+        else:
+            for boundary in members:
+                result[boundary.fqn] = (boundary, boundary.entry())
+    return result
 
-    def _grouped(self) -> dict[str, tuple[Boundary, dict[str, Any]]]:
-        """Concrete boundaries folded into ``*`` keys where every match agrees."""
-        by_pattern: dict[str, list[Boundary]] = {}
-        for fqn, boundary in sorted(self.boundaries.items()):
-            by_pattern.setdefault(generic(fqn), []).append(boundary)
-        result: dict[str, tuple[Boundary, dict[str, Any]]] = {}
-        for pattern, members in by_pattern.items():
-            matches = [fqn for fqn in self.modules if fqn and generic(fqn) == pattern]
-            signatures = {
-                (type(b.module).__name__, json.dumps(self._entry(b), sort_keys=True), b.injection_axis) for b in members
-            }
-            if len(members) == len(matches) and len(signatures) == 1:
-                result[pattern] = (members[0], self._entry(members[0]))
-            else:
-                for boundary in members:
-                    result[boundary.fqn] = (boundary, self._entry(boundary))
-        return result
 
-    def _entry(self, boundary: Boundary) -> dict[str, Any]:
-        """The plan entry of one boundary (a derived plan adds what its layouts need)."""
-        return boundary.entry()
+def boundary_classes(context: PlanContext, groups: Grouped) -> dict[str, str]:
+    """``boundary_classes`` for the keys that hpgen's static resolution gets wrong or cannot get.
 
-    def _boundary_classes(self, groups: Mapping[str, tuple[Boundary, dict[str, Any]]]) -> dict[str, str]:
-        """``boundary_classes`` for the keys that hpgen's static resolution gets wrong or cannot get."""
-        from hpgen.errors import HpgenError as _Error
-        from hpgen.resolve import resolve_boundaries
+    An ``attrs`` entry of a derived plan (only ``tp_divide_attrs``) is no boundary: it has no class to name.
+    """
+    from hpgen.resolve import resolve_boundaries
 
-        classes = {}
-        for key, (boundary, entry) in groups.items():
-            wanted = boundary.wrapped_as or type(boundary.module).__name__
-            single = {
-                "mesh_dim_names": list(self.mesh),
-                "model_class": type(self.model).__name__,
-                "param_plan": {key: entry},
-            }
-            try:
-                found = resolve_boundaries(plan_from_dict(single), self.index, source_name=self.source.name)[key]
-                ok = found.name.rsplit(".", 1)[-1] == wanted.rsplit(".", 1)[-1] and found.external == bool(
-                    boundary.wrapped_as
-                )
-            except _Error:
-                ok = False
-            if not ok:
-                classes[key] = wanted
-        return classes
+    index, source_name = context.forwards.index, context.forwards.source.name
+    classes = {}
+    for key, (boundary, entry) in groups.items():
+        if boundary.kind == "attrs":
+            continue
+        wanted = boundary.wrapped_as or type(boundary.module).__name__
+        single = {
+            "mesh_dim_names": list(context.mesh),
+            "model_class": type(context.model).__name__,
+            "param_plan": {key: entry},
+        }
+        try:
+            found = resolve_boundaries(plan_from_dict(single), index, source_name=source_name)[key]
+            ok = found.name.rsplit(".", 1)[-1] == wanted.rsplit(".", 1)[-1] and found.external == bool(
+                boundary.wrapped_as
+            )
+        except HpgenError:
+            ok = False
+        if not ok:
+            classes[key] = wanted
+    return classes

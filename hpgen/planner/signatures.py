@@ -1,11 +1,11 @@
 """Inputs and outputs: each boundary's, read from its class's ``forward`` in the modeling file.
 
-The modeling file the model class comes from is indexed with :mod:`hpgen.index`: a
+:class:`Forwards` reads the modeling files (each once, with :mod:`hpgen.index`): a
 boundary's input is the first parameter of its class's ``forward`` (and the routing
 weights of an experts module), its outputs follow the ``return`` (``attn_output,
-attn_weights``). A block's input is ``R -> R`` and its output ``P(sum) -> R`` (from the
-sequence shards with ``--sp``); a wrapped ``nn.Linear`` / ``nn.Embedding`` gets the
-placements of its style.
+attn_weights``). :func:`set_translated_io` gives a translated boundary its transitions: a
+block's input is ``R -> R`` and its output ``P(sum) -> R`` (from the sequence shards with
+``--sp``); a wrapped ``nn.Linear`` / ``nn.Embedding`` gets the placements of its style.
 """
 
 from __future__ import annotations
@@ -17,95 +17,101 @@ from typing import TYPE_CHECKING, Any
 
 from hpgen.errors import HpgenError
 from hpgen.index import is_record_call
+from hpgen.placement import PARTIAL_SUM, REPLICATE, shard
+from hpgen.plan_entries import Layout
 from hpgen.planner.boundary import Boundary
 from hpgen.planner.checks import is_attention
 from hpgen.planner.load import index_source, source_file
-from hpgen.planner.styles import EMBEDDING_LEAVES, LINEAR_LEAVES, Rule
+from hpgen.planner.styles import EMBEDDING_LEAVES, LINEAR_LEAVES, StyleRules
 
 if TYPE_CHECKING:
     from hpgen.index import ClassInfo, ModuleIndex, ParsedSource
+    from hpgen.planner.plan_context import PlanContext
 
-__all__ = ["ForwardSignatures", "return_names", "self_calls"]
+__all__ = ["Forwards", "return_names", "self_calls", "set_translated_io"]
 
 
-class ForwardSignatures:
-    """The inputs and outputs of a :class:`~hpgen.planner.translator.Translator`'s boundaries."""
+def set_translated_io(context: PlanContext, rules: StyleRules, boundary: Boundary) -> None:
+    """Fill in ``boundary``'s inputs and outputs from its kind and style (``--sp`` boundaries have theirs)."""
+    if boundary.kind == "sp":
+        return
+    axes = sorted(boundary.axes)
+    replicated = Layout.same(axes, REPLICATE)
+    partial = Layout.same(axes, PARTIAL_SUM)
+    if boundary.kind == "linear":
+        boundary.wrapped_as = "nn.Linear"
+        if LINEAR_LEAVES[rules.rules[boundary.fqn].style] == "col":
+            boundary.inputs["input"] = (replicated, replicated)
+            boundary.outputs["output"] = (Layout.same(axes, shard(-1)), replicated)
+        else:
+            boundary.inputs["input"] = (replicated, Layout.same(axes, shard(-1)))
+            boundary.outputs["output"] = (partial, replicated)
+        return
+    if boundary.kind == "identity":  # an identity expert: its replicated output counts once in the sum
+        boundary.wrapped_as = "nn.Identity"
+        boundary.outputs["output"] = (replicated, partial)
+        return
+    if boundary.kind == "embedding":
+        boundary.wrapped_as = "nn.Embedding"
+        vocab_rows = EMBEDDING_LEAVES[rules.rules[boundary.fqn].style] == 0
+        boundary.outputs["output"] = (partial if vocab_rows else Layout.same(axes, shard(-1)), replicated)
+        return
+    forwards = context.forwards
+    parameters = forwards.parameters(boundary.module, boundary.fqn)
+    inputs = [parameters[0]]
+    if boundary.kind == "experts" and len(parameters) >= 3:
+        inputs.append(parameters[2])  # the routing weights: their gradient is partial too
+    elif boundary.kind == "block" and not is_attention(boundary):
+        # a required input of an MLP-like block (shared experts' gating weights) meets the sharded
+        # features too, so its gradient is partial on each rank: R -> R reduces it
+        inputs += forwards.required_after_first(boundary.module, boundary.fqn)
+    for position, name in enumerate(inputs):
+        src = replicated.with_axis("tp", shard(1)) if boundary.sp_input and position == 0 else replicated
+        boundary.inputs[name] = (src, replicated)
+    names = forwards.outputs(boundary.module, boundary.fqn)
+    boundary.out_names = names if len(names) > 1 else None
+    dst = replicated
+    if boundary.sp_input:
+        dst = replicated.with_axis("tp", shard(1))
+        # a deferred bias added to a sequence shard gets only that shard's gradient
+        boundary.grad_reduce.update(boundary.deferred)
+    boundary.outputs[names[0]] = (partial, dst)
 
-    rules: dict[str, Rule]
-    source: Path
-    parsed: ParsedSource
-    index: ModuleIndex
-    name: str
-    _sources: dict[Path, tuple[ParsedSource, ModuleIndex]]
 
-    def _set_io(self, boundary: Boundary) -> None:
-        if boundary.kind == "sp":
-            return
-        sp_input = boundary.sp_input
-        axes = sorted(boundary.axes)
-        replicated = {axis: "R" for axis in axes}
-        if boundary.kind == "linear":
-            style = self.rules[boundary.fqn].style
-            boundary.wrapped_as = "nn.Linear"
-            if LINEAR_LEAVES[style] == "col":
-                boundary.inputs["input"] = (dict(replicated), dict(replicated))
-                boundary.outputs["output"] = ({axis: "S(-1)" for axis in axes}, dict(replicated))
-            else:
-                boundary.inputs["input"] = (dict(replicated), {axis: "S(-1)" for axis in axes})
-                boundary.outputs["output"] = ({axis: "P(sum)" for axis in axes}, dict(replicated))
-            return
-        if boundary.kind == "identity":  # an identity expert: its replicated output counts once in the sum
-            boundary.wrapped_as = "nn.Identity"
-            boundary.outputs["output"] = (dict(replicated), {axis: "P(sum)" for axis in axes})
-            return
-        if boundary.kind == "embedding":
-            style = self.rules[boundary.fqn].style
-            boundary.wrapped_as = "nn.Embedding"
-            partial = "P(sum)" if EMBEDDING_LEAVES[style] == 0 else "S(-1)"
-            boundary.outputs["output"] = ({axis: partial for axis in axes}, dict(replicated))
-            return
-        parameters = self._parameters(boundary.module, boundary.fqn)
-        inputs = [parameters[0]]
-        if boundary.kind == "experts" and len(parameters) >= 3:
-            inputs.append(parameters[2])  # the routing weights: their gradient is partial too
-        elif boundary.kind == "block" and not is_attention(boundary):
-            # a required input of an MLP-like block (shared experts' gating weights) meets the sharded
-            # features too, so its gradient is partial on each rank: R -> R reduces it
-            inputs += self._required_after_first(boundary.module, boundary.fqn)
-        for position, name in enumerate(inputs):
-            src = dict(replicated)
-            if sp_input and position == 0:
-                src["tp"] = "S(1)"
-            boundary.inputs[name] = (src, dict(replicated))
-        names = self._outputs(boundary.module, boundary.fqn)
-        boundary.out_names = names if len(names) > 1 else None
-        dst = dict(replicated)
-        if sp_input:
-            dst["tp"] = "S(1)"
-            # a deferred bias added to a sequence shard gets only that shard's gradient
-            boundary.grad_reduce.update(boundary.deferred)
-        boundary.outputs[names[0]] = ({axis: "P(sum)" for axis in axes}, dst)
+class Forwards:
+    """The ``forward`` each module runs, read from its class's modeling file, each file parsed and indexed once.
 
-    def _source_of(self, cls: type) -> tuple[Path, ParsedSource, ModuleIndex]:
-        """The modeling file defining ``cls``, parsed and indexed (once per file): a language model
-        built through ``AutoModel`` may be another model's, from another file."""
+    :attr:`source` (:attr:`parsed`, :attr:`index`) is the model class's own file; a
+    language model built through ``AutoModel`` brings classes from another model's file,
+    read when first asked about. ``name`` is the model's name in messages.
+    """
+
+    def __init__(self, model_class: type, name: str) -> None:
+        self.name = name
+        self.source = Path(source_file(model_class))
+        self.parsed, self.index = index_source(self.source)
+        self._files: dict[Path, tuple[ParsedSource, ModuleIndex]] = {self.source.resolve(): (self.parsed, self.index)}
+
+    def source_of(self, cls: type) -> tuple[Path, ParsedSource, ModuleIndex]:
+        """The modeling file defining ``cls``, parsed and indexed."""
         path = Path(source_file(cls)).resolve()
-        if path not in self._sources:
-            self._sources[path] = index_source(path)
-        return (path, *self._sources[path])
+        if path not in self._files:
+            self._files[path] = index_source(path)
+        return (path, *self._files[path])
 
-    def _class_info(self, module: Any, fqn: str) -> ClassInfo:
+    def class_info(self, module: Any, fqn: str) -> ClassInfo:
+        """The module's class in its modeling file (a top-level class there, or an error)."""
         cls = type(module)
-        path, _, index = self._source_of(cls)
+        path, _, index = self.source_of(cls)
         info = index.class_named(cls.__name__)
         if info is None:
             raise HpgenError(f"{self.name}: {fqn}: {cls.__qualname__} is not a top-level class of {path.name}")
         return info
 
-    def _forward_owner(self, module: Any, fqn: str) -> ClassInfo:
+    def owner(self, module: Any, fqn: str) -> ClassInfo:
         """The class (in the module's modeling file) whose ``forward`` the module runs."""
-        info = self._class_info(module, fqn)
-        path, _, index = self._source_of(type(module))
+        info = self.class_info(module, fqn)
+        path, _, index = self.source_of(type(module))
         pending, seen = [info], set()
         while pending:
             current = pending.pop(0)
@@ -117,32 +123,38 @@ class ForwardSignatures:
             pending.extend(index.classes[base] for base in current.bases if base in index.classes)
         raise HpgenError(f"{self.name}: {fqn} ({info.name}) has no forward in {path.name}")
 
-    def _parameters(self, module: Any, fqn: str) -> list[str]:
+    def parameters(self, module: Any, fqn: str) -> list[str]:
         """The positional parameters of the module's ``forward`` after ``self``."""
-        forward = self._forward_owner(module, fqn).forward
+        forward = self.owner(module, fqn).forward
         assert forward is not None
         names = [p.name for p in forward.parameters if p.kind in ("positional_only", "positional")][1:]
         if not names:
             raise HpgenError(f"{self.name}: {fqn} ({type(module).__name__}).forward takes no tensor input")
         return names
 
-    def _required_after_first(self, module: Any, fqn: str) -> list[str]:
+    def keyword_names(self, module: Any, fqn: str) -> set[str]:
+        """Every parameter name of the module's ``forward``, keyword-only ones included."""
+        forward = self.owner(module, fqn).forward
+        return {p.name for p in forward.parameters} if forward is not None else set()
+
+    def required_after_first(self, module: Any, fqn: str) -> list[str]:
         """The positional ``forward`` parameters after the first that have no default and that the
         body multiplies into its values (gating weights); not position embeddings or masks."""
-        owner = self._forward_owner(module, fqn)
+        owner = self.owner(module, fqn)
         forward = owner.forward
         assert forward is not None
         positional = [p for p in forward.parameters if p.kind in ("positional_only", "positional")][2:]
-        scaled = _multiplied_names(self._source_of(type(module))[1], owner.name)
+        scaled = _multiplied_names(self.source_of(type(module))[1], owner.name)
         return [p.name for p in positional if not p.has_default and p.name in scaled]
 
-    def _input(self, module: Any, fqn: str) -> str:
-        return self._parameters(module, fqn)[0]
+    def first_input(self, module: Any, fqn: str) -> str:
+        """The module's input: the first parameter of its ``forward`` after ``self``."""
+        return self.parameters(module, fqn)[0]
 
-    def _outputs(self, module: Any, fqn: str) -> tuple[str, ...]:
+    def outputs(self, module: Any, fqn: str) -> tuple[str, ...]:
         """Output names in return order: the tuple's element names, or ``output``."""
-        owner = self._forward_owner(module, fqn)
-        return return_names(self._source_of(type(module))[1], owner.name)
+        owner = self.owner(module, fqn)
+        return return_names(self.source_of(type(module))[1], owner.name)
 
 
 def _multiplied_names(parsed: ParsedSource, class_name: str) -> set[str]:

@@ -1,22 +1,24 @@
 """Translating transformers' styles: which style applies to which module or parameter, on which mesh axis.
 
 :data:`SUPPORTED_STYLES` lists each style transformers defines that hpgen maps, with what
-it becomes. :class:`StyleRules` expands the model's ``tp_plan`` and ``ep_plan`` over its
+it becomes. :func:`style_rules` expands the model's ``tp_plan`` and ``ep_plan`` over its
 concrete modules and parameters exactly as transformers' ``_expand_parallel_plan`` does
 (``layers.*.mlp.down_proj`` matches only the layers that have one), and puts the expert
 rules on their axis: the ``tp`` axis (``--ep`` equal to ``--tp``) or one of their own
-(``--ep-axis``), where the experts keep the TP plan's intermediate-dim rules on ``tp``.
-:func:`placement` is the placement of one parameter under one style.
+(``--ep-axis``), where the experts keep the TP plan's intermediate-dim rules on ``tp``;
+it returns them as one :class:`StyleRules`. :func:`placement` is the placement of one
+parameter under one style.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hpgen.errors import HpgenError
+from hpgen.placement import REPLICATE, Placement, shard, strided_shard
 from hpgen.planner.modules import generic
 
 __all__ = [
@@ -31,7 +33,9 @@ __all__ = [
     "SUPPORTED_STYLES",
     "Rule",
     "StyleRules",
+    "ep_axis_name",
     "placement",
+    "style_rules",
     "supported_styles_text",
 ]
 
@@ -96,108 +100,112 @@ class Rule:
     via_module: bool = False
 
 
-def placement(style: str, ndim: int, leaf: str) -> str:
-    """The placement text of one parameter under one style (transformers' ``shard_param``)."""
+def placement(style: str, ndim: int, leaf: str) -> Placement:
+    """The placement of one parameter under one style (transformers' ``shard_param``)."""
     if style in ("colwise", "colwise_gather_output", "colwise_rep"):
-        return f"S({max(ndim - 2, 0)})"
+        return shard(max(ndim - 2, 0))
     if style == "packed_colwise":
-        return f"SS({max(ndim - 2, 0)},2)"
+        return strided_shard(max(ndim - 2, 0), 2)
     if style in ("rowwise", "rowwise_split_input", "rowwise_rep"):
-        return "R" if leaf == "bias" else f"S({ndim - 1})"
+        return REPLICATE if leaf == "bias" else shard(ndim - 1)
     if style == "packed_rowwise":
-        return "R" if ndim == 1 else f"SS({ndim - 1},2)"
+        return REPLICATE if ndim == 1 else strided_shard(ndim - 1, 2)
     if style == "grouped_gemm":
-        return "S(0)"
+        return shard(0)
     if style in EMBEDDING_LEAVES:
-        return f"S({EMBEDDING_LEAVES[style]})"
+        return shard(EMBEDDING_LEAVES[style])
     raise AssertionError(style)  # only sharding styles reach here
 
 
+@dataclass(frozen=True)
 class StyleRules:
-    """The rules of a :class:`~hpgen.planner.translator.Translator`: its ``tp_plan``/``ep_plan`` on concrete names.
+    """A model's ``tp_plan``/``ep_plan`` on concrete names: what the translator's later steps read.
 
-    Reads the translator's ``model``, ``modules``, ``config`` and ``name``; sets ``sizes``
-    (axis -> size the plan must divide) and ``expert_tp_rules``.
+    ``rules``: module or parameter name -> its rule. ``expert_tp``: with experts on an axis
+    of their own, the TP plan's rules on their parameters (their intermediate dim, on
+    ``tp``): a two-axis block. ``mesh``: the axes, in mesh order; ``sizes``: axis -> the
+    size the plan must divide (absent without ``--tp``).
     """
 
-    model: Any
-    modules: dict[str, Any]
-    config: Any
-    name: str
+    rules: dict[str, Rule]
+    mesh: tuple[str, ...]
     sizes: dict[str, int]
-    expert_tp_rules: dict[str, Rule]
+    expert_tp: dict[str, Rule] = field(default_factory=dict)
 
-    def _ep_axis(self, ep_axis: str | None, ep: int | None) -> str | None:
-        """The experts' own axis name, checked (``tp`` means sharing it, as no name does)."""
-        from hpgen.plan import RESERVED_AXIS_NAMES, is_identifier
 
-        if ep_axis is None:
-            return None
-        if ep is None:
-            raise HpgenError(f"{self.name}: --ep-axis names the experts' axis; give --ep too")
-        if not is_identifier(ep_axis) or ep_axis in RESERVED_AXIS_NAMES or ep_axis.startswith("__"):
-            raise HpgenError(f"{self.name}: --ep-axis {ep_axis!r} is not a usable axis name (an identifier)")
-        return None if ep_axis == "tp" else ep_axis
+def ep_axis_name(name: str, ep_axis: str | None, ep: int | None) -> str | None:
+    """The experts' own axis name, checked (``tp`` means sharing it, as no name does)."""
+    from hpgen.plan import RESERVED_AXIS_NAMES, is_identifier
 
-    def _rules(self, tp: int | None, ep: int | None, ep_axis: str | None) -> tuple[dict[str, Rule], tuple[str, ...]]:
-        """Concrete module/parameter name -> (style, axis), and the mesh axes.
+    if ep_axis is None:
+        return None
+    if ep is None:
+        raise HpgenError(f"{name}: --ep-axis names the experts' axis; give --ep too")
+    if not is_identifier(ep_axis) or ep_axis in RESERVED_AXIS_NAMES or ep_axis.startswith("__"):
+        raise HpgenError(f"{name}: --ep-axis {ep_axis!r} is not a usable axis name (an identifier)")
+    return None if ep_axis == "tp" else ep_axis
 
-        With ``ep_axis`` (and ``tp``) the experts get the EP plan on that axis and keep
-        the TP plan's rules on their parameters (``packed_colwise``/``rowwise``: the
-        intermediate dim) on ``tp`` (:attr:`expert_tp_rules`): a two-axis block.
-        """
-        tp_plan = dict(getattr(self.model, "tp_plan", None) or {})
-        ep_plan = dict(getattr(self.model, "ep_plan", None) or {})
-        use_tp = tp is not None or ep is None
-        if use_tp and not tp_plan:
+
+def style_rules(
+    model: Any, modules: Mapping[str, Any], name: str, *, tp: int | None, ep: int | None, ep_axis: str | None
+) -> StyleRules:
+    """The rules of ``model``'s plans on its concrete module and parameter names, and the mesh.
+
+    ``ep_axis`` as :func:`ep_axis_name` returns it. With it (and ``tp``) the experts get
+    the EP plan on that axis and keep the TP plan's rules on their parameters
+    (``packed_colwise``/``rowwise``: the intermediate dim) on ``tp``.
+    """
+    config = getattr(model, "config", None)
+    tp_plan = dict(getattr(model, "tp_plan", None) or {})
+    ep_plan = dict(getattr(model, "ep_plan", None) or {})
+    use_tp = tp is not None or ep is None
+    if use_tp and not tp_plan:
+        raise HpgenError(f"{name}: {type(config).__name__} has no base_model_tp_plan (no tensor-parallel plan)")
+    if ep is not None and not ep_plan:
+        raise HpgenError(f"{name}: {type(config).__name__} has no base_model_ep_plan (no expert-parallel plan)")
+
+    def expand(plan: Mapping[str, str], axis: str) -> dict[str, Rule]:
+        return _expand(modules, name, plan, axis)
+
+    if ep is None:
+        return StyleRules(expand(tp_plan, "tp"), ("tp",), {"tp": tp} if tp is not None else {})
+    if not use_tp:
+        axis = ep_axis or "ep"
+        return StyleRules(expand(ep_plan, axis), (axis,), {axis: ep})
+    # EP rules win over TP rules on the same modules and below them (as in transformers).
+    experts = re.compile(rf"(?:{'|'.join(map(re.escape, ep_plan))})(?:\..+)?").fullmatch
+    expert_tp_plan = {key: style for key, style in tp_plan.items() if experts(key)}
+    tp_plan = {key: style for key, style in tp_plan.items() if not experts(key)}
+    if ep_axis is None:  # experts parallel over the tensor-parallel group: one axis
+        if tp != ep:
             raise HpgenError(
-                f"{self.name}: {type(self.config).__name__} has no base_model_tp_plan (no tensor-parallel plan)"
+                f"{name}: --ep {ep} differs from --tp {tp}, but without --ep-axis the experts share the "
+                "tp axis; give --ep-axis ep to put them on an axis of their own (mesh ep x tp)"
             )
-        if ep is not None and not ep_plan:
-            raise HpgenError(
-                f"{self.name}: {type(self.config).__name__} has no base_model_ep_plan (no expert-parallel plan)"
-            )
-        if ep is None:
-            self.sizes = {"tp": tp} if tp is not None else {}
-            return self._expand(tp_plan, "tp"), ("tp",)
-        if not use_tp:
-            axis = ep_axis or "ep"
-            self.sizes = {axis: ep}
-            return self._expand(ep_plan, axis), (axis,)
-        # EP rules win over TP rules on the same modules and below them (as in transformers).
-        experts = re.compile(rf"(?:{'|'.join(map(re.escape, ep_plan))})(?:\..+)?").fullmatch
-        expert_tp_plan = {key: style for key, style in tp_plan.items() if experts(key)}
-        tp_plan = {key: style for key, style in tp_plan.items() if not experts(key)}
-        if ep_axis is None:  # experts parallel over the tensor-parallel group: one axis
-            if tp != ep:
-                raise HpgenError(
-                    f"{self.name}: --ep {ep} differs from --tp {tp}, but without --ep-axis the experts share the "
-                    "tp axis; give --ep-axis ep to put them on an axis of their own (mesh ep x tp)"
-                )
-            self.sizes = {"tp": tp}
-            return {**self._expand(tp_plan, "tp"), **self._expand(ep_plan, "tp")}, ("tp",)
-        self.sizes = {ep_axis: ep, "tp": tp}
-        self.expert_tp_rules = self._expand(expert_tp_plan, "tp")
-        return {**self._expand(tp_plan, "tp"), **self._expand(ep_plan, ep_axis)}, (ep_axis, "tp")
+        return StyleRules({**expand(tp_plan, "tp"), **expand(ep_plan, "tp")}, ("tp",), {"tp": tp})
+    assert tp is not None
+    expert_tp = expand(expert_tp_plan, "tp")
+    rules = {**expand(tp_plan, "tp"), **expand(ep_plan, ep_axis)}
+    return StyleRules(rules, (ep_axis, "tp"), {ep_axis: ep, "tp": tp}, expert_tp=expert_tp)
 
-    def _expand(self, plan: Mapping[str, str], axis: str) -> dict[str, Rule]:
-        """transformers' ``_expand_parallel_plan``: a rule on a module covers its own parameters."""
-        for key, style in plan.items():
-            if style not in SUPPORTED_STYLES:
-                raise HpgenError(
-                    f"{self.name}: style {style!r} of {key!r} has no hpgen mapping; "
-                    f"supported styles: {supported_styles_text()}"
-                )
-        found: dict[str, Rule] = {}
-        for module_name, module in self.modules.items():
-            module_style = plan.get(generic(module_name)) if module_name else None
-            for param_name, _ in module.named_parameters(recurse=False):
-                full = f"{module_name}.{param_name}" if module_name else param_name
-                own = plan.get(generic(full))
-                if own is not None:
-                    found[full] = Rule(own, axis)
-                elif module_style is not None:
-                    found[full] = Rule(module_style, axis, via_module=True)
-            if module_style is not None:
-                found[module_name] = Rule(module_style, axis)
-        return found
+
+def _expand(modules: Mapping[str, Any], name: str, plan: Mapping[str, str], axis: str) -> dict[str, Rule]:
+    """transformers' ``_expand_parallel_plan``: a rule on a module covers its own parameters."""
+    for key, style in plan.items():
+        if style not in SUPPORTED_STYLES:
+            raise HpgenError(
+                f"{name}: style {style!r} of {key!r} has no hpgen mapping; supported styles: {supported_styles_text()}"
+            )
+    found: dict[str, Rule] = {}
+    for module_name, module in modules.items():
+        module_style = plan.get(generic(module_name)) if module_name else None
+        for param_name, _ in module.named_parameters(recurse=False):
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            own = plan.get(generic(full))
+            if own is not None:
+                found[full] = Rule(own, axis)
+            elif module_style is not None:
+                found[full] = Rule(module_style, axis, via_module=True)
+        if module_style is not None:
+            found[module_name] = Rule(module_style, axis)
+    return found

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpgen.placement import PARTIAL_SUM, REPLICATE
 from hpgen.plan import Plan, fqn_matches, plan_from_dict
 from hpgen.planner.flow.constants import Constants, self_path
 from hpgen.planner.flow.runner import function_def
@@ -292,7 +293,7 @@ def _reducing_branch(plan: Plan, fqn: str) -> tuple[str, str, str] | None:
     for name in entry.output_names:
         src, dst = entry.output_layouts(name, mesh)
         for axis in mesh:
-            if str(src.on(axis)) == "P(sum)" and not dst.on(axis).is_partial:
+            if src.on(axis) == PARTIAL_SUM and not dst.on(axis).is_partial:
                 found.append((entry.key, name, axis))
     return found[0] if len(found) == 1 else None
 
@@ -367,7 +368,7 @@ def _pattern(fqn: str, branch_keys: list[str]) -> str:
 
 def _leave_partial(entry: dict[str, Any], output: str, axis: str, *, shared: bool) -> None:
     """A branch's entry: its output left ``P(sum)``; with a shared input, that input replicated, gradient partial."""
-    entry["out_dst"][output][axis] = "P(sum)"
+    entry["out_dst"][output][axis] = str(PARTIAL_SUM)
     deferred = set(entry.get("deferred_bias_params", ()))
     if deferred and "grad_reduce_params" in entry:
         kept = [name for name in entry["grad_reduce_params"] if name not in deferred]
@@ -378,6 +379,6 @@ def _leave_partial(entry: dict[str, Any], output: str, axis: str, *, shared: boo
     if shared:
         names = sorted({*entry.get("in_src", {}), *entry.get("in_dst", {})})
         for name in names:
-            entry.setdefault("in_src", {}).setdefault(name, {})[axis] = "R"
-            entry.setdefault("in_dst", {}).setdefault(name, {})[axis] = "R"
+            entry.setdefault("in_src", {}).setdefault(name, {})[axis] = str(REPLICATE)
+            entry.setdefault("in_dst", {}).setdefault(name, {})[axis] = str(REPLICATE)
         entry["in_grad_partial"] = names

@@ -56,13 +56,22 @@ Key/value heads fewer than ``--tp`` (``--tp`` a multiple of them) are replicated
 does: the key/value projections become ``RS(0, tp / kv)`` and the attention entry divides
 ``num_key_value_groups`` by the same number (``divide_attrs``).
 
-The steps are modules of :mod:`hpgen.planner`, each a base class of :class:`Translator`:
-step 1 is :mod:`~hpgen.planner.load` (the model) and :mod:`~hpgen.planner.styles` (the
-rules, TP and EP); step 2 :mod:`~hpgen.planner.blocks` (boundaries and parameters) and
-:mod:`~hpgen.planner.checks` (sizes); step 3 :mod:`~hpgen.planner.signatures`; step 4
-:mod:`~hpgen.planner.document`; ``--sp`` is :mod:`~hpgen.planner.sequence`.
-:mod:`hpgen.planner.derived_plan` subclasses :class:`Translator` for the plans derived from
-the source.
+Each step is a function of its own module, and :func:`translated_plan` calls them in
+order, passing what one returns to the next: step 1 is :mod:`~hpgen.planner.load` (the
+model) and :func:`~hpgen.planner.styles.style_rules` (the rules, TP and EP, as one
+:class:`~hpgen.planner.styles.StyleRules`), corrected where the source contradicts them
+(:func:`~hpgen.planner.corrections.correct_packed_chunks`); step 2
+:func:`~hpgen.planner.blocks.find_boundaries` (the boundaries, by FQN), which
+:func:`~hpgen.planner.blocks.place_params` and
+:func:`~hpgen.planner.blocks.implicit_grad_reduce` fill with parameters, then
+:func:`~hpgen.planner.checks.check_sizes`; ``--sp`` is
+:func:`~hpgen.planner.sequence.sequence_parallel`; step 3
+:func:`~hpgen.planner.signatures.set_translated_io`; step 4
+:func:`~hpgen.planner.document.grouped` and
+:func:`~hpgen.planner.document.plan_document`. Every step reads one
+:class:`~hpgen.planner.plan_context.PlanContext` (the model, its modules, its modeling files,
+the mesh). :func:`hpgen.planner.derived_plan.derived_plan` calls the same steps from
+``--sp`` on, for the plans derived from the source.
 
 torch and transformers are imported inside the functions that need them: the generator
 (``hpgen lower``) never imports them.
@@ -70,26 +79,22 @@ torch and transformers are imported inside the functions that need them: the gen
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpgen.errors import HpgenError
-from hpgen.planner.blocks import BoundaryFinding
-from hpgen.planner.boundary import Boundary
-from hpgen.planner.checks import SizeChecks
+from hpgen.planner.blocks import find_boundaries, implicit_grad_reduce, place_params
+from hpgen.planner.checks import check_sizes
+from hpgen.planner.plan_context import PlanContext
 from hpgen.planner.corrections import correct_packed_chunks
-from hpgen.planner.document import PlanDocument
-from hpgen.planner.load import index_source, source_file
-from hpgen.planner.sequence import SequenceParallel
-from hpgen.planner.signatures import ForwardSignatures
-from hpgen.planner.styles import Rule, StyleRules
+from hpgen.planner.document import expert_injections, grouped, plan_document
+from hpgen.planner.sequence import sequence_parallel
+from hpgen.planner.signatures import Forwards, set_translated_io
+from hpgen.planner.styles import ep_axis_name, style_rules
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from hpgen.index import ModuleIndex, ParsedSource
-
-__all__ = ["Translator", "translated_plan"]
+__all__ = ["check_axis_sizes", "translated_plan"]
 
 
 def translated_plan(
@@ -106,49 +111,30 @@ def translated_plan(
     Raises :class:`HpgenError` for a style hpgen cannot map, sizes the axes do not divide,
     or a module layout the plan cannot express.
     """
-    return Translator(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, name=name or type(model).__name__).plan()
+    name = name or type(model).__name__
+    check_axis_sizes(tp=tp, ep=ep)
+    modules = dict(model.named_modules())
+    rules = style_rules(model, modules, name, tp=tp, ep=ep, ep_axis=ep_axis_name(name, ep_axis, ep))
+    if sp and "tp" not in rules.mesh:
+        raise HpgenError(f"{name}: --sp shards the sequence on the tp axis; give --tp too")
+    context = PlanContext(model, name, modules, Forwards(type(model), name), rules.mesh)
+    rules, corrected = correct_packed_chunks(rules, modules, context.forwards)
+    boundaries = find_boundaries(context, rules)
+    place_params(context, rules, boundaries)
+    implicit_grad_reduce(boundaries)
+    check_sizes(context, rules.sizes, boundaries)
+    if sp:
+        sequence_parallel(context, boundaries)
+    for boundary in boundaries.values():
+        set_translated_io(context, rules, boundary)
+    groups = grouped(context, boundaries)
+    # transformers' styles the source contradicts (corrections.py)
+    comments = {"corrected": dict(sorted(corrected.items()))} if corrected else None
+    return plan_document(context, groups, injections=expert_injections(groups), comments=comments)
 
 
-class Translator(StyleRules, BoundaryFinding, SizeChecks, SequenceParallel, ForwardSignatures, PlanDocument):
-    """transformers' plan of one model translated into hpgen's plan, one step per base class."""
-
-    rules: dict[str, Rule]
-    mesh: tuple[str, ...]
-
-    def __init__(
-        self, model: nn.Module, *, tp: int | None, ep: int | None, sp: bool, ep_axis: str | None, name: str
-    ) -> None:
-        for flag, value in (("--tp", tp), ("--ep", ep)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise HpgenError(f"{flag} must be a positive integer, got {value!r}")
-        self.model = model
-        self.name = name
-        self.sp = sp
-        self.sizes: dict[str, int] = {}
-        self.modules = dict(model.named_modules())
-        self.config = getattr(model, "config", None)
-        # tp rules on the experts when they have an axis of their own (their intermediate dim)
-        self.expert_tp_rules: dict[str, Rule] = {}
-        self.rules, self.mesh = self._rules(tp, ep, self._ep_axis(ep_axis, ep))
-        if sp and "tp" not in self.mesh:
-            raise HpgenError(f"{name}: --sp shards the sequence on the tp axis; give --tp too")
-        self.source = Path(source_file(type(model)))
-        self.parsed, self.index = index_source(self.source)
-        # the modeling files the boundaries' classes come from (a language model built through
-        # AutoModel from another model's file), each indexed once
-        self._sources: dict[Path, tuple[ParsedSource, ModuleIndex]] = {self.source.resolve(): (self.parsed, self.index)}
-        self.boundaries: dict[str, Boundary] = {}
-        # rule -> why transformers' style was changed (the rules corrected in place)
-        self.corrected = correct_packed_chunks(self.rules, self.modules, self._forward_owner, self._source_of)
-
-    def plan(self) -> dict[str, Any]:
-        """The plan document: boundaries, their parameters, the checks, ``--sp``, inputs and outputs."""
-        self._find_boundaries()
-        self._place_params()
-        self._implicit_grad_reduce()
-        self._check_sizes()
-        if self.sp:
-            self._sequence_parallel()
-        for boundary in self.boundaries.values():
-            self._set_io(boundary)
-        return self._document()
+def check_axis_sizes(*, tp: int | None, ep: int | None) -> None:
+    """``--tp`` and ``--ep``, where given, are positive integers."""
+    for flag, value in (("--tp", tp), ("--ep", ep)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise HpgenError(f"{flag} must be a positive integer, got {value!r}")
