@@ -113,7 +113,7 @@ def test_explain_text_and_json():
 
 
 def test_explain_shows_the_copy_of_an_undeclared_wrapped_input(tmp_path):
-    """SPEC §2: a wrapped nn.Linear without in_src still copies its input in (gradient all-reduced)."""
+    """docs/plan-format.md: a wrapped nn.Linear without in_src still copies its input in (gradient all-reduced)."""
     plan = json.loads(PLAN.read_text())
     for part in ("in_src", "in_dst"):
         del plan["param_plan"]["lm_head"][part]

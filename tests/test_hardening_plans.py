@@ -341,7 +341,7 @@ def test_random_valid_plans_lower_to_code_that_keeps_everything_else(document, m
 @settings(max_examples=10, **SETTINGS)
 @given(document=valid_plans(), mode=st.sampled_from(["default", "toggle"]))
 def test_random_valid_plans_give_the_same_bytes_whatever_the_key_order(document, mode):
-    """SPEC §3: the generated file is byte-identical whatever the key order of the plan."""
+    """docs/generated-code.md: the generated file is byte-identical whatever the key order of the plan."""
     first = lower(SOURCE, plan_from_dict(document), mode=mode)
     assert lower(SOURCE, plan_from_dict(reversed_keys(document)), mode=mode) == first
 

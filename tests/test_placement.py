@@ -1,4 +1,4 @@
-"""The placement grammar of SPEC §2."""
+"""The placement grammar of docs/plan-format.md."""
 
 import pytest
 

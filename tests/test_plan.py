@@ -1,4 +1,4 @@
-"""Plan loading and validation (SPEC §2): data in, typed entries out, errors with JSON paths."""
+"""Plan loading and validation (docs/plan-format.md): data in, typed entries out, errors with JSON paths."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""[tool.hpgen] targets, `hpgen lower` without arguments, and `hpgen check` (SPEC §5)."""
+"""[tool.hpgen] targets, `hpgen lower` without arguments, and `hpgen check` (docs/cli.md)."""
 
 import os
 import shutil

@@ -69,7 +69,7 @@ TRAIN = {"train": True}
 FORMS: dict[str, tuple[str, str, str, dict[str, Any], dict[str, Any]]] = {
     # attention heads and MLP columns/rows sharded: 2 all-reduces per layer
     "llama_tp": ("llama", "llama_tp", "default", {}, {}),
-    # SPEC section 2's plan: + vocab-parallel embedding (all-reduce) and column-parallel
+    # a plan like docs/plan-format.md's example: + vocab-parallel embedding (all-reduce) and column-parallel
     # lm_head (a gather whose sizes follow from out_features)
     "llama_spec": ("llama", "llama_spec", "default", ONE_LAYER, TRAIN),
     # the vocab plan lowered in toggle mode (``if self.tp_enable:`` blocks around the same ops)
