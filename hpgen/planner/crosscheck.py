@@ -23,6 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from hpgen.placement import Placement
 from hpgen.planner.entries import Derivation
 
 __all__ = ["drop_contradicted", "drop_feature_statistics", "drop_regathered"]
@@ -64,7 +65,9 @@ def _sharding_consumers(plan: dict[str, Any], notes: list[Any]) -> list[tuple[st
     found = []
     for key, entry in plan["param_plan"].items():
         sharded = {
-            name.rpartition(".")[0] for name, layout in entry.get("params", {}).items() if set(layout.values()) != {"R"}
+            name.rpartition(".")[0]
+            for name, layout in entry.get("params", {}).items()
+            if not all(Placement.parse(text).is_replicate for text in layout.values())
         }
         for note in notes:
             consumer = note.needs_whole[len(key) + 1 :] if note.needs_whole.startswith(key + ".") else None
