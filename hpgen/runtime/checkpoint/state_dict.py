@@ -7,7 +7,7 @@ copy) and as the wrong size to an unsharded model. So :func:`install_state_dict_
 registers, on each module owning a sharded parameter:
 
 - a ``state_dict`` post-hook that presents the entry as a DTensor over the plan's axes
-  with the global shape and the plan's placements (:mod:`hpgen.runtime.shard_layout`),
+  with the global shape and the plan's placements (:mod:`hpgen.runtime.checkpoint.shard_layout`),
   a view of the parameter (no copy); an ``SS`` shard, which is several blocks of the full
   tensor, is a :class:`PackedShard` DTensor that tells DCP about each block;
 - a ``load_state_dict`` pre-hook that turns an incoming DTensor (this layout: its local
@@ -24,7 +24,7 @@ the plan's axes); ``save_pretrained`` uses it. ``with local_state_dict():`` turn
 post-hook off and gives the plain local shards.
 
 Under FSDP2 (``fully_shard`` on ``dp`` after ``parallelize``) a parameter is FSDP2's
-``dp`` DTensor of the local shard; :mod:`hpgen.runtime.fsdp_state` presents it over
+``dp`` DTensor of the local shard; :mod:`hpgen.runtime.checkpoint.fsdp_state` presents it over
 (``dp``, plan axes) with the global shape and loads values back into FSDP2's pieces.
 """
 
@@ -43,12 +43,12 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from hpgen.runtime.collectives import AxisCollectives
+from hpgen.runtime.forward.collectives import AxisCollectives
 from hpgen.runtime.errors import ParallelizeError
-from hpgen.runtime.fsdp_state import composed_dtensor, dp_piece, fsdp_value, is_fsdp_shard
-from hpgen.runtime.handback import call
-from hpgen.runtime.params import ParamShard
-from hpgen.runtime.shard_layout import DTensorForm, PackedShard, dtensor_form
+from hpgen.runtime.checkpoint.fsdp_state import composed_dtensor, dp_piece, fsdp_value, is_fsdp_shard
+from hpgen.runtime.forward.handback import call
+from hpgen.runtime.install.params import ParamShard
+from hpgen.runtime.checkpoint.shard_layout import DTensorForm, PackedShard, dtensor_form
 from hpgen.shards import AxisShare, ShardLayout
 
 __all__ = [
@@ -238,8 +238,8 @@ def install_state_dict_hooks(
 ) -> ShardRecorder:
     """Record each sharded parameter's layout on its owners and register the hooks (see the module docstring).
 
-    ``shards`` are :func:`~hpgen.runtime.params.survey_params`'s records, read before
-    :func:`~hpgen.runtime.params.shard_params` (their ``param`` has the full shape);
+    ``shards`` are :func:`~hpgen.runtime.install.params.survey_params`'s records, read before
+    :func:`~hpgen.runtime.install.params.shard_params` (their ``param`` has the full shape);
     ``names`` the plan's axes in mesh order. Returns the recorder, which records
     parameters made later (peft's adapters) the same way.
     """

@@ -5,10 +5,10 @@ The whole model never exists on one rank:
 1. the model is built on the meta device (no memory), in ``dtype``, ties included;
 2. ``parallelize`` gives every planned parameter its local shape (still meta);
 3. each parameter is read from the safetensors files box by box — only this rank's rows
-   or columns, or its experts (:mod:`hpgen.runtime.shard_layout`,
-   :mod:`hpgen.runtime.conversions`) — straight into one tensor of its dtype on
+   or columns, or its experts (:mod:`hpgen.runtime.checkpoint.shard_layout`,
+   :mod:`hpgen.runtime.checkpoint.conversions`) — straight into one tensor of its dtype on
    ``device`` (a shard that is one run of the file's bytes, in its dtype, on the CPU, is a
-   view of the file instead: :mod:`hpgen.runtime.checkpoint_files`), and put in place
+   view of the file instead: :mod:`hpgen.runtime.checkpoint.checkpoint_files`), and put in place
    under all its names (tied weights stay one Parameter; tensor hooks ``parallelize``
    registered move to the new Parameter);
 4. non-persistent buffers (rotary ``inv_freq``, ...) are allocated on ``device`` and
@@ -35,11 +35,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hpgen.runtime.checkpoint_files import CheckpointFiles
-from hpgen.runtime.conversions import Mapped, Source, checkpoint_sources, model_conversions
+from hpgen.runtime.checkpoint.checkpoint_files import CheckpointFiles
+from hpgen.runtime.checkpoint.conversions import Mapped, Source, checkpoint_sources, model_conversions
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.folder_swap import recover
-from hpgen.runtime.state_dict import local_state_dict, sharded_params
+from hpgen.runtime.checkpoint.state_dict import local_state_dict, sharded_params
 from hpgen.shards import ShardLayout
 
 __all__ = ["from_pretrained"]
@@ -73,7 +73,7 @@ def from_pretrained(
     parameter the checkpoint lacks, or holds with another shape, is a
     :class:`ParallelizeError`; keys the model does not use are reported and skipped.
     """
-    from hpgen.runtime.install import parallelize
+    from hpgen.runtime.install.parallelize import parallelize
 
     path = Path(path)
     if recover(path):  # a save killed between its two renames (systems without RENAME_EXCHANGE)

@@ -32,11 +32,11 @@ from torch.distributed.tensor.placement_types import Placement as DPlacement
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hpgen.runtime.errors import ParallelizeError
-from hpgen.runtime.shard_layout import PackedShard
+from hpgen.runtime.checkpoint.shard_layout import PackedShard
 from hpgen.shards import chunk_bounds, split_sizes
 
 if TYPE_CHECKING:
-    from hpgen.runtime.state_dict import ShardedParam
+    from hpgen.runtime.checkpoint.state_dict import ShardedParam
 
 __all__ = ["composed_dtensor", "composed_form", "fsdp_shard_dim", "fsdp_value", "is_fsdp_shard"]
 

@@ -33,10 +33,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from hpgen.classify import ValueOps, value_ops
 from hpgen.placement import Placement
 from hpgen.plan import Layout, Plan, body_is_sharded
-from hpgen.runtime.collectives import AxisCollectives
+from hpgen.runtime.forward.collectives import AxisCollectives
 from hpgen.runtime.errors import ParallelizeError
-from hpgen.runtime.handback import call
-from hpgen.runtime.ops import (
+from hpgen.runtime.forward.handback import call
+from hpgen.runtime.forward.ops import (
     Address,
     Step,
     get_output,
@@ -84,7 +84,7 @@ class DTensorMove:
     ) -> None:
         from torch.distributed.tensor import Replicate
 
-        from hpgen.runtime.shard_layout import dtensor_placement
+        from hpgen.runtime.checkpoint.shard_layout import dtensor_placement
 
         self.name = name
         self.mesh = mesh
@@ -160,7 +160,7 @@ def _grad_placement(placement: Placement, *, partial: bool) -> DPlacement:
     """The placement of a value's gradient: partial when asked, replicated for a partial value."""
     from torch.distributed.tensor import Partial, Replicate
 
-    from hpgen.runtime.shard_layout import dtensor_placement
+    from hpgen.runtime.checkpoint.shard_layout import dtensor_placement
 
     if partial:
         return Partial("sum")

@@ -38,9 +38,9 @@ from torch import nn
 from hpgen.errors import did_you_mean
 from hpgen.placement import REPLICATE, Placement
 from hpgen.plan import Entry, Layout, Plan
-from hpgen.runtime.collectives import AxisCollectives
+from hpgen.runtime.forward.collectives import AxisCollectives
 from hpgen.runtime.errors import ParallelizeError
-from hpgen.runtime.wrappers import is_conv1d
+from hpgen.runtime.forward.wrappers import is_conv1d
 from hpgen.shards import ShardLayout, chunks_and_index, normalize_dim, placement_problem, row_heads
 
 __all__ = ["Matched", "ParamShard", "rank_shard", "shard_params", "survey_params"]
