@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.checkpoint.file_maps import StoredTensor, box_view, read_header
+from hpgen.runtime.errors import ParallelizeError
 
 __all__ = ["CheckpointFiles", "INDEX_FILE", "Index", "SINGLE_FILE", "describe_unreadable", "open_safetensors"]
 

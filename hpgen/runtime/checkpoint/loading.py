@@ -37,9 +37,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hpgen.runtime.checkpoint.checkpoint_files import CheckpointFiles
 from hpgen.runtime.checkpoint.conversions import Mapped, Source, checkpoint_sources, model_conversions
+from hpgen.runtime.checkpoint.state_dict import local_state_dict, sharded_params
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.folder_swap import recover
-from hpgen.runtime.checkpoint.state_dict import local_state_dict, sharded_params
 from hpgen.shards import ShardLayout
 
 __all__ = ["from_pretrained"]

@@ -30,10 +30,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hpgen.runtime.checkpoint.conversions import model_conversions
+from hpgen.runtime.checkpoint.state_dict import gather_full, local_state_dict, sharded_params
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.folder_swap import replacing
 from hpgen.runtime.forward.handback import all_gather_object, broadcast_object
-from hpgen.runtime.checkpoint.state_dict import gather_full, local_state_dict, sharded_params
 
 __all__ = ["bind_save_pretrained", "full_state_dict", "save_pretrained", "write_checkpoint"]
 

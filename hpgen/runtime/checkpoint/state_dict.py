@@ -43,12 +43,12 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from hpgen.runtime.forward.collectives import AxisCollectives
-from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.checkpoint.fsdp_state import composed_dtensor, dp_piece, fsdp_value, is_fsdp_shard
+from hpgen.runtime.checkpoint.shard_layout import DTensorForm, PackedShard, dtensor_form
+from hpgen.runtime.errors import ParallelizeError
+from hpgen.runtime.forward.collectives import AxisCollectives
 from hpgen.runtime.forward.handback import call
 from hpgen.runtime.install.params import ParamShard
-from hpgen.runtime.checkpoint.shard_layout import DTensorForm, PackedShard, dtensor_form
 from hpgen.shards import AxisShare, ShardLayout
 
 __all__ = [

@@ -51,7 +51,6 @@ __all__ = [
     "ParallelLinear",
     "PartialBiasLinear",
     "PartialIdentity",
-    "is_conv1d",
     "subclass_with",
     "with_mixin",
 ]
@@ -182,19 +181,6 @@ class _PartialBiasMixin:
         output = F.linear(input, self.weight)  # type: ignore[attr-defined]
         share = self._hp_bias_share(self.bias)  # type: ignore[attr-defined]
         return output if share is None else output + share
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """transformers' ``Conv1D`` (GPT-2): ``nf`` outputs, ``nx`` inputs, weight ``[nx, nf]``, forward untouched."""
-    weight = getattr(module, "weight", None)
-    return (
-        type(module).__name__ == "Conv1D"
-        and isinstance(getattr(module, "nf", None), int)
-        and isinstance(getattr(module, "nx", None), int)
-        and isinstance(weight, Tensor)
-        and weight.dim() == 2
-        and getattr(type(module).forward, "__qualname__", "") == "Conv1D.forward"
-    )
 
 
 class _OutsideBoundaryMixin:

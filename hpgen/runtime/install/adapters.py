@@ -37,17 +37,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from hpgen.conv1d import is_conv1d
 from hpgen.placement import REPLICATE, Placement
 from hpgen.plan import Layout, body_is_sharded
-from hpgen.runtime.forward.collectives import AxisCollectives
+from hpgen.runtime.checkpoint.state_dict import ShardRecorder
 from hpgen.runtime.errors import ParallelizeError
+from hpgen.runtime.forward.collectives import AxisCollectives
 from hpgen.runtime.forward.handback import call
+from hpgen.runtime.forward.streams import LayoutChange
 from hpgen.runtime.install.hooks import FollowReducedParameters, GradAllReduce
 from hpgen.runtime.install.params import Matched, rank_shard
-from hpgen.runtime.checkpoint.state_dict import ShardRecorder
-from hpgen.runtime.forward.streams import LayoutChange
 from hpgen.runtime.install.tuners import is_tuner_layer, method_problem
-from hpgen.runtime.forward.wrappers import is_conv1d
 from hpgen.shards import ShardLayout, normalize_dim
 
 __all__ = ["AdapterWatch", "adapter_layouts", "survey_adapters", "watch_adapters"]

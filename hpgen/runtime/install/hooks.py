@@ -33,14 +33,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from hpgen.conv1d import is_conv1d
 from hpgen.plan import Plan, body_is_sharded
-from hpgen.runtime.forward.collectives import AxisCollectives
 from hpgen.runtime.errors import ParallelizeError
-from hpgen.runtime.install.groups import replica_group
+from hpgen.runtime.forward.collectives import AxisCollectives
 from hpgen.runtime.forward.handback import call
 from hpgen.runtime.forward.ops import address_of, get_output, replace_output
+from hpgen.runtime.forward.wrappers import BiasShare, subclass_with
+from hpgen.runtime.install.groups import replica_group
 from hpgen.runtime.install.params import Matched
-from hpgen.runtime.forward.wrappers import BiasShare, is_conv1d, subclass_with
 
 __all__ = [
     "BiasAdder",

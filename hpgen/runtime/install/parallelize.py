@@ -55,13 +55,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hpgen.errors import HpgenError, did_you_mean
 from hpgen.plan import Plan, load_plan, plan_from_dict
+from hpgen.runtime.checkpoint.saving import bind_save_pretrained
+from hpgen.runtime.checkpoint.state_dict import install_state_dict_hooks
+from hpgen.runtime.errors import ParallelizeError
+from hpgen.runtime.forward.collectives import AxisCollectives, scope_shard_sizes
+from hpgen.runtime.forward.sampling import bind_generate
+from hpgen.runtime.forward.streams import install_streams
 from hpgen.runtime.install.adapters import survey_adapters, watch_adapters
 from hpgen.runtime.install.agreement import check_ranks_agree, mesh_device, raise_together
 from hpgen.runtime.install.attrs import survey_attrs
-from hpgen.runtime.forward.collectives import AxisCollectives, scope_shard_sizes
 from hpgen.runtime.install.counterparts import GeneratedModule, generated_modules
-from hpgen.runtime.install.kernels import fit_experts_kernel
-from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.install.hooks import (
     DeferredBias,
     GradReduce,
@@ -69,13 +72,10 @@ from hpgen.runtime.install.hooks import (
     survey_deferred_biases,
     survey_grad_reduce,
 )
-from hpgen.runtime.install.params import Matched, ParamShard, shard_params, survey_params
 from hpgen.runtime.install.inputs import InputCheck
-from hpgen.runtime.forward.sampling import bind_generate
-from hpgen.runtime.checkpoint.saving import bind_save_pretrained
-from hpgen.runtime.forward.streams import install_streams
+from hpgen.runtime.install.kernels import fit_experts_kernel
+from hpgen.runtime.install.params import Matched, ParamShard, shard_params, survey_params
 from hpgen.runtime.install.stubs import refuse_replaced_stubs
-from hpgen.runtime.checkpoint.state_dict import install_state_dict_hooks
 from hpgen.runtime.install.summed import SummedBlock, branch_fqns, survey_summed
 from hpgen.runtime.install.targets import ModuleInstall, module_install
 from hpgen.runtime.install.tuners import peft_base_model, resolve_tuner_names

@@ -39,11 +39,11 @@ from torch import Tensor, nn
 
 from hpgen.classify import summed_ops
 from hpgen.plan import Plan, summed_branches
-from hpgen.runtime.forward.collectives import AxisCollectives
 from hpgen.runtime.errors import ParallelizeError
+from hpgen.runtime.forward.collectives import AxisCollectives
 from hpgen.runtime.forward.ops import Step, run_steps, step_for
-from hpgen.runtime.install.params import Matched
 from hpgen.runtime.forward.wrappers import BiasShare, subclass_with, with_mixin
+from hpgen.runtime.install.params import Matched
 
 __all__ = ["SummedBlock", "branch_fqns", "survey_summed"]
 

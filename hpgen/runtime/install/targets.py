@@ -38,17 +38,18 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hpgen.classify import is_identity_contract
+from hpgen.conv1d import is_conv1d
 from hpgen.placement import REPLICATE, Placement
 from hpgen.plan import Plan, contract_signature
 from hpgen.plan import Target as PlanTarget
+from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.boundary import GenericBoundary, StaticMove, boundary_movers, generic_boundary
 from hpgen.runtime.forward.collectives import AxisCollectives
+from hpgen.runtime.forward.wrappers import subclass_with
 from hpgen.runtime.install.counterparts import GeneratedModule, counterpart, is_generated_file
-from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.install.kernels import instance_forward_problem, route_dispatch
 from hpgen.runtime.install.params import Matched, rank_shard
 from hpgen.runtime.install.tuners import is_tuner_layer
-from hpgen.runtime.forward.wrappers import is_conv1d, subclass_with
 from hpgen.shards import normalize_dim
 
 __all__ = ["ModuleInstall", "module_install"]

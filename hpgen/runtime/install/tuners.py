@@ -17,8 +17,8 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 
-from hpgen.runtime.install.params import Matched
 from hpgen.runtime.forward.wrappers import MIXINS
+from hpgen.runtime.install.params import Matched
 
 __all__ = ["is_tuner_layer", "method_problem", "peft_base_model", "resolve_tuner_names"]
 
