@@ -214,15 +214,15 @@ def _load(model: nn.Module, files: CheckpointFiles, device: torch.device) -> Non
             continue  # a persistent buffer the checkpoint lacks is initialised like the others
         source = sources.by_key[name]
         record = records.get(name)
-        wanted = record.global_shape if record is not None else tuple(tensor.shape)
-        if tuple(source.shape) != wanted:
+        layout = record.shard_layout if record is not None else ShardLayout(tuple(tensor.shape), ())
+        if tuple(source.shape) != layout.shape:
             raise ParallelizeError(
                 f"{name}: the checkpoint holds shape {tuple(source.shape)} ({source.described}) but the model's "
-                f"parameter is {wanted}; is this the checkpoint of this model and config?"
+                f"parameter is {layout.shape}; is this the checkpoint of this model and config?"
             )
         dtype = _target_dtype(name, tensor, dtype_plan)
         try:
-            value = _read_local(source, wanted, record.shares if record is not None else (), dtype, device)
+            value = _read_local(source, layout, dtype, device)
         except ValueError as error:
             raise ParallelizeError(f"{name}: {error}") from None
         if tuple(value.shape) != tuple(tensor.shape):  # the layout and the parameter must agree
@@ -249,22 +249,19 @@ def _load(model: nn.Module, files: CheckpointFiles, device: torch.device) -> Non
     _initialise_buffers(model, device)
 
 
-def _read_local(
-    source: Source, shape: tuple[int, ...], shares: Any, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """This rank's chunk of ``source`` (full ``shape``) in ``dtype`` on ``device``.
+def _read_local(source: Source, layout: ShardLayout, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """This rank's chunk of ``source`` (``layout``'s full shape) in ``dtype`` on ``device``.
 
     A chunk that is one box of the file, in its dtype, on the CPU, is the file's bytes as
     they are (:meth:`Source.view`); any other is allocated once and each of its boxes read
     straight into its place, cast on the way."""
-    parts = ShardLayout(shape, shares).boxes()
-    whole = len(parts) == 1 and parts[0].local_offsets == (0,) * len(shape)
+    parts = layout.boxes()
+    whole = len(parts) == 1 and parts[0].local_offsets == (0,) * len(layout.shape)
     if whole and device.type == "cpu":
         view = source.view(parts[0].bounds())
         if view is not None and view.dtype == dtype:
             return view
-    local_sizes = [max(b.local_offsets[d] + b.sizes[d] for b in parts) for d in range(len(shape))]
-    out = torch.empty(local_sizes, dtype=dtype, device=device)
+    out = torch.empty(layout.local_shape, dtype=dtype, device=device)
     for box in parts:
         if all(s > 0 for s in box.sizes):
             source.read_into(box.bounds(), box.local_view(out))

@@ -49,7 +49,7 @@ from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.collectives import AxisCollectives
 from hpgen.runtime.forward.handback import call
 from hpgen.runtime.install.params import ParamShard
-from hpgen.shards import AxisShare, ShardLayout
+from hpgen.shards import ShardLayout
 
 __all__ = [
     "PackedShard",
@@ -98,10 +98,6 @@ class ShardedParam:
     def local_shape(self) -> tuple[int, ...]:
         return self.shard_layout.local_shape
 
-    @property
-    def shares(self) -> tuple[AxisShare, ...]:
-        return self.shard_layout.shares
-
     def __deepcopy__(self, memo: dict) -> ShardedParam:
         return self  # immutable, holds process groups: shared by copies of a model
 
@@ -143,7 +139,7 @@ class ShardedParam:
 
 
 def _layout_text(param: ShardedParam) -> str:
-    return ", ".join(f"{axis} {p} over {size}" for axis, (p, _, size) in zip(param.axes, param.shares))
+    return ", ".join(f"{axis} {p} over {size}" for axis, (p, _, size) in zip(param.axes, param.shard_layout.shares))
 
 
 # --------------------------------------------------------------------------- hooks
