@@ -13,7 +13,7 @@ of ``ceil(n / k)``, trailing ranks may get nothing): :func:`chunk_bounds` is tha
 the placement, the rank's index and the axis size): its local shape, the global ranges
 it holds per dim, the contiguous boxes they make, and the local slice of a full tensor
 all come from one walk over the axes (:func:`_axis_step`), the only place that tells
-``S``, ``RS`` and ``SS`` apart. The runtime's :mod:`hpgen.runtime.checkpoint.shard_layout` adds the
+``S``, ``RS`` and ``SS`` apart. The runtime's :mod:`hpgen.runtime.shard_layout` adds the
 DTensor names of a layout and back.
 
 Pure integer functions (no torch at import time; tensors are only handed in, and used by

@@ -167,7 +167,8 @@ def _runtime_groups() -> dict[str, set[str]]:
 def _docstring_groups() -> list[tuple[str, list[str]]]:
     """(package, modules) per bullet of the map in ``hpgen/runtime/__init__.py``: ``- ``pkg`` (role): ``m``, ...;``."""
     text = (ast.get_docstring(ast.parse((RUNTIME / "__init__.py").read_text())) or "").split("Module map", 1)[1]
-    bullets = [" ".join(b.split()) for b in re.split(r"\n- ", text)[1:]]
+    block = text[text.index("\n- ") :].split("\n\n", 1)[0]  # the list ends at the first blank line
+    bullets = [" ".join(b.split()) for b in re.split(r"\n- ", block)[1:]]
     found = []
     for bullet in bullets:
         match = re.match(r"``([\w.]+)`` \((.*?)\): (.*)", bullet)
@@ -181,6 +182,32 @@ def _page_groups() -> list[tuple[str, list[str]]]:
     page = (PACKAGE.parent / "docs" / "runtime.md").read_text().split("## Module map", 1)[1].split("\n## ", 1)[0]
     rows = [line.split("|")[1:-1] for line in page.splitlines() if line.startswith("| `")]
     return [(package.strip().strip("`"), re.findall(r"`(\w+)`", modules)) for package, _, modules in rows]
+
+
+# The runtime's top level: what something outside hpgen names by path, so it stays where it is.
+NAMED_FROM_OUTSIDE = {
+    "defaults": "generated files import it",
+    "local": "plans name its functions (local_compute_fn)",
+    "local_heads": "plans name its functions (local_compute_fn)",
+    "errors": "users catch its ParallelizeError",
+    "folder_swap": "users call its recover (docs/checkpoints.md)",
+    "shard_layout": "torch.save of a state dict holding an SS parameter records its PackedShard",
+}
+
+
+def test_the_runtime_keeps_at_its_top_level_what_outside_names_and_only_that():
+    assert _runtime_groups()["hpgen.runtime"] == set(NAMED_FROM_OUTSIDE)
+
+
+def test_what_generated_forwards_run_imports_no_install_or_checkpoint_code():
+    wrong = sorted(
+        f"{module} imports {target}"
+        for module, targets in GRAPH.items()
+        if module.startswith("hpgen.runtime.forward")
+        for target in targets
+        if target.startswith(("hpgen.runtime.install", "hpgen.runtime.checkpoint"))
+    )
+    assert not wrong, wrong
 
 
 def test_the_runtime_maps_put_every_module_in_exactly_one_group():

@@ -10,23 +10,28 @@ train-mode random ops draw from) are loaded on first use so that generated files
 ``hpgen.runtime.defaults``, do not pay for them.
 
 Module map. The top level keeps only the modules that something outside hpgen names by
-path: generated files import ``defaults``, plans name functions in ``local`` and
-``local_heads``, users catch ``errors.ParallelizeError`` (which every group raises) and
-call ``folder_swap.recover``. Everything else is in a subpackage by role, whose docstring
-says what each of its modules does. docs/runtime.md has the same table;
+path: generated files import ``defaults``; plans name functions in ``local`` and
+``local_heads``; users catch ``errors.ParallelizeError`` (which every group raises) and
+call ``folder_swap.recover``; ``torch.save`` of a state dict holding an ``SS`` parameter
+records ``shard_layout.PackedShard``. Everything else is in a subpackage by role, whose
+docstring says what each of its modules does. docs/runtime.md has the same table;
 ``tests/test_layers.py`` checks that both name every module, each in exactly one group:
 
 - ``hpgen.runtime`` (named from outside hpgen): ``defaults``, ``local``, ``local_heads``,
-  ``errors``, ``folder_swap``;
+  ``errors``, ``folder_swap``, ``shard_layout``;
 - ``hpgen.runtime.install`` (survey and install: what ``parallelize`` runs): ``parallelize``,
   ``agreement``, ``targets``, ``counterparts``, ``params``, ``attrs``, ``groups``, ``hooks``,
   ``summed``, ``kernels``, ``stubs``, ``inputs``, ``tuners``, ``adapters``;
 - ``hpgen.runtime.forward`` (what generated forwards call): ``collectives``,
   ``traced_collectives``, ``handback``, ``boundary``, ``ops``, ``wrappers``, ``streams``,
   ``sampling``;
-- ``hpgen.runtime.checkpoint`` (checkpoints, state dicts, DTensor's names for shards):
-  ``loading``, ``checkpoint_files``, ``file_maps``, ``conversions``, ``state_dict``,
-  ``shard_layout``, ``fsdp_state``, ``dcp_files``, ``saving``.
+- ``hpgen.runtime.checkpoint`` (checkpoints and state dicts: read, presented to DCP and
+  FSDP2, written): ``loading``, ``checkpoint_files``, ``file_maps``, ``conversions``,
+  ``state_dict``, ``fsdp_state``, ``dcp_files``, ``saving``.
+
+The subpackages import the top level and each other, except that ``forward`` imports
+neither ``install`` nor ``checkpoint``: what generated forwards run needs no install or
+checkpoint code.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hpgen.placement import Placement
-from hpgen.runtime.checkpoint.shard_layout import dtensor_form, dtensor_placement, hpgen_placement
+from hpgen.runtime.shard_layout import dtensor_form, dtensor_placement, hpgen_placement
 from hpgen.shards import ShardLayout
 
 S0, SS02, SS03, R = (Placement.parse(t) for t in ("S(0)", "SS(0,2)", "SS(0,3)", "R"))

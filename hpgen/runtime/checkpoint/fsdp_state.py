@@ -31,8 +31,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement as DPlacement
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from hpgen.runtime.checkpoint.shard_layout import PackedShard
 from hpgen.runtime.errors import ParallelizeError
+from hpgen.runtime.shard_layout import PackedShard
 from hpgen.shards import chunk_bounds, split_sizes
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ The whole model never exists on one rank:
 1. the model is built on the meta device (no memory), in ``dtype``, ties included;
 2. ``parallelize`` gives every planned parameter its local shape (still meta);
 3. each parameter is read from the safetensors files box by box — only this rank's rows
-   or columns, or its experts (:mod:`hpgen.runtime.checkpoint.shard_layout`,
+   or columns, or its experts (:mod:`hpgen.runtime.shard_layout`,
    :mod:`hpgen.runtime.checkpoint.conversions`) — straight into one tensor of its dtype on
    ``device`` (a shard that is one run of the file's bytes, in its dtype, on the CPU, is a
    view of the file instead: :mod:`hpgen.runtime.checkpoint.checkpoint_files`), and put in place

@@ -7,7 +7,7 @@ copy) and as the wrong size to an unsharded model. So :func:`install_state_dict_
 registers, on each module owning a sharded parameter:
 
 - a ``state_dict`` post-hook that presents the entry as a DTensor over the plan's axes
-  with the global shape and the plan's placements (:mod:`hpgen.runtime.checkpoint.shard_layout`),
+  with the global shape and the plan's placements (:mod:`hpgen.runtime.shard_layout`),
   a view of the parameter (no copy); an ``SS`` shard, which is several blocks of the full
   tensor, is a :class:`PackedShard` DTensor that tells DCP about each block;
 - a ``load_state_dict`` pre-hook that turns an incoming DTensor (this layout: its local
@@ -44,11 +44,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hpgen.runtime.checkpoint.fsdp_state import composed_dtensor, dp_piece, fsdp_value, is_fsdp_shard
-from hpgen.runtime.checkpoint.shard_layout import DTensorForm, PackedShard, dtensor_form
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.collectives import AxisCollectives
 from hpgen.runtime.forward.handback import call
 from hpgen.runtime.install.params import ParamShard
+from hpgen.runtime.shard_layout import DTensorForm, PackedShard, dtensor_form
 from hpgen.shards import ShardLayout
 
 __all__ = [

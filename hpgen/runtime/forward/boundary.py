@@ -84,7 +84,7 @@ class DTensorMove:
     ) -> None:
         from torch.distributed.tensor import Replicate
 
-        from hpgen.runtime.checkpoint.shard_layout import dtensor_placement
+        from hpgen.runtime.shard_layout import dtensor_placement
 
         self.name = name
         self.mesh = mesh
@@ -160,7 +160,7 @@ def _grad_placement(placement: Placement, *, partial: bool) -> DPlacement:
     """The placement of a value's gradient: partial when asked, replicated for a partial value."""
     from torch.distributed.tensor import Partial, Replicate
 
-    from hpgen.runtime.checkpoint.shard_layout import dtensor_placement
+    from hpgen.runtime.shard_layout import dtensor_placement
 
     if partial:
         return Partial("sum")
