@@ -31,7 +31,7 @@ machine drifts; sampling at 1 ms gives a few thousand samples per variant.
 Then it times one MLP block alone, the hand-written one (forward hook) against hpgen's
 generated one, with the runtime as it is and with the no-grad ``all_reduce`` of
 :class:`NoGradFastPath` (a subclass defined here, not in the runtime): the cost of one
-boundary, and what that change to ``hpgen/runtime/collectives.py`` would save.
+boundary, and what that change to ``hpgen/runtime/forward/collectives.py`` would save.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from hpgen.runtime.collectives import AxisCollectives
+from hpgen.runtime.forward.collectives import AxisCollectives
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tp_decode

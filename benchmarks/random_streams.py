@@ -53,7 +53,7 @@ def build(directory: Path, layers: int, hidden: int) -> tuple[Any, dict, Any]:
 
 
 def variant(module: Any, plan: dict, config: Any, mesh: Any, state: dict, *, mechanism: bool) -> Any:
-    import hpgen.runtime.install as install
+    import hpgen.runtime.install.parallelize as install
     from hpgen.runtime import parallelize
 
     model = module.LlamaForCausalLM(copy.deepcopy(config))

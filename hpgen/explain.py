@@ -11,7 +11,7 @@ from hpgen.lower import Analysis
 from hpgen.plan import Plan
 from hpgen.summed_edit import SummedSiteError, rewrite_summed
 
-# Inputs the runtime's wrappers know (hpgen.runtime.targets.KNOWN_INPUTS, kept apart
+# Inputs the runtime's wrappers know (hpgen.runtime.install.targets.KNOWN_INPUTS, kept apart
 # because the generator never imports the runtime).
 _KNOWN_INPUTS = {"Linear": ("input",), "Embedding": (), "Identity": ()}
 
@@ -36,7 +36,7 @@ def _op_record(op: Op, sizes: str | None = None) -> dict[str, Any]:
 
 
 # Ops that make a shard of a dim whose full size they know; the runtime's gathers on the
-# same axis and dim later in the same forward take their sizes (hpgen.runtime.collectives).
+# same axis and dim later in the same forward take their sizes (hpgen.runtime.forward.collectives).
 _MAKES_SHARD = {"split": "dim", "reduce_scatter": "dim", "all_to_all": "dst_dim"}
 _RECEIVES_SHARD = {"all_gather": "dim", "all_to_all": "src_dim"}
 

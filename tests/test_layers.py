@@ -13,12 +13,11 @@ import re
 from pathlib import Path
 
 import hpgen
-import hpgen.runtime
 
 PACKAGE = Path(hpgen.__file__).parent
 
 # The core: plain data every layer shares (no torch at import time, no libcst).
-CORE = {"placement", "plan", "plan_entries", "plan_names", "plan_reader", "classify", "shards", "header", "stubs", "errors", "durable"}
+CORE = {"placement", "plan", "plan_entries", "plan_names", "plan_reader", "classify", "shards", "header", "stubs", "errors", "durable", "conv1d"}
 # The generator: reads sources with libcst and writes generated files.
 GENERATOR = {"index", "resolve", "emit", "lower", "write", "targets", "explain", "generate", "summed_edit", "param_dims"}
 
@@ -149,26 +148,86 @@ def test_no_import_cycles():
 
 def test_the_checks_can_fail():
     assert _strongly_connected({"a": {"b"}, "b": {"a"}, "c": set()}) == [{"a", "b"}]
-    assert layer("hpgen.runtime.collectives") == "runtime" and "planner" not in ALLOWED["runtime"]
+    assert layer("hpgen.runtime.forward.collectives") == "runtime" and "planner" not in ALLOWED["runtime"]
 
 
-def _names(text: str) -> set[str]:
-    return set(re.findall(r"``?([a-z_]+)``?", text))
+RUNTIME = PACKAGE / "runtime"
 
 
-def test_the_runtime_maps_name_every_module_and_nothing_else():
-    runtime = {path.stem for path in (PACKAGE / "runtime").glob("*.py") if path.stem != "__init__"}
-    docstring = hpgen.runtime.__doc__.split("Module map", 1)[1]
-    page = (PACKAGE.parent / "docs" / "runtime.md").read_text().split("## Module map", 1)[1]
-    table = "\n".join(line for line in page.splitlines() if line.startswith("| ") and "role" not in line)
-    for where, text in (("hpgen/runtime/__init__.py", docstring), ("docs/runtime.md", table)):
-        # each row's first cell is the role's own words; the modules are the backquoted names
-        listed = {name for name in _names(text) if name in runtime or name.isidentifier()} - {
-            "parallelize",
-            "hpgen",
-        }
-        listed = {name for name in listed if not name.startswith(("tests", "hpgen"))}
-        assert listed == runtime, (where, sorted(listed - runtime), sorted(runtime - listed))
+def _runtime_groups() -> dict[str, set[str]]:
+    """The runtime's groups as the tree has them: the package itself and each subpackage, with their modules."""
+    groups = {"hpgen.runtime": {path.stem for path in RUNTIME.glob("*.py") if path.stem != "__init__"}}
+    for init in sorted(RUNTIME.glob("*/__init__.py")):
+        package = init.parent
+        assert not list(package.glob("*/__init__.py")), f"{package} nests a package the runtime's map cannot name"
+        groups[f"hpgen.runtime.{package.name}"] = {p.stem for p in package.glob("*.py") if p.stem != "__init__"}
+    return groups
+
+
+def _docstring_groups() -> list[tuple[str, list[str]]]:
+    """(package, modules) per bullet of the map in ``hpgen/runtime/__init__.py``: ``- ``pkg`` (role): ``m``, ...;``."""
+    text = (ast.get_docstring(ast.parse((RUNTIME / "__init__.py").read_text())) or "").split("Module map", 1)[1]
+    block = text[text.index("\n- ") :].split("\n\n", 1)[0]  # the list ends at the first blank line
+    bullets = [" ".join(b.split()) for b in re.split(r"\n- ", block)[1:]]
+    found = []
+    for bullet in bullets:
+        match = re.match(r"``([\w.]+)`` \((.*?)\): (.*)", bullet)
+        assert match, f"a bullet of the runtime's map is not ``package`` (role): ``module``, ...: {bullet!r}"
+        found.append((match.group(1), re.findall(r"``(\w+)``", match.group(3))))
+    return found
+
+
+def _page_groups() -> list[tuple[str, list[str]]]:
+    """(package, modules) per row of docs/runtime.md's module map table."""
+    page = (PACKAGE.parent / "docs" / "runtime.md").read_text().split("## Module map", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:-1] for line in page.splitlines() if line.startswith("| `")]
+    return [(package.strip().strip("`"), re.findall(r"`(\w+)`", modules)) for package, _, modules in rows]
+
+
+# The runtime's top level: what something outside hpgen names by path, so it stays where it is.
+NAMED_FROM_OUTSIDE = {
+    "defaults": "generated files import it",
+    "local": "plans name its functions (local_compute_fn)",
+    "local_heads": "plans name its functions (local_compute_fn)",
+    "errors": "users catch its ParallelizeError",
+    "folder_swap": "users call its recover (docs/checkpoints.md)",
+    "shard_layout": "torch.save of a state dict holding an SS parameter records its PackedShard",
+}
+
+
+def test_the_runtime_keeps_at_its_top_level_what_outside_names_and_only_that():
+    assert _runtime_groups()["hpgen.runtime"] == set(NAMED_FROM_OUTSIDE)
+
+
+def test_what_generated_forwards_run_imports_no_install_or_checkpoint_code():
+    wrong = sorted(
+        f"{module} imports {target}"
+        for module, targets in GRAPH.items()
+        if module.startswith("hpgen.runtime.forward")
+        for target in targets
+        if target.startswith(("hpgen.runtime.install", "hpgen.runtime.checkpoint"))
+    )
+    assert not wrong, wrong
+
+
+def test_the_runtime_maps_put_every_module_in_exactly_one_group():
+    """The package docstring's map and docs/runtime.md's table name each group as the tree has it, and each module once."""
+    groups = _runtime_groups()
+    assert set(groups) == {"hpgen.runtime", "hpgen.runtime.install", "hpgen.runtime.forward", "hpgen.runtime.checkpoint"}
+    for where, listed in (("hpgen/runtime/__init__.py", _docstring_groups()), ("docs/runtime.md", _page_groups())):
+        names = [name for _, modules in listed for name in modules]
+        assert len(names) == len(set(names)), (where, sorted({n for n in names if names.count(n) > 1}))
+        assert [package for package, _ in listed] == list(dict.fromkeys(p for p, _ in listed)), where
+        assert {package: set(modules) for package, modules in listed} == groups, where
+
+
+def test_each_runtime_group_names_its_modules():
+    """Each subpackage's docstring says what every one of its modules does, and names no other."""
+    groups = _runtime_groups()
+    for package in set(groups) - {"hpgen.runtime"}:  # the package's own docstring is the map, checked above
+        docstring = ast.get_docstring(ast.parse(MODULES[package].read_text())) or ""
+        listed = set(re.findall(rf"{re.escape(package)}\.([a-z_]+)", docstring))
+        assert listed == groups[package], (package, sorted(listed ^ groups[package]))
 
 
 def _package_modules(package: Path) -> set[str]:

@@ -8,6 +8,8 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from hpgen.conv1d import is_conv1d
+
 _DIGITS = re.compile(r"\.\d+(?=\.|$)")  # a list index segment
 
 __all__ = [
@@ -70,17 +72,6 @@ def is_nn_linear(module: Any) -> bool:
     import torch.nn as nn
 
     return isinstance(module, nn.Linear)
-
-
-def is_conv1d(module: Any) -> bool:
-    """transformers' ``Conv1D`` (GPT-2): a linear layer whose weight is ``[in, out]``."""
-    weight = getattr(module, "weight", None)
-    return (
-        type(module).__name__ == "Conv1D"
-        and isinstance(getattr(module, "nf", None), int)
-        and weight is not None
-        and tuple(weight.shape) == (module.nx, module.nf)
-    )
 
 
 def out_features(module: Any) -> int:

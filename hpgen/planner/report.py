@@ -11,7 +11,7 @@ computed from the model built on the meta device (shapes only) and the plan:
   tensor it moves per token (the value's feature width at that dtype) and the bytes a
   rank sends for it on a ring (all-reduce ``2 (p-1)/p``, all-gather and reduce-scatter
   ``(p-1)/p`` of the whole tensor). An all-gather that nothing tells its shard sizes
-  first exchanges them (one int64 per rank), as :mod:`hpgen.runtime.collectives` does;
+  first exchanges them (one int64 per rank), as :mod:`hpgen.runtime.forward.collectives` does;
   one after a split of the same dim, or of a wrapped module's features, does not. Gradient all-reduces of
   ``grad_reduce_params`` and of ``RS(d,r)`` parameters (over their ``r`` replicas) run once per backward,
   whatever the tokens.

@@ -9,19 +9,29 @@ checkpoint's files before reading any) and ``reseed_random_streams`` (the stream
 train-mode random ops draw from) are loaded on first use so that generated files, which import
 ``hpgen.runtime.defaults``, do not pay for them.
 
-Module map, by role (docs/runtime.md has the same table; ``tests/test_layers.py`` checks
-that it names every module and nothing else):
+Module map. The top level keeps only the modules that something outside hpgen names by
+path: generated files import ``defaults``; plans name functions in ``local`` and
+``local_heads``; users catch ``errors.ParallelizeError`` (which every group raises) and
+call ``folder_swap.recover``; ``torch.save`` of a state dict holding an ``SS`` parameter
+records ``shard_layout.PackedShard``. Everything else is in a subpackage by role, whose
+docstring says what each of its modules does. docs/runtime.md has the same table;
+``tests/test_layers.py`` checks that both name every module, each in exactly one group:
 
-- survey and install (``parallelize``): ``install``, ``agreement``, ``targets``,
-  ``counterparts``, ``params``, ``attrs``, ``groups``, ``hooks``, ``summed``, ``kernels``,
-  ``stubs``, ``inputs``, ``tuners``, ``errors``;
-- forward (what generated forwards call): ``defaults``, ``collectives``,
-  ``traced_collectives``, ``handback``, ``boundary``, ``ops``, ``wrappers``, ``local``,
-  ``local_heads``, ``streams``, ``sampling``;
-- shard layout (DTensor's names for the core's :class:`hpgen.shards.ShardLayout`):
-  ``shard_layout``;
-- checkpoints: ``loading``, ``checkpoint_files``, ``file_maps``, ``conversions``,
-  ``state_dict``, ``fsdp_state``, ``dcp_files``, ``saving``, ``folder_swap``, ``adapters``.
+- ``hpgen.runtime`` (named from outside hpgen): ``defaults``, ``local``, ``local_heads``,
+  ``errors``, ``folder_swap``, ``shard_layout``;
+- ``hpgen.runtime.install`` (survey and install: what ``parallelize`` runs): ``parallelize``,
+  ``agreement``, ``targets``, ``counterparts``, ``params``, ``attrs``, ``groups``, ``hooks``,
+  ``summed``, ``kernels``, ``stubs``, ``inputs``, ``tuners``, ``adapters``;
+- ``hpgen.runtime.forward`` (what generated forwards call): ``collectives``,
+  ``traced_collectives``, ``handback``, ``boundary``, ``ops``, ``wrappers``, ``streams``,
+  ``sampling``;
+- ``hpgen.runtime.checkpoint`` (checkpoints and state dicts: read, presented to DCP and
+  FSDP2, written): ``loading``, ``checkpoint_files``, ``file_maps``, ``conversions``,
+  ``state_dict``, ``fsdp_state``, ``dcp_files``, ``saving``.
+
+The subpackages import the top level and each other, except that ``forward`` imports
+neither ``install`` nor ``checkpoint``: what generated forwards run needs no install or
+checkpoint code.
 """
 
 from __future__ import annotations
@@ -41,15 +51,15 @@ __all__ = [
 ]
 
 _LAZY = {
-    "checked_reader": "hpgen.runtime.dcp_files",
-    "parallelize": "hpgen.runtime.install",
-    "from_pretrained": "hpgen.runtime.loading",
-    "reseed_random_streams": "hpgen.runtime.streams",
-    "save_pretrained": "hpgen.runtime.saving",
-    "full_state_dict": "hpgen.runtime.saving",
-    "local_state_dict": "hpgen.runtime.state_dict",
-    "optimizer_state_dict": "hpgen.runtime.state_dict",
-    "load_optimizer_state_dict": "hpgen.runtime.state_dict",
+    "checked_reader": "hpgen.runtime.checkpoint.dcp_files",
+    "parallelize": "hpgen.runtime.install.parallelize",
+    "from_pretrained": "hpgen.runtime.checkpoint.loading",
+    "reseed_random_streams": "hpgen.runtime.forward.streams",
+    "save_pretrained": "hpgen.runtime.checkpoint.saving",
+    "full_state_dict": "hpgen.runtime.checkpoint.saving",
+    "local_state_dict": "hpgen.runtime.checkpoint.state_dict",
+    "optimizer_state_dict": "hpgen.runtime.checkpoint.state_dict",
+    "load_optimizer_state_dict": "hpgen.runtime.checkpoint.state_dict",
 }
 
 

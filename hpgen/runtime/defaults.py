@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpgen.runtime.collectives import IDENTITY_AXIS
+from hpgen.runtime.forward.collectives import IDENTITY_AXIS
 
 
 class IdentityBoundary:

@@ -68,7 +68,7 @@ def experts_parallel(
     other ranks' experts become the local sentinel ``count`` (no expert), and the
     module's own body runs on the local experts: its eager loop, or the kernel that
     transformers' ``config._experts_implementation`` selects (``grouped_mm`` by default;
-    :mod:`hpgen.runtime.kernels` routes the dispatch there). Any weight layout the class
+    :mod:`hpgen.runtime.install.kernels` routes the dispatch there). Any weight layout the class
     supports (transposed, with biases) works, since the class's code computes.
 
     The result is this rank's partial sum (``P(sum)``) over ``axis``; the generated

@@ -2,7 +2,7 @@
 
 Both ranks gather the old and the new unsharded state dicts (real gathers of a model
 parallelized on 2 gloo ranks); the writer's half of the save
-(:func:`hpgen.runtime.saving.write_checkpoint`, what rank 0 runs after the gather) is
+(:func:`hpgen.runtime.checkpoint.saving.write_checkpoint`, what rank 0 runs after the gather) is
 then run in forked children of rank 0 killed with SIGKILL at each of its file-system steps
 (:mod:`tests.runtime.faults`): before, inside and after every safetensors file, at every
 fsync, rename, link and delete. After each kill transformers' own ``from_pretrained``
@@ -34,7 +34,7 @@ def kill_saves(model: torch.nn.Module, cls: type, root: str, rank: int, ids: tor
     import torch.distributed as dist
 
     from hpgen.runtime.folder_swap import leftovers, recover
-    from hpgen.runtime.saving import full_state_dict, write_checkpoint
+    from hpgen.runtime.checkpoint.saving import full_state_dict, write_checkpoint
     from tests.runtime.faults import kill_trials
 
     old = full_state_dict(model)

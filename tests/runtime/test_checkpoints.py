@@ -223,7 +223,8 @@ def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from hpgen.runtime import checkpoint_files, from_pretrained, parallelize
+    from hpgen.runtime import from_pretrained, parallelize
+    from hpgen.runtime.checkpoint import checkpoint_files
     from hpgen.runtime.errors import ParallelizeError
 
     transformers.utils.logging.disable_progress_bar()
@@ -419,7 +420,8 @@ def _dtypes_and_mappings(out: RankResults, case: Checkpoint, root: str, mesh: An
 
     import transformers
 
-    from hpgen.runtime import checkpoint_files, from_pretrained
+    from hpgen.runtime import from_pretrained
+    from hpgen.runtime.checkpoint import checkpoint_files
 
     cls = import_file(case.generated).LlamaForCausalLM
     plan = load_plan_dict(case.plan)

@@ -1,4 +1,4 @@
-"""hpgen.runtime.collectives on real gloo process groups, checked against one-process references.
+"""hpgen.runtime.forward.collectives on real gloo process groups, checked against one-process references.
 
 Every collective keeps the logical tensor and changes only its layout, so one reference
 serves them all: build the logical tensor ``X`` from per-rank pieces (the shards of
@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hpgen.runtime import collectives
-from hpgen.runtime.collectives import IDENTITY_AXIS, AxisCollectives, ShardScope
+from hpgen.runtime.forward import collectives
+from hpgen.runtime.forward.collectives import IDENTITY_AXIS, AxisCollectives, ShardScope
 from tests.dist import RankFailed, run_distributed
 
 REDUCE = {

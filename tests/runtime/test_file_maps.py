@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hpgen.runtime.checkpoint_files import CheckpointFiles
-from hpgen.runtime.file_maps import box_view, read_header
+from hpgen.runtime.checkpoint.checkpoint_files import CheckpointFiles
+from hpgen.runtime.checkpoint.file_maps import box_view, read_header
 
 TENSORS = {  # odd sizes so that boxes start and end inside pages
     "f32": (torch.float32, (37, 1029)),

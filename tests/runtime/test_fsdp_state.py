@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from hpgen.runtime.fsdp_state import composed_form
+from hpgen.runtime.checkpoint.fsdp_state import composed_form
 
 
 def test_fsdp2_over_a_tp_shard_of_its_dim_is_strided() -> None:

@@ -1,4 +1,4 @@
-"""hpgen.runtime.handback on real gloo groups: a collective returns only once gloo's worker
+"""hpgen.runtime.forward.handback on real gloo groups: a collective returns only once gloo's worker
 thread has dropped its references to the tensors, so no Python object is ever freed from that
 thread (which, at interpreter shutdown, aborts the process).
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hpgen.runtime.collectives import AxisCollectives
-from hpgen.runtime.handback import all_gather_object, broadcast_object, call
+from hpgen.runtime.forward.collectives import AxisCollectives
+from hpgen.runtime.forward.handback import all_gather_object, broadcast_object, call
 from tests.dist import run_distributed
 
 ROUNDS = 150

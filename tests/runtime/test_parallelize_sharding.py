@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hpgen.placement import Placement
-from hpgen.runtime.groups import replica_rank_lists
+from hpgen.runtime.install.groups import replica_rank_lists
 from hpgen.shards import ShardLayout, placement_problem, split_sizes
 
 S0, S1, R = Placement.parse("S(0)"), Placement.parse("S(-1)"), Placement.parse("R")

@@ -36,7 +36,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _embedding(rank: int, size: int, mesh: Any) -> dict[str, bool]:
     """Vocab-parallel embedding (11 rows: 6 + 5) whose output is reduce-scattered on the sequence."""
     from hpgen.runtime import parallelize
-    from hpgen.runtime.wrappers import ParallelEmbedding
+    from hpgen.runtime.forward.wrappers import ParallelEmbedding
 
     torch.manual_seed(0)
     reference = nn.ModuleDict({"embed": nn.Embedding(11, 6, padding_idx=7)})
@@ -66,7 +66,7 @@ def _linears(rank: int, size: int, mesh: Any) -> dict[str, bool]:
     """Column-parallel Linear left sharded, row-parallel Linear with a deferred bias, and a
     column-parallel head gathered to R: Megatron's MLP pair and lm_head, as bare modules."""
     from hpgen.runtime import parallelize
-    from hpgen.runtime.wrappers import ParallelLinear
+    from hpgen.runtime.forward.wrappers import ParallelLinear
 
     torch.manual_seed(0)
 
@@ -203,8 +203,8 @@ def _movers(rank: int, size: int, mesh: Any) -> dict[str, bool]:
     P(avg|max) -> S; forward values against the logical values, gradients against autograd
     of the logical computation."""
     from hpgen.plan import plan_from_dict
-    from hpgen.runtime.boundary import DTensorMove, StaticMove, boundary_movers
-    from hpgen.runtime.install import mesh_axes
+    from hpgen.runtime.forward.boundary import DTensorMove, StaticMove, boundary_movers
+    from hpgen.runtime.install.parallelize import mesh_axes
 
     plan = plan_from_dict(
         _plan(

@@ -144,7 +144,7 @@ class _CollectiveCounter:
     def installed(self) -> Any:
         import torch.distributed as dist
 
-        import hpgen.runtime.collectives as collectives
+        import hpgen.runtime.forward.collectives as collectives
 
         @contextlib.contextmanager
         def patch() -> Any:

@@ -22,7 +22,7 @@ from tests.runtime.models import generated_model, import_file, load_plan_dict, l
 def _attempt(rank: int, world_size: int, scenarios: dict[str, dict[str, Any]]) -> dict[str, str]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    import hpgen.runtime.agreement as agreement
+    import hpgen.runtime.install.agreement as agreement
     from hpgen.runtime import parallelize
     from hpgen.runtime.errors import ParallelizeError
 

@@ -2,7 +2,7 @@
 
 ``deferred_bias_params``: a row-parallel projection (``o_proj``, ``down_proj``) makes a
 partial sum; its bias must be added once, after the reduction, not on every rank. The
-inner ``nn.Linear`` becomes a :class:`~hpgen.runtime.wrappers.DeferredBiasLinear` (no
+inner ``nn.Linear`` becomes a :class:`~hpgen.runtime.forward.wrappers.DeferredBiasLinear` (no
 bias in its matmul; the Parameter stays registered where it was, so ``state_dict`` is
 unchanged) and a forward hook on the boundary adds the bias to the reduced output.
 
@@ -33,14 +33,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from hpgen.conv1d import is_conv1d
 from hpgen.plan import Plan, body_is_sharded
-from hpgen.runtime.collectives import AxisCollectives
 from hpgen.runtime.errors import ParallelizeError
-from hpgen.runtime.groups import replica_group
-from hpgen.runtime.handback import call
-from hpgen.runtime.ops import address_of, get_output, replace_output
-from hpgen.runtime.params import Matched
-from hpgen.runtime.wrappers import BiasShare, is_conv1d, subclass_with
+from hpgen.runtime.forward.collectives import AxisCollectives
+from hpgen.runtime.forward.handback import call
+from hpgen.runtime.forward.ops import address_of, get_output, replace_output
+from hpgen.runtime.forward.wrappers import BiasShare, subclass_with
+from hpgen.runtime.install.groups import replica_group
+from hpgen.runtime.install.params import Matched
 
 __all__ = [
     "BiasAdder",
@@ -58,7 +59,7 @@ class BiasAdder:
     """Forward hook: add ``owner.bias`` to output ``name`` of the boundary's (reduced) return.
 
     In train mode the owner adds its share of the bias before the reduction instead
-    (:class:`~hpgen.runtime.wrappers.BiasShare`), so that a dropout of the partial sum
+    (:class:`~hpgen.runtime.forward.wrappers.BiasShare`), so that a dropout of the partial sum
     (GPT-2's ``resid_dropout(c_proj(x))``) drops the bias with it, as the source does.
     """
 
@@ -128,7 +129,7 @@ def survey_deferred_biases(matched: Iterable[Matched], plan: Plan, branches: fro
     """Check each ``deferred_bias_params`` entry and say where its bias goes.
 
     ``branches``: FQNs of summed reductions' branches, whose biases their block places
-    (:mod:`hpgen.runtime.summed`).
+    (:mod:`hpgen.runtime.install.summed`).
     """
     mesh = plan.mesh_dim_names
     found = []
@@ -209,7 +210,7 @@ def survey_grad_reduce(matched: Iterable[Matched], plan: Plan) -> list[GradReduc
 
     ``grad_reduce_params`` sum over every axis the boundary's body is sharded on;
     ``RS(d,r)`` parameters over the ``r`` ranks of the axis holding the same chunk (their
-    replica group, :mod:`hpgen.runtime.groups`).
+    replica group, :mod:`hpgen.runtime.install.groups`).
     """
     found: dict[int, GradReduce] = {}
 

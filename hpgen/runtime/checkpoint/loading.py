@@ -6,9 +6,9 @@ The whole model never exists on one rank:
 2. ``parallelize`` gives every planned parameter its local shape (still meta);
 3. each parameter is read from the safetensors files box by box — only this rank's rows
    or columns, or its experts (:mod:`hpgen.runtime.shard_layout`,
-   :mod:`hpgen.runtime.conversions`) — straight into one tensor of its dtype on
+   :mod:`hpgen.runtime.checkpoint.conversions`) — straight into one tensor of its dtype on
    ``device`` (a shard that is one run of the file's bytes, in its dtype, on the CPU, is a
-   view of the file instead: :mod:`hpgen.runtime.checkpoint_files`), and put in place
+   view of the file instead: :mod:`hpgen.runtime.checkpoint.checkpoint_files`), and put in place
    under all its names (tied weights stay one Parameter; tensor hooks ``parallelize``
    registered move to the new Parameter);
 4. non-persistent buffers (rotary ``inv_freq``, ...) are allocated on ``device`` and
@@ -35,11 +35,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hpgen.runtime.checkpoint_files import CheckpointFiles
-from hpgen.runtime.conversions import Mapped, Source, checkpoint_sources, model_conversions
+from hpgen.runtime.checkpoint.checkpoint_files import CheckpointFiles
+from hpgen.runtime.checkpoint.conversions import Mapped, Source, checkpoint_sources, model_conversions
+from hpgen.runtime.checkpoint.state_dict import local_state_dict, sharded_params
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.folder_swap import recover
-from hpgen.runtime.state_dict import local_state_dict, sharded_params
 from hpgen.shards import ShardLayout
 
 __all__ = ["from_pretrained"]
@@ -73,7 +73,7 @@ def from_pretrained(
     parameter the checkpoint lacks, or holds with another shape, is a
     :class:`ParallelizeError`; keys the model does not use are reported and skipped.
     """
-    from hpgen.runtime.install import parallelize
+    from hpgen.runtime.install.parallelize import parallelize
 
     path = Path(path)
     if recover(path):  # a save killed between its two renames (systems without RENAME_EXCHANGE)
@@ -214,15 +214,15 @@ def _load(model: nn.Module, files: CheckpointFiles, device: torch.device) -> Non
             continue  # a persistent buffer the checkpoint lacks is initialised like the others
         source = sources.by_key[name]
         record = records.get(name)
-        wanted = record.global_shape if record is not None else tuple(tensor.shape)
-        if tuple(source.shape) != wanted:
+        layout = record.shard_layout if record is not None else ShardLayout(tuple(tensor.shape), ())
+        if tuple(source.shape) != layout.shape:
             raise ParallelizeError(
                 f"{name}: the checkpoint holds shape {tuple(source.shape)} ({source.described}) but the model's "
-                f"parameter is {wanted}; is this the checkpoint of this model and config?"
+                f"parameter is {layout.shape}; is this the checkpoint of this model and config?"
             )
         dtype = _target_dtype(name, tensor, dtype_plan)
         try:
-            value = _read_local(source, wanted, record.shares if record is not None else (), dtype, device)
+            value = _read_local(source, layout, dtype, device)
         except ValueError as error:
             raise ParallelizeError(f"{name}: {error}") from None
         if tuple(value.shape) != tuple(tensor.shape):  # the layout and the parameter must agree
@@ -249,22 +249,19 @@ def _load(model: nn.Module, files: CheckpointFiles, device: torch.device) -> Non
     _initialise_buffers(model, device)
 
 
-def _read_local(
-    source: Source, shape: tuple[int, ...], shares: Any, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """This rank's chunk of ``source`` (full ``shape``) in ``dtype`` on ``device``.
+def _read_local(source: Source, layout: ShardLayout, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """This rank's chunk of ``source`` (``layout``'s full shape) in ``dtype`` on ``device``.
 
     A chunk that is one box of the file, in its dtype, on the CPU, is the file's bytes as
     they are (:meth:`Source.view`); any other is allocated once and each of its boxes read
     straight into its place, cast on the way."""
-    parts = ShardLayout(shape, shares).boxes()
-    whole = len(parts) == 1 and parts[0].local_offsets == (0,) * len(shape)
+    parts = layout.boxes()
+    whole = len(parts) == 1 and parts[0].local_offsets == (0,) * len(layout.shape)
     if whole and device.type == "cpu":
         view = source.view(parts[0].bounds())
         if view is not None and view.dtype == dtype:
             return view
-    local_sizes = [max(b.local_offsets[d] + b.sizes[d] for b in parts) for d in range(len(shape))]
-    out = torch.empty(local_sizes, dtype=dtype, device=device)
+    out = torch.empty(layout.local_shape, dtype=dtype, device=device)
     for box in parts:
         if all(s > 0 for s in box.sizes):
             source.read_into(box.bounds(), box.local_view(out))

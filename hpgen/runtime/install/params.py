@@ -35,12 +35,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hpgen.conv1d import is_conv1d
 from hpgen.errors import did_you_mean
 from hpgen.placement import REPLICATE, Placement
 from hpgen.plan import Entry, Layout, Plan
-from hpgen.runtime.collectives import AxisCollectives
 from hpgen.runtime.errors import ParallelizeError
-from hpgen.runtime.wrappers import is_conv1d
+from hpgen.runtime.forward.collectives import AxisCollectives
 from hpgen.shards import ShardLayout, chunks_and_index, normalize_dim, placement_problem, row_heads
 
 __all__ = ["Matched", "ParamShard", "rank_shard", "shard_params", "survey_params"]
@@ -323,17 +323,18 @@ def shard_params(shards: Iterable[ParamShard]) -> dict[int, nn.Parameter]:
             local = shard.shard_layout.local_slice(old.detach()).clone(memory_format=torch.contiguous_format)
             new = nn.Parameter(local, requires_grad=old.requires_grad)
             for module, attr in shard.owners:
+                conv1d = is_conv1d(module)  # asked before the swap, while nx and nf still describe the weight
                 setattr(module, attr, new)
-                _update_sizes(module)
+                _update_sizes(module, conv1d)
             replaced[id(old)] = new
     return replaced
 
 
-def _update_sizes(module: nn.Module) -> None:
+def _update_sizes(module: nn.Module, conv1d: bool) -> None:
     """Keep ``in_features``/``num_embeddings``... truthful for the local weight (``repr``, user code)."""
     if isinstance(module, nn.Linear):
         module.out_features, module.in_features = module.weight.shape
-    elif is_conv1d(module):  # transformers' Conv1D: weight [in, out], and forward sizes its output by nf
+    elif conv1d:  # transformers' Conv1D: weight [in, out], and forward sizes its output by nf
         module.nx, module.nf = module.weight.shape
     elif isinstance(module, nn.Embedding):
         module.num_embeddings, module.embedding_dim = module.weight.shape

@@ -1,4 +1,4 @@
-"""The collectives of :mod:`hpgen.runtime.collectives` as ``torch.compile`` traces them.
+"""The collectives of :mod:`hpgen.runtime.forward.collectives` as ``torch.compile`` traces them.
 
 Under Dynamo every op takes torch's functional collectives, which return new tensors and
 which Dynamo and Inductor understand; a module of its own because it is the second of the

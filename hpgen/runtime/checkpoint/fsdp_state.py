@@ -36,7 +36,7 @@ from hpgen.runtime.shard_layout import PackedShard
 from hpgen.shards import chunk_bounds, split_sizes
 
 if TYPE_CHECKING:
-    from hpgen.runtime.state_dict import ShardedParam
+    from hpgen.runtime.checkpoint.state_dict import ShardedParam
 
 __all__ = ["composed_dtensor", "composed_form", "fsdp_shard_dim", "fsdp_value", "is_fsdp_shard"]
 

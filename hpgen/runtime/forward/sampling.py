@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hpgen.runtime.handback import call
-from hpgen.runtime.streams import default_generators
+from hpgen.runtime.forward.handback import call
+from hpgen.runtime.forward.streams import default_generators
 
 __all__ = ["bind_generate", "first_rank_random_state"]
 

@@ -8,29 +8,29 @@ untouched:
 - parameters the plan names that the module does not have; placements a parameter
   cannot take; attention heads, key/value heads or experts that the axis does not
   divide; ``nn.Linear`` biases that do not follow their weight; tied parameters with
-  different layouts (:mod:`hpgen.runtime.params`);
+  different layouts (:mod:`hpgen.runtime.install.params`);
 - a boundary whose class has no generated ``forward`` for the plan's contract (the
   generated file is stale), or a wrapped ``nn.Embedding``/``nn.Linear`` whose layout is
-  not vocab-, column- or row-parallel (:mod:`hpgen.runtime.targets`);
+  not vocab-, column- or row-parallel (:mod:`hpgen.runtime.install.targets`);
 - deferred biases without a single reduced output, grad-reduced parameters of a body
-  that is not sharded (:mod:`hpgen.runtime.hooks`); ``tp_divide_attrs`` and
+  that is not sharded (:mod:`hpgen.runtime.install.hooks`); ``tp_divide_attrs`` and
   ``divide_attrs`` that do not divide, attention whose local query and key/value heads
-  would be paired wrongly (:mod:`hpgen.runtime.attrs`).
+  would be paired wrongly (:mod:`hpgen.runtime.install.attrs`).
 
 Before the survey, every rank checks that all ranks of each axis were given the same
-plan, generated file and hpgen version (:mod:`hpgen.runtime.agreement`).
+plan, generated file and hpgen version (:mod:`hpgen.runtime.install.agreement`).
 
 The install then shards the parameters in place (plain ``nn.Parameter``s holding the
 local chunk), swaps classes (generated per-contract subclasses, wrappers), binds the
 axes' collectives, the region functions and the generic boundaries, adds the deferred
 biases' and the gradient reductions' hooks, and divides the attributes. Last, the
-state-dict hooks (:mod:`hpgen.runtime.state_dict`) and ``save_pretrained``
-(:mod:`hpgen.runtime.saving`) make checkpoints keep every shard.
+state-dict hooks (:mod:`hpgen.runtime.checkpoint.state_dict`) and ``save_pretrained``
+(:mod:`hpgen.runtime.checkpoint.saving`) make checkpoints keep every shard.
 
 Other mesh axes belong to torch's engines, applied after ``parallelize``: FSDP2
 (``fully_shard`` per decoder layer and on the root, on a ``dp`` axis) or DDP. The
 gradient reductions happen in tensor hooks that follow FSDP2's parameters
-(:mod:`hpgen.runtime.hooks`), so those engines see whole gradients.
+(:mod:`hpgen.runtime.install.hooks`), so those engines see whole gradients.
 
 A plan axis the mesh does not have is refused, except in a model whose generated
 classes are all toggle mode (``hpgen lower --mode toggle``) for that axis: there it is
@@ -55,30 +55,30 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hpgen.errors import HpgenError, did_you_mean
 from hpgen.plan import Plan, load_plan, plan_from_dict
-from hpgen.runtime.adapters import survey_adapters, watch_adapters
-from hpgen.runtime.agreement import check_ranks_agree, mesh_device, raise_together
-from hpgen.runtime.attrs import survey_attrs
-from hpgen.runtime.collectives import AxisCollectives, scope_shard_sizes
-from hpgen.runtime.counterparts import GeneratedModule, generated_modules
-from hpgen.runtime.kernels import fit_experts_kernel
+from hpgen.runtime.checkpoint.saving import bind_save_pretrained
+from hpgen.runtime.checkpoint.state_dict import install_state_dict_hooks
 from hpgen.runtime.errors import ParallelizeError
-from hpgen.runtime.hooks import (
+from hpgen.runtime.forward.collectives import AxisCollectives, scope_shard_sizes
+from hpgen.runtime.forward.sampling import bind_generate
+from hpgen.runtime.forward.streams import install_streams
+from hpgen.runtime.install.adapters import survey_adapters, watch_adapters
+from hpgen.runtime.install.agreement import check_ranks_agree, mesh_device, raise_together
+from hpgen.runtime.install.attrs import survey_attrs
+from hpgen.runtime.install.counterparts import GeneratedModule, generated_modules
+from hpgen.runtime.install.hooks import (
     DeferredBias,
     GradReduce,
     install_grad_reduce,
     survey_deferred_biases,
     survey_grad_reduce,
 )
-from hpgen.runtime.params import Matched, ParamShard, shard_params, survey_params
-from hpgen.runtime.inputs import InputCheck
-from hpgen.runtime.sampling import bind_generate
-from hpgen.runtime.saving import bind_save_pretrained
-from hpgen.runtime.streams import install_streams
-from hpgen.runtime.stubs import refuse_replaced_stubs
-from hpgen.runtime.state_dict import install_state_dict_hooks
-from hpgen.runtime.summed import SummedBlock, branch_fqns, survey_summed
-from hpgen.runtime.targets import ModuleInstall, module_install
-from hpgen.runtime.tuners import peft_base_model, resolve_tuner_names
+from hpgen.runtime.install.inputs import InputCheck
+from hpgen.runtime.install.kernels import fit_experts_kernel
+from hpgen.runtime.install.params import Matched, ParamShard, shard_params, survey_params
+from hpgen.runtime.install.stubs import refuse_replaced_stubs
+from hpgen.runtime.install.summed import SummedBlock, branch_fqns, survey_summed
+from hpgen.runtime.install.targets import ModuleInstall, module_install
+from hpgen.runtime.install.tuners import peft_base_model, resolve_tuner_names
 
 __all__ = ["ParallelizeError", "parallelize"]
 
@@ -110,7 +110,7 @@ def parallelize(
 
     A peft model (``get_peft_model`` first) takes the plan of its base model: the plan
     applies to ``get_base_model()``, through peft's ``base_layer`` indirection, and the
-    adapters are sharded like their base layers (:mod:`hpgen.runtime.adapters`), as they
+    adapters are sharded like their base layers (:mod:`hpgen.runtime.install.adapters`), as they
     are when peft comes after ``parallelize``.
     """
     plan = _as_plan(plan)

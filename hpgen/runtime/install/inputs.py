@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hpgen.runtime.handback import all_gather_object, call
+from hpgen.runtime.forward.handback import all_gather_object, call
 
 __all__ = ["CHECKED_FORWARDS", "InputCheck", "input_digests"]
 

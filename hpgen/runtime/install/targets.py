@@ -10,11 +10,11 @@ changing anything:
   Its ``_hp_contract`` must equal what the plan says now (``contract_signature``), or
   the generated file is stale and is refused;
 - ``nn.Embedding`` / ``nn.Linear`` (classes hpgen cannot lower): a wrapper subclass from
-  :mod:`hpgen.runtime.wrappers`, after checking the plan describes a vocab-, column- or
+  :mod:`hpgen.runtime.forward.wrappers`, after checking the plan describes a vocab-, column- or
   row-parallel layout it implements;
 - any other class from outside the modeling files (``nn.LayerNorm``, peft's
   ``lora.Linear``, any ``nn.Module``): the generic wrapper of
-  :mod:`hpgen.runtime.wrappers`, its own ``forward`` between the plan's input and output
+  :mod:`hpgen.runtime.forward.wrappers`, its own ``forward`` between the plan's input and output
   ops, whatever the contract;
 - a class of a modeling file without a generated ``forward``: refused (regenerate the file).
 
@@ -38,17 +38,18 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hpgen.classify import is_identity_contract
+from hpgen.conv1d import is_conv1d
 from hpgen.placement import REPLICATE, Placement
 from hpgen.plan import Plan, contract_signature
 from hpgen.plan import Target as PlanTarget
-from hpgen.runtime.boundary import GenericBoundary, StaticMove, boundary_movers, generic_boundary
-from hpgen.runtime.collectives import AxisCollectives
-from hpgen.runtime.counterparts import GeneratedModule, counterpart, is_generated_file
 from hpgen.runtime.errors import ParallelizeError
-from hpgen.runtime.kernels import instance_forward_problem, route_dispatch
-from hpgen.runtime.params import Matched, rank_shard
-from hpgen.runtime.tuners import is_tuner_layer
-from hpgen.runtime.wrappers import is_conv1d, subclass_with
+from hpgen.runtime.forward.boundary import GenericBoundary, StaticMove, boundary_movers, generic_boundary
+from hpgen.runtime.forward.collectives import AxisCollectives
+from hpgen.runtime.forward.wrappers import subclass_with
+from hpgen.runtime.install.counterparts import GeneratedModule, counterpart, is_generated_file
+from hpgen.runtime.install.kernels import instance_forward_problem, route_dispatch
+from hpgen.runtime.install.params import Matched, rank_shard
+from hpgen.runtime.install.tuners import is_tuner_layer
 from hpgen.shards import normalize_dim
 
 __all__ = ["ModuleInstall", "module_install"]

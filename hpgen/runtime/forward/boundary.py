@@ -33,10 +33,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from hpgen.classify import ValueOps, value_ops
 from hpgen.placement import Placement
 from hpgen.plan import Layout, Plan, body_is_sharded
-from hpgen.runtime.collectives import AxisCollectives
 from hpgen.runtime.errors import ParallelizeError
-from hpgen.runtime.handback import call
-from hpgen.runtime.ops import (
+from hpgen.runtime.forward.collectives import AxisCollectives
+from hpgen.runtime.forward.handback import call
+from hpgen.runtime.forward.ops import (
     Address,
     Step,
     get_output,

@@ -1,6 +1,6 @@
 """peft's LoRA adapters on a parallelized model: each adapter laid out like its base layer.
 
-The plan is the base model's, read through peft's ``base_layer`` (:mod:`hpgen.runtime.tuners`).
+The plan is the base model's, read through peft's ``base_layer`` (:mod:`hpgen.runtime.install.tuners`).
 
 Each LoRA adapter pair (``lora_A`` [r, in], ``lora_B`` [out, r]) takes its base layer's
 layout (:func:`adapter_layouts`), as Megatron's LoRA layers and vLLM's do:
@@ -23,7 +23,7 @@ the state dict, where they appear as full tensors (gathered), so that peft's
 ``save_pretrained`` writes a normal adapter and one loaded on one process is sliced.
 
 Methods whose arithmetic is not sharded like this are refused, naming the method
-(:func:`hpgen.runtime.tuners.method_problem`).
+(:func:`hpgen.runtime.install.tuners.method_problem`).
 """
 
 from __future__ import annotations
@@ -37,17 +37,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from hpgen.conv1d import is_conv1d
 from hpgen.placement import REPLICATE, Placement
 from hpgen.plan import Layout, body_is_sharded
-from hpgen.runtime.collectives import AxisCollectives
+from hpgen.runtime.checkpoint.state_dict import ShardRecorder
 from hpgen.runtime.errors import ParallelizeError
-from hpgen.runtime.handback import call
-from hpgen.runtime.hooks import FollowReducedParameters, GradAllReduce
-from hpgen.runtime.params import Matched, rank_shard
-from hpgen.runtime.state_dict import ShardRecorder
-from hpgen.runtime.streams import LayoutChange
-from hpgen.runtime.tuners import is_tuner_layer, method_problem
-from hpgen.runtime.wrappers import is_conv1d
+from hpgen.runtime.forward.collectives import AxisCollectives
+from hpgen.runtime.forward.handback import call
+from hpgen.runtime.forward.streams import LayoutChange
+from hpgen.runtime.install.hooks import FollowReducedParameters, GradAllReduce
+from hpgen.runtime.install.params import Matched, rank_shard
+from hpgen.runtime.install.tuners import is_tuner_layer, method_problem
 from hpgen.shards import ShardLayout, normalize_dim
 
 __all__ = ["AdapterWatch", "adapter_layouts", "survey_adapters", "watch_adapters"]
@@ -226,7 +226,7 @@ class AdapterWatch:
         self._follow_streams(slot, layer, name)
 
     def _follow_streams(self, slot: _Slot, layer: nn.Module, name: str) -> None:
-        """``lora_dropout`` draws from the stream of its input's layout (:mod:`hpgen.runtime.streams`).
+        """``lora_dropout`` draws from the stream of its input's layout (:mod:`hpgen.runtime.forward.streams`).
 
         peft runs the base layer first, whose hook has moved the body's stream to the layout
         of the base's *output*; the dropout is of its *input*: replicated on a column-parallel

@@ -4,7 +4,7 @@ A plan is written for the base model (``q_proj.weight``). peft puts a tuner laye
 linear's place and moves the linear to ``q_proj.base_layer``; :func:`resolve_tuner_names`
 reads each plan entry through that indirection, so one plan serves the base model and
 every peft model made from it. :func:`method_problem` says why an adapter cannot be
-sharded like its base layer (:mod:`hpgen.runtime.adapters`): DoRA and peft's other LoRA
+sharded like its base layer (:mod:`hpgen.runtime.install.adapters`): DoRA and peft's other LoRA
 variants, ``lora_bias`` on a row-parallel base, LoRA on anything but a linear, other tuners.
 
 Nothing here imports peft: a model without it has no tuner layer.
@@ -17,8 +17,8 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 
-from hpgen.runtime.params import Matched
-from hpgen.runtime.wrappers import MIXINS
+from hpgen.runtime.forward.wrappers import MIXINS
+from hpgen.runtime.install.params import Matched
 
 __all__ = ["is_tuner_layer", "method_problem", "peft_base_model", "resolve_tuner_names"]
 

@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hpgen.runtime.handback import call
+from hpgen.runtime.forward.handback import call
 
 __all__ = ["BodyStreams", "LayoutChange", "ModelStreams", "default_generators", "mix", "reseed_random_streams"]
 

@@ -4,7 +4,7 @@ A folder holds ``model.safetensors``, or shards listed by ``model.safetensors.in
 (``weight_map``: tensor name -> file), as ``save_pretrained(..., max_shard_size=...)``
 writes them. :class:`CheckpointFiles` reads each file's header once and hands out boxes
 of a tensor (``tensor[a0:b0, a1:b1]``), each a view of a mapping of just the bytes it
-spans (:mod:`hpgen.runtime.file_maps`): this rank's rows, columns or experts, nothing else.
+spans (:mod:`hpgen.runtime.checkpoint.file_maps`): this rank's rows, columns or experts, nothing else.
 
 :meth:`CheckpointFiles.view` gives a box to keep as it is (a parameter on the CPU in the
 file's dtype), as transformers' own loader leaves its CPU parameters: nothing is copied,
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from hpgen.runtime.checkpoint.file_maps import StoredTensor, box_view, read_header
 from hpgen.runtime.errors import ParallelizeError
-from hpgen.runtime.file_maps import StoredTensor, box_view, read_header
 
 __all__ = ["CheckpointFiles", "INDEX_FILE", "Index", "SINGLE_FILE", "describe_unreadable", "open_safetensors"]
 

@@ -29,7 +29,7 @@ from hpgen import __version__
 from hpgen.header import read_header
 from hpgen.plan import Plan
 from hpgen.runtime.errors import ParallelizeError
-from hpgen.runtime.handback import all_gather_object, call
+from hpgen.runtime.forward.handback import all_gather_object, call
 
 __all__ = ["check_ranks_agree", "raise_together", "rank_record"]
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hpgen.runtime.checkpoint_files import CheckpointFiles, Index
+from hpgen.runtime.checkpoint.checkpoint_files import CheckpointFiles, Index
 from hpgen.runtime.errors import ParallelizeError
 
 __all__ = ["Concatenated", "FileSource", "Mapped", "Source", "Stacked", "checkpoint_sources", "model_conversions"]

@@ -23,7 +23,7 @@ Any other class from outside the file (``nn.LayerNorm``, peft's ``lora.Linear``,
 the plan's input and output ops, whatever the contract.
 
 The first two run the plan's input and output ops with the same movers as the generic form
-(``hpgen.runtime.boundary``), bound at install. :class:`DeferredBiasLinear` is the inner
+(``hpgen.runtime.forward.boundary``), bound at install. :class:`DeferredBiasLinear` is the inner
 ``nn.Linear`` whose bias the plan defers: it computes without it, and the boundary adds
 it once after the output reduction (a transformers ``Conv1D``, GPT-2's transposed linear
 layer, gets the same treatment).
@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hpgen.runtime.ops import address_of
+from hpgen.runtime.forward.ops import address_of
 
 __all__ = [
     "BiasShare",
@@ -51,7 +51,6 @@ __all__ = [
     "ParallelLinear",
     "PartialBiasLinear",
     "PartialIdentity",
-    "is_conv1d",
     "subclass_with",
     "with_mixin",
 ]
@@ -184,26 +183,13 @@ class _PartialBiasMixin:
         return output if share is None else output + share
 
 
-def is_conv1d(module: nn.Module) -> bool:
-    """transformers' ``Conv1D`` (GPT-2): ``nf`` outputs, ``nx`` inputs, weight ``[nx, nf]``, forward untouched."""
-    weight = getattr(module, "weight", None)
-    return (
-        type(module).__name__ == "Conv1D"
-        and isinstance(getattr(module, "nf", None), int)
-        and isinstance(getattr(module, "nx", None), int)
-        and isinstance(weight, Tensor)
-        and weight.dim() == 2
-        and getattr(type(module).forward, "__qualname__", "") == "Conv1D.forward"
-    )
-
-
 class _OutsideBoundaryMixin:
     """Any module whose class is outside the lowered file: the plan's input ops, its own ``forward``, the output ops.
 
     ``_hp_signature`` is the signature the plan's value names refer to (the module's
     ``forward``; for a peft tuner layer, its base layer's, since the plan was written for
     the base model); ``_hp_boundary`` moves each declared value
-    (:class:`hpgen.runtime.boundary.GenericBoundary`).
+    (:class:`hpgen.runtime.forward.boundary.GenericBoundary`).
     """
 
     _hp_boundary: Any = None

@@ -26,9 +26,9 @@ from collections.abc import Mapping
 from torch import nn
 
 from hpgen.plan import Plan
-from hpgen.runtime.collectives import AxisCollectives
 from hpgen.runtime.errors import ParallelizeError
-from hpgen.runtime.params import Matched
+from hpgen.runtime.forward.collectives import AxisCollectives
+from hpgen.runtime.install.params import Matched
 from hpgen.shards import ShardLayout
 
 __all__ = ["survey_attrs"]

@@ -19,8 +19,8 @@ in its body). Two things live outside the generated source:
   ``copy`` with nothing to reduce (no gradient) is the identity, so then nothing is
   paired and each norm runs once, as in the source;
 - the branches' deferred biases: each is added, on the axis's first rank only, to the
-  partial output the block sums (:class:`~hpgen.runtime.wrappers.BiasShare`, the whole
-  gradient on every rank; :class:`~hpgen.runtime.wrappers.PartialBiasLinear`), so the
+  partial output the block sums (:class:`~hpgen.runtime.forward.wrappers.BiasShare`, the whole
+  gradient on every rank; :class:`~hpgen.runtime.forward.wrappers.PartialBiasLinear`), so the
   single reduction adds it once, inside any dropout the source applies there.
 
 The norms change class rather than getting forward hooks: a hook cannot keep the second
@@ -39,11 +39,11 @@ from torch import Tensor, nn
 
 from hpgen.classify import summed_ops
 from hpgen.plan import Plan, summed_branches
-from hpgen.runtime.collectives import AxisCollectives
 from hpgen.runtime.errors import ParallelizeError
-from hpgen.runtime.ops import Step, run_steps, step_for
-from hpgen.runtime.params import Matched
-from hpgen.runtime.wrappers import BiasShare, subclass_with, with_mixin
+from hpgen.runtime.forward.collectives import AxisCollectives
+from hpgen.runtime.forward.ops import Step, run_steps, step_for
+from hpgen.runtime.forward.wrappers import BiasShare, subclass_with, with_mixin
+from hpgen.runtime.install.params import Matched
 
 __all__ = ["SummedBlock", "branch_fqns", "survey_summed"]
 

@@ -24,7 +24,7 @@ the plan's axes); ``save_pretrained`` uses it. ``with local_state_dict():`` turn
 post-hook off and gives the plain local shards.
 
 Under FSDP2 (``fully_shard`` on ``dp`` after ``parallelize``) a parameter is FSDP2's
-``dp`` DTensor of the local shard; :mod:`hpgen.runtime.fsdp_state` presents it over
+``dp`` DTensor of the local shard; :mod:`hpgen.runtime.checkpoint.fsdp_state` presents it over
 (``dp``, plan axes) with the global shape and loads values back into FSDP2's pieces.
 """
 
@@ -43,13 +43,13 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from hpgen.runtime.collectives import AxisCollectives
+from hpgen.runtime.checkpoint.fsdp_state import composed_dtensor, dp_piece, fsdp_value, is_fsdp_shard
 from hpgen.runtime.errors import ParallelizeError
-from hpgen.runtime.fsdp_state import composed_dtensor, dp_piece, fsdp_value, is_fsdp_shard
-from hpgen.runtime.handback import call
-from hpgen.runtime.params import ParamShard
+from hpgen.runtime.forward.collectives import AxisCollectives
+from hpgen.runtime.forward.handback import call
+from hpgen.runtime.install.params import ParamShard
 from hpgen.runtime.shard_layout import DTensorForm, PackedShard, dtensor_form
-from hpgen.shards import AxisShare, ShardLayout
+from hpgen.shards import ShardLayout
 
 __all__ = [
     "PackedShard",
@@ -98,10 +98,6 @@ class ShardedParam:
     def local_shape(self) -> tuple[int, ...]:
         return self.shard_layout.local_shape
 
-    @property
-    def shares(self) -> tuple[AxisShare, ...]:
-        return self.shard_layout.shares
-
     def __deepcopy__(self, memo: dict) -> ShardedParam:
         return self  # immutable, holds process groups: shared by copies of a model
 
@@ -143,7 +139,7 @@ class ShardedParam:
 
 
 def _layout_text(param: ShardedParam) -> str:
-    return ", ".join(f"{axis} {p} over {size}" for axis, (p, _, size) in zip(param.axes, param.shares))
+    return ", ".join(f"{axis} {p} over {size}" for axis, (p, _, size) in zip(param.axes, param.shard_layout.shares))
 
 
 # --------------------------------------------------------------------------- hooks
@@ -238,8 +234,8 @@ def install_state_dict_hooks(
 ) -> ShardRecorder:
     """Record each sharded parameter's layout on its owners and register the hooks (see the module docstring).
 
-    ``shards`` are :func:`~hpgen.runtime.params.survey_params`'s records, read before
-    :func:`~hpgen.runtime.params.shard_params` (their ``param`` has the full shape);
+    ``shards`` are :func:`~hpgen.runtime.install.params.survey_params`'s records, read before
+    :func:`~hpgen.runtime.install.params.shard_params` (their ``param`` has the full shape);
     ``names`` the plan's axes in mesh order. Returns the recorder, which records
     parameters made later (peft's adapters) the same way.
     """
