@@ -39,7 +39,6 @@ __all__ = [
     "chunk_bounds",
     "chunk_sizes",
     "chunks_and_index",
-    "local_shape",
     "normalize_dim",
     "placement_problem",
     "row_heads",
@@ -347,12 +346,6 @@ class ShardLayout:
     def __str__(self) -> str:
         axes = ", ".join(f"{p} at {rank} of {size}" for p, rank, size in self.shares)
         return f"{self.shape} as {axes or 'a whole'}"
-
-
-def local_shape(shape: Sequence[int], shares: Iterable[AxisShare]) -> tuple[int, ...]:
-    """The shape of this rank's chunk of a tensor of ``shape``: :attr:`ShardLayout.local_shape` (the planner's
-    sizing report calls it with one axis at a time)."""
-    return ShardLayout(tuple(shape), tuple(shares)).local_shape
 
 
 def row_heads(block: Any, linear_path: str, rows: int, head_dim: int) -> int:

@@ -183,7 +183,7 @@ def size_report(model: Any, plan: Mapping[str, Any] | Plan, *, tp: int, dtype: A
     import torch
 
     from hpgen.placement import Placement
-    from hpgen.shards import local_shape
+    from hpgen.shards import ShardLayout
 
     loaded = plan if isinstance(plan, Plan) else plan_from_dict(plan)
     dtype = _dtype(dtype, model)
@@ -214,14 +214,14 @@ def size_report(model: Any, plan: Mapping[str, Any] | Plan, *, tp: int, dtype: A
         size = param.numel() * element
         report.total_bytes += size
         placement = layouts.get(id(param))
-        if placement is None or placement.kind == "R":
+        if placement is None or placement.is_replicate:
             report.replicated_bytes += size
             for rank in range(tp):
                 report.rank_bytes[rank] += size
             continue
         report.sharded_bytes += size
         for rank in range(tp):
-            shape = local_shape(tuple(param.shape), [(placement, rank, tp)])
+            shape = ShardLayout(tuple(param.shape), ((placement, rank, tp),)).local_shape
             report.rank_bytes[rank] += _prod(shape) * element
 
     # collectives: per boundary instance, grouped by decoder layer kind
@@ -244,7 +244,7 @@ def size_report(model: Any, plan: Mapping[str, Any] | Plan, *, tp: int, dtype: A
                 param = modules[fqn].get_parameter(name)
             except AttributeError:
                 continue
-            report.grad_reduce_bytes += _prod(local_shape(tuple(param.shape), [(placement, 0, tp)])) * element
+            report.grad_reduce_bytes += _prod(ShardLayout(tuple(param.shape), ((placement, 0, tp),)).local_shape) * element
             report.grad_reduce_count += 1
         layer = _layer_of(fqn)
         if layer is None:
