@@ -17,12 +17,12 @@ from hpgen.plan_names import fqn_matches
 __all__ = [
     "LAYOUT_KEYS",
     "Entry",
+    "FunctionRef",
     "Injection",
     "Layout",
     "Plan",
     "SummedBranch",
     "SummedReduction",
-    "Target",
     "body_is_sharded",
     "contract_signature",
     "iter_layouts",
@@ -64,7 +64,7 @@ class Layout:
 
 
 @dataclass(frozen=True)
-class Target:
+class FunctionRef:
     """A dotted path to a callable plus keyword arguments (``_target_`` style)."""
 
     path: str
@@ -79,8 +79,8 @@ class Injection:
     """A local compute function that replaces a boundary's body (the region form)."""
 
     match: str
-    local_compute_fn: Target
-    inner_wrapper: Target | None = None
+    local_compute_fn: FunctionRef
+    inner_wrapper: FunctionRef | None = None
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,16 @@ from collections.abc import Mapping
 
 from hpgen.errors import HpgenError
 from hpgen.placement import REPLICATE, Placement
-from hpgen.plan_entries import LAYOUT_KEYS, Entry, Injection, Layout, Plan, SummedReduction, Target, summed_branches
+from hpgen.plan_entries import (
+    LAYOUT_KEYS,
+    Entry,
+    FunctionRef,
+    Injection,
+    Layout,
+    Plan,
+    SummedReduction,
+    summed_branches,
+)
 from hpgen.plan_names import fqn_matches, is_dotted_path, is_fqn_pattern, is_identifier, is_param_path, patterns_overlap
 
 __all__ = ["ENTRY_KEYS", "INJECTION_KEYS", "PLAN_FORMAT", "RESERVED_AXIS_NAMES", "TOP_LEVEL_KEYS", "PlanReader"]
@@ -326,9 +335,9 @@ class PlanReader:
                 raise self.fail(paired_where, f"{paired!r} is a branch or the shared input; it is the second branch's norm")
         return SummedReduction((branches[0], branches[1]), shared, paired)
 
-    def target(self, value: object, where: str) -> Target:
+    def target(self, value: object, where: str) -> FunctionRef:
         if isinstance(value, str):
-            return Target(self.expect_name(value, where, is_dotted_path, "a dotted path to a function"))
+            return FunctionRef(self.expect_name(value, where, is_dotted_path, "a dotted path to a function"))
         doc = self.expect_object(value, where)
         if "_target_" not in doc:
             raise self.fail(where, "needs '_target_' (a dotted path to a function)")
@@ -339,7 +348,7 @@ class PlanReader:
                 continue
             self.expect_name(name, _path_join(where, name), what="a keyword argument name (an identifier)")
             kwargs.append((name, json.dumps(doc[name], sort_keys=True)))
-        return Target(path, tuple(kwargs))
+        return FunctionRef(path, tuple(kwargs))
 
     def injection(self, value: object, where: str, keys: list[str]) -> Injection:
         doc = self.expect_object(value, where)

@@ -41,7 +41,7 @@ from hpgen.classify import is_identity_contract
 from hpgen.conv1d import is_conv1d
 from hpgen.placement import REPLICATE, Placement
 from hpgen.plan import Plan, contract_signature
-from hpgen.plan import Target as PlanTarget
+from hpgen.plan import FunctionRef
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.boundary import GenericBoundary, StaticMove, boundary_movers, generic_boundary
 from hpgen.runtime.forward.collectives import AxisCollectives
@@ -265,7 +265,7 @@ def _generated(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, A
     return target
 
 
-def _import(target: PlanTarget, item: Matched, what: str) -> Callable[..., Any]:
+def _import(target: FunctionRef, item: Matched, what: str) -> Callable[..., Any]:
     module_name, _, attr = target.path.rpartition(".")
     try:
         function = getattr(importlib.import_module(module_name), attr)
@@ -276,7 +276,7 @@ def _import(target: PlanTarget, item: Matched, what: str) -> Callable[..., Any]:
     return function
 
 
-def _region_compute(item: Matched, compute: PlanTarget, wrapper: PlanTarget | None) -> Callable[..., Any]:
+def _region_compute(item: Matched, compute: FunctionRef, wrapper: FunctionRef | None) -> Callable[..., Any]:
     """``functools.partial(fn, module, **kwargs)``, ``fn`` first passed through the inner wrapper."""
     function = _import(compute, item, "local_compute_fn")
     if wrapper is not None:
@@ -284,7 +284,7 @@ def _region_compute(item: Matched, compute: PlanTarget, wrapper: PlanTarget | No
     return functools.partial(function, item.module, **compute.kwargs_dict())
 
 
-def _region_prepare(item: Matched, compute: PlanTarget) -> Callable[[], None] | None:
+def _region_prepare(item: Matched, compute: FunctionRef) -> Callable[[], None] | None:
     """The local compute function's ``prepare(module, **kwargs)``, if it has one: set-up that
     needs the local shards (e.g. the experts' local ids), run once at install."""
     prepare = getattr(_import(compute, item, "local_compute_fn"), "prepare", None)
