@@ -11,7 +11,7 @@ module of the package; :mod:`hpgen.planner.flow` has a map of its own):
   device, its modeling file).
 - translating transformers' ``base_model_tp_plan`` / ``base_model_ep_plan``
   (:mod:`~hpgen.planner.translator`, whose
-  :func:`~hpgen.planner.translator.translated_plan` calls one function per step, each
+  :func:`~hpgen.planner.translator.translated_draft` calls one function per step, each
   reading a :mod:`~hpgen.planner.plan_context` and returning what the next takes):
   :mod:`~hpgen.planner.styles` (each style, the rules on concrete modules and axes),
   :mod:`~hpgen.planner.corrections` (styles the source contradicts, corrected),
