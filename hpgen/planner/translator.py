@@ -98,17 +98,9 @@ if TYPE_CHECKING:
 __all__ = ["check_axis_sizes", "translated_draft", "translated_plan"]
 
 
-def translated_plan(
-    model: nn.Module,
-    *,
-    tp: int | None = None,
-    ep: int | None = None,
-    sp: bool = False,
-    ep_axis: str | None = None,
-    name: str | None = None,
-) -> dict[str, Any]:
-    """The frozen plan document for ``model`` (an instance, normally on the meta device): :func:`translated_draft`'s."""
-    return translated_draft(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, name=name).document()
+def translated_plan(model: nn.Module, **options: Any) -> dict[str, Any]:
+    """The frozen plan document for ``model``: :func:`translated_draft`'s, for callers that want the document."""
+    return translated_draft(model, **options).document()
 
 
 def translated_draft(
