@@ -15,7 +15,6 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hpgen.errors import HpgenError
-from hpgen.plan import plan_from_dict
 from hpgen.plan_entries import Injection
 from hpgen.planner.boundary import Boundary
 from hpgen.planner.draft import DraftEntry, DraftPlan, injection
@@ -96,13 +95,9 @@ def boundary_classes(context: PlanContext, groups: Grouped) -> dict[str, str]:
         if boundary.kind == "attrs":
             continue
         wanted = boundary.wrapped_as or type(boundary.module).__name__
-        single = {
-            "mesh_dim_names": list(context.mesh),
-            "model_class": type(context.model).__name__,
-            "param_plan": {key: entry.document()},
-        }
+        single = DraftPlan(type(context.model).__name__, tuple(context.mesh), {key: entry})
         try:
-            found = resolve_boundaries(plan_from_dict(single), index, source_name=source_name)[key]
+            found = resolve_boundaries(single.validated(), index, source_name=source_name)[key]
             ok = found.name.rsplit(".", 1)[-1] == wanted.rsplit(".", 1)[-1] and found.external == bool(
                 boundary.wrapped_as
             )
