@@ -435,18 +435,26 @@ def test_a_block_the_source_contradicts_falls_back_to_replicated() -> None:
     from hpgen.planner.crosscheck import drop_contradicted
     from hpgen.planner.entries import Derivation
 
-    plan = {
-        "param_plan": {
-            "layers.*.attn": {"params": {"q.weight": {"tp": "S(0)"}, "mix.weight": {"tp": "S(1)"}}},
-            "layers.*.mlp": {"params": {"up.weight": {"tp": "S(0)"}}},
+    from hpgen.placement import Placement
+    from hpgen.plan_entries import Layout
+    from hpgen.planner.draft import DraftEntry, DraftPlan
+
+    def layout(text: str) -> Layout:
+        return Layout.same(("tp",), Placement.parse(text))
+
+    plan = DraftPlan(
+        "M",
+        ("tp",),
+        {
+            "layers.*.attn": DraftEntry(params={"q.weight": layout("S(0)"), "mix.weight": layout("S(1)")}),
+            "layers.*.mlp": DraftEntry(params={"up.weight": layout("S(0)")}),
         },
-        "comments": {},
-    }
+    )
     derivation = Derivation()
     derivation.note("layers.0.attn.q", False, "the output of q also reaches mix", needs_whole="layers.0.attn.mix")
     kept = drop_contradicted(plan, derivation)
-    assert list(kept["param_plan"]) == ["layers.*.mlp"]
-    assert "kept replicated" in kept["comments"]["replaced"]["layers.*.attn"]
+    assert list(kept.entries) == ["layers.*.mlp"]
+    assert "kept replicated" in kept.comments["replaced"]["layers.*.attn"]
     _, deepseek = _translated("deepseek_v2")
     assert "model.layers.*.self_attn" in deepseek["param_plan"]
     assert "replaced" not in deepseek["comments"]

@@ -296,3 +296,21 @@ def test_a_call_in_a_branch_the_instance_rules_out_does_not_count() -> None:
         "    else:\n        out = block(x, alibi=alibi)\n    for sub in self.extra:\n        y = sub(y, alibi=None)\n"
     )
     assert calls == [frozenset({"alibi"}), frozenset({"alibi"})]
+
+
+def test_summed_reductions_leave_the_draft_they_are_given_as_it_was() -> None:
+    # the passes after the translator return new drafts: the translated draft (gptj's block
+    # sums attn + mlp) is still the plan without the summed reduction after the pass
+    from hpgen.planner.load import load_config, meta_model
+    from hpgen.planner.summed import add_summed_reductions
+    from hpgen.planner.translator import translated_draft
+
+    model = meta_model(load_config("gptj"))
+    draft = translated_draft(model, tp=2, name="gptj")
+    before = draft.document()
+    summed = add_summed_reductions(model, draft)
+    assert draft.document() == before
+    assert summed.document() != before
+    (key,) = [key for key, entry in summed.entries.items() if entry.summed_reduction is not None]
+    assert summed.entries[key].summed_reduction.branches == ("attn", "mlp")
+    assert all(entry.summed_reduction is None for entry in draft.entries.values())

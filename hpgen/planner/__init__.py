@@ -11,7 +11,7 @@ module of the package; :mod:`hpgen.planner.flow` has a map of its own):
   device, its modeling file).
 - translating transformers' ``base_model_tp_plan`` / ``base_model_ep_plan``
   (:mod:`~hpgen.planner.translator`, whose
-  :func:`~hpgen.planner.translator.translated_plan` calls one function per step, each
+  :func:`~hpgen.planner.translator.translated_draft` calls one function per step, each
   reading a :mod:`~hpgen.planner.plan_context` and returning what the next takes):
   :mod:`~hpgen.planner.styles` (each style, the rules on concrete modules and axes),
   :mod:`~hpgen.planner.corrections` (styles the source contradicts, corrected),
@@ -19,8 +19,10 @@ module of the package; :mod:`hpgen.planner.flow` has a map of its own):
   them), :mod:`~hpgen.planner.checks` (the axes divide heads, experts and vocabulary
   rows), :mod:`~hpgen.planner.sequence` (``--sp``), :mod:`~hpgen.planner.signatures`
   (each class's ``forward``: a boundary's inputs and outputs),
-  :mod:`~hpgen.planner.document` (the plan document, grouped into ``*`` keys),
-  :mod:`~hpgen.planner.boundary` (the record of one boundary the steps fill in).
+  :mod:`~hpgen.planner.document` (the plan, grouped into ``*`` keys),
+  :mod:`~hpgen.planner.boundary` (the record of one boundary the steps fill in),
+  :mod:`~hpgen.planner.draft` (the plan while it is written: typed entries, one
+  document at the end of :mod:`~hpgen.planner.make`).
 - deriving a plan from the modeling source (:mod:`~hpgen.planner.derive`, the layer
   loop calling each step, a function handed what it reads and returning what it decides):
   :mod:`~hpgen.planner.derive_context` (what every step reads: the model, its files, ``--tp``,

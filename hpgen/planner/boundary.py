@@ -3,7 +3,7 @@
 A :class:`Boundary` is a concrete module (``model.layers.3.mlp``) with the layouts of its
 inputs, outputs and parameters (:class:`~hpgen.plan_entries.Layout`, one
 :class:`~hpgen.placement.Placement` per mesh axis) as the steps fill them in;
-:meth:`Boundary.entry` writes its plan entry, the one place the placements become text.
+:meth:`Boundary.entry` gives its plan entry (a :class:`~hpgen.planner.draft.DraftEntry`).
 :func:`add_boundary` adds one to a plan's boundaries (or returns the one there);
 :func:`enclosing` finds the nearest at or above a module.
 """
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpgen.errors import HpgenError
 from hpgen.plan_entries import Layout
+from hpgen.planner.draft import DraftEntry
 
 if TYPE_CHECKING:
     from hpgen.planner.plan_context import PlanContext
@@ -45,28 +46,21 @@ class Boundary:
     wrapped_as: str | None = None  # "nn.Linear" / "nn.Embedding" for modules parallelize wraps
     sp_input: bool = False  # a block entered from the sequence-sharded residual stream (--sp)
 
-    def entry(self) -> dict[str, Any]:
-        """The ``param_plan`` entry, as the document writes it."""
-        entry: dict[str, Any] = {}
-        for part, values in (("in", self.inputs), ("out", self.outputs)):
-            if values:
-                entry[f"{part}_src"] = {name: src.document() for name, (src, _) in values.items()}
-                entry[f"{part}_dst"] = {name: dst.document() for name, (_, dst) in values.items()}
-        if self.out_names is not None:
-            entry["out_names"] = list(self.out_names)
-        if self.params:
-            entry["params"] = {name: layout.document() for name, layout in self.params.items()}
-        if self.deferred:
-            entry["deferred_bias_params"] = sorted(self.deferred)
-        if self.grad_reduce:
-            entry["grad_reduce_params"] = sorted(self.grad_reduce)
-        if self.divide_attrs:
-            entry["divide_attrs"] = dict(self.divide_attrs)
-        if self.tp_divide_attrs:
-            entry["tp_divide_attrs"] = sorted(self.tp_divide_attrs)
-        if self.out_grad_partial:
-            entry["out_grad_partial"] = list(self.out_grad_partial)
-        return entry
+    def entry(self) -> DraftEntry:
+        """The ``param_plan`` entry this boundary gets."""
+        return DraftEntry(
+            in_src={name: src for name, (src, _) in self.inputs.items()},
+            in_dst={name: dst for name, (_, dst) in self.inputs.items()},
+            out_src={name: src for name, (src, _) in self.outputs.items()},
+            out_dst={name: dst for name, (_, dst) in self.outputs.items()},
+            out_names=self.out_names,
+            params=dict(self.params),
+            deferred_bias_params=tuple(sorted(self.deferred)),
+            grad_reduce_params=tuple(sorted(self.grad_reduce)),
+            divide_attrs=dict(self.divide_attrs),
+            tp_divide_attrs=tuple(sorted(self.tp_divide_attrs)),
+            out_grad_partial=tuple(self.out_grad_partial),
+        )
 
 
 def add_boundary(context: PlanContext, boundaries: dict[str, Boundary], fqn: str, kind: str) -> Boundary:

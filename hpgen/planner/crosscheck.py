@@ -23,13 +23,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hpgen.placement import Placement
+from hpgen.planner.draft import DraftEntry, DraftPlan
 from hpgen.planner.entries import Derivation
 
 __all__ = ["drop_contradicted", "drop_feature_statistics", "drop_regathered"]
 
 
-def drop_contradicted(plan: dict[str, Any], derivation: Derivation) -> dict[str, Any]:
+def drop_contradicted(plan: DraftPlan, derivation: Derivation) -> DraftPlan:
     """``plan`` without the blocks whose sharded modules the derivation found contradicted."""
     contradicted = [note for note in derivation.notes if note.needs_whole and not note.sharded]
     dropped = {
@@ -42,7 +42,7 @@ def drop_contradicted(plan: dict[str, Any], derivation: Derivation) -> dict[str,
     return _without(plan, dropped) if dropped else plan
 
 
-def drop_regathered(plan: dict[str, Any], derivation: Derivation) -> tuple[dict[str, Any], set[str]]:
+def drop_regathered(plan: DraftPlan, derivation: Derivation) -> tuple[DraftPlan, set[str]]:
     """``plan`` without its blocks that shard a module the derivation gathers the input of; their keys.
 
     The keys dropped are for the derived blocks to take their place (:func:`hpgen.planner.make.plan_model`).
@@ -59,16 +59,12 @@ def drop_regathered(plan: dict[str, Any], derivation: Derivation) -> tuple[dict[
     return (_without(plan, dropped), set(dropped)) if dropped else (plan, set())
 
 
-def _sharding_consumers(plan: dict[str, Any], notes: list[Any]) -> list[tuple[str, str, Any]]:
+def _sharding_consumers(plan: DraftPlan, notes: list[Any]) -> list[tuple[str, str, Any]]:
     """(plan key, consumer, note) for each entry of ``plan`` that shards the module a note says needs its
     input whole (``note.needs_whole``, relative to the entry's key); the first such note per entry."""
     found = []
-    for key, entry in plan["param_plan"].items():
-        sharded = {
-            name.rpartition(".")[0]
-            for name, layout in entry.get("params", {}).items()
-            if not all(Placement.parse(text).is_replicate for text in layout.values())
-        }
+    for key, entry in plan.entries.items():
+        sharded = entry.sharded_modules()
         for note in notes:
             consumer = note.needs_whole[len(key) + 1 :] if note.needs_whole.startswith(key + ".") else None
             if consumer is not None and consumer in sharded:  # transformers shards what needs the value whole
@@ -77,23 +73,17 @@ def _sharding_consumers(plan: dict[str, Any], notes: list[Any]) -> list[tuple[st
     return found
 
 
-def _without(plan: dict[str, Any], dropped: dict[str, str]) -> dict[str, Any]:
+def _without(plan: DraftPlan, dropped: dict[str, str]) -> DraftPlan:
     """``plan`` without the entries ``dropped`` names, each listed with its reason under ``replaced``."""
-    result = dict(plan)
-    result["param_plan"] = {key: entry for key, entry in plan["param_plan"].items() if key not in dropped}
-    classes = {key: name for key, name in plan.get("boundary_classes", {}).items() if key not in dropped}
-    result.pop("boundary_classes", None)
-    if classes:
-        result["boundary_classes"] = classes
-    result["injections"] = [i for i in plan.get("injections", []) if i.get("match") not in dropped]
-    if not result["injections"]:
-        result.pop("injections")
-    replaced = {**plan.get("comments", {}).get("replaced", {}), **dropped}
-    result["comments"] = {**plan.get("comments", {}), "replaced": dict(sorted(replaced.items()))}
-    return result
+    replaced = {**plan.comments.get("replaced", {}), **dropped}
+    return plan.replace(
+        entries={key: entry for key, entry in plan.entries.items() if key not in dropped},
+        boundary_classes={key: name for key, name in plan.boundary_classes.items() if key not in dropped},
+        injections=tuple(item for item in plan.injections if item.match not in dropped),
+    ).with_comments(replaced=dict(sorted(replaced.items())))
 
 
-def drop_feature_statistics(model: Any, plan: dict[str, Any]) -> dict[str, Any]:
+def drop_feature_statistics(model: Any, plan: DraftPlan) -> DraftPlan:
     """``plan`` without the block instances that reduce the features of a column-sharded value.
 
     Gemma3n's MLP thresholds its gate projection by the mean and standard deviation of its
@@ -101,11 +91,10 @@ def drop_feature_statistics(model: Any, plan: dict[str, Any]) -> dict[str, Any]:
     the gate column-parallel each rank would use its own shard's statistics. Those instances
     stay replicated; a ``*`` key whose other instances still shard is written per instance.
     """
-    from hpgen.plan import plan_from_dict
     from hpgen.planner.corrections import feature_statistics
     from hpgen.planner.load import index_source, source_file
 
-    loaded = plan_from_dict(plan)
+    loaded = plan.validated()
     trees: dict[str, Any] = {}
     why: dict[str, str] = {}  # concrete FQN -> reason
     members: dict[str, list[str]] = {}
@@ -133,14 +122,13 @@ def drop_feature_statistics(model: Any, plan: dict[str, Any]) -> dict[str, Any]:
             why[fqn] = found
     if not why:
         return plan
-    result = dict(plan)
-    param_plan: dict[str, Any] = {}
-    classes = dict(plan.get("boundary_classes", {}))
+    entries: dict[str, DraftEntry] = {}
+    classes = dict(plan.boundary_classes)
     replaced: dict[str, str] = {}
-    for key, entry in plan["param_plan"].items():
+    for key, entry in plan.entries.items():
         bad = [fqn for fqn in members.get(key, []) if fqn in why]
         if not bad:
-            param_plan[key] = entry
+            entries[key] = entry
             continue
         for fqn in members[key]:
             if fqn in why:
@@ -149,14 +137,12 @@ def drop_feature_statistics(model: Any, plan: dict[str, Any]) -> dict[str, Any]:
                     "statistics of its own shard; kept replicated"
                 )
             else:
-                param_plan[fqn] = entry
+                entries[fqn] = entry
                 if key in classes:
                     classes[fqn] = classes[key]
         classes.pop(key, None)
-    result["param_plan"] = param_plan
-    result.pop("boundary_classes", None)
-    if classes:
-        result["boundary_classes"] = classes
-    result["comments"] = {**plan.get("comments", {}), "replaced": {**plan.get("comments", {}).get("replaced", {}), **replaced}}
-    plan_from_dict(result, name="hpgen plan")  # what we write must load
+    result = plan.replace(entries=entries, boundary_classes=classes).with_comments(
+        replaced={**plan.comments.get("replaced", {}), **replaced}
+    )
+    result.validated(name="hpgen plan")  # what we write must load
     return result

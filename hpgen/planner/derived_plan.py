@@ -37,11 +37,12 @@ from typing import Any
 
 from hpgen.errors import HpgenError
 from hpgen.placement import PARTIAL_SUM, REPLICATE, Placement, shard
-from hpgen.plan_entries import Layout
+from hpgen.plan_entries import Injection, Layout
 from hpgen.planner.boundary import Boundary, Transition, add_boundary
 from hpgen.planner.plan_context import PlanContext
 from hpgen.planner.derive import Derivation, Placed
-from hpgen.planner.document import Grouped, grouped, plan_document
+from hpgen.planner.document import Grouped, grouped, plan_draft
+from hpgen.planner.draft import DraftPlan, injection
 from hpgen.planner.entries import BATCH_MAJOR
 from hpgen.planner.modules import generic
 from hpgen.planner.sequence import sequence_parallel
@@ -89,7 +90,7 @@ LEAF_TRANSITIONS: dict[str, tuple[Transition | None, Transition]] = {
 }
 
 
-def derived_plan(model: Any, derivation: Derivation, *, tp: int | None, sp: bool = False, name: str) -> dict[str, Any]:
+def derived_plan(model: Any, derivation: Derivation, *, tp: int | None, sp: bool = False, name: str) -> DraftPlan:
     """The frozen plan document of ``derivation`` for ``model``."""
     if sp and any(p.kind == "split_row_leaf" for p in derivation.placed.values()):
         # a split row reduces to the replicated stream, which --sp keeps sequence-sharded: left replicated
@@ -114,7 +115,7 @@ def derived_plan(model: Any, derivation: Derivation, *, tp: int | None, sp: bool
         if fqn in placed:  # the others are --sp's, with their transitions
             _set_io(context, placed[fqn], boundary)
     groups = grouped(context, boundaries)
-    return plan_document(context, groups, injections=_batch_major_injections(groups, placed))
+    return plan_draft(context, groups, injections=_batch_major_injections(groups, placed))
 
 
 def _placed_boundaries(context: PlanContext, placed: dict[str, Placed]) -> dict[str, Boundary]:
@@ -181,7 +182,7 @@ def _set_io(context: PlanContext, placed: Placed, boundary: Boundary) -> None:
     boundary.outputs[names[0]] = (_PARTIAL, _SEQ if boundary.sp_input else _R)
 
 
-def _batch_major_injections(groups: Grouped, placed: dict[str, Placed]) -> list[dict[str, Any]]:
+def _batch_major_injections(groups: Grouped, placed: dict[str, Placed]) -> list[Injection]:
     """The region injections of blocks whose per-head input fuses the heads into the batch dim
     (BLOOM's ``alibi``): see :mod:`hpgen.runtime.local_heads`."""
     injections = []
@@ -189,6 +190,7 @@ def _batch_major_injections(groups: Grouped, placed: dict[str, Placed]) -> list[
         entry = placed.get(boundary.fqn)
         names = sorted(n for n, cut in entry.head_inputs.items() if cut == BATCH_MAJOR) if entry else []
         if names:
-            target = {"_target_": BATCH_MAJOR_HEADS, "head_inputs": names, "global_heads": entry.global_heads}
-            injections.append({"match": key, "local_compute_fn": {**target, "axis": "tp"}})
+            injections.append(
+                injection(key, BATCH_MAJOR_HEADS, head_inputs=names, global_heads=entry.global_heads, axis="tp")
+            )
     return injections

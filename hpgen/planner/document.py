@@ -3,29 +3,30 @@
 Concrete boundaries fold into one ``*`` key where every match of the key has the same
 class and entry, otherwise they are listed per index (one key may not overlap another).
 :mod:`hpgen.resolve` says which keys it resolves statically; the others get
-``boundary_classes``. :func:`grouped` folds the boundaries, :func:`plan_document` writes
-the document and loads it once before it is returned: what the planner writes must load.
-:func:`dumps_plan` is its text.
+``boundary_classes``. :func:`grouped` folds the boundaries, :func:`plan_draft` makes the
+:class:`~hpgen.planner.draft.DraftPlan` and loads it once before it is returned: what the
+planner writes must load. :func:`dumps_plan` is the text of its document.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hpgen.errors import HpgenError
-from hpgen.plan import PLAN_FORMAT, plan_from_dict
+from hpgen.plan_entries import Injection
 from hpgen.planner.boundary import Boundary
+from hpgen.planner.draft import DraftEntry, DraftPlan, injection
 from hpgen.planner.modules import generic
 from hpgen.planner.styles import EXPERTS_PARALLEL
 
 if TYPE_CHECKING:
     from hpgen.planner.plan_context import PlanContext
 
-__all__ = ["Grouped", "boundary_classes", "dumps_plan", "expert_injections", "grouped", "plan_document"]
+__all__ = ["Grouped", "boundary_classes", "dumps_plan", "expert_injections", "grouped", "plan_draft"]
 
-Grouped = dict[str, tuple[Boundary, dict[str, Any]]]  # plan key -> (a boundary it matches, the entry)
+Grouped = dict[str, tuple[Boundary, DraftEntry]]  # plan key -> (a boundary it matches, the entry)
 
 
 def dumps_plan(plan: Mapping[str, Any]) -> str:
@@ -33,35 +34,30 @@ def dumps_plan(plan: Mapping[str, Any]) -> str:
     return json.dumps(plan, indent=2, sort_keys=True) + "\n"
 
 
-def plan_document(
+def plan_draft(
     context: PlanContext,
     groups: Grouped,
     *,
-    injections: list[dict[str, Any]],
+    injections: Sequence[Injection] = (),
     comments: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The plan document of the grouped entries, loaded once before it is returned: what we write must load."""
-    document: dict[str, Any] = {
-        "format": PLAN_FORMAT,
-        "model_class": type(context.model).__name__,
-        "mesh_dim_names": list(context.mesh),
-        "param_plan": {key: entry for key, (_, entry) in groups.items()},
-    }
-    if injections:
-        document["injections"] = injections
-    if comments:
-        document["comments"] = dict(comments)
-    classes = boundary_classes(context, groups)
-    if classes:
-        document["boundary_classes"] = classes
-    plan_from_dict(document, name=f"hpgen plan {context.name}")
-    return document
+) -> DraftPlan:
+    """The draft plan of the grouped entries, loaded once before it is returned: what we write must load."""
+    draft = DraftPlan(
+        model_class=type(context.model).__name__,
+        mesh=tuple(context.mesh),
+        entries={key: entry for key, (_, entry) in groups.items()},
+        boundary_classes=boundary_classes(context, groups),
+        injections=tuple(injections),
+        comments=dict(comments or {}),
+    )
+    draft.validated(name=f"hpgen plan {context.name}")
+    return draft
 
 
-def expert_injections(groups: Grouped) -> list[dict[str, Any]]:
+def expert_injections(groups: Grouped) -> list[Injection]:
     """The experts that dispatch tokens by expert (``ep_dispatch_experts``): :data:`EXPERTS_PARALLEL` on their axis."""
     return [
-        {"match": key, "local_compute_fn": {"_target_": EXPERTS_PARALLEL, "axis": boundary.injection_axis}}
+        injection(key, EXPERTS_PARALLEL, axis=boundary.injection_axis)
         for key, (boundary, _) in sorted(groups.items())
         if boundary.injection_axis is not None
     ]
@@ -76,7 +72,7 @@ def grouped(context: PlanContext, boundaries: Mapping[str, Boundary]) -> Grouped
     for pattern, members in by_pattern.items():
         matches = [fqn for fqn in context.modules if fqn and generic(fqn) == pattern]
         signatures = {
-            (type(b.module).__name__, json.dumps(b.entry(), sort_keys=True), b.injection_axis) for b in members
+            (type(b.module).__name__, b.entry().signature(), b.injection_axis) for b in members
         }
         if len(members) == len(matches) and len(signatures) == 1:
             result[pattern] = (members[0], members[0].entry())
@@ -99,13 +95,9 @@ def boundary_classes(context: PlanContext, groups: Grouped) -> dict[str, str]:
         if boundary.kind == "attrs":
             continue
         wanted = boundary.wrapped_as or type(boundary.module).__name__
-        single = {
-            "mesh_dim_names": list(context.mesh),
-            "model_class": type(context.model).__name__,
-            "param_plan": {key: entry},
-        }
+        single = DraftPlan(type(context.model).__name__, tuple(context.mesh), {key: entry})
         try:
-            found = resolve_boundaries(plan_from_dict(single), index, source_name=source_name)[key]
+            found = resolve_boundaries(single.validated(), index, source_name=source_name)[key]
             ok = found.name.rsplit(".", 1)[-1] == wanted.rsplit(".", 1)[-1] and found.external == bool(
                 boundary.wrapped_as
             )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from hpgen.plan import plan_from_dict
+from hpgen.planner.draft import DraftPlan
 
 __all__ = ["name_files"]
 
@@ -26,18 +26,18 @@ def _module_file(cls: type) -> str | None:
         return None
 
 
-def name_files(model: Any, plan: dict[str, Any]) -> dict[str, Any]:
+def name_files(model: Any, plan: DraftPlan) -> DraftPlan:
     """``plan`` with qualified ``boundary_classes`` and ``comments.modeling_files`` when its
     boundaries live in several modeling files; otherwise ``plan`` unchanged."""
     from torch import nn
 
-    loaded = plan_from_dict(plan)
+    loaded = plan.validated()
     by_key: dict[str, list[nn.Module]] = {}
     for fqn, module in model.named_modules():
         entry = loaded.entry_for(fqn) if fqn else None
         if entry is not None and entry.is_boundary and not entry.skip_source_lowering:
             by_key.setdefault(entry.key, []).append(module)
-    named = dict(plan.get("boundary_classes", {}))
+    named = plan.boundary_classes
     wrapped = {key for key, name in named.items() if name in ("nn.Linear", "nn.Embedding", "nn.Identity")}
     files: dict[str, str] = {}  # module name -> file, of the source classes that get a generated forward
     classes: dict[str, str] = {}
@@ -55,10 +55,6 @@ def name_files(model: Any, plan: dict[str, Any]) -> dict[str, Any]:
     root = type(model).__module__
     if not files or set(files) == {root}:
         return plan
-    result = dict(plan)
-    result["boundary_classes"] = dict(sorted(classes.items()))
-    comments = dict(result.get("comments", {}))
-    comments["modeling_files"] = sorted(files)
-    result["comments"] = comments
-    plan_from_dict(result, name="hpgen plan")  # what we write must load
+    result = plan.replace(boundary_classes=dict(sorted(classes.items()))).with_comments(modeling_files=sorted(files))
+    result.validated(name="hpgen plan")  # what we write must load
     return result

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from hpgen.errors import HpgenError
+from hpgen.planner.draft import DraftPlan
 
 __all__ = ["TRANSFORMERS", "DERIVED", "make_plan", "plan_model", "plan_source", "transformers_shards_layers"]
 
@@ -81,17 +82,17 @@ def plan_model(
     plan = _plan_model(model, tp=tp, ep=ep, sp=sp, from_source=from_source, ep_axis=ep_axis, name=name)
     if summed:
         plan = add_summed_reductions(model, plan)
-    return name_files(model, plan)
+    return name_files(model, plan).document()  # the one place the plan becomes a document
 
 
 def _plan_model(
     model: Any, *, tp: int | None, ep: int | None, sp: bool, from_source: bool, ep_axis: str | None, name: str
-) -> dict[str, Any]:
-    from hpgen.planner.translator import translated_plan
+) -> DraftPlan:
+    from hpgen.planner.translator import translated_draft
 
     if plan_source(model, from_source=from_source) == TRANSFORMERS:
-        plan = translated_plan(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, name=name)
-        plan["comments"] = {"plan_source": TRANSFORMERS, **plan.get("comments", {})}
+        plan = translated_draft(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, name=name)
+        plan = plan.replace(comments={"plan_source": TRANSFORMERS, **plan.comments})
         if ep is None and not sp:
             plan = _completed(model, plan, tp=tp, name=name)
         elif ep is None:
@@ -109,15 +110,16 @@ def _plan_model(
     if not derivation.placed:
         raise HpgenError(f"{name}: nothing to shard: {_reasons(derivation)}")
     plan = derived_plan(model, derivation, tp=tp, sp=sp, name=name)
-    plan["comments"] = {
-        "plan_source": DERIVED,
-        "sharded": {note.target: note.text for note in derivation.notes if note.sharded},
-        "replicated": {note.target: note.text for note in derivation.notes if not note.sharded},
-    }
-    return plan
+    return plan.replace(
+        comments={
+            "plan_source": DERIVED,
+            "sharded": {note.target: note.text for note in derivation.notes if note.sharded},
+            "replicated": {note.target: note.text for note in derivation.notes if not note.sharded},
+        }
+    )
 
 
-def _completed(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -> dict[str, Any]:
+def _completed(model: Any, plan: DraftPlan, *, tp: int | None, name: str) -> DraftPlan:
     """transformers' plan, plus the derived groups of the layers it leaves replicated.
 
     Some plans shard only part of each layer (the experts but not the attention, the
@@ -127,7 +129,6 @@ def _completed(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -
     contradicts are dropped (:mod:`hpgen.planner.crosscheck`).
     """
     from hpgen.errors import HpgenError as _Error
-    from hpgen.plan import plan_from_dict
     from hpgen.planner.crosscheck import drop_contradicted, drop_feature_statistics, drop_regathered
     from hpgen.planner.derive import derive
     from hpgen.planner.entries import Derivation
@@ -137,14 +138,13 @@ def _completed(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -
     try:
         derivation = derive(model, tp=tp)
     except Exception as error:  # completing is optional: transformers' plan stands, and the plan says why
-        plan["comments"]["completion_skipped"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-        return plan
+        return plan.with_comments(completion_skipped=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
     plan = drop_contradicted(plan, derivation)  # blocks of transformers' plan that the source contradicts
     plan, regathered = drop_regathered(plan, derivation)  # ... or shards otherwise than the derived blocks do
-    loaded = plan_from_dict(plan)
+    loaded = plan.validated()
     taken = [fqn for fqn, _ in model.named_modules() if fqn and loaded.entry_for(fqn) is not None]
     # what the cross-checks kept replicated is not completed back either
-    kept = {key: text for key, text in plan["comments"].get("replaced", {}).items() if key not in regathered}
+    kept = {key: text for key, text in plan.comments.get("replaced", {}).items() if key not in regathered}
     taken += [fqn for fqn, _ in model.named_modules() if fqn and _matches_any(fqn, kept)]
     extra = Derivation()
     for fqn, placed in derivation.placed.items():
@@ -168,26 +168,23 @@ def _completed(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -
         return plan
     try:
         addition = derived_plan(model, extra, tp=tp, name=name)
-        merged = dict(plan)
-        merged["param_plan"] = {**plan["param_plan"], **addition["param_plan"]}
-        classes = {**plan.get("boundary_classes", {}), **addition.get("boundary_classes", {})}
-        if classes:
-            merged["boundary_classes"] = classes
-        plan_from_dict(merged, name=f"hpgen plan {name}")
+        merged = plan.replace(
+            entries={**plan.entries, **addition.entries},
+            boundary_classes={**plan.boundary_classes, **addition.boundary_classes},
+        )
+        merged.validated(name=f"hpgen plan {name}")
     except _Error:
         return plan  # the addition does not fit transformers' plan: keep the plan as transformers wrote it
-    added = {note.target for note in derivation.notes if note.sharded} & {key for key in addition["param_plan"]}
-    merged["comments"] = {
-        **plan.get("comments", {}),
-        "plan_source": TRANSFORMERS,
-        "completed_from_source": {
+    added = {note.target for note in derivation.notes if note.sharded} & set(addition.entries)
+    return merged.with_comments(
+        plan_source=TRANSFORMERS,
+        completed_from_source={
             note.target: note.text for note in derivation.notes if note.sharded and note.target in added
         },
-    }
-    return merged
+    )
 
 
-def _regathered_sp(model: Any, plan: dict[str, Any], *, tp: int | None, name: str) -> dict[str, Any]:
+def _regathered_sp(model: Any, plan: DraftPlan, *, tp: int | None, name: str) -> DraftPlan:
     """``--sp``: transformers' blocks that shard a gathered column otherwise, replaced by the derived blocks.
 
     Without ``--sp`` :func:`_completed` does this along with the rest. With it, only the blocks of
@@ -196,7 +193,6 @@ def _regathered_sp(model: Any, plan: dict[str, Any], *, tp: int | None, name: st
     them; where the derived blocks do not fit, the dropped blocks stay replicated.
     """
     from hpgen.errors import HpgenError as _Error
-    from hpgen.plan import plan_from_dict
     from hpgen.planner.crosscheck import drop_regathered
     from hpgen.planner.derive import derive
     from hpgen.planner.entries import Derivation
@@ -215,14 +211,11 @@ def _regathered_sp(model: Any, plan: dict[str, Any], *, tp: int | None, name: st
     )
     try:
         addition = derived_plan(model, extra, tp=tp, sp=True, name=name)
-        merged = dict(trimmed)
-        entries = {key: entry for key, entry in addition["param_plan"].items() if _matches_any_prefix(key, keys)}
-        merged["param_plan"] = {**trimmed["param_plan"], **entries}
-        classes = {**trimmed.get("boundary_classes", {})}
-        classes.update({key: cls for key, cls in addition.get("boundary_classes", {}).items() if key in entries})
-        if classes:
-            merged["boundary_classes"] = classes
-        plan_from_dict(merged, name=f"hpgen plan {name}")
+        entries = {key: entry for key, entry in addition.entries.items() if _matches_any_prefix(key, keys)}
+        classes = {**trimmed.boundary_classes}
+        classes.update({key: cls for key, cls in addition.boundary_classes.items() if key in entries})
+        merged = trimmed.replace(entries={**trimmed.entries, **entries}, boundary_classes=classes)
+        merged.validated(name=f"hpgen plan {name}")
     except _Error:
         return trimmed
     return merged

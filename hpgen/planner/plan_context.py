@@ -1,9 +1,9 @@
 """What every step of a plan reads and none changes: the model, its modules, its modeling files, the mesh.
 
-:func:`~hpgen.planner.translator.translated_plan` and
+:func:`~hpgen.planner.translator.translated_draft` and
 :func:`~hpgen.planner.derived_plan.derived_plan` build one :class:`PlanContext` and pass it
 to each step they call, as torchtitan passes the model and the mesh to ``apply_tp``: what a
-step produces (rules, boundaries, a document) is its return value or the boundary records
+step produces (rules, boundaries, a draft plan) is its return value or the boundary records
 it is given, never state on an object.
 """
 

@@ -26,14 +26,15 @@ as it was.
 from __future__ import annotations
 
 import ast
-import copy
 import itertools
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hpgen.placement import PARTIAL_SUM, REPLICATE
-from hpgen.plan import Plan, fqn_matches, plan_from_dict
+from hpgen.plan import Plan, fqn_matches
+from hpgen.plan_entries import Layout, SummedReduction
+from hpgen.planner.draft import DraftEntry, DraftPlan
 from hpgen.planner.flow.constants import Constants, self_path
 from hpgen.planner.flow.runner import function_def
 from hpgen.planner.flow.values import UNKNOWN
@@ -298,9 +299,9 @@ def _reducing_branch(plan: Plan, fqn: str) -> tuple[str, str, str] | None:
     return found[0] if len(found) == 1 else None
 
 
-def add_summed_reductions(model: Any, plan: dict[str, Any]) -> dict[str, Any]:
+def add_summed_reductions(model: Any, plan: DraftPlan) -> DraftPlan:
     """``plan`` with every parallel-residual block of ``model`` reducing its branches once."""
-    loaded = plan_from_dict(plan)
+    loaded = plan.validated()
     found: dict[str, tuple[SummedBlock, dict[str, tuple[str, str, str]]]] = {}
     for fqn, module in model.named_modules():
         branches = {}
@@ -321,34 +322,28 @@ def add_summed_reductions(model: Any, plan: dict[str, Any]) -> dict[str, Any]:
             found[fqn] = (block, branches)
     if not found:
         return plan
-    result = copy.deepcopy(plan)
-    entries = result["param_plan"]
+    entries = dict(plan.entries)
     notes = {}
     for fqn, (block, branches) in found.items():
         keys = [key for key in entries if fqn_matches(key, fqn)]
         key = keys[0] if keys else _pattern(fqn, [branches[b][0] for b in block.branches])
         if key in notes:
             continue
-        entry = entries.setdefault(key, {})
-        summed: dict[str, Any] = {"branches": list(block.branches)}
-        if block.shared_input is not None:
-            summed["shared_input"] = block.shared_input
-        if block.paired_input is not None:
-            summed["paired_input"] = block.paired_input
-        entry["summed_reduction"] = summed
+        summed = SummedReduction(block.branches, block.shared_input, block.paired_input)
+        entries[key] = replace(entries.get(key, DraftEntry()), summed_reduction=summed)
         for branch in block.branches:
             branch_key, output, axis = branches[branch]
-            _leave_partial(entries[branch_key], output, axis, shared=block.shared_input is not None)
+            entries[branch_key] = _leave_partial(entries[branch_key], output, axis, shared=block.shared_input is not None)
         shared = f", their shared input {block.shared_input} moved once" if block.shared_input else ""
         if block.paired_input:
             shared = f", their inputs {block.shared_input} and {block.paired_input} moved together"
         notes[key] = f"{' + '.join(block.branches)} reduced once, summed{shared}"
+    result = plan.replace(entries=entries)
     try:
-        plan_from_dict(result)
+        result.validated()
     except Exception:  # noqa: BLE001 - the rewrite does not fit this plan: keep it as it was
         return plan
-    result.setdefault("comments", {})["summed_reduction"] = notes
-    return result
+    return result.with_comments(summed_reduction=notes)
 
 
 def _single_input(plan: Plan, key: str) -> str | None:
@@ -366,19 +361,20 @@ def _pattern(fqn: str, branch_keys: list[str]) -> str:
     return fqn
 
 
-def _leave_partial(entry: dict[str, Any], output: str, axis: str, *, shared: bool) -> None:
-    """A branch's entry: its output left ``P(sum)``; with a shared input, that input replicated, gradient partial."""
-    entry["out_dst"][output][axis] = str(PARTIAL_SUM)
-    deferred = set(entry.get("deferred_bias_params", ()))
-    if deferred and "grad_reduce_params" in entry:
-        kept = [name for name in entry["grad_reduce_params"] if name not in deferred]
-        if kept:
-            entry["grad_reduce_params"] = kept
-        else:
-            del entry["grad_reduce_params"]
-    if shared:
-        names = sorted({*entry.get("in_src", {}), *entry.get("in_dst", {})})
-        for name in names:
-            entry.setdefault("in_src", {}).setdefault(name, {})[axis] = str(REPLICATE)
-            entry.setdefault("in_dst", {}).setdefault(name, {})[axis] = str(REPLICATE)
-        entry["in_grad_partial"] = names
+def _leave_partial(entry: DraftEntry, output: str, axis: str, *, shared: bool) -> DraftEntry:
+    """A branch's entry: its output left ``P(sum)``; with a shared input, that input replicated, gradient partial.
+
+    Its deferred biases stay deferred (added on one rank into the sum) and need no gradient reduction."""
+    out_dst = {**entry.out_dst, output: entry.out_dst[output].with_axis(axis, PARTIAL_SUM)}
+    deferred = set(entry.deferred_bias_params)
+    grad_reduce = tuple(name for name in entry.grad_reduce_params if name not in deferred)
+    changed = replace(entry, out_dst=out_dst, grad_reduce_params=grad_reduce)
+    if not shared:
+        return changed
+    names = tuple(sorted({*entry.in_src, *entry.in_dst}))
+    return replace(
+        changed,
+        in_src={**entry.in_src, **{name: entry.in_src.get(name, Layout(())).with_axis(axis, REPLICATE) for name in names}},
+        in_dst={**entry.in_dst, **{name: entry.in_dst.get(name, Layout(())).with_axis(axis, REPLICATE) for name in names}},
+        in_grad_partial=names,
+    )

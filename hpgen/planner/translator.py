@@ -68,7 +68,7 @@ model) and :func:`~hpgen.planner.styles.style_rules` (the rules, TP and EP, as o
 :func:`~hpgen.planner.sequence.sequence_parallel`; step 3
 :func:`~hpgen.planner.signatures.set_translated_io`; step 4
 :func:`~hpgen.planner.document.grouped` and
-:func:`~hpgen.planner.document.plan_document`. Every step reads one
+:func:`~hpgen.planner.document.plan_draft`. Every step reads one
 :class:`~hpgen.planner.plan_context.PlanContext` (the model, its modules, its modeling files,
 the mesh). :func:`hpgen.planner.derived_plan.derived_plan` calls the same steps from
 ``--sp`` on, for the plans derived from the source.
@@ -86,7 +86,8 @@ from hpgen.planner.blocks import find_boundaries, implicit_grad_reduce, place_pa
 from hpgen.planner.checks import check_sizes
 from hpgen.planner.plan_context import PlanContext
 from hpgen.planner.corrections import correct_packed_chunks
-from hpgen.planner.document import expert_injections, grouped, plan_document
+from hpgen.planner.document import expert_injections, grouped, plan_draft
+from hpgen.planner.draft import DraftPlan
 from hpgen.planner.sequence import sequence_parallel
 from hpgen.planner.signatures import Forwards, set_translated_io
 from hpgen.planner.styles import ep_axis_name, style_rules
@@ -94,10 +95,15 @@ from hpgen.planner.styles import ep_axis_name, style_rules
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["check_axis_sizes", "translated_plan"]
+__all__ = ["check_axis_sizes", "translated_draft", "translated_plan"]
 
 
-def translated_plan(
+def translated_plan(model: nn.Module, **options: Any) -> dict[str, Any]:
+    """The frozen plan document for ``model``: :func:`translated_draft`'s, for callers that want the document."""
+    return translated_draft(model, **options).document()
+
+
+def translated_draft(
     model: nn.Module,
     *,
     tp: int | None = None,
@@ -105,8 +111,8 @@ def translated_plan(
     sp: bool = False,
     ep_axis: str | None = None,
     name: str | None = None,
-) -> dict[str, Any]:
-    """The frozen plan for ``model`` (an instance, normally on the meta device).
+) -> DraftPlan:
+    """The plan for ``model`` (an instance, normally on the meta device), as a draft the later passes take.
 
     Raises :class:`HpgenError` for a style hpgen cannot map, sizes the axes do not divide,
     or a module layout the plan cannot express.
@@ -130,7 +136,7 @@ def translated_plan(
     groups = grouped(context, boundaries)
     # transformers' styles the source contradicts (corrections.py)
     comments = {"corrected": dict(sorted(corrected.items()))} if corrected else None
-    return plan_document(context, groups, injections=expert_injections(groups), comments=comments)
+    return plan_draft(context, groups, injections=expert_injections(groups), comments=comments)
 
 
 def check_axis_sizes(*, tp: int | None, ep: int | None) -> None:
