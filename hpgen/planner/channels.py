@@ -38,13 +38,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpgen.placement import REPLICATE, Placement, shard, strided_shard
 from hpgen.planner.derive_context import DeriveContext
 from hpgen.planner.entries import Placed, Refused
 from hpgen.planner.flow import Flow, leaf_kind
 from hpgen.planner.layouts import UnequalBlocks, arg_reads, flat_dims, layout_of, packed
 from hpgen.planner.modules import attr_value, in_features, is_nn_linear, join, out_features, relative
 from hpgen.planner.state_leaves import check_state_leaf, follows_channels, state_leaves
-from hpgen.placement import REPLICATE, Placement, shard, strided_shard
 
 __all__ = ["ChannelMixer", "channel_attrs", "find_channel_mixer"]
 

@@ -39,12 +39,12 @@ from hpgen.errors import HpgenError
 from hpgen.placement import PARTIAL_SUM, REPLICATE, Placement, shard
 from hpgen.plan_entries import Injection, Layout
 from hpgen.planner.boundary import Boundary, Transition, add_boundary
-from hpgen.planner.plan_context import PlanContext
 from hpgen.planner.derive import Derivation, Placed
 from hpgen.planner.document import Grouped, grouped, plan_draft
 from hpgen.planner.draft import DraftPlan, injection
 from hpgen.planner.entries import BATCH_MAJOR
 from hpgen.planner.modules import generic
+from hpgen.planner.plan_context import PlanContext
 from hpgen.planner.sequence import sequence_parallel
 from hpgen.planner.signatures import Forwards
 from hpgen.planner.translator import check_axis_sizes

@@ -15,6 +15,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpgen.placement import REPLICATE, Placement, shard, strided_shard
 from hpgen.planner.derive_context import DeriveContext
 from hpgen.planner.entries import Refused
 from hpgen.planner.flow import Flow
@@ -24,7 +25,6 @@ from hpgen.planner.latent import pre_projections, replicated_closure
 from hpgen.planner.layouts import ColumnLayout
 from hpgen.planner.mixers import absent, conv_placement, per_head_placement, single_column_conv
 from hpgen.planner.modules import in_features, out_features, positive_int, relative
-from hpgen.placement import REPLICATE, Placement, shard, strided_shard
 
 __all__ = ["Group", "Sources", "check_mid", "depths", "direct_params", "find_groups", "first_marker", "sources"]
 

@@ -84,10 +84,10 @@ from typing import TYPE_CHECKING, Any
 from hpgen.errors import HpgenError
 from hpgen.planner.blocks import find_boundaries, implicit_grad_reduce, place_params
 from hpgen.planner.checks import check_sizes
-from hpgen.planner.plan_context import PlanContext
 from hpgen.planner.corrections import correct_packed_chunks
 from hpgen.planner.document import expert_injections, grouped, plan_draft
 from hpgen.planner.draft import DraftPlan
+from hpgen.planner.plan_context import PlanContext
 from hpgen.planner.sequence import sequence_parallel
 from hpgen.planner.signatures import Forwards, set_translated_io
 from hpgen.planner.styles import ep_axis_name, style_rules

@@ -15,9 +15,9 @@ import ast
 from pathlib import Path
 from typing import Any
 
+from hpgen.placement import Placement, shard
 from hpgen.planner.entries import Derivation, Placed
 from hpgen.planner.modules import is_nn_linear
-from hpgen.placement import Placement, shard
 
 __all__ = ["place_vocabulary"]
 
