@@ -366,6 +366,27 @@ def test_a_hung_rank_times_out():
         run_distributed(_hang, timeout=3)
 
 
+def _what_the_rank_started_with(rank: int, world_size: int) -> tuple[list[str], int]:
+    import os
+    import sys
+
+    from hpgen.verify.spawn import PRELOAD
+
+    return [name for name in PRELOAD if name in sys.modules], os.getppid()
+
+
+def test_ranks_fork_from_a_server_that_preloaded_the_heavy_imports():
+    """This module imports neither transformers nor hpgen.runtime's model code: a rank that has
+    them was forked from the preloaded server (a child of that server, not of this process)."""
+    import os
+
+    from hpgen.verify.spawn import PRELOAD
+
+    for loaded, parent in run_distributed(_what_the_rank_started_with, timeout=60):
+        assert loaded == list(PRELOAD)
+        assert parent != os.getpid()
+
+
 def test_fn_must_be_picklable():
     with pytest.raises(TypeError, match="module-level"):
         run_distributed(lambda rank, world_size: None)
