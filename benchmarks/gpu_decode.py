@@ -27,8 +27,9 @@ Each runs eagerly (decode over a ``DynamicCache``) and compiled with
 ``torch.compile(mode="reduce-overhead")`` (CUDA graphs; decode over a ``StaticCache``,
 ``fullgraph=True`` except for transformers). Decode: batch 1, a ``--prompt``-token prefill,
 then ``--steps`` greedy tokens, timed; prefill: batch 1, ``--prompt`` tokens, no cache.
-Variants take turns in every round; the report gives the median tokens/s over rounds of
-the slower rank and the ratios side by side.
+One untimed round of every variant comes first (compiles, and recompiles one model's first
+forward causes in another's graphs); then variants take turns in every round, and the report
+gives the median tokens/s over rounds of the slower rank and the ratios side by side.
 
 ``--cpu-smoke`` runs the same code on 2 gloo ranks with a tiny float32 model, Dynamo's
 ``eager`` backend and a few steps, so that a test keeps this script working on machines
