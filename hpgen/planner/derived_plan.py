@@ -91,7 +91,7 @@ LEAF_TRANSITIONS: dict[str, tuple[Transition | None, Transition]] = {
 
 
 def derived_plan(model: Any, derivation: Derivation, *, tp: int | None, sp: bool = False, name: str) -> DraftPlan:
-    """The frozen plan document of ``derivation`` for ``model``."""
+    """The plan of ``derivation`` for ``model``, as a draft for the passes after it (:mod:`hpgen.planner.make`)."""
     if sp and any(p.kind == "split_row_leaf" for p in derivation.placed.values()):
         # a split row reduces to the replicated stream, which --sp keeps sequence-sharded: left replicated
         kept = {fqn: p for fqn, p in derivation.placed.items() if p.kind != "split_row_leaf"}
