@@ -257,31 +257,16 @@ def boundary_movers(
     sharded = {axis: body_is_sharded(entry, axis) for axis in plan.mesh_dim_names}
     inputs, outputs = value_ops(plan, key, known_inputs=known_inputs)
     mesh_names = plan.mesh_dim_names
-    movers_in = {
-        value.name: mover_for(
-            value,
-            entry.input_layouts(value.name, mesh_names),
-            side="in",
-            sharded=sharded,
-            mesh=mesh,
-            axes=axes,
-            where=where,
-        )
-        for value in inputs
-    }
-    movers_out = {
-        value.name: mover_for(
-            value,
-            entry.output_layouts(value.name, mesh_names),
-            side="out",
-            sharded=sharded,
-            mesh=mesh,
-            axes=axes,
-            where=where,
-        )
-        for value in outputs
-    }
-    return movers_in, movers_out
+
+    def movers(values: Any, layouts: Any, side: str) -> dict[str, Any]:
+        return {
+            value.name: mover_for(
+                value, layouts(value.name, mesh_names), side=side, sharded=sharded, mesh=mesh, axes=axes, where=where
+            )
+            for value in values
+        }
+
+    return movers(inputs, entry.input_layouts, "in"), movers(outputs, entry.output_layouts, "out")
 
 
 def generic_boundary(
