@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from hpgen.errors import HpgenError
+from hpgen.plan_names import fqn_matches
 from hpgen.planner.draft import DraftPlan
 
 __all__ = ["TRANSFORMERS", "DERIVED", "make_plan", "plan_model", "plan_source", "transformers_shards_layers"]
@@ -229,11 +230,7 @@ def _matches_any_prefix(fqn: str, patterns: Any) -> bool:
 
 def _matches_any(fqn: str, patterns: Any) -> bool:
     """Whether a plan key (``*`` for one segment) of ``patterns`` matches ``fqn``."""
-    parts = fqn.split(".")
-    return any(
-        len(key.split(".")) == len(parts) and all(k in ("*", p) for k, p in zip(key.split("."), parts))
-        for key in patterns
-    )
+    return any(fqn_matches(key, fqn) for key in patterns)
 
 
 def _reasons(derivation: Any) -> str:
