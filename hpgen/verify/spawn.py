@@ -59,14 +59,15 @@ def run_distributed(
     fn: Callable[..., Any],
     *args: Any,
     world_size: int = 2,
-    backend: str = "gloo",
+    backend: str | None = "gloo",
     timeout: float = 60.0,
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results by rank.
 
     ``fn`` must be a module-level function (see the module docstring). ``timeout`` (seconds)
     bounds the whole run, process start-up included, and is also the process group's
-    collective timeout. With ``backend="nccl"`` rank ``r`` uses ``cuda:r``.
+    collective timeout. With ``backend="nccl"`` rank ``r`` uses ``cuda:r``; ``backend=None``
+    calls ``init_process_group`` without one, as a user may (torch picks the machine's default).
     """
     try:
         pickle.dumps((fn, args))
@@ -156,7 +157,7 @@ def _collect(
 def _rank_main(
     rank: int,
     world_size: int,
-    backend: str,
+    backend: str | None,
     init_method: str,
     timeout: float,
     fn: Callable[..., Any],
@@ -169,7 +170,7 @@ def _rank_main(
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(
-            backend,
+            backend=backend,
             init_method=init_method,
             rank=rank,
             world_size=world_size,
