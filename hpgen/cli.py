@@ -350,9 +350,10 @@ def verify_command(plan: str, model: str | None, source: str | None, ranks: int 
     """
 
     def run() -> int:
-        from hpgen.verify.cli import verify_command as body
+        with plan_extra("hpgen verify"):
+            from hpgen.verify.cli import verify_command as body
 
-        return body(plan, model, source, ranks, as_json)
+            return body(plan, model, source, ranks, as_json)
 
     run_guarded(run)
 
