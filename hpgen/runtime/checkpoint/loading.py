@@ -79,6 +79,9 @@ def from_pretrained(
     path = Path(path)
     if recover(path):  # a save killed between its two renames (systems without RENAME_EXCHANGE)
         logger.warning("from_pretrained: %s was missing after an interrupted save; its previous contents are back", path)
+    if not path.is_dir():
+        what = "is a file, not a checkpoint folder" if path.exists() else "no such folder"
+        raise ParallelizeError(f"from_pretrained: {path}: {what}")
     config = _config(model_class, path, config, config_kwargs)
     with CheckpointFiles(path) as files:
         dtype = _dtype(dtype, config, files)
