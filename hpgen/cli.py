@@ -231,8 +231,12 @@ def check_command(outputs: tuple[str, ...], full: bool, color: bool | None) -> N
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @click.option("--config", "config", help="A model type or config.json: add the sizing report for that model.")
 @click.option("--tp", type=click.IntRange(min=1), help="Ranks for the sizing report (default 2).")
-@click.option("--dtype", default="bfloat16", show_default=True, help="Parameter and activation dtype for the sizing report.")
-def explain_command(source: str, plan: str, as_json: bool, config: str | None, tp: int | None, dtype: str) -> None:
+@click.option(
+    "--dtype", help="Parameter and activation dtype for the sizing report (default: the config's, else bfloat16)."
+)
+def explain_command(
+    source: str, plan: str, as_json: bool, config: str | None, tp: int | None, dtype: str | None
+) -> None:
     """Per class: FQNs, form, each op and why, and collectives per forward call.
 
     With --config, also the parameter bytes per rank and the collectives per decoder layer
@@ -284,7 +288,7 @@ def explain_command(source: str, plan: str, as_json: bool, config: str | None, t
     help="Reduce a parallel-residual block's attention and MLP separately (two collectives, not one).",
 )
 @click.option("--explain", "show_notes", is_flag=True, help="Say on stderr what was sharded and why the rest was not.")
-@click.option("--dtype", default="bfloat16", show_default=True, help="Dtype of the sizing report printed on stderr.")
+@click.option("--dtype", help="Dtype of the sizing report printed on stderr (default: the config's, else bfloat16).")
 @click.option("-o", "--output", help="Write the plan here instead of stdout ('-' is stdout).")
 def plan_command(
     model: str,
@@ -295,7 +299,7 @@ def plan_command(
     from_source: bool,
     no_summed: bool,
     show_notes: bool,
-    dtype: str,
+    dtype: str | None,
     output: str | None,
 ) -> None:
     """Write a frozen plan for MODEL (a transformers model type or a config.json).
@@ -350,9 +354,10 @@ def verify_command(plan: str, model: str | None, source: str | None, ranks: int 
     """
 
     def run() -> int:
-        from hpgen.verify.cli import verify_command as body
+        with plan_extra("hpgen verify"):
+            from hpgen.verify.cli import verify_command as body
 
-        return body(plan, model, source, ranks, as_json)
+            return body(plan, model, source, ranks, as_json)
 
     run_guarded(run)
 

@@ -328,6 +328,25 @@ def test_hpgen_plan_prints_the_notes_and_the_sizing_report(tmp_path: Path) -> No
     assert "parameters at bfloat16" in result.stderr and "total per forward" in result.stderr
 
 
+def test_the_sizing_report_is_at_the_checkpoints_dtype_unless_told(tmp_path: Path) -> None:
+    """A float32 checkpoint is sized at float32 (its config's dtype), --dtype overrides it; the report says which."""
+    from hpgen.planner.load import meta_model
+    from hpgen.planner.report import format_bytes, size_report
+
+    config = tiny("gpt2")
+    config.dtype = "float32"
+    config.save_pretrained(tmp_path)
+    path = str(tmp_path / "config.json")
+    own = CliRunner().invoke(cli, ["plan", path, "--tp", "2"], catch_exceptions=False)
+    told = CliRunner().invoke(cli, ["plan", path, "--tp", "2", "--dtype", "bfloat16"], catch_exceptions=False)
+    assert own.exit_code == told.exit_code == 0, own.stderr + told.stderr
+    assert "parameters at float32 (the config's dtype; --dtype to change): " in own.stderr
+    assert "parameters at bfloat16 (--dtype): " in told.stderr
+    sized = size_report(meta_model(config), json.loads(own.stdout), tp=2, dtype="float32")
+    assert f"{format_bytes(sized.total_bytes)} unsharded" in own.stderr
+    assert f"{format_bytes(sized.total_bytes // 2)} unsharded" in told.stderr
+
+
 def test_hpgen_explain_adds_the_sizing_report_with_config(tmp_path: Path) -> None:
     import inspect
 

@@ -58,6 +58,7 @@ class SizeReport:
     dtype: str
     element_size: int
     hidden_size: int | None
+    dtype_from: str = ""  # why this dtype (the config's, --dtype), said beside it
     total_bytes: int = 0
     sharded_bytes: int = 0  # unsharded size of the parameters the plan shards
     replicated_bytes: int = 0
@@ -94,6 +95,7 @@ class SizeReport:
         return {
             "tp": self.tp,
             "dtype": self.dtype,
+            "dtype_from": self.dtype_from,
             "parameters": {
                 "total_bytes": self.total_bytes,
                 "sharded_bytes": self.sharded_bytes,
@@ -113,7 +115,8 @@ class SizeReport:
         """The report as a few readable lines."""
         mb = format_bytes
         lines = [
-            f"parameters at {self.dtype}: {mb(self.total_bytes)} unsharded; per rank on --tp {self.tp}: "
+            f"parameters at {self.dtype}{f' ({self.dtype_from})' if self.dtype_from else ''}: "
+            f"{mb(self.total_bytes)} unsharded; per rank on --tp {self.tp}: "
             + ", ".join(f"rank {i} {mb(b)}" for i, b in enumerate(self.rank_bytes))
             + (f" ({max(self.rank_bytes) / self.total_bytes:.2f} of the model)" if self.total_bytes else ""),
             f"  sharded: {mb(self.sharded_bytes)} split over the ranks; replicated: {mb(self.replicated_bytes)} on "
@@ -178,8 +181,11 @@ def format_bytes(count: float) -> str:
 # --------------------------------------------------------------------------- computing it
 
 
-def size_report(model: Any, plan: Mapping[str, Any] | Plan, *, tp: int, dtype: Any = None) -> SizeReport:
-    """The report of ``plan`` on ``tp`` ranks for ``model`` (any device: only shapes are read)."""
+def size_report(
+    model: Any, plan: Mapping[str, Any] | Plan, *, tp: int, dtype: Any = None, dtype_from: str = ""
+) -> SizeReport:
+    """The report of ``plan`` on ``tp`` ranks for ``model`` (any device: only shapes are read);
+    ``dtype_from`` says why ``dtype`` (printed beside it)."""
     import torch
 
     from hpgen.placement import Placement
@@ -191,7 +197,9 @@ def size_report(model: Any, plan: Mapping[str, Any] | Plan, *, tp: int, dtype: A
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = getattr(text, "hidden_size", None)
-    report = SizeReport(tp, str(dtype).replace("torch.", ""), element, hidden if isinstance(hidden, int) else None)
+    report = SizeReport(
+        tp, str(dtype).replace("torch.", ""), element, hidden if isinstance(hidden, int) else None, dtype_from
+    )
     modules = dict(model.named_modules())
     matched = {fqn: loaded.entry_for(fqn) for fqn in modules if fqn}
     matched = {fqn: entry for fqn, entry in matched.items() if entry is not None}

@@ -27,12 +27,16 @@ def _progress(text: str) -> None:
 def verify_command(plan: str, model: str | None, source: str | None, ranks: int | None, as_json: bool) -> int:
     """Exit 0 when the plan is exact on the tiny model, 1 with the report; bad input (and a tiny copy that
     transformers' own model cannot run) raises HpgenError."""
+    global _STARTED
+    started = _STARTED = time.monotonic()  # before the imports of torch and transformers: they are part of it
+    from hpgen.verify.spawn import start_server
+
+    start_server()  # the ranks' forkserver imports torch and transformers while this process does too
+    _progress("importing torch and transformers")
     from hpgen.verify.prepare import prepare
     from hpgen.verify.report import finding, planner_plan, report_json, report_text
     from hpgen.verify.run import verify_many
 
-    global _STARTED
-    started = _STARTED = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hpgen-verify-") as folder:
         _progress(f"shrinking the config and lowering the modeling file with {plan}")
         case = prepare(plan, Path(folder), model=model, source=source, ranks=ranks)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hpgen.verify.localize import Difference, Recorder, first_difference, tolerance
+from hpgen.verify.localize import Difference, Recorder, first_difference, returned_as_declared, tolerance
 from hpgen.verify.prepare import Prepared
 
 __all__ = ["Check", "Outcome", "Raised", "expected_shard", "run_cases"]
@@ -167,7 +167,7 @@ def _run_case(case: Prepared, mesh: Any, outcome: Outcome) -> None:
                                     f"{tuple(ref_logits.shape)} unsharded"))
         outcome.forward = first_difference(
             recorder.outputs, reference_recorder.outputs, "forward", recorder.classes, plan, mesh
-        )
+        ) or returned_as_declared(recorder.outputs, logits, ref_logits, recorder.classes, plan)
         recorder.remove()
         return
     err = (logits.float() - ref_logits.float()).abs().max().item()
@@ -191,6 +191,8 @@ def _run_case(case: Prepared, mesh: Any, outcome: Outcome) -> None:
         outcome.forward = first_difference(
             recorder.outputs, reference_recorder.outputs, "forward", recorder.classes, plan, mesh
         )
+        if outcome.forward is None and not outcome.checks[0].ok:
+            outcome.forward = returned_as_declared(recorder.outputs, logits, ref_logits, recorder.classes, plan)
         outcome.backward = first_difference(
             recorder.grads, reference_recorder.grads, "backward", recorder.classes, plan, mesh
         )

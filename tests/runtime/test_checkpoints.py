@@ -391,7 +391,8 @@ def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> 
     module = import_file(case.generated)
     unreadable = [
         ("missing weight", f"{root}/llama_broken"),
-        ("not a checkpoint", f"{root}/nowhere"),
+        ("not a checkpoint", root),  # a folder of checkpoint folders
+        ("no folder", f"{root}/nowhere"),
         ("truncated file", f"{root}/llama_truncated"),
         ("not safetensors", f"{root}/llama_text"),
         ("shard missing", f"{root}/llama_tied_shard_missing"),
@@ -403,6 +404,11 @@ def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> 
             out.errors[label] = "no error"
         except ParallelizeError as error:
             out.errors[label] = str(error)
+    try:  # no config= either: the folder is named before its config.json is looked for
+        from_pretrained(module.LlamaForCausalLM, f"{root}/nowhere/", load_plan_dict(case.plan), mesh)
+        out.errors["no folder, no config"] = "no error"
+    except ParallelizeError as error:
+        out.errors["no folder, no config"] = str(error)
 
     _dtypes_and_mappings(out, case, root, mesh, rank, world_size)
     _misshapen_state_dict(out, case, reference, mesh)
@@ -725,6 +731,8 @@ def test_refusals_are_clear(results: list[RankResults]) -> None:
         assert "has no weights for 1 parameter(s)" in errors["missing weight"]
         assert "model.layers.1.mlp.down_proj.weight" in errors["missing weight"]
         assert "not a safetensors checkpoint folder" in errors["not a checkpoint"]
+        assert errors["no folder"].endswith("/nowhere: no such folder"), errors["no folder"]
+        assert errors["no folder, no config"] == errors["no folder"]
         assert "llama_truncated/model.safetensors is truncated: its tensors need" in errors["truncated file"]
         assert "llama_text/model.safetensors is not a safetensors file" in errors["not safetensors"]
         assert "model.safetensors.index.json names shard files that are not in" in errors["shard missing"]

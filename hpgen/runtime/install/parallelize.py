@@ -59,10 +59,11 @@ from hpgen.runtime.checkpoint.saving import bind_save_pretrained
 from hpgen.runtime.checkpoint.state_dict import install_state_dict_hooks
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.collectives import AxisCollectives, scope_shard_sizes
+from hpgen.runtime.forward.devices import collective_device
 from hpgen.runtime.forward.sampling import bind_generate
 from hpgen.runtime.forward.streams import install_streams
 from hpgen.runtime.install.adapters import survey_adapters, watch_adapters
-from hpgen.runtime.install.agreement import check_ranks_agree, mesh_device, raise_together
+from hpgen.runtime.install.agreement import check_ranks_agree, raise_together
 from hpgen.runtime.install.attrs import survey_attrs
 from hpgen.runtime.install.counterparts import GeneratedModule, generated_modules
 from hpgen.runtime.install.hooks import (
@@ -136,7 +137,7 @@ def parallelize(
         raise
     raise_together(None, mesh, on_mesh)
     survey.install(axes, plan.mesh_dim_names)
-    device = mesh_device(mesh)
+    device = collective_device(mesh)
     # random ops: one stream for replicated and partial values, one per rank for sharded ones
     branches = branch_fqns((t.item for t in survey.targets), plan)
     install_streams(model, [(t.item, t.form) for t in survey.targets], plan, axes, device, branches)
