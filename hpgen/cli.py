@@ -24,7 +24,7 @@ from hpgen.errors import GeneratedCodeError, HpgenError, printable_path
 from hpgen.generate import check_target, generate, read_source
 from hpgen.plan import is_dotted_path
 from hpgen.targets import MODES, Target, find_pyproject, load_targets
-from hpgen.write import EXIT_BAD_INPUT, EXIT_INTERNAL, Report, atomic_write, unified_diff
+from hpgen.write import EXIT_BAD_INPUT, EXIT_INTERNAL, Report, unified_diff, write_file
 
 
 def run_guarded(action: Callable[[], int]) -> None:
@@ -118,7 +118,7 @@ def run_targets(
                 click.echo(f"would regenerate {name}" + ("" if found.existing is not None else " (missing)"), err=True)
                 if diff:
                     echo_diff(unified_diff(found.existing or "", found.generated or "", name, f"{name} (hpgen)"), color)
-            elif atomic_write(target.output, generate(target).encode("utf-8")):
+            elif write_file(target.output, generate(target).encode("utf-8")):
                 report.written.append(name)
                 click.echo(f"wrote {name}", err=True)
             else:
@@ -326,7 +326,10 @@ def plan_command(
         if output in (None, "-"):
             write_stdout(text)
         else:
-            written = atomic_write(output, text.encode("utf-8"))
+            try:
+                written = write_file(output, text.encode("utf-8"))
+            except OSError as exc:  # a read-only folder, a folder as -o, a full disk...
+                raise HpgenError(f"cannot write: {exc.strerror or exc}", file=output) from None
             click.echo(f"wrote {output}" if written else f"{output} unchanged", err=True)
         return 0
 
