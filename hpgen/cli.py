@@ -12,6 +12,7 @@ check`` on fresh targets does not pay for libcst.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -57,22 +58,45 @@ def plan_extra(command: str) -> Iterator[None]:
         raise HpgenError(f"{command} needs torch and transformers, and {missing} is not installed: {_PLAN_EXTRA}") from None
 
 
+@contextmanager
+def stdout_reader_may_leave() -> Iterator[None]:
+    """Let the reader of stdout go (``hpgen lower --check --diff | head``) without ending the run.
+
+    A closed pipe is no error of the run: what goes to stdout afterwards (and Python's flush at
+    exit) goes to the null device, nothing is said, and the exit status stays the run's own (1 for
+    a stale target). A closed pipe behind an output file is still reported: only stdout is covered.
+    """
+    try:
+        yield
+        sys.stdout.flush()
+    except BrokenPipeError:
+        try:
+            fd = sys.stdout.fileno()
+        except (AttributeError, OSError, ValueError):  # not a real stream (click's test runner)
+            return
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
+
+
 def write_stdout(text: str) -> None:
     """Write text as bytes, so CRLF and a BOM reach stdout unchanged."""
-    sys.stdout.flush()
-    sys.stdout.buffer.write(text.encode("utf-8"))
-    sys.stdout.buffer.flush()
+    with stdout_reader_may_leave():
+        sys.stdout.flush()
+        sys.stdout.buffer.write(text.encode("utf-8"))
+        sys.stdout.buffer.flush()
 
 
 def echo_diff(diff: str, color: bool | None) -> None:
     """A unified diff on stdout, coloured on a terminal (or as ``--color`` says)."""
-    for line in diff.splitlines(keepends=True):
-        body = line.rstrip("\r\n")
-        if line.startswith(("+++", "---")):
-            body = click.style(body, bold=True)
-        elif line[:1] in _DIFF_COLOURS:
-            body = click.style(body, fg=_DIFF_COLOURS[line[:1]])
-        click.echo(body + line[len(line.rstrip("\r\n")) :], nl=False, color=color)
+    with stdout_reader_may_leave():
+        for line in diff.splitlines(keepends=True):
+            body = line.rstrip("\r\n")
+            if line.startswith(("+++", "---")):
+                body = click.style(body, bold=True)
+            elif line[:1] in _DIFF_COLOURS:
+                body = click.style(body, fg=_DIFF_COLOURS[line[:1]])
+            click.echo(body + line[len(line.rstrip("\r\n")) :], nl=False, color=color)
 
 
 _DIFF_COLOURS = {"+": "green", "-": "red", "@": "cyan"}

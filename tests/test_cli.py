@@ -148,6 +148,31 @@ def test_console_script_and_module_entry_points(tmp_path):
         assert done.stdout.startswith("hpgen, version")
 
 
+
+def test_a_closed_stdout_pipe_ends_quietly_with_the_runs_own_exit_status(tmp_path):
+    """``hpgen lower --check --diff -o OUT | head``: the reader has gone before hpgen writes (the pipe's
+    read end is closed first, so every write meets a broken pipe). No "cannot write" of OUT, no
+    traceback, and the exit status is the check's (1: stale); the same for code sent to stdout (0)."""
+    out = tmp_path / "gen.py"
+    out.write_text("stale = True\n")
+    runs = {
+        "check --diff": ["lower", SOURCE, PLAN, "-o", out, "--check", "--diff"],
+        "to stdout": ["lower", SOURCE, PLAN],
+    }
+    started = {}
+    for name, args in runs.items():
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        started[name] = subprocess.Popen(
+            [sys.executable, "-m", "hpgen", *map(str, args)], stdout=write_end, stderr=subprocess.PIPE, text=True
+        )
+        os.close(write_end)
+    done = {name: (process.communicate(timeout=120)[1], process.returncode) for name, process in started.items()}
+    assert done["check --diff"] == (f"would regenerate {out}\n", 1), done
+    assert done["to stdout"] == ("", 0), done
+    assert out.read_text() == "stale = True\n"
+
+
 # --------------------------------------------------------------------------- bad input
 
 GOOD_PLAN = json.loads(PLAN.read_text())
