@@ -8,7 +8,7 @@ and a character device or FIFO (``/dev/stdout``, a named pipe) is written throug
 
 As in black, one report object counts what happened to each file, and only its
 ``return_code`` decides the exit status: 0 success or up to date, 1 a ``--check`` found
-a difference, 2 bad input.
+a difference (or, with ``--exit-non-zero-on-write``, a file was written), 2 bad input.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ class Report:
     """What one run did to its targets."""
 
     check: bool = False
+    fail_on_write: bool = False  # a written file is exit 1 (``--exit-non-zero-on-write``, for pre-commit)
     written: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
     stale: list[str] = field(default_factory=list)
@@ -48,7 +49,7 @@ class Report:
             return EXIT_INTERNAL
         if self.failed:
             return EXIT_BAD_INPUT
-        if self.check and self.stale:
+        if (self.check and self.stale) or (self.fail_on_write and self.written):
             return EXIT_STALE
         return EXIT_OK
 
