@@ -29,6 +29,7 @@ runs every case on both ranks and reports numbers that the tests check:
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -339,6 +340,8 @@ def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> 
     if rank == 0:
         folder.mkdir()
         (folder / "tokenizer.json").write_text("{}")
+        Path(f"{root}/saved_given_real").mkdir()  # saved_given is a link to it: the save keeps the link
+        Path(f"{root}/saved_given").symlink_to("saved_given_real", target_is_directory=True)
     torch.distributed.barrier()
     models["llama"].save_pretrained(folder, is_main_process=rank == 0, max_shard_size="100KB", safe_serialization=True)
     loaded = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
@@ -352,6 +355,9 @@ def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> 
     out.saved_keys["keywords: not main"] = sorted(p.name for p in folder.iterdir())
     models["llama"].save_pretrained(f"{root}/saved_given", state_dict=models["llama"].state_dict())  # DTensors
     loaded = transformers.LlamaForCausalLM.from_pretrained(f"{root}/saved_given").eval()
+    link = Path(f"{root}/saved_given")
+    out.saved_keys["given: link"] = [os.readlink(link) if link.is_symlink() else "not a link"]
+    out.saved_keys["given: real folder"] = sorted(p.name for p in Path(f"{root}/saved_given_real").iterdir())
     out.logits["llama: save_pretrained(state_dict=model.state_dict())"] = (
         (_logits(loaded) - _logits(references["llama"])).abs().max().item(),
         tolerance(_logits(references["llama"])),
@@ -703,6 +709,8 @@ def test_save_pretrained_takes_transformers_keywords(results: list[RankResults])
     assert "tokenizer.json" in saved["keywords: folder"] and "model.safetensors.index.json" in saved["keywords: folder"]
     assert not any(name.startswith(".") for name in saved["keywords: folder"])
     assert saved["keywords: not main"] == saved["keywords: folder"]
+    assert saved["given: link"] == ["saved_given_real"]  # a symlinked folder keeps its link
+    assert "config.json" in saved["given: real folder"] and "model.safetensors" in saved["given: real folder"]
     for rank, result in enumerate(results):
         err, tol = result.logits["llama: save_pretrained(state_dict=model.state_dict())"]
         assert err <= tol, f"rank {rank}: {err} > {tol}"
