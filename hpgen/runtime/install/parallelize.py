@@ -44,6 +44,7 @@ from __future__ import annotations
 import os
 import sys
 import types
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -151,10 +152,20 @@ def parallelize(
     bind_save_pretrained(model)
     scope_shard_sizes(model, axes.values())  # gathers reuse the sizes of shards made in the same forward
     model._hp_parallelized = True
+    model._hp_mesh = mesh  # the ranks holding the model: clip_grad_norm_ sums its norm over them
+    _PARALLELIZED.add(model)
     if peft_model is not None:
         peft_model._hp_parallelized = True
         return peft_model
     return model
+
+
+_PARALLELIZED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def parallelized_models() -> list[nn.Module]:
+    """Every model ``parallelize`` has made that is still alive (``clip_grad_norm_`` finds parameters' layouts)."""
+    return list(_PARALLELIZED)
 
 
 def _as_plan(plan: PlanLike) -> Plan:
