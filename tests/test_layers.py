@@ -192,6 +192,7 @@ NAMED_FROM_OUTSIDE = {
     "errors": "users catch its ParallelizeError",
     "folder_swap": "users call its recover (docs/checkpoints.md)",
     "shard_layout": "torch.save of a state dict holding an SS parameter records its PackedShard",
+    "trainer": "users train with its Trainer (docs/training.md)",
 }
 
 

@@ -14,15 +14,16 @@ Module map. The top level keeps only the modules that something outside hpgen na
 path: generated files import ``defaults``; plans name functions in ``local`` and
 ``local_heads``; users catch ``errors.ParallelizeError`` (which every group raises) and
 call ``folder_swap.recover``; ``torch.save`` of a state dict holding an ``SS`` parameter
-records ``shard_layout.PackedShard``. Everything else is in a subpackage by role, whose
+records ``shard_layout.PackedShard``; users train with ``trainer.Trainer`` (transformers'
+``Trainer`` for parallelized models). Everything else is in a subpackage by role, whose
 docstring says what each of its modules does. docs/runtime.md has the same table;
 ``tests/test_layers.py`` checks that both name every module, each in exactly one group:
 
 - ``hpgen.runtime`` (named from outside hpgen): ``defaults``, ``local``, ``local_heads``,
-  ``errors``, ``folder_swap``, ``shard_layout``;
+  ``errors``, ``folder_swap``, ``shard_layout``, ``trainer``;
 - ``hpgen.runtime.install`` (survey and install: what ``parallelize`` runs): ``parallelize``,
   ``agreement``, ``targets``, ``counterparts``, ``params``, ``attrs``, ``groups``, ``hooks``,
-  ``summed``, ``kernels``, ``stubs``, ``inputs``, ``tuners``, ``adapters``;
+  ``summed``, ``kernels``, ``stubs``, ``inputs``, ``tuners``, ``adapters``, ``wrapped``;
 - ``hpgen.runtime.forward`` (what generated forwards call): ``collectives``,
   ``traced_collectives``, ``handback``, ``boundary``, ``ops``, ``wrappers``, ``streams``,
   ``sampling``;
