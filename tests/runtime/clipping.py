@@ -42,6 +42,8 @@ class ClipCase:
     lora: bool = False  # peft's LoRA put on before parallelize; only the adapters train
     given: str = "parameters"  # what clip_grad_norm_ is given: "parameters" (a list) or "model"
     nonfinite: bool = False  # a non-finite gradient instead of a loop (see nonfinite_case)
+    export: str | None = None  # a folder: after the loop, full_state_dict, save_pretrained (loaded back by
+    # transformers) and optimizer_state_dict are compared with the unsharded run (see export_checks)
     boost: str | None = None  # this parameter's gradient x 100 on both sides: the largest element is on one rank
 
 
@@ -161,7 +163,45 @@ def clip_case(case: ClipCase, mesh: Any) -> ClipResult:
     want = reference.state_dict()
     errors = [(_whole(mine[key]).detach() - want[key]).abs().max().item() for key in want]
     result.weight_err, result.weights_checked = max(errors), len(errors)
+    if case.export:
+        result.extra = export_checks(case, model, optimizer, reference, ref_optimizer)
     return result
+
+
+def export_checks(
+    case: ClipCase, model: nn.Module, optimizer: Any, reference: nn.Module, ref_optimizer: Any
+) -> dict[str, Any]:
+    """The trained model exported three ways, each against the unsharded run: ``full_state_dict`` (every tensor,
+    on rank 0), ``save_pretrained`` loaded into the plain transformers class (its logits, every rank loads), and
+    ``optimizer_state_dict`` (AdamW's moments gathered whole)."""
+    import torch.distributed as dist
+    import transformers
+
+    from hpgen.runtime import full_state_dict, optimizer_state_dict
+    from tests.runtime.models import FAMILIES
+
+    want = reference.state_dict()
+    full = full_state_dict(model)
+    checks: dict[str, Any] = {}
+    if dist.get_rank() == 0:
+        checks["full_keys"] = sorted(full) == sorted(want)
+        checks["full_err"] = max((full[key] - want[key]).abs().max().item() for key in want if key in full)
+    model.save_pretrained(case.export)
+    loaded = getattr(transformers, FAMILIES[case.family].model).from_pretrained(case.export).eval()
+    ids = _batches(reference.config.vocab_size)[0]
+    with torch.no_grad():
+        checks["logits_err"] = (loaded(ids).logits - reference.eval()(ids).logits).abs().max().item()
+    state = optimizer_state_dict(model, optimizer)["state"]
+    names = {id(p): name for name, p in reference.named_parameters()}
+    moments = 0
+    worst = 0.0
+    for param, per_param in ref_optimizer.state.items():
+        name = names[id(param)]
+        for moment in ("exp_avg", "exp_avg_sq"):
+            worst = max(worst, (_whole(state[name][moment]) - per_param[moment]).abs().max().item())
+            moments += 1
+    checks["moments"], checks["moments_err"] = moments, worst
+    return checks
 
 
 def nonfinite_case(case: ClipCase, mesh: Any) -> ClipResult:

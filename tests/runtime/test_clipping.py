@@ -26,7 +26,9 @@ from tests.runtime.models import generated_plan, load_plan_dict, lower_family
 
 DP_TP = (("dp", 2), ("tp", 2))
 TP4 = (("tp", 4),)
-LOOPS = ("tp2", "tp2_sp", "tp2_inf", "tp2_p3_model", "tp4_rs", "fsdp2_dp_tp", "ddp_dp_tp", "lora_tp2")
+EVEN = {"intermediate_size": 96}
+LOOPS = ("tp2", "tp2_sp", "tp2_inf", "tp2_p3_model", "tp4_rs", "fsdp2_dp_tp", "fsdp2_tp4", "ddp_dp_tp", "lora_tp2")
+EXPORTED = ("fsdp2_dp_tp", "fsdp2_tp4")
 TOL = 2e-5  # float32 sums of tiny gradients in another order; a local norm is off by far more
 
 
@@ -35,6 +37,9 @@ def build_cases(directory: Path) -> list[ClipCase]:
     sp = str(lower_family("llama", "llama_tp_sp", directory))
     rs_plan = generated_plan("llama", tp=4)  # 2 key/value heads on 4 ranks: RS(0,2)
     rs = str(lower_family("llama", rs_plan, directory))
+    # FSDP2 x hpgen state dicts need shards DTensor can name: tensor_split and chunk differ for 89 rows on 4 ranks
+    even_plan = generated_plan("llama", EVEN, tp=4)
+    even = str(lower_family("llama", even_plan, directory))
     tp_plan, sp_plan = load_plan_dict("llama_tp"), load_plan_dict("llama_tp_sp")
     return [
         ClipCase("tp2", "llama", tp, tp_plan, DP_TP, axis="tp"),
@@ -42,7 +47,17 @@ def build_cases(directory: Path) -> list[ClipCase]:
         ClipCase("tp2_inf", "llama", tp, tp_plan, DP_TP, axis="tp", norm_type=math.inf, boost="model.layers.1.mlp.down_proj.weight"),
         ClipCase("tp2_p3_model", "llama", tp, tp_plan, DP_TP, axis="tp", norm_type=3.0, given="model"),
         ClipCase("tp4_rs", "llama", rs, rs_plan, TP4),
-        ClipCase("fsdp2_dp_tp", "llama", sp, sp_plan, DP_TP, engine="fsdp2"),
+        ClipCase("fsdp2_dp_tp", "llama", sp, sp_plan, DP_TP, engine="fsdp2", export=str(directory / "fsdp2_dp_tp")),
+        ClipCase(
+            "fsdp2_tp4",
+            "llama",
+            even,
+            even_plan,
+            (("dp", 1), ("tp", 4)),
+            engine="fsdp2",
+            config=EVEN,
+            export=str(directory / "tp4"),
+        ),
         ClipCase("ddp_dp_tp", "llama", tp, tp_plan, DP_TP, engine="ddp", given="model"),
         ClipCase("lora_tp2", "llama", tp, tp_plan, DP_TP, axis="tp", lora=True),
         ClipCase("nonfinite", "llama", tp, tp_plan, DP_TP, axis="tp", nonfinite=True),
@@ -96,3 +111,15 @@ def test_a_nonfinite_gradient_is_handled_as_torch_does(results: list[dict]) -> N
         assert inf["largest"] == inf["reference_largest"] == 0.0
         assert inf["reference_nans"] == 1 and inf["nans"] == (1 if inf["holds"] else 0)
     assert holders == 2  # one rank of each of the two copies of the model
+
+
+@pytest.mark.parametrize("name", EXPORTED)
+def test_fsdp2_over_hpgen_exports_the_unsharded_model(results: list[dict], name: str) -> None:
+    """full_state_dict, save_pretrained (loaded by transformers) and optimizer_state_dict of FSDP2 x hpgen."""
+    first = results[0][name].extra
+    assert first["full_keys"], "full_state_dict's keys are not the unsharded model's"
+    assert first["full_err"] <= 1e-5, f"full_state_dict: {first['full_err']:.3g} off"
+    for rank, by_case in enumerate(results):
+        extra = by_case[name].extra
+        assert extra["logits_err"] <= 1e-4, f"rank {rank}: save_pretrained's logits {extra['logits_err']:.3g} off"
+        assert extra["moments"] > 0 and extra["moments_err"] <= 1e-5, f"rank {rank}: moments {extra['moments_err']}"
