@@ -51,8 +51,11 @@ def _runs(directory: Path) -> tuple[list[Run], list[Run]]:
         Run("tp 4 (RS key/value heads)", tp=4, **plan(4)),
         Run("dp 2 x tp 2 (DDP on dp)", dp=2, sp=True, save=True, **plan(2, sp=True)),
         Run("dp 2 x tp 2 (DDP), resumed", dp=2, sp=True, resume="dp 2 x tp 2 (DDP on dp)", **plan(2, sp=True)),
+        Run("dp 2 x tp 2 (FSDP2 on dp)", dp=2, sp=True, fsdp=True, save=True, **plan(2, sp=True)),
+        Run("dp 2 x tp 2 (FSDP2), resumed", dp=2, sp=True, fsdp=True, resume="dp 2 x tp 2 (FSDP2 on dp)", **plan(2, sp=True)),
     ]
     four.append(Run("stock transformers.Trainer, dp 2 x tp 2", loop="stock", dp=2, sp=True, **plan(2, sp=True)))
+    four.append(Run("tp 4 resuming the tp 2 checkpoint", loop="hpgen, another mesh", tp=4, resume="tp 2", **plan(4)))
     return two, four
 
 
@@ -113,9 +116,13 @@ def test_the_stock_loops_stop_before_a_step_with_the_shards_unchanged(trained: d
     for run in trained["refused"]:
         result = trained["runs"][run.name]
         error = result["errors"][0] or ""
-        print(f"| {run.name} | {error.split(':')[0] or 'no'} | {'unchanged' if 'unchanged' in error else 'overwritten (said)' if 'OVERWRITTEN' in error else '?'} | "
+        print(f"| {run.name} | {error.split(':')[0] or 'no'} | {'unchanged' if 'unchanged' in error or 'ValueError' in error else 'overwritten (said)' if 'OVERWRITTEN' in error else '?'} | "
               f"{result['drift']:.1e} |")
         assert len(set(result["errors"])) == 1, result["errors"]  # the same error on every rank
+        if run.loop == "hpgen, another mesh":  # refused before any weight changes, naming both meshes
+            assert "ValueError" in error and "{'tp': 2}" in error and "{'tp': 4}" in error, (run.name, error)
+            assert result["drift"] == 0.0, (run.name, result["drift"])
+            continue
         assert "hpgen.runtime.trainer.Trainer" in error and "hpgen.runtime.clip_grad_norm_" in error, (run.name, error)
         if run.loop == "ddp, ignore list replaced":  # the broadcast ran: the error says so
             assert "OVERWRITTEN" in error and result["drift"] > 0, (run.name, error, result["drift"])

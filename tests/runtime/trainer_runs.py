@@ -37,7 +37,8 @@ class Run:
     save: bool = False  # a checkpoint at step 2 (and 4)
     resume: str = ""  # the name of a saved run: a fresh model resumes its checkpoint-2
     # "hpgen": hpgen.runtime.trainer.Trainer; "stock": transformers.Trainer; "accelerate": Accelerator().prepare;
-    # "ddp, ignore list replaced": DistributedDataParallel(model) after the user replaced hpgen's ignore list
+    # "ddp, ignore list replaced": DistributedDataParallel(model) after the user replaced hpgen's ignore list;
+    # "hpgen, another mesh": hpgen's Trainer resuming ``resume``'s checkpoint, written on another mesh
     loop: str = "hpgen"
     check_inputs: bool = True  # parallelize's input check
     generated: str = ""  # the generated file (lowered by the parent)
@@ -252,6 +253,12 @@ def _refused(run: Run, model: Any, workdir: str, rank: int) -> dict[str, Any]:
             from transformers import Trainer
 
             Trainer(model=model, args=arguments(str(Path(workdir) / run.name), BATCH, False), train_dataset=dataset()).train()
+        elif run.loop == "hpgen, another mesh":  # resume a checkpoint written on another mesh
+            from hpgen.runtime.trainer import Trainer
+
+            output = str(Path(workdir) / run.resume)
+            trainer = Trainer(model=model, args=arguments(output, BATCH // run.dp, False), train_dataset=dataset())
+            trainer.train(resume_from_checkpoint=str(Path(output) / "checkpoint-2"))
         elif run.loop == "ddp, ignore list replaced":  # DDP told to skip nothing: its constructor broadcasts the shards
             from torch.nn.parallel import DistributedDataParallel
 
