@@ -1,15 +1,21 @@
 """``hpgen.runtime.clip_grad_norm_`` in the loops users run, on 4 gloo ranks (one spawn for every case).
 
-Each case trains a tiny Llama 3 AdamW steps with clipping active at every step, parallelized,
+Each case trains a tiny Llama (Qwen3-MoE for experts) 3 AdamW steps with clipping active at every step, parallelized,
 and unsharded on one process with ``torch.nn.utils.clip_grad_norm_`` (tests/runtime/clipping.py):
 the norm hpgen returns equals the unsharded model's on every rank at every step, and the weights
 after the steps equal the unsharded run's. Layouts: ``tp`` 2 (two copies of the model, each on a
 ``tp`` submesh of the 2 x 2 mesh), ``tp`` 2 with ``--sp``, key/value heads replicated at ``tp`` 4
-(``RS(0,2)``), FSDP2 and DDP on ``dp`` over ``tp`` (2 x 2), peft's LoRA on a ``tp`` model (only
+(``RS(0,2)``), FSDP2 and DDP on ``dp`` over ``tp`` (2 x 2), Qwen3-MoE's experts on an ``ep``
+axis over ``tp`` (2 x 2), peft's LoRA on a ``tp`` model (only
 the adapters train), the ``inf`` norm (a row-parallel weight's gradient scaled up, so that its largest
 element lies on one rank) and ``p = 3``; and a ``nan`` or ``inf`` gradient, handled as torch
 does. torch's own clip on the same model sees each rank's shards: its norm differs, which is
 checked too, so that the cases would catch clipping done locally.
+
+FSDP2 over hpgen exports the unsharded model after those steps (dp x tp 2 x 2, and tp 4 under
+``fully_shard`` on a (1, 4) mesh): ``full_state_dict`` equals the unsharded run's,
+``save_pretrained`` loads into transformers' class with its logits, and
+``optimizer_state_dict``'s moments are the unsharded AdamW's.
 """
 
 from __future__ import annotations
@@ -23,11 +29,23 @@ import pytest
 from tests.dist import run_distributed
 from tests.runtime.clipping import MAX_NORM, ClipCase, run_clip_cases
 from tests.runtime.models import generated_plan, load_plan_dict, lower_family
+from tests.runtime.parity_table import MOE, QWEN3_MOE_EP_TP
 
 DP_TP = (("dp", 2), ("tp", 2))
 TP4 = (("tp", 4),)
 EVEN = {"intermediate_size": 96}
-LOOPS = ("tp2", "tp2_sp", "tp2_inf", "tp2_p3_model", "tp4_rs", "fsdp2_dp_tp", "fsdp2_tp4", "ddp_dp_tp", "lora_tp2")
+LOOPS = (
+    "tp2",
+    "tp2_sp",
+    "tp2_inf",
+    "tp2_p3_model",
+    "tp4_rs",
+    "fsdp2_dp_tp",
+    "fsdp2_tp4",
+    "moe_ep_tp",
+    "ddp_dp_tp",
+    "lora_tp2",
+)
 EXPORTED = ("fsdp2_dp_tp", "fsdp2_tp4")
 TOL = 2e-5  # float32 sums of tiny gradients in another order; a local norm is off by far more
 
@@ -40,6 +58,8 @@ def build_cases(directory: Path) -> list[ClipCase]:
     # FSDP2 x hpgen state dicts need shards DTensor can name: tensor_split and chunk differ for 89 rows on 4 ranks
     even_plan = generated_plan("llama", EVEN, tp=4)
     even = str(lower_family("llama", even_plan, directory))
+    moe_plan = QWEN3_MOE_EP_TP()  # hpgen plan --tp 2 --ep 2 --ep-axis ep: whole experts per ep rank
+    moe = str(lower_family("qwen3_moe", moe_plan, directory))
     tp_plan, sp_plan = load_plan_dict("llama_tp"), load_plan_dict("llama_tp_sp")
     return [
         ClipCase("tp2", "llama", tp, tp_plan, DP_TP, axis="tp"),
@@ -58,6 +78,7 @@ def build_cases(directory: Path) -> list[ClipCase]:
             config=EVEN,
             export=str(directory / "tp4"),
         ),
+        ClipCase("moe_ep_tp", "qwen3_moe", moe, moe_plan, (("ep", 2), ("tp", 2)), config=MOE),
         ClipCase("ddp_dp_tp", "llama", tp, tp_plan, DP_TP, engine="ddp", given="model"),
         ClipCase("lora_tp2", "llama", tp, tp_plan, DP_TP, axis="tp", lora=True),
         ClipCase("nonfinite", "llama", tp, tp_plan, DP_TP, axis="tp", nonfinite=True),

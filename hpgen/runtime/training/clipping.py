@@ -23,7 +23,7 @@ import types
 import warnings
 import weakref
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Union
 
 import torch
@@ -53,6 +53,15 @@ class _Reduction:
     group: Any  # the model's whole mesh
     size: int  # ranks in the group
     generation: int  # ShardRecorder.generation when made: a layout recorded later makes it stale
+    tensors: dict[tuple[int, ...], Tensor | None] = field(default_factory=dict, compare=False)
+
+    def weights_of(self, order: list[int], like: Tensor) -> Tensor | None:
+        """The weights of the parameters at positions ``order``, as a tensor like ``like`` (None: all one)."""
+        key = tuple(order)
+        if key not in self.tensors:
+            weights = [self.weights[i] for i in order]
+            self.tensors[key] = None if all(w == 1.0 for w in weights) else like.new_tensor(weights)
+        return self.tensors[key]
 
     def fits(self, params: Sequence[Tensor]) -> bool:
         return self.generation == ShardRecorder.generation and all(
@@ -189,49 +198,57 @@ def _uses_foreach(tensors: list[Tensor], device: torch.device, foreach: bool | N
     return False
 
 
-def _norms(tensors: list[Tensor], norm_type: float, foreach: bool | None) -> list[Tensor]:
-    """Each tensor's ``norm_type`` norm, grouped by device and dtype as torch's ``clip_grad_norm_`` does."""
-    norms: list[Tensor] = []
-    grouped = _group_tensors_by_device_and_dtype([tensors])
-    for (device, _), ([device_tensors], _) in grouped.items():
-        if _uses_foreach(device_tensors, device, foreach):
-            norms.extend(torch._foreach_norm(device_tensors, norm_type))
+def _local_norms(
+    params: list[Tensor], norm_type: float, foreach: bool | None
+) -> tuple[Tensor | None, list[int], torch.dtype]:
+    """Each local gradient's norm (one tensor, in float32 or wider), the parameters' positions in that order,
+    and the dtype torch's norm would have (the gradients' promoted dtype): grouped by device and dtype, each
+    group's norms in one foreach call where torch's ``clip_grad_norm_`` would make one."""
+    held = [(i, _local(p.grad)) for i, p in enumerate(params) if p.grad is not None]
+    dtype = functools.reduce(torch.promote_types, {g.dtype for _, g in held}) if held else torch.float32
+    held = [(i, g) for i, g in held if g.numel()]  # an empty FSDP2 piece adds nothing
+    if not held:
+        return None, [], dtype
+    grads = [g for _, g in held]
+    accumulate = torch.promote_types(dtype, torch.float32)
+    device = grads[0].device
+    parts, order = [], []
+    grouped = _group_tensors_by_device_and_dtype([grads], with_indices=True)
+    for (group_device, _), ([tensors], indices) in grouped.items():
+        if _uses_foreach(tensors, group_device, foreach):
+            norms = torch._foreach_norm(tensors, norm_type)
         else:
-            norms.extend(torch.linalg.vector_norm(t, norm_type) for t in device_tensors)
-    return norms
+            norms = [torch.linalg.vector_norm(t, norm_type) for t in tensors]
+        stacked = torch.stack(norms)
+        parts.append(stacked if stacked.dtype == accumulate and group_device == device else stacked.to(device, accumulate))
+        order += [held[j][0] for j in indices]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)), order, dtype
 
 
 def _total_norm(
     params: list[Tensor], reduction: _Reduction, norm_type: float, error_if_nonfinite: bool, foreach: bool | None
 ) -> Tensor:
-    grads = [(_local(p.grad), weight) for p, weight in zip(params, reduction.weights) if p.grad is not None]
-    device = grads[0][0].device if grads else (params[0].device if params else torch.device("cpu"))
-    dtypes = [grad.dtype for grad, _ in grads]
-    dtype = functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
+    norms, order, dtype = _local_norms(params, norm_type, foreach)
     accumulate = torch.promote_types(dtype, torch.float32)
+    device = norms.device if norms is not None else (params[0].device if params else torch.device("cpu"))
     maximum = math.isinf(norm_type) and norm_type > 0
     minimum = math.isinf(norm_type) and norm_type < 0
-    grads = [(grad, weight) for grad, weight in grads if grad.numel()]  # an empty FSDP2 piece adds nothing
     if maximum or minimum:
         # [the extreme, whether a nan was seen]: gloo's max and min drop nans, torch's keep them
         local = torch.tensor([0.0 if maximum else math.inf, 0.0], dtype=accumulate, device=device)
-        if grads:
-            norms = torch.stack([n.to(device, accumulate) for n in _norms([g for g, _ in grads], norm_type, foreach)])
+        if norms is not None:
             nan = norms.isnan().any().to(accumulate)
             local = torch.stack([norms.max(), nan]) if maximum else torch.stack([norms.min(), -nan])
         op = dist.ReduceOp.MAX if maximum else dist.ReduceOp.MIN
     else:
-        local = torch.zeros((), dtype=accumulate, device=device)
-        by_weight: dict[float, list[Tensor]] = {}
-        for grad, weight in grads:
-            by_weight.setdefault(weight, []).append(grad)
-        for weight, tensors in by_weight.items():
-            norms = torch.stack([n.to(device, accumulate) for n in _norms(tensors, norm_type, foreach)])
-            powered = norms.pow(norm_type).sum()
-            local = local + (powered if weight == 1.0 else powered * weight)
+        if norms is None:
+            local = torch.zeros((), dtype=accumulate, device=device)
+        else:
+            powered = norms.pow(norm_type)
+            weights = reduction.weights_of(order, powered)
+            local = powered.sum() if weights is None else torch.dot(powered, weights)
         op = dist.ReduceOp.SUM
     if reduction.size > 1:
-        local = local.contiguous()
         call(dist.all_reduce, local, op=op, group=reduction.group)
     if maximum or minimum:
         total = torch.where(local[1] != 0, torch.full_like(local[0], math.nan), local[0])
