@@ -28,7 +28,9 @@ state-dict hooks (:mod:`hpgen.runtime.checkpoint.state_dict`) and ``save_pretrai
 (:mod:`hpgen.runtime.checkpoint.saving`) make checkpoints keep every shard.
 
 Other mesh axes belong to torch's engines, applied after ``parallelize``: FSDP2
-(``fully_shard`` per decoder layer and on the root, on a ``dp`` axis) or DDP. The
+(``fully_shard`` per decoder layer and on the root, on a ``dp`` axis) or DDP; a DDP over
+ranks of a plan axis is kept from the shards and refused at its first forward
+(:mod:`hpgen.runtime.install.wrapped`). The
 gradient reductions happen in tensor hooks that follow FSDP2's parameters
 (:mod:`hpgen.runtime.install.hooks`), so those engines see whole gradients.
 
@@ -44,6 +46,7 @@ from __future__ import annotations
 import os
 import sys
 import types
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +83,7 @@ from hpgen.runtime.install.stubs import refuse_replaced_stubs
 from hpgen.runtime.install.summed import SummedBlock, branch_fqns, survey_summed
 from hpgen.runtime.install.targets import ModuleInstall, module_install
 from hpgen.runtime.install.tuners import peft_base_model, resolve_tuner_names
+from hpgen.runtime.install.wrapped import DataParallelCheck, KeptFromDDP, MeshAxes
 
 __all__ = ["ParallelizeError", "parallelize"]
 
@@ -143,6 +147,12 @@ def parallelize(
     install_streams(model, [(t.item, t.form) for t in survey.targets], plan, axes, device, branches)
     groups = [(axis, axes[axis].group) for axis in plan.mesh_dim_names if axes[axis].size > 1]
     bind_generate(model, [group for _, group in groups], device)
+    model._hp_mesh_axes = MeshAxes(mesh, on_mesh)  # the other mesh axes are the data-parallel ones
+    if groups:  # a DDP over these ranks would overwrite shards: kept from them, and refused at its first
+        # forward, before the input check (whose error such a DDP's data sharding would otherwise raise)
+        listed = getattr(model, "_ddp_params_and_buffers_to_ignore", ())
+        model._ddp_params_and_buffers_to_ignore = KeptFromDDP(groups, listed)
+        model.register_forward_pre_hook(DataParallelCheck(groups))
     if check_inputs and groups:
         model.register_forward_pre_hook(InputCheck(groups, device), with_kwargs=True)
     # state_dict() as DTensors, load_state_dict of DTensors or full tensors, save_pretrained unsharded
@@ -152,10 +162,20 @@ def parallelize(
     bind_save_pretrained(model)
     scope_shard_sizes(model, axes.values())  # gathers reuse the sizes of shards made in the same forward
     model._hp_parallelized = True
+    model._hp_mesh = mesh  # the ranks holding the model: clip_grad_norm_ sums its norm over them
+    _PARALLELIZED.add(model)
     if peft_model is not None:
         peft_model._hp_parallelized = True
         return peft_model
     return model
+
+
+_PARALLELIZED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def parallelized_models() -> list[nn.Module]:
+    """Every model ``parallelize`` has made that is still alive (``clip_grad_norm_`` finds parameters' layouts)."""
+    return list(_PARALLELIZED)
 
 
 def _as_plan(plan: PlanLike) -> Plan:
