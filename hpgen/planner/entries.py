@@ -29,6 +29,7 @@ class Placed:
     deferred: set[str] = field(default_factory=set)
     inputs: tuple[str, ...] = ()  # forward parameters entering a block (R -> R)
     divide: set[str] = field(default_factory=set)  # tp_divide_attrs
+    local_attrs: dict[str, LocalCount] = field(default_factory=dict)  # attribute -> its count on each rank
     grad_reduce: set[str] = field(default_factory=set)  # replicated parameters the sharded body runs through
     head_inputs: dict[str, HeadCut] = field(default_factory=dict)  # per-head inputs made outside: name -> its cut
     global_heads: int | None = None  # the query heads, for a batch_major head input's local compute
