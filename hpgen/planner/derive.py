@@ -20,7 +20,10 @@ file) :mod:`hpgen.planner.flow` gives the graph of its layers: which ``nn.Linear
    divide ``--tp``; a fused projection's layout is recognised from the reshape that
    follows it (``split(split_size)`` / ``chunk(3)``: Q|K|V blocks -> ``SS(d,3)``;
    ``view(..., heads, 3, head_dim)``: per-head interleaved -> ``S(d)``; one key/value
-   head packed after the queries (multi-query) is refused). Integer attributes that
+   head packed after the queries (multi-query Falcon) -> ``B(d, ...)``, the queries cut
+   and the key and value whole); heads that do not divide are cut whole, some ranks one
+   more (:mod:`~hpgen.planner.uneven_heads`, with the attributes that size them counted per
+   rank, ``local_attrs``). Integer attributes that
    size a reshape of sharded values (``self.num_heads``, ``self.split_size``) are divided
    (``tp_divide_attrs``); a global count read from ``self.config`` there is refused. An
    attention that splits its heads into parts working together (DiffLlama's ``chunk(2)``
