@@ -149,3 +149,18 @@ def test_falcon_attention_is_sharded_whatever_its_heads(options, heads, tp, qkv)
     assert _tp(attention)["query_key_value.weight"] == qkv
     assert _tp(attention)["dense.weight"] == ("S(1)" if heads % tp == 0 else "S(1,16)")
     assert "summed_reduction" in plan["param_plan"]["transformer.h.*"]
+
+
+def test_a_fused_projection_transformers_plan_shards_whole_is_derived_from_the_source_where_heads_do_not_divide():
+    """GPT-NeoX's query_key_value is colwise in transformers' plan; only the source says it is per-head [q k v]."""
+    from transformers import GPTNeoXConfig
+
+    from hpgen.planner.load import meta_model
+    from hpgen.planner.make import plan_model
+
+    config = GPTNeoXConfig(hidden_size=96, num_attention_heads=6, num_hidden_layers=1, intermediate_size=64, vocab_size=64)
+    plan = plan_model(meta_model(config), tp=4)
+    assert plan["comments"]["plan_source"] == "derived from the source"
+    assert "query_key_value" in plan["comments"]["derived_because"]
+    attention = _entry(plan, "attention")
+    assert _tp(attention)["query_key_value.weight"] == "S(0,48)" and _tp(attention)["dense.weight"] == "S(1,16)"

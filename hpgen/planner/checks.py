@@ -24,7 +24,7 @@ from hpgen.planner.head_shares import HeadShares, head_shares
 if TYPE_CHECKING:
     from hpgen.planner.plan_context import PlanContext
 
-__all__ = ["check_sizes", "config_value", "is_attention"]
+__all__ = ["HeadsNotCut", "check_sizes", "config_value", "is_attention"]
 
 
 def check_sizes(context: PlanContext, sizes: Mapping[str, int], boundaries: Mapping[str, Boundary]) -> None:
@@ -68,6 +68,11 @@ def check_sizes(context: PlanContext, sizes: Mapping[str, int], boundaries: Mapp
                 raise HpgenError(f"{context.name}: {boundary.fqn} has {rows} rows, fewer than {flag} {size}")
 
 
+class HeadsNotCut(HpgenError):
+    """Heads that do not divide the axis, in a projection transformers' plan shards whole (a fused ``qkv``) that
+    hpgen cannot cut into whole heads from the plan alone: the plan derived from the source reads its layout."""
+
+
 def _uneven_shares(name: str, config: Any, attention: list[Boundary], size: int, flag: str) -> HeadShares | None:
     """The heads' shares over ``size`` ranks where they do not divide (None where they do, or where the config does
     not say the counts: the checks above apply then); raise where a rank would hold no query head."""
@@ -107,7 +112,7 @@ def _cut_whole_heads(name: str, boundary: Boundary, axis: str, shares: HeadShare
         elif n == q:  # one value per query head (GPT-OSS's sinks)
             cut = shares.query(dim, 1)
         else:
-            raise HpgenError(
+            raise HeadsNotCut(
                 f"{name}: {boundary.fqn}.{param} is head-sharded on dim {dim} of size {n}, which is not whole heads "
                 f"of {head_dim} ({q} query, {kv} key/value heads); the heads do not divide over --{axis} {shares.tp}"
             )
