@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,7 +41,8 @@ from hpgen.runtime.forward.handback import call
 from hpgen.runtime.forward.ops import address_of, get_output, replace_output
 from hpgen.runtime.forward.wrappers import BiasShare, subclass_with
 from hpgen.runtime.install.groups import replica_group
-from hpgen.runtime.install.params import Matched
+from hpgen.runtime.install.params import Matched, rank_shard
+from hpgen.shards import ShardLayout
 
 __all__ = [
     "BiasAdder",
@@ -49,6 +50,7 @@ __all__ = [
     "FollowReducedParameters",
     "GradAllReduce",
     "GradReduce",
+    "block_regions",
     "install_grad_reduce",
     "survey_deferred_biases",
     "survey_grad_reduce",
@@ -77,23 +79,72 @@ class BiasAdder:
 
 
 class GradAllReduce:
-    """Tensor hook: the sum over ``groups`` of a gradient each rank holds only a part of."""
+    """Tensor hook: the sum over ``groups`` of a gradient each rank holds only a part of.
 
-    def __init__(self, groups: Sequence[dist.ProcessGroup], where: str) -> None:
+    ``regions``: ``(dim, start, stop, group)`` slices of the gradient summed over ``group``
+    only (the replicated blocks of a ``B`` placement: Falcon's key and value rows, whose
+    gradient each rank's query heads make only a part of); the other rows are whole already.
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[dist.ProcessGroup],
+        where: str,
+        regions: Sequence[tuple[int, int, int, dist.ProcessGroup]] = (),
+    ) -> None:
         self.groups = tuple(groups)
         self.where = where  # the parameter's FQN, for debugging
+        self.regions = tuple(regions)
 
     def __call__(self, grad: Tensor) -> Tensor:
         total = grad.clone(memory_format=torch.contiguous_format)
         for group in self.groups:
             call(dist.all_reduce, total, group=group)
+        for dim, start, stop, group in self.regions:
+            piece = total.narrow(dim, start, stop - start)
+            if piece.is_contiguous():
+                call(dist.all_reduce, piece, group=group)
+            else:
+                summed = piece.contiguous()
+                call(dist.all_reduce, summed, group=group)
+                piece.copy_(summed)
         return total
 
     def __repr__(self) -> str:
-        return f"GradAllReduce({self.where}, groups={len(self.groups)})"
+        return f"GradAllReduce({self.where}, groups={len(self.groups)}, regions={len(self.regions)})"
 
     def __deepcopy__(self, memo: dict) -> GradAllReduce:
         return self  # holds process-group handles, shared by copies of a model
+
+
+Region = tuple[int, int, int, str, int]
+"""A slice of a parameter's local gradient summed over some of an axis's ranks:
+``(dim, start, stop, axis, replicas)``; ``replicas`` equal to the axis size is the whole axis."""
+
+
+def block_regions(shard_layout: ShardLayout, names: Sequence[str]) -> list[Region]:
+    """The replicated blocks of each ``B`` placement of ``shard_layout`` (mesh axes ``names``): where
+    they lie in the local shard and over how many consecutive ranks of their axis each is held.
+
+    ``R`` blocks are held by the whole axis, ``RS(d,r)`` ones by their replica set; adjacent
+    blocks held alike merge (Falcon's key and value rows: one reduction).
+    """
+    found: list[Region] = []
+    for index, (placement, _, size) in enumerate(shard_layout.shares):
+        if placement.kind != "B" or size == 1:
+            continue
+        dim = shard_layout.split_dim(index)
+        assert dim is not None
+        for inner, (start, stop) in shard_layout.block_pieces(index):
+            replicas = size if inner.is_replicate else inner.replicas if inner.kind == "RS" else None
+            if replicas is None or replicas == 1 or start == stop:
+                continue
+            last = found[-1] if found else None
+            if last is not None and last[0] == dim and last[2] == start and last[3:] == (names[index], replicas):
+                found[-1] = (dim, last[1], stop, names[index], replicas)
+            else:
+                found.append((dim, start, stop, names[index], replicas))
+    return found
 
 
 # --------------------------------------------------------------------------- survey and install
@@ -195,6 +246,7 @@ class GradReduce:
     axes: list[str]  # grad_reduce_params: every axis its boundary's body is sharded on
     replicas: dict[str, int]  # RS(d,r): axis -> r
     uses: list[tuple[Matched, nn.Module, str]]
+    regions: list[Region] = field(default_factory=list)  # B: the replicated blocks' rows
 
     def groups(self, axes: Mapping[str, AxisCollectives], mesh: DeviceMesh) -> list[dist.ProcessGroup]:
         """The process groups to sum over; axes of size one (and ``r`` of one) reduce nothing."""
@@ -204,13 +256,25 @@ class GradReduce:
                 found.append(replica_group(mesh, axis, replicas))
         return found
 
+    def region_groups(self, mesh: DeviceMesh) -> list[tuple[int, int, int, dist.ProcessGroup]]:
+        """The replicated blocks' slices and the group each is summed over (none on an axis whose
+        whole gradient is summed already)."""
+        return [
+            (dim, start, stop, replica_group(mesh, axis, replicas))
+            for dim, start, stop, axis, replicas in self.regions
+            if axis not in self.axes
+        ]
 
-def survey_grad_reduce(matched: Iterable[Matched], plan: Plan) -> list[GradReduce]:
+
+def survey_grad_reduce(
+    matched: Iterable[Matched], plan: Plan, axes: Mapping[str, AxisCollectives]
+) -> list[GradReduce]:
     """Each Parameter whose gradient a rank holds only part of, with what to sum it over.
 
     ``grad_reduce_params`` sum over every axis the boundary's body is sharded on;
     ``RS(d,r)`` parameters over the ``r`` ranks of the axis holding the same chunk (their
-    replica group, :mod:`hpgen.runtime.install.groups`).
+    replica group, :mod:`hpgen.runtime.install.groups`); the replicated blocks of a ``B``
+    parameter over their holders, those rows only.
     """
     found: dict[int, GradReduce] = {}
 
@@ -242,6 +306,12 @@ def survey_grad_reduce(matched: Iterable[Matched], plan: Plan) -> list[GradReduc
             replicated = {a: layout.on(a).replicas for a in plan.mesh_dim_names if layout.on(a).kind == "RS"}
             if replicated:
                 record(item, name).replicas.update(replicated)
+            if any(layout.on(a).kind == "B" for a in plan.mesh_dim_names):
+                shape = item.module.get_parameter(name).shape
+                regions = block_regions(rank_shard(shape, layout, axes, plan.mesh_dim_names), plan.mesh_dim_names)
+                if regions:
+                    reduce = record(item, name)
+                    reduce.regions += [region for region in regions if region not in reduce.regions]
     return list(found.values())
 
 
@@ -299,10 +369,11 @@ def install_grad_reduce(
     follows: dict[int, tuple[Matched, list[tuple[nn.Module, str, GradAllReduce]]]] = {}
     for record in records:
         groups = record.groups(axes, mesh)
-        if not groups:
+        regions = record.region_groups(mesh)
+        if not groups and not regions:
             continue
         param = replaced.get(id(record.param), record.param)
-        reducer = GradAllReduce(groups, record.name)
+        reducer = GradAllReduce(groups, record.name, regions)
         param.register_hook(reducer)
         param._hp_grad_reduce = reducer
         for item, owner, attr in record.uses:
