@@ -267,13 +267,20 @@ def size_report(model: Any, plan: Mapping[str, Any] | Plan, *, tp: int, dtype: A
                 continue
         for name, layout in sorted(entry.params.items()):  # RS(d,r): the local chunk summed over its r replicas
             placement = layout.on("tp")
-            if placement.kind != "RS" or placement.replicas < 2 or name in entry.grad_reduce_params:
+            replicated = _replicated_rows(placement, tp)  # B(d, ...): the rows of its R and RS blocks
+            if (placement.kind != "RS" or placement.replicas < 2) and not replicated:
+                continue
+            if name in entry.grad_reduce_params:
                 continue
             try:
                 param = modules[fqn].get_parameter(name)
             except AttributeError:
                 continue
-            report.grad_reduce_bytes += _prod(ShardLayout(tuple(param.shape), ((placement, 0, tp),)).local_shape) * element
+            if replicated:
+                report.grad_reduce_bytes += replicated * _prod(param.shape) // param.shape[placement.dim] * element
+            else:
+                local = ShardLayout(tuple(param.shape), ((placement, 0, tp),)).local_shape
+                report.grad_reduce_bytes += _prod(local) * element
             report.grad_reduce_count += 1
         layer = _layer_of(fqn)
         if layer is None:
@@ -348,6 +355,22 @@ def _collectives(
                 if kind in COMMUNICATING:
                     found.append(Collective(generic(fqn), op.name, kind, phase, width * hidden * element, 0.0, 1))
     return found
+
+
+def _replicated_rows(placement: Any, tp: int) -> int:
+    """The rows of a ``B`` placement's blocks held by more than one rank (``R``, ``RS``) that a rank holds: their
+    gradient is summed over the holders once per backward (multi-query Falcon's key and value)."""
+    from hpgen.shards import ShardLayout
+
+    if placement.kind != "B":
+        return 0
+    rows = 0
+    for size, inner in placement.parts:
+        if inner.is_replicate:
+            rows += size
+        elif inner.kind == "RS" and inner.replicas > 1:
+            rows += ShardLayout((size,), ((inner.on_dim(0), 0, tp),)).local_shape[0]
+    return rows
 
 
 def _heads_held(modules: Mapping[str, Any], matched: Mapping[str, Any], config: Any, tp: int) -> dict[str, HeadsHeld]:
