@@ -164,3 +164,15 @@ def test_a_fused_projection_transformers_plan_shards_whole_is_derived_from_the_s
     assert "query_key_value" in plan["comments"]["derived_because"]
     attention = _entry(plan, "attention")
     assert _tp(attention)["query_key_value.weight"] == "S(0,48)" and _tp(attention)["dense.weight"] == "S(1,16)"
+
+
+def test_the_derivation_refuses_a_tp_that_leaves_a_rank_without_a_query_head():
+    from transformers import FalconConfig
+
+    from hpgen.errors import HpgenError
+    from hpgen.planner.load import meta_model
+    from hpgen.planner.make import plan_model
+
+    config = FalconConfig(hidden_size=48, num_attention_heads=3, num_hidden_layers=1, vocab_size=64)
+    with pytest.raises(HpgenError, match="--tp 4 leaves a rank with no query head: num_attention_heads=3"):
+        plan_model(meta_model(config), tp=4, name="falcon")

@@ -71,7 +71,7 @@ from hpgen.plan_entries import LocalCount
 from hpgen.planner.channels import channel_attrs, find_channel_mixer
 from hpgen.planner.derive_context import DeriveContext
 from hpgen.planner.derived_blocks import GroupLayout, boundaries
-from hpgen.planner.entries import Contradicted, Derivation, HeadCut, Note, Placed, Refused
+from hpgen.planner.entries import Contradicted, Derivation, HeadCut, NoQueryHead, Note, Placed, Refused
 from hpgen.planner.flow import leaf_kind, module_names
 from hpgen.planner.gathered import check_gathered, gathered_columns
 from hpgen.planner.groups import Group, check_mid, depths, direct_params, find_groups, first_marker, sources
@@ -170,6 +170,8 @@ def _place_layer(ctx: DeriveContext, model_rules: HeadRules, layer: str, result:
                 except Refused as plain:
                     if not isinstance(refused, LatentRefused):  # a latent's own refusal says more
                         refused = plain
+            if isinstance(refused, NoQueryHead):
+                result.no_query_head = result.no_query_head or str(refused)
             for fqn in sorted(cols | group.rows):
                 result.note(
                     fqn, False, str(refused), needs_whole=refused.consumer if isinstance(refused, Contradicted) else ""
@@ -264,6 +266,8 @@ def _place_group(
     if attention and heads is not None and parts is None:
         try:
             shares = rules.shares(heads, lca(cols | rows))
+        except NoQueryHead:
+            raise
         except Refused:
             shares = None  # key/value heads fewer than the ranks that do not divide them: the checks below say why
     if shares is None:

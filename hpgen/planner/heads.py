@@ -13,8 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from typing import Any
 
-from hpgen.errors import HpgenError
-from hpgen.planner.entries import Refused
+from hpgen.planner.entries import NoQueryHead, Refused
 from hpgen.planner.flow import Flow
 from hpgen.planner.head_maps import per_head_map
 from hpgen.planner.head_names import HEAD_DIM_ATTRS, HEADS_ATTRS, KV_HEADS_ATTRS
@@ -253,8 +252,9 @@ class HeadRules:
     def shares(self, heads: tuple[int, int, int], where: str) -> HeadShares | None:
         """The heads' shares over ``--tp`` where they do not divide (None where they do, or without ``--tp``).
 
-        Raises :class:`~hpgen.errors.HpgenError` where a rank would hold no query head (no plan fits that
-        ``--tp``), :class:`Refused` where key/value heads fewer than the ranks do not divide them.
+        Raises :class:`NoQueryHead` where a rank would hold no query head (the plan refuses that ``--tp`` when no
+        other reason keeps the attention whole), :class:`Refused` where key/value heads fewer than the ranks do not
+        divide them.
         """
         if self.tp is None:
             return None
@@ -262,7 +262,7 @@ class HeadRules:
         try:
             shares = head_shares(q, kv, head_dim, self.tp)
         except NoHeadForRank as error:
-            raise HpgenError(f"{where}: {error}") from None
+            raise NoQueryHead(f"{where}: {error}") from None
         except ValueError as error:
             raise Refused(str(error)) from None
         return None if shares.even else shares

@@ -118,6 +118,8 @@ def _plan_model(
     from hpgen.planner.derived_plan import derived_plan
 
     derivation = derive(model, tp=tp)
+    if derivation.no_query_head:  # no cut of this --tp gives every rank a query head
+        raise HpgenError(f"{name}: {derivation.no_query_head}")
     if not derivation.placed:
         raise HpgenError(f"{name}: nothing to shard: {_reasons(derivation)}")
     plan = derived_plan(model, derivation, tp=tp, sp=sp, name=name)

@@ -357,6 +357,15 @@ def _collectives(
     return found
 
 
+def _config_int(config: Any, name: str) -> int | None:
+    """An integer config value; None where it is absent or differs per layer (transformers raises then)."""
+    try:
+        value = getattr(config, name, None)
+    except Exception:  # AmbiguousGlobalPerLayerAttributeError
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def _replicated_rows(placement: Any, tp: int) -> int:
     """The rows of a ``B`` placement's blocks held by more than one rank (``R``, ``RS``) that a rank holds: their
     gradient is summed over the holders once per backward (multi-query Falcon's key and value)."""
@@ -381,15 +390,15 @@ def _heads_held(modules: Mapping[str, Any], matched: Mapping[str, Any], config: 
     """
     from hpgen.shards import ShardLayout
 
-    heads, kv = (getattr(config, name, None) for name in ("num_attention_heads", "num_key_value_heads"))
+    heads, kv = (_config_int(config, name) for name in ("num_attention_heads", "num_key_value_heads"))
     kv = kv or heads
     if not isinstance(heads, int) or not isinstance(kv, int) or heads < 1:
         return {}
     found: dict[str, HeadsHeld] = {}
     for fqn, entry in matched.items():
         module = modules[fqn]
-        head_dim = getattr(module, "head_dim", None) or getattr(config, "head_dim", None)
-        hidden = getattr(config, "hidden_size", None)
+        head_dim = getattr(module, "head_dim", None) or _config_int(config, "head_dim")
+        hidden = _config_int(config, "hidden_size")
         head_dim = head_dim or (hidden // heads if isinstance(hidden, int) else None)
         name = type(module).__name__.lower()
         if not isinstance(head_dim, int) or head_dim < 1 or not ("attn" in name or "attention" in name):
