@@ -83,7 +83,7 @@ from hpgen.planner.layouts import PLAIN, ColumnLayout
 from hpgen.planner.modules import attr_value, generic, is_linear, is_nn_linear, lca, positive_int, relative
 from hpgen.planner.reshapes import column_layout, divided_attrs, sharded_counts
 from hpgen.planner.split_rows import place_split_rows, reshapes_weight
-from hpgen.planner.uneven_heads import UnevenHeads, groups_count, rank_values, relative_count, uneven_layouts
+from hpgen.planner.uneven_heads import UnevenHeads, groups_count, rank_values, uneven_layouts
 from hpgen.planner.vocab import place_vocabulary
 
 __all__ = ["Derivation", "Note", "Placed", "decoder_layers", "derive"]
@@ -342,7 +342,7 @@ def _rank_attrs(
     for module, attrs in divide.items():
         for attr in sorted(attrs):
             value = attr_value(modules, module, attr)
-            count = relative_count(values[value].count, module) if value in values else None
+            count = values[value].under(module) if value in values else None
             if count is None:
                 raise Refused(
                     f"self.{attr} of {relative(module, layer) or 'the layer'} sizes the sharded heads, and hpgen "
@@ -352,8 +352,7 @@ def _rank_attrs(
     common = lca(group.cols | group.rows)
     groups = getattr(modules.get(common), "num_key_value_groups", None)
     if shares.replicas > 1 and isinstance(groups, int) and groups == shares.group:  # what repeat_kv repeats by
-        count = groups_count(values, shares)
-        count = relative_count(count, common) if count is not None else None
+        count = groups_count(values, shares, common)
         if count is None:
             raise Refused(f"hpgen cannot count {relative(common, layer) or 'the layer'}'s num_key_value_groups per rank")
         ranked.setdefault(common, {})["num_key_value_groups"] = count

@@ -400,7 +400,7 @@ def _heads_held(modules: Mapping[str, Any], matched: Mapping[str, Any], config: 
         head_dim = getattr(module, "head_dim", None) or _config_int(config, "head_dim")
         hidden = _config_int(config, "hidden_size")
         head_dim = head_dim or (hidden // heads if isinstance(hidden, int) else None)
-        name = type(module).__name__.lower()
+        name = f"{type(module).__name__} {fqn}".lower()  # the attention, or its row projection as an entry of its own
         if not isinstance(head_dim, int) or head_dim < 1 or not ("attn" in name or "attention" in name):
             continue
         query = keys = None
@@ -417,6 +417,8 @@ def _heads_held(modules: Mapping[str, Any], matched: Mapping[str, Any], config: 
             inputs, outputs = (0, 1) if transposed else (1, 0)
             dim = placement.dim % 2 if placement.dim is not None else None
             local = [ShardLayout(tuple(param.shape), ((placement, r, tp),)).local_shape for r in range(tp)]
+            if dim is not None and any(shape[dim] % head_dim for shape in local):
+                continue  # not cut in whole heads (a projection of other features)
             if dim == inputs and param.shape[inputs] == heads * head_dim and query is None:
                 query = tuple(shape[inputs] // head_dim for shape in local)
             elif dim == outputs and param.shape[outputs] == kv * head_dim and kv != heads and keys is None:

@@ -33,7 +33,11 @@ class RankValue:
     """One size on each rank where the heads do not divide, and the count of a parameter's shard that gives it."""
 
     per_rank: tuple[int, ...]
-    count: LocalCount  # its ``of`` an FQN until it is written relative to the entry holding the attribute
+    counts: tuple[LocalCount, ...]  # each gives it; their ``of`` FQNs until written relative to the attribute's owner
+
+    def under(self, owner: str) -> LocalCount | None:
+        """The first count whose parameters are all under ``owner``, named relative to it."""
+        return next((c for c in (relative_count(count, owner) for count in self.counts) if c is not None), None)
 
 
 class UnevenHeads:
@@ -124,8 +128,10 @@ def rank_values(
     def add(value: int, per_rank: tuple[int, ...], count: LocalCount | None) -> None:
         if value in (0, 1, head_dim) or count is None:
             return
-        known = found.setdefault(value, RankValue(per_rank, count))
-        if known.per_rank != per_rank:
+        known = found.setdefault(value, RankValue(per_rank, ()))
+        if known.per_rank == per_rank:
+            found[value] = replace(known, counts=(*known.counts, count))
+        else:
             raise Refused(
                 f"a size of {value} is cut two ways over --tp {tp} ({list(known.per_rank)} and {list(per_rank)} per "
                 "rank): hpgen cannot tell which an attribute of that value is"
@@ -152,6 +158,8 @@ def rank_values(
         add(n, local(n, layout), LocalCount(of, dim))
         if layout.grouped and layout.unit:  # whole groups (per head or per key/value group)
             add(layout.count, tuple(size // layout.unit for size in local(n, layout)), LocalCount(of, dim, layout.unit))
+        if n == q * head_dim and layout.contiguous and not layout.grouped:  # a query projection of its own
+            add(q, shares.query_heads, LocalCount(of, dim, head_dim))
         if n == kv * head_dim and (layout.plain or layout.replicated):
             add(kv, shares.kv_heads_held, LocalCount(of, dim, head_dim))
         if layout.grouped and layout.count == kv and layout.unit % head_dim == 0:
@@ -164,12 +172,14 @@ def rank_values(
     return found
 
 
-def groups_count(values: Mapping[int, RankValue], shares: HeadShares) -> LocalCount | None:
-    """``num_key_value_groups`` on each rank (query heads over key/value heads), where both counts are known."""
+def groups_count(values: Mapping[int, RankValue], shares: HeadShares, owner: str) -> LocalCount | None:
+    """``num_key_value_groups`` on each rank (query heads over key/value heads), counted from parameters under
+    ``owner`` (named relative to it), where both counts are known."""
     query, keys = values.get(shares.heads), values.get(shares.kv_heads)
     if query is None or keys is None:
         return None
-    return replace(query.count, per=keys.count)
+    per, first = keys.under(owner), query.under(owner)
+    return replace(first, per=per) if per is not None and first is not None else None
 
 
 def relative_count(count: LocalCount, owner: str) -> LocalCount | None:
