@@ -14,6 +14,7 @@ Three spawns, each packing its cases (:mod:`tests.runtime.heads_cases`):
 - 2 ranks: 7 heads at tp 2, multi-query Falcon (transformers' default architecture) with 8
   and 7 heads (``B(0, heads:S(0,8), 8:R, 8:R)``: one all-reduce a layer forward, the key and
   value rows' gradient summed in one more backward), the tp-3 DCP checkpoint loaded at tp 2,
+  Falcon's blocks through ``from_pretrained``, DCP (loaded unsharded) and ``save_pretrained``,
   and LoRA on whole-head projections (Llama's ``S(0,8)``/``S(1,8)``, Falcon's blocks).
 
 Each parity case compares the logits, every parameter's gradient (this rank's slice of the
@@ -243,6 +244,43 @@ def _run2(rank: int, world_size: int, cases: dict[str, Any], lora: list[Any], ro
         if not torch.equal(ours[n].detach(), expected_local(full, layouts.get(n, {}), ("tp",), mesh))
     ]
     found["lora"] = {case.name: run_lora_case(case, mesh, root) for case in lora}
+    found["falcon checkpoints"] = _falcon_checkpoints(cases["falcon_7"], mesh, root)
+    return found
+
+
+def _falcon_checkpoints(case: tuple[Any, dict[str, Any], str], mesh: Any, root: str) -> dict[str, list[str]]:
+    """Falcon's blocks through the checkpoints: from_pretrained (each rank's two boxes of query_key_value),
+    DCP saved at tp 2 and loaded unsharded, save_pretrained."""
+    import torch.distributed.checkpoint as dcp
+    import transformers
+
+    from hpgen.runtime import from_pretrained
+    from tests.runtime.models import expected_local, import_file, param_layouts
+
+    transformers.utils.logging.disable_progress_bar()
+    _, plan, generated = case
+    folder = f"{root}/falcon_7"
+    reference = transformers.FalconForCausalLM.from_pretrained(folder).eval()
+    expected = reference.state_dict()
+    layouts = param_layouts(reference, plan)
+    model = from_pretrained(import_file(generated).FalconForCausalLM, folder, plan, mesh)
+    ours = dict(model.named_parameters(remove_duplicate=False))
+    found = {
+        "from_pretrained": [
+            n
+            for n, full in expected.items()
+            if n in ours and not torch.equal(ours[n].detach(), expected_local(full, layouts.get(n, {}), ("tp",), mesh))
+        ]
+    }
+    dcp.save(model.state_dict(), checkpoint_id=f"{root}/dcp_falcon")
+    plain = transformers.FalconForCausalLM(reference.config)
+    state = plain.state_dict()
+    dcp.load(state, checkpoint_id=f"{root}/dcp_falcon")
+    plain.load_state_dict(state)
+    found["dcp to unsharded"] = [n for n, t in plain.state_dict().items() if not torch.equal(t, expected[n])]
+    model.save_pretrained(f"{root}/falcon_saved")
+    saved = transformers.FalconForCausalLM.from_pretrained(f"{root}/falcon_saved")
+    found["save_pretrained"] = [n for n, t in saved.state_dict().items() if not torch.equal(t, expected[n])]
     return found
 
 
@@ -259,6 +297,7 @@ def results2(directory: Path, results3: list[dict[str, Any]]) -> list[dict[str, 
     ):
         plan = plan_of(config)
         cases[name] = (config, plan, lowered(config, plan, str(directory / f"{name}.py")))
+    reference_of(cases["falcon_7"][0]).save_pretrained(directory / "falcon_7")
     falcon = tiny("falcon")  # 4 heads of 16, multi-query
     falcon_lora_plan = falcon_plan(falcon)
     lora = [
@@ -301,6 +340,12 @@ def test_multi_query_falcon_reduces_once_a_layer(results2: list[dict[str, Any]],
 def test_dcp_saved_at_tp3_loads_at_tp2(results2: list[dict[str, Any]]) -> None:
     for rank, by_case in enumerate(results2):
         assert by_case["dcp tp3 to tp2"] == [], f"rank {rank}"
+
+
+def test_falcon_blocks_through_checkpoints(results2: list[dict[str, Any]]) -> None:
+    for rank, by_case in enumerate(results2):
+        for check, mismatches in by_case["falcon checkpoints"].items():
+            assert mismatches == [], f"rank {rank}: {check}: {mismatches}"
 
 
 @pytest.mark.parametrize("name", ["lora_llama_7", "lora_falcon"])
