@@ -13,7 +13,8 @@ Three spawns, each packing its cases (:mod:`tests.runtime.heads_cases`):
   ``save_pretrained``;
 - 2 ranks: 7 heads at tp 2, multi-query Falcon (transformers' default architecture) with 8
   and 7 heads (``B(0, heads:S(0,8), 8:R, 8:R)``: one all-reduce a layer forward, the key and
-  value rows' gradient summed in one more backward), the tp-3 DCP checkpoint loaded at tp 2,
+  value rows' gradient summed in one more backward), multi-query GPTBigCode with 7 heads (its
+  ``c_attn`` weight and bias as blocks, ``embed_dim`` per rank), the tp-3 DCP checkpoint loaded at tp 2,
   Falcon's blocks through ``from_pretrained``, DCP (loaded unsharded) and ``save_pretrained``,
   and LoRA on whole-head projections (Llama's ``S(0,8)``/``S(1,8)``, Falcon's blocks).
 
@@ -33,6 +34,8 @@ import torch
 from tests.dist import run_distributed
 from tests.runtime.heads_cases import (
     attention_plan,
+    bigcode_config,
+    bigcode_plan,
     check,
     falcon_config,
     falcon_plan,
@@ -294,6 +297,7 @@ def results2(directory: Path, results3: list[dict[str, Any]]) -> list[dict[str, 
         ("llama_7_tp2", llama_config(7, 7), lambda c: attention_plan(c, 2)),
         ("falcon_8", falcon_config(8), falcon_plan),
         ("falcon_7", falcon_config(7), falcon_plan),
+        ("bigcode_7", bigcode_config(7), bigcode_plan),
     ):
         plan = plan_of(config)
         cases[name] = (config, plan, lowered(config, plan, str(directory / f"{name}.py")))
@@ -321,7 +325,7 @@ def results2(directory: Path, results3: list[dict[str, Any]]) -> list[dict[str, 
     return run_distributed(_run2, cases, lora, str(directory), world_size=2, timeout=400)
 
 
-@pytest.mark.parametrize("name", ["llama_7_tp2", "falcon_8", "falcon_7"])
+@pytest.mark.parametrize("name", ["llama_7_tp2", "falcon_8", "falcon_7", "bigcode_7"])
 def test_whole_heads_at_tp2(results2: list[dict[str, Any]], name: str) -> None:
     check(results2, name)
 
