@@ -4,8 +4,10 @@
 architecture on one. The shrunk sizes keep what a plan shards dividing over its axes: 4
 query and 2 key/value heads of 16 features, 4 experts, and odd sizes where a shard may be
 uneven (vocabulary rows, MLP intermediate) so that tensor_split's uneven chunks run too.
-:func:`shape_for` scales the heads and experts for larger axes. transformers is imported
-inside the functions that build a config.
+:func:`shape_for` scales the heads and experts for larger axes; :func:`kept_heads` keeps head
+counts that do not divide the axis (and a whole-head plan's), shrinking ``head_dim`` instead,
+and :func:`scaled_units` the plan's units with it, so the copy has the heads the job runs.
+transformers is imported inside the functions that build a config.
 """
 
 from __future__ import annotations
