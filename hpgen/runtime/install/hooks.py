@@ -11,7 +11,8 @@ per-head ``q_norm``, a norm on a sequence-sharded residual stream) gets only thi
 part of its gradient. A tensor hook all-reduces that gradient over the axes on which
 the boundary's body is sharded, before it is accumulated into ``.grad``. ``RS(d,r)``
 parameters (key/value heads replicated on ``r`` ranks) are summed the same way, over
-their replica group.
+their replica group, and so are the rows of a ``B`` parameter's replicated blocks (multi-query
+Falcon's key and value), those rows only, over the block's holders.
 
 Because the sum happens in the tensor hook, before accumulation, the engines of the
 other mesh axes see a complete gradient and need no extra step: DDP (same Parameters)
