@@ -117,8 +117,10 @@ class LocalCount:
     """A ``local_attrs`` value: an int attribute's value on each rank, read from its shards.
 
     How many whole units of ``unit`` elements this rank holds of dim ``dim`` of parameter
-    ``of`` (of block ``block`` of it, when that dim is laid out ``B``); with ``per``, that
-    count divided by ``per``'s (query heads per key/value head). Every division must be exact.
+    ``of`` (of block ``block`` of it, when that dim is laid out ``B``), times ``times`` (the
+    query heads of whole key/value groups: 16 per group of Falcon-40B's fused projection);
+    with ``per``, that count divided by ``per``'s (query heads per key/value head). Every
+    division must be exact.
     """
 
     of: str
@@ -126,6 +128,7 @@ class LocalCount:
     unit: int = 1
     block: int | None = None
     per: LocalCount | None = None
+    times: int = 1
 
     def value(self, shard_of: Callable[[str], ShardLayout]) -> int:
         """The value on the rank whose shard of each named parameter ``shard_of`` gives; ``ValueError``
@@ -156,13 +159,14 @@ class LocalCount:
         held = layout.held_count(dim, start, stop)
         if held % self.unit:
             raise ValueError(f"{self.describe()}: this rank holds {held} elements, not whole units of {self.unit}")
-        return held // self.unit
+        return held // self.unit * self.times
 
     def describe(self) -> str:
         """The count in words, for messages: ``q_proj.weight dim 0 in units of 128``."""
         block = f" block {self.block}" if self.block is not None else ""
         unit = f" in units of {self.unit}" if self.unit > 1 else ""
-        return f"{self.of} dim {self.dim}{block}{unit}"
+        times = f" times {self.times}" if self.times > 1 else ""
+        return f"{self.of} dim {self.dim}{block}{unit}{times}"
 
     def document(self) -> dict[str, object]:
         """The spec as a plan document writes it."""
@@ -171,6 +175,8 @@ class LocalCount:
             doc["unit"] = self.unit
         if self.block is not None:
             doc["block"] = self.block
+        if self.times != 1:
+            doc["times"] = self.times
         if self.per is not None:
             doc["per"] = self.per.document()
         return doc

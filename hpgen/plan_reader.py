@@ -58,7 +58,7 @@ ENTRY_KEYS = {
 }
 INJECTION_KEYS = {"match", "local_compute_fn", "inner_wrapper"}
 SUMMED_KEYS = {"branches", "shared_input", "paired_input"}
-LOCAL_COUNT_KEYS = {"of", "dim", "unit", "block", "per"}
+LOCAL_COUNT_KEYS = {"of", "dim", "unit", "block", "times", "per"}
 # An axis's collectives live on a boundary module as ``_hp_<axis>``. hpgen's other ``_hp_``
 # attributes (the generated class defaults, what the runtime binds) end in these names,
 # so an axis called so would overwrite one of them.
@@ -256,7 +256,7 @@ class PlanReader:
         return value
 
     def local_count(self, value: object, where: str, *, nested: bool = False) -> LocalCount:
-        """One ``local_attrs`` value: ``{"of", "dim", "unit"?, "block"?, "per"?}``."""
+        """One ``local_attrs`` value: ``{"of", "dim", "unit"?, "block"?, "times"?, "per"?}``."""
         doc = self.expect_object(value, where)
         self.check_keys(doc, LOCAL_COUNT_KEYS - ({"per"} if nested else set()), where, "a local_attrs count")
         for required in ("of", "dim"):
@@ -265,13 +265,14 @@ class PlanReader:
         of = self.expect_name(doc["of"], _path_join(where, "of"), is_param_path, "a parameter path")
         dim = self.expect_int(doc["dim"], _path_join(where, "dim"))
         unit = self.expect_int(doc.get("unit", 1), _path_join(where, "unit"), minimum=1)
+        times = self.expect_int(doc.get("times", 1), _path_join(where, "times"), minimum=1)
         block = None
         if "block" in doc:
             block = self.expect_int(doc["block"], _path_join(where, "block"), minimum=0)
         per = None
         if "per" in doc:
             per = self.local_count(doc["per"], _path_join(where, "per"), nested=True)
-        return LocalCount(of, dim, unit, block, per)
+        return LocalCount(of, dim, unit, block, per, times)
 
     def local_attrs(self, value: object, where: str) -> tuple[tuple[str, LocalCount], ...]:
         """``local_attrs``: attribute name -> its per-rank count."""

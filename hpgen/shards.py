@@ -403,6 +403,30 @@ class ShardLayout:
             position += count
         return found
 
+    def replicated_blocks(self) -> list[tuple[int, int, int, int, int]]:
+        """The replicated blocks of each ``B`` placement, where they lie in this rank's shard and how many
+        consecutive ranks of their axis hold each: ``(axis, dim, start, stop, replicas)``.
+
+        ``R`` blocks are held by the whole axis, ``RS(d,r)`` ones by their ``r`` replicas; adjacent
+        blocks held alike merge (Falcon's key and value rows: one gradient reduction). What the
+        runtime sums a ``B`` parameter's gradient over, and what the planner's report counts.
+        """
+        found: list[tuple[int, int, int, int, int]] = []
+        for axis, (placement, _, size) in enumerate(self.shares):
+            if placement.kind != "B" or size == 1:
+                continue
+            dim = self.split_dim(axis)
+            assert dim is not None
+            for inner, (start, stop) in self.block_pieces(axis):
+                replicas = size if inner.is_replicate else inner.replicas if inner.kind == "RS" else None
+                if replicas is None or replicas == 1 or start == stop:
+                    continue
+                if found and found[-1][:2] == (axis, dim) and found[-1][3] == start and found[-1][4] == replicas:
+                    found[-1] = (axis, dim, found[-1][2], stop, replicas)
+                else:
+                    found.append((axis, dim, start, stop, replicas))
+        return found
+
     def boxes(self) -> list[Box]:
         """Every contiguous block of the full tensor that this rank's shard is made of."""
         per_dim = []

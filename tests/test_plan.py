@@ -229,6 +229,7 @@ def test_whole_units_blocks_and_local_attrs_load():
 
 def test_local_count_values_per_rank():
     """Qwen2.5-7B at tp 8: 4 or 3 query heads per rank, all of one key/value head's group."""
+    from hpgen.plan import LocalCount as LocalCountOf
     from hpgen.shards import ShardLayout
 
     plan = plan_from_dict(
@@ -249,6 +250,11 @@ def test_local_count_values_per_rank():
 
         assert counts["num_heads"].value(shard_of) == (4 if rank % 2 == 0 else 3)
         assert counts["num_key_value_groups"].value(shard_of) == (4 if rank % 2 == 0 else 3)
+    # whole groups of [16 query | key | value] heads (18 units of 8) cut over 3 ranks: 3, 3, 2 groups
+    groups = LocalCountOf("qkv", 0, unit=18 * 8, times=16)
+    fused = [groups.value(lambda name, r=rank: ShardLayout((8 * 18 * 8, 4), [(Placement.parse("S(0,144)"), r, 3)])) for rank in range(3)]
+    assert fused == [48, 48, 32]
+    assert groups.document() == {"of": "qkv", "dim": 0, "unit": 144, "times": 16}
     with pytest.raises(ValueError, match="not laid out in blocks"):
         from hpgen.plan import LocalCount
 
@@ -272,6 +278,7 @@ def test_local_count_values_per_rank():
         (minimal(local_attrs={"n": {"of": "w"}}), "local_attrs.n: missing required key 'dim'"),
         (minimal(local_attrs={"n": {"of": "w", "dim": 0, "unit": 0}}), "local_attrs.n.unit: expected an integer of at least 1"),
         (minimal(local_attrs={"n": {"of": "w", "dim": "0"}}), "local_attrs.n.dim: expected an integer, got the string '0'"),
+        (minimal(local_attrs={"n": {"of": "w", "dim": 0, "times": 0}}), "local_attrs.n.times: expected an integer of at least 1"),
         (minimal(local_attrs={"n": {"of": "w w", "dim": 0}}), "'w w' is not a parameter path"),
         (minimal(local_attrs={"n": {"of": "w", "dim": 0, "heads": 2}}), "unknown key 'heads' in a local_attrs count"),
         (

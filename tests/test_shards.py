@@ -212,5 +212,6 @@ def test_block_pieces_and_held_counts() -> None:
         (REPLICATE, (72, 74)),
     ]
     assert layout.held_count(0, 0, 142) == 70 and layout.held_count(0, 142, 146) == 4
+    assert layout.replicated_blocks() == [(0, 0, 70, 74, 2)]  # key and value: one reduction over both ranks
     assert blocks_problem(2, [placement, Placement.parse("S(0)")]) is not None
     assert blocks_problem(2, [placement, Placement.parse("S(1)")]) is None

@@ -164,7 +164,7 @@ def _whole_units_form(shape: tuple[int, ...], layout: tuple[Placement, ...], siz
     (8 heads on 2 ranks), else a copy laid out that way (7 heads: 4 and 3 against 4 and 4)."""
     facing = tuple(Placement("S", dim=p.dim) if p.whole_units else p for p in layout)
     form = dtensor_form(shape, facing, sizes)
-    if not form.exact:
+    if form.placements is None:
         return form
     for coordinate in itertools.product(*(range(size) for size in sizes)):
         ours = ShardLayout.of(shape, layout, coordinate, sizes)
@@ -177,7 +177,7 @@ def _whole_units_form(shape: tuple[int, ...], layout: tuple[Placement, ...], siz
                     f"{coordinate} ({_describe(ours.indices(dim))} against {_describe(theirs.indices(dim, chunked=True))})"
                 )
                 return DTensorForm(form.placements, False, problem, form.packed, form.split, form.chunked)
-    return form
+    return DTensorForm(form.placements, True, None, form.packed, form.split, form.chunked)
 
 
 def _describe(indices: list[int]) -> str:

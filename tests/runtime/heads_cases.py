@@ -47,6 +47,51 @@ def falcon_config(heads: int) -> Any:
     )  # fmt: skip
 
 
+def bigcode_config(heads: int) -> Any:
+    """Multi-query GPTBigCode (StarCoder's architecture), tiny: ``heads`` heads of 8, biases everywhere."""
+    import transformers
+
+    return transformers.GPTBigCodeConfig(
+        n_embd=8 * heads, n_head=heads, n_layer=2, vocab_size=127, n_positions=64, multi_query=True, bos_token_id=None,
+        eos_token_id=None,
+    )  # fmt: skip
+
+
+def bigcode_plan(config: Any) -> dict[str, Any]:
+    """``hpgen.plan/2`` for multi-query GPTBigCode at tp 2: ``c_attn`` (weight and bias) as blocks of the query
+    heads cut whole and the one key and value head replicated; the attention splits its output by
+    ``embed_dim`` and ``kv_dim``, so ``embed_dim`` is this rank's query features (``local_attrs``)."""
+    from hpgen.planner.load import meta_model
+    from hpgen.planner.make import plan_model
+
+    plan = plan_model(meta_model(config), tp=2, name="gpt_bigcode")
+    plan.pop("comments", None)
+    plan["format"] = "hpgen.plan/2"
+    head_dim = config.n_embd // config.n_head
+    blocks = f"B(0, {config.n_embd}:S(0,{head_dim}), {head_dim}:R, {head_dim}:R)"
+    query = {"of": "c_attn.weight", "dim": 0, "block": 0}
+    plan["param_plan"]["transformer.h.*.attn"] = {
+        "in_src": {"hidden_states": {"tp": "R"}},
+        "in_dst": {"hidden_states": {"tp": "R"}},
+        "out_names": ["attn_output", "attn_weights"],
+        "out_src": {"attn_output": {"tp": "P(sum)"}},
+        "out_dst": {"attn_output": {"tp": "R"}},
+        "params": {
+            "c_attn.weight": {"tp": blocks},
+            "c_attn.bias": {"tp": blocks},
+            "c_proj.weight": {"tp": f"S(1,{head_dim})"},
+            "c_proj.bias": {"tp": "R"},
+        },
+        "deferred_bias_params": ["c_proj.bias"],
+        "local_attrs": {
+            "embed_dim": query,
+            "num_heads": {**query, "unit": head_dim},
+            "num_key_value_groups": {**query, "unit": head_dim},
+        },
+    }
+    return plan
+
+
 def attention_plan(config: Any, tp: int) -> dict[str, Any]:
     """``hpgen.plan/2`` for a Llama-shaped attention at ``tp``: whole heads, grouped beside replicated
     key/value heads where those are fewer than the ranks."""

@@ -113,6 +113,16 @@ def _scenarios() -> dict[str, tuple[str, str, dict[str, Any], dict[str, Any], li
             {"tie_word_embeddings": True},
             ["model.embed_tokens.weight", "lm_head.weight", "tied", "tp S(0)", "unplanned (R)"],
         ),
+        "replicated_input_block": (
+            "llama",
+            "llama_tp",
+            {
+                **_with(tp, "model.layers.*.self_attn", params={**attn["params"], "o_proj.weight": {"tp": "B(1, 48:S(1,16), 16:R)"}}),
+                "format": "hpgen.plan/2",
+            },
+            {},
+            ["model.layers.0.self_attn", "o_proj.weight B(1,48:S(1,16),16:R)", "added to the partial sum once per rank"],
+        ),
         "row_bias_not_deferred": (
             "llama",
             "llama_tp",

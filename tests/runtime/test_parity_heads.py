@@ -13,7 +13,9 @@ Three spawns, each packing its cases (:mod:`tests.runtime.heads_cases`):
   ``save_pretrained``;
 - 2 ranks: 7 heads at tp 2, multi-query Falcon (transformers' default architecture) with 8
   and 7 heads (``B(0, heads:S(0,8), 8:R, 8:R)``: one all-reduce a layer forward, the key and
-  value rows' gradient summed in one more backward), the tp-3 DCP checkpoint loaded at tp 2,
+  value rows' gradient summed in one more backward), multi-query GPTBigCode with 7 heads (its
+  ``c_attn`` weight and bias as blocks, ``embed_dim`` per rank), the tp-3 DCP checkpoint loaded at tp 2,
+  Falcon's blocks through ``from_pretrained``, DCP (loaded unsharded) and ``save_pretrained``,
   and LoRA on whole-head projections (Llama's ``S(0,8)``/``S(1,8)``, Falcon's blocks).
 
 Each parity case compares the logits, every parameter's gradient (this rank's slice of the
@@ -32,6 +34,8 @@ import torch
 from tests.dist import run_distributed
 from tests.runtime.heads_cases import (
     attention_plan,
+    bigcode_config,
+    bigcode_plan,
     check,
     falcon_config,
     falcon_plan,
@@ -243,6 +247,43 @@ def _run2(rank: int, world_size: int, cases: dict[str, Any], lora: list[Any], ro
         if not torch.equal(ours[n].detach(), expected_local(full, layouts.get(n, {}), ("tp",), mesh))
     ]
     found["lora"] = {case.name: run_lora_case(case, mesh, root) for case in lora}
+    found["falcon checkpoints"] = _falcon_checkpoints(cases["falcon_7"], mesh, root)
+    return found
+
+
+def _falcon_checkpoints(case: tuple[Any, dict[str, Any], str], mesh: Any, root: str) -> dict[str, list[str]]:
+    """Falcon's blocks through the checkpoints: from_pretrained (each rank's two boxes of query_key_value),
+    DCP saved at tp 2 and loaded unsharded, save_pretrained."""
+    import torch.distributed.checkpoint as dcp
+    import transformers
+
+    from hpgen.runtime import from_pretrained
+    from tests.runtime.models import expected_local, import_file, param_layouts
+
+    transformers.utils.logging.disable_progress_bar()
+    _, plan, generated = case
+    folder = f"{root}/falcon_7"
+    reference = transformers.FalconForCausalLM.from_pretrained(folder).eval()
+    expected = reference.state_dict()
+    layouts = param_layouts(reference, plan)
+    model = from_pretrained(import_file(generated).FalconForCausalLM, folder, plan, mesh)
+    ours = dict(model.named_parameters(remove_duplicate=False))
+    found = {
+        "from_pretrained": [
+            n
+            for n, full in expected.items()
+            if n in ours and not torch.equal(ours[n].detach(), expected_local(full, layouts.get(n, {}), ("tp",), mesh))
+        ]
+    }
+    dcp.save(model.state_dict(), checkpoint_id=f"{root}/dcp_falcon")
+    plain = transformers.FalconForCausalLM(reference.config)
+    state = plain.state_dict()
+    dcp.load(state, checkpoint_id=f"{root}/dcp_falcon")
+    plain.load_state_dict(state)
+    found["dcp to unsharded"] = [n for n, t in plain.state_dict().items() if not torch.equal(t, expected[n])]
+    model.save_pretrained(f"{root}/falcon_saved")
+    saved = transformers.FalconForCausalLM.from_pretrained(f"{root}/falcon_saved")
+    found["save_pretrained"] = [n for n, t in saved.state_dict().items() if not torch.equal(t, expected[n])]
     return found
 
 
@@ -256,9 +297,11 @@ def results2(directory: Path, results3: list[dict[str, Any]]) -> list[dict[str, 
         ("llama_7_tp2", llama_config(7, 7), lambda c: attention_plan(c, 2)),
         ("falcon_8", falcon_config(8), falcon_plan),
         ("falcon_7", falcon_config(7), falcon_plan),
+        ("bigcode_7", bigcode_config(7), bigcode_plan),
     ):
         plan = plan_of(config)
         cases[name] = (config, plan, lowered(config, plan, str(directory / f"{name}.py")))
+    reference_of(cases["falcon_7"][0]).save_pretrained(directory / "falcon_7")
     falcon = tiny("falcon")  # 4 heads of 16, multi-query
     falcon_lora_plan = falcon_plan(falcon)
     lora = [
@@ -282,7 +325,7 @@ def results2(directory: Path, results3: list[dict[str, Any]]) -> list[dict[str, 
     return run_distributed(_run2, cases, lora, str(directory), world_size=2, timeout=400)
 
 
-@pytest.mark.parametrize("name", ["llama_7_tp2", "falcon_8", "falcon_7"])
+@pytest.mark.parametrize("name", ["llama_7_tp2", "falcon_8", "falcon_7", "bigcode_7"])
 def test_whole_heads_at_tp2(results2: list[dict[str, Any]], name: str) -> None:
     check(results2, name)
 
@@ -301,6 +344,12 @@ def test_multi_query_falcon_reduces_once_a_layer(results2: list[dict[str, Any]],
 def test_dcp_saved_at_tp3_loads_at_tp2(results2: list[dict[str, Any]]) -> None:
     for rank, by_case in enumerate(results2):
         assert by_case["dcp tp3 to tp2"] == [], f"rank {rank}"
+
+
+def test_falcon_blocks_through_checkpoints(results2: list[dict[str, Any]]) -> None:
+    for rank, by_case in enumerate(results2):
+        for check, mismatches in by_case["falcon checkpoints"].items():
+            assert mismatches == [], f"rank {rank}: {check}: {mismatches}"
 
 
 @pytest.mark.parametrize("name", ["lora_llama_7", "lora_falcon"])

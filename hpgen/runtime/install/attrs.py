@@ -50,7 +50,7 @@ def survey_attrs(
         divisors = [(attr, axes["tp"].size, "axis 'tp' of size") for attr in item.entry.tp_divide_attrs]
         divisors += [(attr, divisor, "divide_attrs divisor") for attr, divisor in item.entry.divide_attrs]
         values: dict[str, int] = {}
-        local: dict[str, LocalCount] = dict(item.entry.local_attrs)
+        local: dict[str, dict[tuple[int, ...], int]] = {}  # attribute -> its value at every mesh coordinate
         for attr, divisor, what in divisors:
             key = "tp_divide_attrs" if what.startswith("axis") else "divide_attrs"
             value = getattr(item.module, attr, None)
@@ -68,22 +68,16 @@ def survey_attrs(
             value = getattr(item.module, attr, None)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ParallelizeError(f"{where}: local_attrs names {attr!r}, which is not an int attribute")
-            found.append((item.module, attr, _local_value(item, plan, axes, attr, count, where)))
+            local[attr] = _local_values(item, plan, axes, attr, count, where)
+            found.append((item.module, attr, local[attr][tuple(axes[a].rank for a in plan.mesh_dim_names)]))
         _check_head_groups(item, plan, axes, values, local, where)
     return found
 
 
-def _local_value(
-    item: Matched,
-    plan: Plan,
-    axes: Mapping[str, AxisCollectives],
-    attr: str,
-    count: LocalCount,
-    where: str,
-    at_ranks: tuple[int, ...] | None = None,
-) -> int:
-    """``count`` on this rank (or at mesh coordinate ``at_ranks``), after checking it on every rank (each
-    would refuse alone otherwise)."""
+def _local_values(
+    item: Matched, plan: Plan, axes: Mapping[str, AxisCollectives], attr: str, count: LocalCount, where: str
+) -> dict[tuple[int, ...], int]:
+    """``count`` at every mesh coordinate, each checked (a rank refusing alone would hang the others)."""
     mesh = plan.mesh_dim_names
     shapes = {}
     for name in count.params():
@@ -112,9 +106,7 @@ def _local_value(
             )
         return value
 
-    for ranks in itertools.product(*(range(size) for size in sizes)):
-        at(ranks)
-    return at(at_ranks if at_ranks is not None else tuple(axes[a].rank for a in mesh))
+    return {ranks: at(ranks) for ranks in itertools.product(*(range(size) for size in sizes))}
 
 
 def _check_head_groups(
@@ -122,7 +114,7 @@ def _check_head_groups(
     plan: Plan,
     axes: Mapping[str, AxisCollectives],
     values: Mapping[str, int],
-    local: Mapping[str, LocalCount],
+    local: Mapping[str, Mapping[tuple[int, ...], int]],
     where: str,
 ) -> None:
     """Every rank's query heads use exactly its key/value heads, grouped as ``repeat_kv`` does."""
@@ -149,7 +141,7 @@ def _check_head_groups(
         wanted = [q // per_kv - k0 for q in range(q0, q1)]
         groups = divided
         if "num_key_value_groups" in local:  # this coordinate's own count
-            groups = _local_value(item, plan, axes, "num_key_value_groups", local["num_key_value_groups"], where, ranks)
+            groups = local["num_key_value_groups"][ranks]
         got = [j // groups for j in range(q1 - q0)] if groups > 0 else []
         if k1 - k0 < 1 or wanted != got or (q1 - q0) != groups * (k1 - k0):
             coordinate = ", ".join(f"{a}={r}" for a, r in zip(mesh, ranks))

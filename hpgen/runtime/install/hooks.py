@@ -11,7 +11,8 @@ per-head ``q_norm``, a norm on a sequence-sharded residual stream) gets only thi
 part of its gradient. A tensor hook all-reduces that gradient over the axes on which
 the boundary's body is sharded, before it is accumulated into ``.grad``. ``RS(d,r)``
 parameters (key/value heads replicated on ``r`` ranks) are summed the same way, over
-their replica group.
+their replica group, and so are the rows of a ``B`` parameter's replicated blocks (multi-query
+Falcon's key and value), those rows only, over the block's holders.
 
 Because the sum happens in the tensor hook, before accumulation, the engines of the
 other mesh axes see a complete gradient and need no extra step: DDP (same Parameters)
@@ -123,28 +124,9 @@ Region = tuple[int, int, int, str, int]
 
 
 def block_regions(shard_layout: ShardLayout, names: Sequence[str]) -> list[Region]:
-    """The replicated blocks of each ``B`` placement of ``shard_layout`` (mesh axes ``names``): where
-    they lie in the local shard and over how many consecutive ranks of their axis each is held.
-
-    ``R`` blocks are held by the whole axis, ``RS(d,r)`` ones by their replica set; adjacent
-    blocks held alike merge (Falcon's key and value rows: one reduction).
-    """
-    found: list[Region] = []
-    for index, (placement, _, size) in enumerate(shard_layout.shares):
-        if placement.kind != "B" or size == 1:
-            continue
-        dim = shard_layout.split_dim(index)
-        assert dim is not None
-        for inner, (start, stop) in shard_layout.block_pieces(index):
-            replicas = size if inner.is_replicate else inner.replicas if inner.kind == "RS" else None
-            if replicas is None or replicas == 1 or start == stop:
-                continue
-            last = found[-1] if found else None
-            if last is not None and last[0] == dim and last[2] == start and last[3:] == (names[index], replicas):
-                found[-1] = (dim, last[1], stop, names[index], replicas)
-            else:
-                found.append((dim, start, stop, names[index], replicas))
-    return found
+    """The replicated blocks of each ``B`` placement of ``shard_layout`` (mesh axes ``names``), as
+    :meth:`~hpgen.shards.ShardLayout.replicated_blocks` finds them, with their axes named."""
+    return [(dim, start, stop, names[axis], replicas) for axis, dim, start, stop, replicas in shard_layout.replicated_blocks()]
 
 
 # --------------------------------------------------------------------------- survey and install

@@ -209,6 +209,15 @@ def _check_tied(
             )
 
 
+def _input_dim(owner: nn.Module, name: str, ndim: int) -> int | None:
+    """The input-feature dim of a projection's weight (``nn.Linear`` [out, in]: 1; ``Conv1D`` [in, out]: 0)."""
+    if not name.endswith("weight") or ndim != 2:
+        return None
+    if isinstance(owner, nn.Linear):
+        return 1
+    return 0 if is_conv1d(owner) else None
+
+
 def _heads_label(module: nn.Module, heads: int) -> str:
     """``key/value heads`` or ``attention heads`` when the module's config says which, else ``heads``."""
     config = getattr(module, "config", None)
@@ -239,6 +248,12 @@ def _check_placements(item: Matched, name: str, shard_layout: ShardLayout, mesh:
         problem = placement_problem(current, placement, size)
         if problem is not None:
             raise ParallelizeError(f"{where}: {name} {placement} on axis {axis!r}: {problem}")
+        if placement.kind == "B" and size > 1 and _input_dim(owner, name, len(current)) == normalize_dim(placement.dim, len(current)):
+            if any(not inner.is_shard for _, inner in placement.parts):
+                raise ParallelizeError(
+                    f"{where}: {name} {placement} on axis {axis!r}: a replicated block of its input features would "
+                    "be added to the partial sum once per rank; only the output features take replicated blocks"
+                )
         if placement.kind in ("S", "RS", "B") and size > 1:
             dim = normalize_dim(placement.dim, len(current))
             n = current[dim]
