@@ -142,6 +142,43 @@ def test_explain_says_how_each_gather_learns_the_shard_sizes(tmp_path):
     assert "sizes: exchanged: one all-gather of an int64 per rank" in text
 
 
+def test_explain_and_lower_take_whole_heads(tmp_path):
+    """hpgen.plan/2: whole-unit placements are lowered like S(d) (the body reads its shards) and explained with
+    their per-rank attributes; a plan/1 plan's report has no such section."""
+    plan = json.loads(PLAN.read_text())
+    plan["format"] = "hpgen.plan/2"
+    attention = plan["param_plan"]["model.layers.*.self_attn"]
+    attention["params"] = {
+        "q_proj.weight": {"tp": "S(0,16,2)"}, "k_proj.weight": {"tp": "RS(0,2)"}, "v_proj.weight": {"tp": "RS(0,2)"},
+        "o_proj.weight": {"tp": "S(1,16,2)"},
+    }  # fmt: skip
+    attention["local_attrs"] = {
+        "num_key_value_groups": {"of": "q_proj.weight", "dim": 0, "per": {"of": "k_proj.weight", "dim": 0}}
+    }
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    lowered = run("lower", SOURCE, tmp_path / "plan.json")
+    assert lowered.exit_code == 0 and "self._hp_tp.all_reduce(outputs[0])" in lowered.stdout
+    report = json.loads(run("explain", SOURCE, tmp_path / "plan.json", "--json").stdout)
+    assert report["whole_units"] == [
+        {
+            "key": "model.layers.*.self_attn",
+            "params": {name: {"tp": p["tp"]} for name, p in sorted(attention["params"].items())},
+            "local_attrs": {"num_key_value_groups": "q_proj.weight dim 0 per k_proj.weight dim 0"},
+        }
+    ]
+    text = run("explain", SOURCE, tmp_path / "plan.json").stdout
+    assert "  o_proj.weight: tp S(1,16,2)" in text
+    assert "  num_key_value_groups per rank: q_proj.weight dim 0 per k_proj.weight dim 0" in text
+    assert "whole_units" not in json.loads(run("explain", SOURCE, PLAN, "--json").stdout)
+    # whole units are parameter placements: a boundary value refuses them, naming the place (exit 2, one line)
+    attention["in_dst"]["hidden_states"] = {"tp": "S(1,16)"}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    refused = run("lower", SOURCE, tmp_path / "plan.json")
+    assert refused.exit_code == 2
+    assert 'in_dst.hidden_states.tp: S(1,16) is a parameter placement (params)' in refused.stderr
+    assert refused.stderr.count("\n") == 1
+
+
 def test_console_script_and_module_entry_points(tmp_path):
     for command in (["hpgen"], [sys.executable, "-m", "hpgen"]):
         done = subprocess.run([*command, "--version"], capture_output=True, text=True, check=True)

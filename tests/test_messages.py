@@ -181,7 +181,7 @@ def test_one_bad_plan_behind_two_targets_is_said_once(tmp_path: Path, monkeypatc
     assert sum("'S(x)' is not a placement" in line for line in lines) == 1, result.stderr
     assert lines == [
         "error: bad.json:param_plan[\"model.layers.*.mlp\"].out_src.output.tp: 'S(x)' is not a placement "
-        "(expected R, S(d), P(op), SS(d,k) or RS(d,r))",
+        "(expected R, S(d), S(d,u), S(d,u,g), P(op), SS(d,k), RS(d,r) or B(d, n1:P1, n2:P2, ...))",
         "wrote gen/b.py",
         "error: gen/c.py: not written, the same error as gen/a.py",
         "1 written, 2 failed",

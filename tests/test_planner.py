@@ -94,7 +94,6 @@ def test_bert_self_attention_keeps_its_output_sharded_for_the_dense_after_it() -
 @pytest.mark.parametrize(
     ("family", "module", "reason"),
     [
-        ("falcon", "transformer.h.*.self_attention.query_key_value", "multi-query"),
         ("gpt_bigcode", "transformer.h.*.attn.c_attn", "unequal sizes [64, 16, 16]"),
     ],
 )
@@ -190,9 +189,14 @@ def test_a_norm_across_the_sharded_features_leaves_the_pair_replicated() -> None
     assert plan["param_plan"]["model.layers.*.mlp.down_proj"]["in_dst"] == {"input": {"tp": "S(-1)"}}
 
 
-def test_heads_that_do_not_divide_are_refused_by_the_derivation() -> None:
-    plan = derived("opt", tp=3)
-    assert "do not divide over --tp 3" in plan["comments"]["replicated"]["model.decoder.layers.*.self_attn.q_proj"]
+def test_heads_that_do_not_divide_are_cut_whole_by_the_derivation() -> None:
+    plan = derived("opt", tp=3)  # 4 heads of 16 on 3 ranks: 2, 1, 1
+    attention = entry(plan, "model.decoder.layers.*.self_attn")
+    assert attention["params"]["q_proj.weight"] == attention["params"]["v_proj.bias"] == {"tp": "S(0,16)"}
+    assert attention["params"]["out_proj.weight"] == {"tp": "S(1,16)"}
+    # each rank's num_heads, counted from its shard of out_proj's input in heads of 16
+    assert attention["local_attrs"] == {"num_heads": {"of": "out_proj.weight", "dim": 1, "unit": 16}}
+    assert "tp_divide_attrs" not in attention and plan["format"] == "hpgen.plan/2"
 
 
 def test_mamba_mixer_shards_its_channels_and_reduces_x_proj() -> None:

@@ -34,6 +34,8 @@ def plan_with_report(
     plan = plan_model(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, name=target, summed=summed)
     comments = plan.get("comments", {})
     messages = [f"{target}: {comments.get('plan_source', 'plan')}"]
+    if comments.get("derived_because"):  # transformers' plan shards a fused projection the heads do not divide
+        messages.append(f"  not transformers' plan: {comments['derived_because']}")
     if comments.get("modeling_files"):  # one `hpgen lower` per file; parallelize(..., generated=[...]) takes them
         messages.append(f"  the boundaries live in {len(comments['modeling_files'])} modeling files; lower each with this plan:")
         messages += [f"    hpgen lower {_file_of(name)} PLAN" for name in comments["modeling_files"]]

@@ -382,8 +382,25 @@ def expected_shard(full: torch.Tensor, placement: str, rank: int, size: int) -> 
     if text.startswith("SS("):
         dim, blocks = (int(part) for part in text[3:-1].split(","))
         return torch.cat([block.tensor_split(size, dim)[rank] for block in full.chunk(blocks, dim)], dim)
-    if text.startswith("S("):
-        return full.tensor_split(size, int(text[2:-1]))[rank]
+    if text.startswith("B("):  # blocks along dim, each with its own placement, the rank's pieces concatenated
+        dim_text, _, rest = text[2:-1].partition(",")
+        blocks, depth, start = [], 0, 0
+        for index, char in enumerate(rest + ","):
+            depth += {"(": 1, ")": -1}.get(char, 0)
+            if char == "," and depth == 0:
+                blocks.append(rest[start:index].split(":", 1))
+                start = index + 1
+        dim = int(dim_text)
+        parts = full.split([int(n) for n, _ in blocks], dim)
+        return torch.cat([expected_shard(part, inner, rank, size) for part, (_, inner) in zip(parts, blocks)], dim)
+    if text.startswith("S("):  # S(d), S(d,u): whole units of u, S(d,u,g): g groups, each on size / g ranks
+        dim, unit, groups = ([int(part) for part in text[2:-1].split(",")] + [1, 1])[:3]
+        per_set = size // groups
+        group = full.chunk(groups, dim)[rank // per_set]
+        units = group.split(unit, dim)
+        counts = [len(units) // per_set + (i < len(units) % per_set) for i in range(per_set)]
+        first = sum(counts[: rank % per_set])
+        return torch.cat(units[first : first + counts[rank % per_set]], dim)
     raise ValueError(placement)
 
 

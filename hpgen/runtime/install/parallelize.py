@@ -265,7 +265,7 @@ def _survey(
     targets = [module_install(item, plan, mesh, axes, generated) for item in matched]
     biases = survey_deferred_biases(matched, plan, frozenset(branch_fqns(matched, plan)))
     summed = survey_summed(matched, plan, axes)
-    grad_reduces = survey_grad_reduce(matched, plan)
+    grad_reduces = survey_grad_reduce(matched, plan, axes)
     divides = survey_attrs(matched, plan, axes)
     slots = survey_adapters(model, matched, plan.mesh_dim_names)
     return _Survey(targets, shards, biases, grad_reduces, divides, mesh, summed, slots)
