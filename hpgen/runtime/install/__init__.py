@@ -1,6 +1,8 @@
 """Survey and install: what ``parallelize`` runs, every check before any tensor changes.
 
 - ``hpgen.runtime.install.parallelize``: ``parallelize(model, plan, mesh)``, the steps in order;
+- ``hpgen.runtime.install.pretrained``: ``from_pretrained``, parallelizing a model built on the meta device and
+  reading its checkpoint into the shards before any hook is attached;
 - ``hpgen.runtime.install.agreement``: every rank runs the same plan, generated file and hpgen;
 - ``hpgen.runtime.install.targets``: what each planned module becomes (its class, form, bindings);
 - ``hpgen.runtime.install.counterparts``: the generated class of a module built from the original file;
