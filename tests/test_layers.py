@@ -1,9 +1,10 @@
 """The layers of hpgen hold: no module imports one of a layer it may not use, and no import cycle.
 
 Every import of every hpgen module counts, at module level or inside a function (an import
-inside a function is still a dependency; it only hides a cycle). Imports under
-``if TYPE_CHECKING:`` are for annotations only and do not run, so they do not count. The
-layers are those of the ``hpgen`` package docstring and docs/architecture.md.
+inside a function is still a dependency; it only hides a cycle). For the layers, imports
+under ``if TYPE_CHECKING:`` are for annotations only and do not run, so they do not count;
+for cycles they do (:func:`test_no_import_cycle_even_through_annotations`). The layers are
+those of the ``hpgen`` package docstring and docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -62,11 +63,12 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return skipped
 
 
-def imports(module: str) -> set[str]:
-    """The hpgen modules ``module`` imports, resolved to modules that exist."""
+def imports(module: str, *, annotations: bool = False) -> set[str]:
+    """The hpgen modules ``module`` imports, resolved to modules that exist (``annotations``: those
+    under ``if TYPE_CHECKING:`` too)."""
     path = MODULES[module]
     tree = ast.parse(path.read_text(), str(path))
-    skipped = _type_checking_nodes(tree)
+    skipped = set() if annotations else _type_checking_nodes(tree)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(tree):
@@ -94,6 +96,7 @@ def imports(module: str) -> set[str]:
 
 
 GRAPH = {module: imports(module) for module in MODULES}
+EVERY_IMPORT = {module: imports(module, annotations=True) for module in MODULES}
 
 
 def test_every_import_runs_down_the_layers():
@@ -146,8 +149,58 @@ def test_no_import_cycles():
     assert not cycles, cycles
 
 
+def _shortest_cycle(graph: dict[str, set[str]], component: set[str]) -> list[str]:
+    """A shortest import cycle inside ``component`` through its first module: ``[a, b, ..., a]``."""
+    start = min(component)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for nxt in sorted(graph[node] & component):
+                if nxt == start:
+                    return [*paths[node], start]
+                if nxt not in paths:
+                    paths[nxt] = [*paths[node], nxt]
+                    following.append(nxt)
+        frontier = following
+    raise AssertionError(f"{sorted(component)} is no cycle")
+
+
+# Packages whose own cycles are being taken apart on another branch: a cycle wholly inside one is
+# not reported yet. Empty once that branch lands, and the check then holds the whole package.
+CYCLES_BEING_REMOVED_IN = ("hpgen.planner",)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[str]:
+    """Each cycle of ``graph`` as ``a -> b -> a``, with all the modules of its strongly connected component."""
+    found = []
+    for component in _strongly_connected(graph):
+        if any(all(m == p or m.startswith(p + ".") for m in component) for p in CYCLES_BEING_REMOVED_IN):
+            continue
+        found.append(f"{' -> '.join(_shortest_cycle(graph, component))} (modules: {', '.join(sorted(component))})")
+    return found
+
+
+def test_no_import_cycle_even_through_annotations():
+    """No hpgen module reaches itself through its imports, counting every kind: at module level,
+    inside functions, and under ``if TYPE_CHECKING:`` (an import for annotations only does not
+    run, but it still means neither module can be read, moved or tested without the other).
+
+    Until the planner's own cycles are gone (on another branch), cycles wholly inside
+    ``hpgen.planner`` are left out (``CYCLES_BEING_REMOVED_IN``); every other module is held,
+    the planner's imports of the rest included.
+    """
+    cycles = _cycles(EVERY_IMPORT)
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
 def test_the_checks_can_fail():
     assert _strongly_connected({"a": {"b"}, "b": {"a"}, "c": set()}) == [{"a", "b"}]
+    loop = {"x.a": {"x.b"}, "x.b": {"x.c", "x.a"}, "x.c": {"x.a"}, "x.d": set()}
+    assert _cycles(loop) == ["x.a -> x.b -> x.a (modules: x.a, x.b, x.c)"]
+    across = {"hpgen.planner.a": {"hpgen.plan"}, "hpgen.plan": {"hpgen.planner.a"}}  # held even now
+    assert _cycles(across) == ["hpgen.plan -> hpgen.planner.a -> hpgen.plan (modules: hpgen.plan, hpgen.planner.a)"]
     assert layer("hpgen.runtime.forward.collectives") == "runtime" and "planner" not in ALLOWED["runtime"]
 
 
@@ -207,6 +260,18 @@ def test_what_generated_forwards_run_imports_no_install_or_checkpoint_code():
         if module.startswith("hpgen.runtime.forward")
         for target in targets
         if target.startswith(("hpgen.runtime.install", "hpgen.runtime.checkpoint"))
+    )
+    assert not wrong, wrong
+
+
+def test_checkpoint_code_imports_no_install_code():
+    """``install`` imports ``checkpoint`` (state-dict hooks, reading a checkpoint into the shards), never the reverse."""
+    wrong = sorted(
+        f"{module} imports {target}"
+        for module, targets in EVERY_IMPORT.items()
+        if module.startswith("hpgen.runtime.checkpoint")
+        for target in targets
+        if target.startswith("hpgen.runtime.install")
     )
     assert not wrong, wrong
 
