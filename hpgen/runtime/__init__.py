@@ -22,8 +22,8 @@ docstring says what each of its modules does. docs/runtime.md has the same table
 - ``hpgen.runtime`` (named from outside hpgen): ``defaults``, ``local``, ``local_heads``,
   ``errors``, ``folder_swap``, ``shard_layout``, ``trainer``;
 - ``hpgen.runtime.install`` (survey and install: what ``parallelize`` runs): ``parallelize``,
-  ``pretrained``, ``agreement``, ``targets``, ``counterparts``, ``params``, ``attrs``, ``groups``, ``hooks``,
-  ``summed``, ``kernels``, ``stubs``, ``inputs``, ``tuners``, ``adapters``, ``wrapped``;
+  ``pretrained``, ``agreement``, ``module_installs``, ``counterparts``, ``params``, ``attrs``, ``groups``, ``hooks``,
+  ``summed``, ``kernels``, ``replaced_stubs``, ``inputs``, ``tuners``, ``adapters``, ``wrapped``;
 - ``hpgen.runtime.forward`` (what generated forwards call): ``collectives``,
   ``traced_collectives``, ``moves``, ``handback``, ``devices``, ``boundary``, ``ops``, ``wrappers``,
   ``streams``, ``sampling``;

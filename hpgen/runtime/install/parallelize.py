@@ -11,7 +11,7 @@ untouched:
   different layouts (:mod:`hpgen.runtime.install.params`);
 - a boundary whose class has no generated ``forward`` for the plan's contract (the
   generated file is stale), or a wrapped ``nn.Embedding``/``nn.Linear`` whose layout is
-  not vocab-, column- or row-parallel (:mod:`hpgen.runtime.install.targets`);
+  not vocab-, column- or row-parallel (:mod:`hpgen.runtime.install.module_installs`);
 - deferred biases without a single reduced output, grad-reduced parameters of a body
   that is not sharded (:mod:`hpgen.runtime.install.hooks`); ``tp_divide_attrs`` and
   ``divide_attrs`` that do not divide, attention whose local query and key/value heads
@@ -82,10 +82,10 @@ from hpgen.runtime.install.hooks import (
 )
 from hpgen.runtime.install.inputs import InputCheck
 from hpgen.runtime.install.kernels import fit_experts_kernel
+from hpgen.runtime.install.module_installs import ModuleInstall, module_install
 from hpgen.runtime.install.params import Matched, ParamShard, shard_params, survey_params
-from hpgen.runtime.install.stubs import refuse_replaced_stubs
+from hpgen.runtime.install.replaced_stubs import refuse_replaced_stubs
 from hpgen.runtime.install.summed import SummedBlock, branch_fqns, survey_summed
-from hpgen.runtime.install.targets import ModuleInstall, module_install
 from hpgen.runtime.install.tuners import peft_base_model, resolve_tuner_names
 from hpgen.runtime.install.wrapped import DataParallelCheck, KeptFromDDP, MeshAxes
 from hpgen.shards import ShardLayout
