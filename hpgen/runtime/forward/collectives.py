@@ -77,7 +77,10 @@ from torch.autograd.function import once_differentiable
 from hpgen.shards import split_sizes
 
 from .handback import call
-from .moves import Move, Sharded, Size, received_shapes
+from .moves import Move as _Move
+from .moves import Sharded as _Shard
+from .moves import Size
+from .moves import received_shapes as _received_shapes
 from .traced_collectives import TRACED as _TRACED
 from .traced_collectives import fc_all_gather as _fc_all_gather
 
@@ -192,7 +195,7 @@ class AxisCollectives:
             out = x.clone(memory_format=torch.contiguous_format)
             call(dist.all_reduce, out, group=self.group)
             return out
-        return self._run(x, Move("all_reduce", None, None, op), backward)
+        return self._run(x, _Move("all_reduce", None, None, op), backward)
 
     def all_gather(
         self, x: Tensor | None, dim: int, *, backward: str = "reduce_scatter", total: Size | None = None
@@ -206,7 +209,7 @@ class AxisCollectives:
             return x
         d = _norm_dim(dim, x.dim())
         sizes = self._shard_sizes(x, d, total, "all_gather")
-        return self._run(x, Move("all_gather", Sharded(d, sizes), None), backward)
+        return self._run(x, _Move("all_gather", _Shard(d, sizes), None), backward)
 
     def reduce_scatter(self, x: Tensor | None, dim: int, *, backward: str = "all_gather") -> Tensor | None:
         """``P(sum) -> S(dim)``: sum the ranks' partial values, keep this rank's chunk of ``dim``."""
@@ -215,7 +218,7 @@ class AxisCollectives:
             return x
         d = _norm_dim(dim, x.dim())
         dst = self._made(d, x.size(d))
-        return self._run(x, Move("reduce_scatter", None, dst), backward)
+        return self._run(x, _Move("reduce_scatter", None, dst), backward)
 
     def split(self, x: Tensor | None, dim: int, *, backward: str = "all_gather") -> Tensor | None:
         """``R -> S(dim)``: keep this rank's chunk of ``dim``; no communication."""
@@ -223,7 +226,7 @@ class AxisCollectives:
         if x is None or self.size == 1:
             return x
         d = _norm_dim(dim, x.dim())
-        return self._run(x, Move("split", None, self._made(d, x.size(d))), backward)
+        return self._run(x, _Move("split", None, self._made(d, x.size(d))), backward)
 
     def all_to_all(
         self,
@@ -244,8 +247,8 @@ class AxisCollectives:
         src, dst = _norm_dim(src_dim, x.dim()), _norm_dim(dst_dim, x.dim())
         if src == dst:
             raise ValueError(f"all_to_all needs two different dims, got src_dim={src_dim}, dst_dim={dst_dim}")
-        src_shard = Sharded(src, self._shard_sizes(x, src, total, "all_to_all"))
-        move = Move("all_to_all", src_shard, self._made(dst, x.size(dst)))
+        src_shard = _Shard(src, self._shard_sizes(x, src, total, "all_to_all"))
+        move = _Move("all_to_all", src_shard, self._made(dst, x.size(dst)))
         return self._run(x, move, backward)
 
     def copy(self, x: Tensor | None, *, backward: str = "all_reduce") -> Tensor | None:
@@ -256,7 +259,7 @@ class AxisCollectives:
             return x
         if not (torch.is_grad_enabled() and x.requires_grad):
             return x  # nothing flows back: the forward is the identity, no copy needed
-        return self._run(x, Move("identity", None, None), backward)
+        return self._run(x, _Move("identity", None, None), backward)
 
     def copy_if_grad(self, value: Any) -> Any:
         """An argument the plan does not declare, entering a body sharded on this axis: ``R``.
@@ -281,9 +284,9 @@ class AxisCollectives:
 
     # ---- shard sizes ------------------------------------------------------------------
 
-    def _made(self, dim: int, n: Size) -> Sharded:
+    def _made(self, dim: int, n: Size) -> _Shard:
         """The shard an op makes of a dim of ``n``, recorded for the gathers after it."""
-        shard = Sharded(dim, split_sizes(n, self.size))
+        shard = _Shard(dim, split_sizes(n, self.size))
         if self._known is not None:
             self._known[dim] = shard.sizes
         return shard
@@ -326,7 +329,7 @@ class AxisCollectives:
 
     # ---- machinery --------------------------------------------------------------------
 
-    def _run(self, x: Tensor, move: Move, backward: str) -> Tensor:
+    def _run(self, x: Tensor, move: _Move, backward: str) -> Tensor:
         if torch.is_grad_enabled() and x.requires_grad:
             return _Collective.apply(x, self, move, move.reversed(backward))
         if _tracing():
@@ -399,11 +402,11 @@ def scope_shard_sizes(model: nn.Module, axes: Iterable[AxisCollectives]) -> Shar
 # Eager: torch.distributed's in-place collectives into buffers allocated here.
 
 
-def _identity(ax: AxisCollectives, x: Tensor, move: Move) -> Tensor:
+def _identity(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
     return x
 
 
-def _all_reduce(ax: AxisCollectives, x: Tensor, move: Move) -> Tensor:
+def _all_reduce(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
     out = x.clone(memory_format=torch.contiguous_format)
     op = "SUM" if move.reduce == "avg" else move.reduce.upper()  # avg: sum then divide, as gloo lacks AVG
     call(dist.all_reduce, out, op=getattr(dist.ReduceOp, op), group=ax.group)
@@ -412,7 +415,7 @@ def _all_reduce(ax: AxisCollectives, x: Tensor, move: Move) -> Tensor:
     return out
 
 
-def _all_gather(ax: AxisCollectives, x: Tensor, move: Move) -> Tensor:
+def _all_gather(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
     d, sizes = move.src
     most = max(sizes)
     even = min(sizes) == most
@@ -430,7 +433,7 @@ def _all_gather(ax: AxisCollectives, x: Tensor, move: Move) -> Tensor:
     return torch.cat([block.narrow(d, 0, n) for block, n in zip(blocks, sizes, strict=True)], dim=d)
 
 
-def _reduce_scatter(ax: AxisCollectives, x: Tensor, move: Move) -> Tensor:
+def _reduce_scatter(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
     d, sizes = move.dst
     most = max(sizes)
     even = min(sizes) == most
@@ -447,28 +450,28 @@ def _reduce_scatter(ax: AxisCollectives, x: Tensor, move: Move) -> Tensor:
     return out if even else out.narrow(d, 0, sizes[ax.rank])
 
 
-def _split(ax: AxisCollectives, x: Tensor, move: Move) -> Tensor:
+def _split(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
     d, sizes = move.dst
     return x.narrow(d, sum(sizes[: ax.rank]), sizes[ax.rank])
 
 
-def _all_to_all(ax: AxisCollectives, x: Tensor, move: Move) -> Tensor:
+def _all_to_all(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
     (src, src_sizes), (dst, dst_sizes) = move.src, move.dst
     sends = [chunk.reshape(-1) for chunk in x.split(dst_sizes, dim=dst)]  # chunk i goes to rank i
-    shapes = received_shapes(ax, x, move)
+    shapes = _received_shapes(ax, x, move)
     out_splits = [math.prod(shape) for shape in shapes]
     received = x.new_empty(sum(out_splits))
     in_splits = [t.numel() for t in sends]
     if not ax._native(dist.all_to_all_single, received, torch.cat(sends), out_splits, in_splits):
         # fallback: gather everything, keep our chunk
-        whole = _all_gather(ax, x, Move("all_gather", move.src, None))
-        return _split(ax, whole, Move("split", None, move.dst))
+        whole = _all_gather(ax, x, _Move("all_gather", move.src, None))
+        return _split(ax, whole, _Move("split", None, move.dst))
     return torch.cat(
         [flat.view(shape) for flat, shape in zip(received.split(out_splits), shapes, strict=True)], dim=src
     )
 
 
-_OPS: dict[str, Callable[[AxisCollectives, Tensor, Move], Tensor]] = {
+_OPS: dict[str, Callable[[AxisCollectives, Tensor, _Move], Tensor]] = {
     "identity": _identity,
     "all_reduce": _all_reduce,
     "all_gather": _all_gather,
@@ -487,7 +490,7 @@ class _Collective(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, ax: AxisCollectives, move: Move, back: Move) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, ax: AxisCollectives, move: _Move, back: _Move) -> Tensor:  # type: ignore[override]
         if _tracing():
             y = _TRACED[move.op](ax, x, move)
         else:
