@@ -92,6 +92,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         for family, plan in [
             ("llama", "llama_tp_vocab"),
             ("llama", "llama_tp"),
+            ("llama", "llama_tp_sp"),
             ("qwen3", "qwen3_tp"),
             ("qwen3_moe", "qwen3_moe_tp"),
             ("qwen3_moe", "qwen3_moe_tp_ep"),
@@ -139,7 +140,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         Checkpoint("qwen3_moe", "qwen3_moe", str(root / "qwen3_moe"), files["qwen3_moe_tp"], "qwen3_moe_tp"),
         Checkpoint("qwen3_moe_ep", "qwen3_moe", str(root / "qwen3_moe"), files["qwen3_moe_tp_ep"], "qwen3_moe_tp_ep"),
     ]
-    return run_distributed(_run_all, cases, str(root), timeout=400)
+    return run_distributed(_run_all, cases, str(root), files["llama_tp_sp"], timeout=400)
 
 
 # --------------------------------------------------------------------------- on each rank
@@ -174,6 +175,8 @@ class RankResults:
     strided: list[str] = field(default_factory=list)
     kills: dict[str, Any] = field(default_factory=dict)  # case -> what each kill of a save left (rank 0)
     loaded_views: dict[str, int] = field(default_factory=dict)  # views of the files, mappings, descriptors
+    reduced: list[str] = field(default_factory=list)  # loaded parameters carrying a gradient reduction
+    reduced_mismatches: list[str] = field(default_factory=list)  # ... whose gradient is not the unsharded one
 
 
 def _inputs() -> torch.Tensor:
@@ -218,7 +221,7 @@ def _in_mappings(tensor: torch.Tensor, folder: str) -> bool:
     return any(a <= start and stop <= b for a, b in _file_mappings(folder))
 
 
-def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> RankResults:
+def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str, files_sp: str) -> RankResults:
     import torch.distributed.checkpoint as dcp
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
@@ -270,6 +273,22 @@ def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> 
             views=sum(_in_mappings(p, case.folder) for p in model.parameters()),
         )
         models[case.name], references[case.name] = model, reference
+
+    # ---- a loaded model trains: under sequence parallelism the norms' gradients are summed over the
+    # ranks by hooks parallelize attaches, which must sit on the Parameters read from the files
+    reference = references["llama"]
+    loaded = from_pretrained(getattr(import_file(files_sp), "LlamaForCausalLM"), cases[0].folder, load_plan_dict("llama_tp_sp"), mesh)
+    loaded(_inputs()).logits.sum().backward()
+    reference.zero_grad()
+    reference(_inputs()).logits.sum().backward()
+    expected = dict(reference.named_parameters())
+    for name, param in loaded.named_parameters():
+        if getattr(param, "_hp_grad_reduce", None) is not None:
+            out.reduced.append(name)
+            want = expected[name].grad
+            if param.grad is None or (param.grad - want).abs().max() > 1e-5 * want.abs().max() + 1e-7:
+                out.reduced_mismatches.append(name)
+    reference.zero_grad()
 
     # ---- DCP: save at tp=2, load into a fresh parallelized model, the unsharded model, another plan
     for name in ("llama", "qwen3", "qwen3_moe"):
@@ -732,6 +751,16 @@ def test_a_killed_save_pretrained_leaves_the_old_or_the_new_checkpoint(results: 
         assert found["leftovers"] == [], (label, found["leftovers"][:3])
         assert all(found["kept"]), label  # the folder's other files survive
     assert sum(found["kills"] for found in kills.values()) >= 40
+
+
+def test_a_loaded_model_sums_the_gradients_of_its_sequence_parallel_norms(results: list[RankResults]) -> None:
+    """``from_pretrained`` attaches ``parallelize``'s hooks to the Parameters it read: under a
+    sequence-parallel plan each norm's gradient, summed over the ranks' sequence shards, is the
+    unsharded model's."""
+    norms = {f"model.layers.{i}.{norm}.weight" for i in (0, 1) for norm in ("input_layernorm", "post_attention_layernorm")}
+    for rank in results:
+        assert set(rank.reduced) == norms | {"model.norm.weight"}
+        assert rank.reduced_mismatches == []
 
 
 def test_refusals_are_clear(results: list[RankResults]) -> None:
