@@ -23,8 +23,8 @@ docstring says what each of its modules does. docs/runtime.md has the same table
   ``agreement``, ``targets``, ``counterparts``, ``params``, ``attrs``, ``groups``, ``hooks``,
   ``summed``, ``kernels``, ``stubs``, ``inputs``, ``tuners``, ``adapters``;
 - ``hpgen.runtime.forward`` (what generated forwards call): ``collectives``,
-  ``traced_collectives``, ``handback``, ``boundary``, ``ops``, ``wrappers``, ``streams``,
-  ``sampling``;
+  ``traced_collectives``, ``shard_records``, ``handback``, ``boundary``, ``ops``, ``wrappers``,
+  ``streams``, ``sampling``;
 - ``hpgen.runtime.checkpoint`` (checkpoints and state dicts: read, presented to DCP and
   FSDP2, written): ``loading``, ``checkpoint_files``, ``file_maps``, ``conversions``,
   ``state_dict``, ``fsdp_state``, ``dcp_files``, ``saving``.
