@@ -71,6 +71,7 @@ def resolve_tuner_names(matched: Iterable[Matched]) -> list[Matched]:
             params={rename[name]: layout for name, layout in entry.params.items()},
             deferred_bias_params=tuple(rename[name] for name in entry.deferred_bias_params),
             grad_reduce_params=tuple(rename[name] for name in entry.grad_reduce_params),
+            grad_reduce_axes=tuple((rename[name], axes) for name, axes in entry.grad_reduce_axes),
         )
         resolved.append(dataclasses.replace(item, entry=entry))
     return resolved
