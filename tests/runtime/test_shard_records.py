@@ -5,7 +5,7 @@ One spawn of 2 gloo ranks runs every case, inside a model forward's scope
 a gather of a different token count on each rank (12 and 6, a rank with none, none at
 all), the sum over ranks scattered back (the experts of a data-parallel attention),
 after a batch split on the same dim of a tensor of another shape; values and gradients
-checked exactly.
+checked exactly; and tuples (the rotary ``(cos, sin)``) moved like tensors.
 """
 
 from __future__ import annotations
@@ -55,9 +55,32 @@ def _round_trip(ax: AxisCollectives, counts: list[int], *, batch_split: bool) ->
     return failures
 
 
+def _sequences(ax: AxisCollectives) -> list[str]:
+    """A tuple (the rotary ``(cos, sin)``) and a nested list split and gathered like tensors."""
+    cos, sin = torch.randn(3, 5, 4), torch.randn(3, 5, 4)
+    scope = ShardScope([ax])
+    scope.enter(None, ())
+    try:
+        pieces = ax.split((cos, sin), 0)
+        nested = ax.split([cos, (sin, None)], 0)
+        back = ax.all_gather(pieces, 0)
+    finally:
+        scope.exit(None, (), None)
+    failures = []
+    if type(pieces) is not tuple or not all(torch.equal(p, t.tensor_split(2)[ax.rank]) for p, t in zip(pieces, (cos, sin))):
+        failures.append("tuple split")
+    if type(nested) is not list or type(nested[1]) is not tuple or nested[1][1] is not None:
+        failures.append("nested split keeps its types")
+    elif not torch.equal(nested[1][0], sin.tensor_split(2)[ax.rank]):
+        failures.append("nested split")
+    if not (type(back) is tuple and torch.equal(back[0], cos) and torch.equal(back[1], sin)):
+        failures.append("tuple gather")
+    return failures
+
+
 def _records(rank: int, world_size: int) -> list[str]:
     ax = AxisCollectives(dist.group.WORLD, "ep")
-    failures = []
+    failures = _sequences(ax)
     for traced in (False, True):
         collectives._tracing = (lambda: True) if traced else (lambda: False)  # this spawned process only
         for counts in ([12, 6], [6, 12], [0, 5], [5, 0], [0, 0], [4, 4]):

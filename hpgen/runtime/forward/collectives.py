@@ -63,6 +63,9 @@ Inductor schedules, and the autograd node (one ``torch.autograd.Function``) is t
 too, so a parallelized model compiles whole with ``fullgraph=True``, forward and
 backward. Eager calls keep the in-place ``torch.distributed`` collectives.
 
+Every op also takes a tuple or list of tensors (nested or not, the rotary ``(cos, sin)``):
+each element moves as a tensor would, and the result has the input's type.
+
 Results are fresh contiguous tensors; inputs are never modified. An axis of size one (or
 with no process group) returns its input itself from every op, with no autograd node, and
 every op returns ``None`` for ``None`` (optional inputs such as attention masks). Tensors
@@ -71,6 +74,7 @@ may live on any device the group's backend accepts (CPU with gloo, CUDA with NCC
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
@@ -158,6 +162,19 @@ def _check(op: str, backward: str, reduce: str = "sum") -> None:
         )
 
 
+def _each_in_sequences(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Let an op take a tuple or list (nested or not) of tensors, as the rotary ``(cos, sin)``:
+    each element moves as a tensor would, in order, and the result has the input's type."""
+
+    @functools.wraps(method)
+    def each(self: AxisCollectives, x: Any, *args: Any, **kwargs: Any) -> Any:
+        if type(x) in (tuple, list):
+            return type(x)(each(self, v, *args, **kwargs) for v in x)
+        return method(self, x, *args, **kwargs)
+
+    return each
+
+
 def _norm_dim(dim: int, ndim: int) -> int:
     if not -ndim <= dim < ndim:
         raise IndexError(f"dim {dim} is out of range for a tensor of {ndim} dims")
@@ -216,6 +233,7 @@ class AxisCollectives:
 
     # ---- the ops (placements as docs/plan-format.md defines them) -----------------------
 
+    @_each_in_sequences
     def all_reduce(self, x: Tensor | None, op: str = "sum", *, backward: str = "identity") -> Tensor | None:
         """``P(op) -> R``: reduce the ranks' partial values. ``op``: sum, avg, max or min."""
         _check("all_reduce", backward, op)
@@ -228,6 +246,7 @@ class AxisCollectives:
             return out
         return self._run(x, _Move("all_reduce", None, None, op), backward)
 
+    @_each_in_sequences
     def all_gather(
         self, x: Tensor | None, dim: int, *, backward: str = "reduce_scatter", total: Size | None = None
     ) -> Tensor | None:
@@ -242,6 +261,7 @@ class AxisCollectives:
         sizes = self._shard_sizes(x, d, total, "all_gather")
         return self._run(x, _Move("all_gather", _Shard(d, sizes), None), backward)
 
+    @_each_in_sequences
     def reduce_scatter(self, x: Tensor | None, dim: int, *, backward: str = "all_gather") -> Tensor | None:
         """``P(sum) -> S(dim)``: sum the ranks' partial values, keep this rank's chunk of ``dim``."""
         _check("reduce_scatter", backward)
@@ -251,6 +271,7 @@ class AxisCollectives:
         dst = self._made(x, d)
         return self._run(x, _Move("reduce_scatter", None, dst), backward)
 
+    @_each_in_sequences
     def split(self, x: Tensor | None, dim: int, *, backward: str = "all_gather") -> Tensor | None:
         """``R -> S(dim)``: keep this rank's chunk of ``dim``; no communication."""
         _check("split", backward)
@@ -259,6 +280,7 @@ class AxisCollectives:
         d = _norm_dim(dim, x.dim())
         return self._run(x, _Move("split", None, self._made(x, d)), backward)
 
+    @_each_in_sequences
     def all_to_all(
         self,
         x: Tensor | None,
@@ -282,6 +304,7 @@ class AxisCollectives:
         move = _Move("all_to_all", src_shard, self._made(x, dst))
         return self._run(x, move, backward)
 
+    @_each_in_sequences
     def copy(self, x: Tensor | None, *, backward: str = "all_reduce") -> Tensor | None:
         """``R -> R`` into a region sharded on this axis: identity forward; by default the
         gradient, partial inside the region, is all-reduced (Megatron's ``f``)."""
