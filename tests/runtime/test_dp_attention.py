@@ -32,52 +32,22 @@ from tests.runtime.models import (
 )
 
 FAMILY = "qwen3_moe"
-INPUTS = ("input_ids", "attention_mask", "position_ids")
-EXPERT_INPUTS = ("hidden_states", "top_k_index", "top_k_weights")
 
 
 def dp_attention_plan(mode: str) -> dict[str, Any]:
-    """The hand plan: ``mode`` ``global`` splits one batch at the model's entry and gathers its
-    output; ``serving`` takes each rank's own batch as its shard and gives it back."""
-    whole, shard = {"ep": "R"}, {"ep": "S(0)"}
-    model: dict[str, Any]
-    if mode == "global":
-        names = [n for n, _ in reference_model(FAMILY, make_config(FAMILY), 0).model.named_parameters()]
-        model = {
-            "in_src": {n: whole for n in INPUTS},
-            "in_dst": {n: shard for n in INPUTS},
-            "out_src": {"last_hidden_state": shard},
-            "out_dst": {"last_hidden_state": whole},
-            "grad_reduce_params": [n for n in names if ".experts." not in n],
-        }
-    else:
-        model = {
-            "in_src": {"input_ids": shard},
-            "in_dst": {"input_ids": shard},
-            "out_src": {"last_hidden_state": shard},
-            "out_dst": {"last_hidden_state": shard},
-        }
-    experts = {
-        "in_src": {n: shard for n in EXPERT_INPUTS},
-        "in_dst": {n: whole for n in EXPERT_INPUTS},
-        "out_src": {"output": {"ep": "P(sum)"}},
-        "out_dst": {"output": shard},
-        "params": {"gate_up_proj": shard, "down_proj": shard},
-    }
-    return {
-        "format": "hpgen.plan/1",
-        "model_class": "Qwen3MoeForCausalLM",
-        "mesh_dim_names": ["ep"],
-        "param_plan": {"model": model, "model.layers.*.mlp.experts": experts},
-        "boundary_classes": {"model.layers.*.mlp.experts": "Qwen3MoeExperts"},
-        "injections": [
-            {"match": "model", "local_compute_fn": {"_target_": "hpgen.runtime.local.batch_parallel", "axis": "ep"}},
-            {
-                "match": "model.layers.*.mlp.experts",
-                "local_compute_fn": {"_target_": "hpgen.runtime.local.experts_parallel", "axis": "ep"},
-            },
-        ],
-    }
+    """What ``hpgen plan --ep 2 --attn-dp`` writes for the tiny config (``mode`` ``global``), or that
+    plan made to serve (``serving``): each rank's own batch is its shard, given back as it is."""
+    from hpgen.planner.attn_dp import data_parallel_attention
+    from hpgen.planner.load import meta_model
+    from hpgen.planner.make import plan_model
+
+    model = meta_model(make_config(FAMILY))
+    plan = data_parallel_attention(model, plan_model(model, ep=2), FAMILY)
+    if mode == "serving":
+        entry = plan["param_plan"]["model"]
+        entry["in_src"] = dict(entry["in_dst"])
+        entry["out_dst"] = dict(entry["out_src"])
+    return plan
 
 
 def _build(path: str, plan: dict, world_size: int, check_inputs: Any) -> tuple[Any, Any]:
