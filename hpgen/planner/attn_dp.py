@@ -71,12 +71,18 @@ def data_parallel_attention(model: Any, plan: dict[str, Any], name: str) -> dict
         for n, _ in inner.named_parameters()
         if not any(_matches(key, f"{prefix}.{n}") for key in expert_params)
     ]
+    # the decoder layers' parameters by a pattern entry of their own (the plan holds for any
+    # layer count); each gradient summed over the axis, named since a layer's body is not sharded
+    layers = _layer_list(inner)
+    per_layer = sorted({n.split(".", 2)[2] for n in replicated if layers and n.startswith(f"{layers}.")})
+    if per_layer:
+        plan["param_plan"][f"{prefix}.{layers}.*"] = {"grad_reduce_params": {n: [axis] for n in per_layer}}
     plan["param_plan"][prefix] = {
         "in_src": {n: whole for n in batch},
         "in_dst": {n: shard for n in batch},
         "out_src": {"last_hidden_state": shard},
         "out_dst": {"last_hidden_state": whole},
-        "grad_reduce_params": sorted(replicated),
+        "grad_reduce_params": sorted(n for n in replicated if not (layers and n.startswith(f"{layers}."))),
     }
     plan.setdefault("boundary_classes", {})
     plan["injections"] = [
@@ -89,6 +95,14 @@ def data_parallel_attention(model: Any, plan: dict[str, Any], name: str) -> dict
         f"own requests, make {prefix}'s in_src and out_dst S(0)); experts gather every rank's tokens"
     )
     return plan
+
+
+def _layer_list(inner: Any) -> str | None:
+    """The attribute of ``inner`` holding its decoder layers (an ``nn.ModuleList``), if one."""
+    from torch import nn
+
+    lists = [name for name, child in inner.named_children() if isinstance(child, nn.ModuleList)]
+    return lists[0] if len(lists) == 1 else None
 
 
 def _target(injection: dict[str, Any]) -> str:
