@@ -10,7 +10,9 @@ ranks in one spawn per world size:
   placeholder); logits, every gradient, greedy generation with one and two prompts;
 - *serving*: each rank its own requests, of its own batch and length; each rank's logits
   and greedy tokens equal the unsharded model's on its own requests, and a step where one
-  rank has none.
+  rank has none;
+- on 4 ranks also a 2 x 2 mesh: attention tensor-parallel over ``tp`` inside each
+  data-parallel group of ``ep`` (gradient sums named per axis), global batch.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ import torch
 
 from tests.dist import run_distributed
 from tests.runtime.models import (
+    expected_local,
     generated_model,
     import_file,
     lower_family,
     make_config,
+    param_layouts,
     reference_model,
     tolerance,
 )
@@ -50,7 +54,21 @@ def dp_attention_plan(mode: str) -> dict[str, Any]:
     return plan
 
 
-def _build(path: str, plan: dict, world_size: int, check_inputs: Any) -> tuple[Any, Any]:
+def attention_tp_plan() -> dict[str, Any]:
+    """On a 2 x 2 mesh: the ``--attn-dp`` plan over ``ep``, with ``hpgen plan --tp 2``'s attention entry on
+    ``tp`` (heads split inside each data-parallel group). The layers' gradient sums name ``ep`` alone, so
+    ``q_proj`` (rows sharded on ``tp``) is summed over ``ep`` only, and ``q_norm`` over both."""
+    from hpgen.planner.load import meta_model
+    from hpgen.planner.make import plan_model
+
+    plan = dp_attention_plan("global")
+    tp = plan_model(meta_model(make_config(FAMILY)), tp=2)
+    plan["mesh_dim_names"] = ["ep", "tp"]
+    plan["param_plan"]["model.layers.*.self_attn"] = tp["param_plan"]["model.layers.*.self_attn"]
+    return plan
+
+
+def _build(path: str, plan: dict, world_size: int, check_inputs: Any) -> tuple[Any, Any, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from hpgen.runtime import parallelize
@@ -58,9 +76,12 @@ def _build(path: str, plan: dict, world_size: int, check_inputs: Any) -> tuple[A
     config = make_config(FAMILY)
     reference = reference_model(FAMILY, config, 0)
     model = generated_model(import_file(path), FAMILY, config, reference)
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    if plan["mesh_dim_names"] == ["ep", "tp"]:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
+    else:
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
     parallelize(model, plan, mesh, check_inputs=check_inputs)
-    return model, reference
+    return model, reference, mesh
 
 
 GREEDY = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -68,7 +89,8 @@ GREEDY = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
 
 def _global(rank: int, world_size: int, path: str, plan: dict) -> dict[str, Any]:
     """Logits and every gradient for each batch size; greedy tokens for one and two prompts."""
-    model, reference = _build(path, plan, world_size, True)
+    model, reference, mesh = _build(path, plan, world_size, True)
+    layouts = param_layouts(reference, plan)
     found: dict[str, Any] = {}
     for batch in (3, 6) if world_size == 4 else (3,):
         generator = torch.Generator().manual_seed(batch)
@@ -82,9 +104,7 @@ def _global(rank: int, world_size: int, path: str, plan: dict) -> dict[str, Any]
         mine = dict(model.named_parameters())
         bad, checked = [], 0
         for name, ref_param in reference.named_parameters():
-            want = ref_param.grad
-            if ".experts." in name:
-                want = want.tensor_split(world_size, 0)[rank]
+            want = expected_local(ref_param.grad, layouts.get(name, {}), plan["mesh_dim_names"], mesh)
             grad = mine[name].grad
             checked += 1
             if grad is None or grad.shape != want.shape or not (grad - want).abs().max() <= tolerance(ref_param.grad):
@@ -106,7 +126,7 @@ SERVING = [(2, 6), (1, 3), (1, 5), (3, 2)]
 
 
 def _serving(rank: int, world_size: int, path: str, plan: dict) -> dict[str, Any]:
-    model, reference = _build(path, plan, world_size, False)
+    model, reference, _ = _build(path, plan, world_size, False)
     ids = torch.randint(0, 127, SERVING[rank], generator=torch.Generator().manual_seed(rank))
     found: dict[str, Any] = {}
     with torch.no_grad():
@@ -124,39 +144,57 @@ def _serving(rank: int, world_size: int, path: str, plan: dict) -> dict[str, Any
 
 
 def _ranks(rank: int, world_size: int, paths: dict[str, str], plans: dict[str, dict]) -> dict[str, Any]:
-    return {
+    found = {
         "global": _global(rank, world_size, paths["global"], plans["global"]),
         "serving": _serving(rank, world_size, paths["serving"], plans["serving"]),
     }
+    if world_size == 4:
+        found["attention tp"] = _global(rank, world_size, paths["attention tp"], plans["attention tp"])
+    return found
 
 
 @pytest.fixture(scope="module")
 def lowered(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], dict[str, dict]]:
     directory = tmp_path_factory.mktemp("dp_attention")
     plans = {mode: dp_attention_plan(mode) for mode in ("global", "serving")}
+    plans["attention tp"] = attention_tp_plan()
     paths = {}
     for mode, plan in plans.items():
-        (directory / mode).mkdir()
+        (directory / mode).mkdir()  # a directory each: the files are named by family and plan kind
         paths[mode] = str(lower_family(FAMILY, plan, Path(directory / mode)))
     return paths, plans
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])
-def results(request: pytest.FixtureRequest, lowered) -> list[dict[str, Any]]:
+@pytest.fixture(scope="module")
+def runs(lowered) -> dict[int, list[dict[str, Any]]]:
+    """World size -> each rank's findings (one spawn per world size)."""
     paths, plans = lowered
-    return run_distributed(_ranks, paths, plans, world_size=request.param, timeout=300)
+    return {n: run_distributed(_ranks, paths, plans, world_size=n, timeout=300) for n in (2, 4)}
 
 
-def test_global_batch_logits_gradients_and_generation(results):
-    for rank, found in enumerate(results):
-        for case, value in found["global"].items():
-            if case.startswith("batch"):
-                exact, checked, bad = value
-                assert exact and checked == 25 and not bad, f"rank {rank} {case}: logits exact {exact}, wrong {bad}"
-            else:
-                assert value, f"rank {rank}: {case} tokens differ"
+def _check_global(found: dict[str, Any], where: str) -> None:
+    for case, value in found.items():
+        if case.startswith("batch"):
+            exact, checked, bad = value
+            assert exact and checked == 25 and not bad, f"{where} {case}: logits exact {exact}, wrong {bad}"
+        else:
+            assert value, f"{where}: {case} tokens differ"
 
 
-def test_serving_each_rank_its_own_requests(results):
-    for rank, found in enumerate(results):
-        assert found["serving"] == {"logits": True, "generate": True, "empty step": True}, f"rank {rank}"
+def test_global_batch_logits_gradients_and_generation(runs):
+    for world_size, results in runs.items():
+        for rank, found in enumerate(results):
+            _check_global(found["global"], f"{world_size} ranks, rank {rank}")
+
+
+def test_attention_tensor_parallel_inside_each_data_parallel_group(runs):
+    for rank, found in enumerate(runs[4]):
+        _check_global(found["attention tp"], f"2 x 2 mesh, rank {rank}")
+
+
+def test_serving_each_rank_its_own_requests(runs):
+    for world_size, results in runs.items():
+        for rank, found in enumerate(results):
+            assert found["serving"] == {"logits": True, "generate": True, "empty step": True}, (
+                f"{world_size} ranks, rank {rank}"
+            )
