@@ -24,6 +24,7 @@ def plan_with_report(
     summed: bool = True,
     notes: bool,
     dtype: str | None,
+    attn_dp: bool = False,
 ) -> tuple[str, list[str]]:
     """The plan's JSON text and the messages for stderr (notes with ``notes``, the sizing report with ``tp``)."""
     from hpgen.planner.document import dumps_plan
@@ -31,7 +32,13 @@ def plan_with_report(
     from hpgen.planner.make import plan_model
 
     model = meta_model(load_config(target))
+    if attn_dp and (ep is None or tp is not None or sp):
+        raise HpgenError("--attn-dp: give --ep N (without --tp or --sp: attention TP inside each group is not supported yet)")
     plan = plan_model(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, name=target, summed=summed)
+    if attn_dp:
+        from hpgen.planner.attn_dp import data_parallel_attention
+
+        plan = data_parallel_attention(model, plan, target)
     comments = plan.get("comments", {})
     messages = [f"{target}: {comments.get('plan_source', 'plan')}"]
     if comments.get("derived_because"):  # transformers' plan shards a fused projection the heads do not divide
