@@ -42,7 +42,8 @@ shortcut its peers did not would wait in a collective they never run):
    ``lm_head`` knows its ``out_features``);
 2. inside a forward of a parallelized model (:func:`scope_shard_sizes`), the op of this
    axis that last made a shard on the same dim of a tensor of the same other dims (and kind
-   of values: floating point or not) in that forward (the ``split`` of the sequence at the first decoder layer, a ``reduce_scatter``)
+   of values: floating point or not) in that forward (the ``split`` of the sequence at the
+   first decoder layer, a ``reduce_scatter``)
    left its sizes behind, and the gathers after it use them. Every rank runs the same ops
    in the same order, so every rank finds the same record; a shard whose size is not the
    recorded one is an error, never a silent misread;
