@@ -48,6 +48,23 @@ from tests.runtime.heads_cases import (
 LAYERS = 2
 
 
+def _unsharded_round_trips(model, state, cls, config, expected, dcp_dir, saved_dir):
+    """The names that differ from ``expected`` after a DCP save of ``state`` (into ``dcp_dir``) loaded into
+    the unsharded ``cls``, and after ``save_pretrained`` (into ``saved_dir``) read back by ``cls.from_pretrained``."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=dcp_dir)
+    plain = cls(config)
+    plain_state = plain.state_dict()
+    dcp.load(plain_state, checkpoint_id=dcp_dir)
+    plain.load_state_dict(plain_state)
+    model.save_pretrained(saved_dir)
+    saved = cls.from_pretrained(saved_dir)
+    return tuple(
+        [n for n, t in loaded.state_dict().items() if not torch.equal(t, expected[n])] for loaded in (plain, saved)
+    )
+
+
 @pytest.fixture(scope="module")
 def directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("heads")
@@ -143,7 +160,6 @@ def test_head_refusals_say_what_the_plan_must_say(results4: list[dict[str, Any]]
 
 def _run3(rank: int, world_size: int, cases: dict[str, Any], root: str) -> dict[str, Any]:
     """7 heads at tp 3, then its checkpoints: from_pretrained, state dict, DCP, save_pretrained."""
-    import torch.distributed.checkpoint as dcp
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -178,15 +194,9 @@ def _run3(rank: int, world_size: int, cases: dict[str, Any], root: str) -> dict[
     state = model.state_dict()
     q = state["model.layers.0.self_attn.q_proj.weight"]
     found["q_proj state"] = (type(q).__name__, str(tuple(q.placements)), tuple(q.shape))
-    dcp.save(state, checkpoint_id=f"{root}/dcp3")
-    plain = transformers.LlamaForCausalLM(reference.config)
-    plain_state = plain.state_dict()
-    dcp.load(plain_state, checkpoint_id=f"{root}/dcp3")
-    plain.load_state_dict(plain_state)
-    found["dcp tp3 to unsharded"] = [n for n, t in plain.state_dict().items() if not torch.equal(t, expected[n])]
-    model.save_pretrained(f"{root}/saved3")
-    saved = transformers.LlamaForCausalLM.from_pretrained(f"{root}/saved3")
-    found["save_pretrained"] = [n for n, t in saved.state_dict().items() if not torch.equal(t, expected[n])]
+    found["dcp tp3 to unsharded"], found["save_pretrained"] = _unsharded_round_trips(
+        model, state, transformers.LlamaForCausalLM, reference.config, expected, f"{root}/dcp3", f"{root}/saved3"
+    )
     found["dtensor keys"] = sum(isinstance(v, DTensor) for v in state.values())
     return found
 
@@ -254,7 +264,6 @@ def _run2(rank: int, world_size: int, cases: dict[str, Any], lora: list[Any], ro
 def _falcon_checkpoints(case: tuple[Any, dict[str, Any], str], mesh: Any, root: str) -> dict[str, list[str]]:
     """Falcon's blocks through the checkpoints: from_pretrained (each rank's two boxes of query_key_value),
     DCP saved at tp 2 and loaded unsharded, save_pretrained."""
-    import torch.distributed.checkpoint as dcp
     import transformers
 
     from hpgen.runtime import from_pretrained
@@ -275,15 +284,9 @@ def _falcon_checkpoints(case: tuple[Any, dict[str, Any], str], mesh: Any, root: 
             if n in ours and not torch.equal(ours[n].detach(), expected_local(full, layouts.get(n, {}), ("tp",), mesh))
         ]
     }
-    dcp.save(model.state_dict(), checkpoint_id=f"{root}/dcp_falcon")
-    plain = transformers.FalconForCausalLM(reference.config)
-    state = plain.state_dict()
-    dcp.load(state, checkpoint_id=f"{root}/dcp_falcon")
-    plain.load_state_dict(state)
-    found["dcp to unsharded"] = [n for n, t in plain.state_dict().items() if not torch.equal(t, expected[n])]
-    model.save_pretrained(f"{root}/falcon_saved")
-    saved = transformers.FalconForCausalLM.from_pretrained(f"{root}/falcon_saved")
-    found["save_pretrained"] = [n for n, t in saved.state_dict().items() if not torch.equal(t, expected[n])]
+    found["dcp to unsharded"], found["save_pretrained"] = _unsharded_round_trips(
+        model, model.state_dict(), transformers.FalconForCausalLM, reference.config, expected, f"{root}/dcp_falcon", f"{root}/falcon_saved"
+    )
     return found
 
 
