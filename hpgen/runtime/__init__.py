@@ -22,14 +22,15 @@ docstring says what each of its modules does. docs/runtime.md has the same table
 - ``hpgen.runtime`` (named from outside hpgen): ``defaults``, ``local``, ``local_heads``,
   ``errors``, ``folder_swap``, ``shard_layout``, ``trainer``;
 - ``hpgen.runtime.install`` (survey and install: what ``parallelize`` runs): ``parallelize``,
-  ``pretrained``, ``agreement``, ``module_installs``, ``counterparts``, ``params``, ``attrs``, ``groups``, ``hooks``,
-  ``summed``, ``kernels``, ``replaced_stubs``, ``inputs``, ``tuners``, ``adapters``, ``wrapped``;
+  ``pretrained``, ``agreement``, ``module_installs``, ``counterparts``, ``params``, ``attrs``,
+  ``groups``, ``hooks``, ``summed``, ``kernels``, ``replaced_stubs``, ``inputs``, ``tuners``,
+  ``adapters``, ``wrapped``;
 - ``hpgen.runtime.forward`` (what generated forwards call): ``collectives``,
-  ``traced_collectives``, ``moves``, ``handback``, ``devices``, ``boundary``, ``ops``, ``wrappers``,
-  ``streams``, ``sampling``;
+  ``traced_collectives``, ``moves``, ``shard_records``, ``handback``, ``devices``, ``boundary``,
+  ``ops``, ``wrappers``, ``streams``, ``sampling``;
 - ``hpgen.runtime.checkpoint`` (checkpoints and state dicts: read, presented to DCP and
-  FSDP2, written): ``loading``, ``registrations``, ``checkpoint_files``, ``file_maps``, ``conversions``,
-  ``state_dict``, ``sharded_param``, ``fsdp_state``, ``dcp_files``, ``saving``;
+  FSDP2, written): ``loading``, ``registrations``, ``checkpoint_files``, ``file_maps``,
+  ``conversions``, ``state_dict``, ``sharded_param``, ``fsdp_state``, ``dcp_files``, ``saving``;
 - ``hpgen.runtime.training`` (what training loops call beside the optimizer): ``clipping``.
 
 The subpackages import the top level and each other in one direction: ``install``

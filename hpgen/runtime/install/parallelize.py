@@ -101,7 +101,7 @@ def parallelize(
     mesh: DeviceMesh,
     *,
     generated: Iterable[types.ModuleType] = (),
-    check_inputs: bool = True,
+    check_inputs: bool | Iterable[str] = True,
 ) -> nn.Module:
     """Shard ``model``'s planned parameters and bind its boundaries' collectives; return ``model``.
 
@@ -122,10 +122,17 @@ def parallelize(
     applies to ``get_base_model()``, through peft's ``base_layer`` indirection, and the
     adapters are sharded like their base layers (:mod:`hpgen.runtime.install.adapters`), as they
     are when peft comes after ``parallelize``.
+
+    ``check_inputs``: the axes whose ranks must be fed the same inputs, checked on the
+    first forwards (:mod:`hpgen.runtime.install.inputs`); ``True`` for every axis,
+    ``False`` for none, or the names of some (``("tp",)`` where the ranks of ``ep`` serve
+    requests of their own under data-parallel attention).
     """
+    plan = _as_plan(plan)
+    checked = _checked_axes(check_inputs, plan)
     survey = survey_model(model, plan, mesh, generated=generated)
     survey.shard()
-    return survey.install(check_inputs=check_inputs)
+    return survey.install(checked=checked)
 
 
 def survey_model(
@@ -169,6 +176,22 @@ _PARALLELIZED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 def parallelized_models() -> list[nn.Module]:
     """Every model ``parallelize`` has made that is still alive (``clip_grad_norm_`` finds parameters' layouts)."""
     return list(_PARALLELIZED)
+
+
+def _checked_axes(check_inputs: bool | Iterable[str], plan: Plan) -> tuple[str, ...]:
+    """The plan axes whose inputs are checked to agree (``check_inputs`` of :func:`parallelize`)."""
+    if isinstance(check_inputs, bool):
+        return tuple(plan.mesh_dim_names) if check_inputs else ()
+    if isinstance(check_inputs, str):
+        check_inputs = (check_inputs,)
+    names = tuple(check_inputs)
+    unknown = [name for name in names if name not in plan.mesh_dim_names]
+    if unknown:
+        raise ParallelizeError(
+            f"check_inputs names {', '.join(map(repr, unknown))}, not an axis of the plan "
+            f"({', '.join(plan.mesh_dim_names)})"
+        )
+    return names
 
 
 def _as_plan(plan: PlanLike) -> Plan:
@@ -246,9 +269,10 @@ class Survey:
         """Replace each planned parameter by its local chunk (on the meta device: a tensor of the local shape)."""
         shard_params(self.shards)
 
-    def install(self, *, check_inputs: bool = True) -> nn.Module:
+    def install(self, *, checked: Iterable[str] | None = None) -> nn.Module:
         """Swap classes, bind collectives, attach the hooks; return the model ``parallelize`` returns.
 
+        ``checked``: the plan axes whose ranks' inputs are checked to agree (``None``: all).
         Hooks go on the parameters registered now, so anything that replaces them (a
         checkpoint read into the shards) comes before."""
         model, plan, mesh, axes = self.model, self.plan, self.mesh, self.axes
@@ -281,8 +305,10 @@ class Survey:
             listed = getattr(model, "_ddp_params_and_buffers_to_ignore", ())
             model._ddp_params_and_buffers_to_ignore = KeptFromDDP(groups, listed)
             model.register_forward_pre_hook(DataParallelCheck(groups))
-        if check_inputs and groups:
-            model.register_forward_pre_hook(InputCheck(groups, device), with_kwargs=True)
+        checked = plan.mesh_dim_names if checked is None else tuple(checked)
+        checked_groups = [(axis, group) for axis, group in groups if axis in checked]
+        if checked_groups:
+            model.register_forward_pre_hook(InputCheck(checked_groups, device), with_kwargs=True)
         # state_dict() as DTensors, load_state_dict of DTensors or full tensors, save_pretrained unsharded
         sharded = [(shard.owners, shard.names[0], shard.shard_layout) for shard in self.shards]
         recorder = install_state_dict_hooks(model, sharded, mesh, axes, plan.mesh_dim_names)
