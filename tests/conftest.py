@@ -28,7 +28,7 @@ def tiny_source() -> str:
 
 # The generator-only test modules: they import neither torch nor transformers and start no
 # process, so ``python -m pytest -m fast`` runs them in seconds, in an install without the
-# runtime too (tests/test_messages.py imports them with torch and transformers blocked).
+# runtime too (tests/cli/test_messages.py imports them with torch and transformers blocked).
 # A new module is not fast until it is listed here.
 FAST_MODULES = (
     "test_classify",

@@ -8,7 +8,7 @@ fused ``c_attn`` is three packed blocks, GPT-NeoX's per-head interleaved
 notes for what stays replicated and why (multi-query key/value packed with the queries), and
 the per-head ALiBi inputs made outside the attention (MPT's cut ``R -> S(0)``, BLOOM's
 batch-major one by a region's local compute). The 2-rank parity of derived plans is in
-``tests/runtime/test_parity_derived.py``.
+``tests/runtime/forward/test_parity_derived.py``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from hpgen.cli import cli
-from tests.derived_configs import tiny
+from tests.support.derived_configs import tiny
 
 
 def placements(placed) -> dict[str, str]:

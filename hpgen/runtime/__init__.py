@@ -17,7 +17,7 @@ call ``folder_swap.recover``; ``torch.save`` of a state dict holding an ``SS`` p
 records ``shard_layout.PackedShard``; users train with ``trainer.Trainer`` (transformers'
 ``Trainer`` for parallelized models). Everything else is in a subpackage by role, whose
 docstring says what each of its modules does. docs/runtime.md has the same table;
-``tests/test_layers.py`` checks that both name every module, each in exactly one group:
+``tests/package/test_layers.py`` checks that both name every module, each in exactly one group:
 
 - ``hpgen.runtime`` (named from outside hpgen): ``defaults``, ``local``, ``local_heads``,
   ``errors``, ``folder_swap``, ``shard_layout``, ``trainer``;
