@@ -21,9 +21,7 @@ import contextlib
 import copy
 import json
 import re
-import sys
 import tempfile
-import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +40,7 @@ from hpgen.placement import Placement
 from hpgen.plan import RESERVED_AXIS_NAMES, is_identifier, plan_from_dict
 
 from tests.conftest import FIXTURES, PLANS
+from tests.support.modules import load_module
 
 SOURCE_PATH = FIXTURES / "modeling_tiny.py"
 SOURCE = SOURCE_PATH.read_text()
@@ -304,20 +303,6 @@ def check_output(output: str, rewritten: set[str]) -> None:
         assert match and match.group(1) in rewritten, f"unexpected new class {name}"
         assert [code(base.value) for base in after[name].bases] == [match.group(1)]
         assert method(after[name], "forward") is not None and method(after[name], "_forward_impl") is None
-
-
-_counter = iter(range(10**9))
-
-
-def load_module(text: str) -> types.ModuleType:
-    """Execute a modeling file as a fresh module (dataclasses need it in sys.modules)."""
-    module = types.ModuleType(f"_hardening_module_{next(_counter)}")
-    sys.modules[module.__name__] = module
-    try:
-        exec(compile(text, module.__name__, "exec", dont_inherit=True), module.__dict__)
-    finally:
-        del sys.modules[module.__name__]
-    return module
 
 
 ORIGINAL = load_module(SOURCE)

@@ -12,9 +12,7 @@ from __future__ import annotations
 import ast
 import json
 import re
-import sys
 import time
-import types
 
 import torch
 
@@ -22,6 +20,7 @@ from hpgen.lower import lower
 from hpgen.plan import plan_from_dict
 
 from tests.conftest import FIXTURES
+from tests.support.modules import load_module
 
 FIXTURE = (FIXTURES / "modeling_tiny.py").read_text()
 _CUT = FIXTURE.index("@dataclass\nclass TinyConfig")
@@ -66,16 +65,6 @@ def method(node: ast.ClassDef, name: str) -> ast.FunctionDef | None:
     return next((s for s in node.body if isinstance(s, ast.FunctionDef) and s.name == name), None)
 
 
-def load(text: str, name: str) -> types.ModuleType:
-    module = types.ModuleType(name)
-    sys.modules[name] = module
-    try:
-        exec(compile(text, name, "exec", dont_inherit=True), module.__dict__)
-    finally:
-        del sys.modules[name]
-    return module
-
-
 def test_a_20000_line_file_lowers_correctly(record_property):
     """~20k lines, 120 copies of the fixture, 12 planned: exactly the planned boundary classes are
     rewritten (bodies kept byte for byte), every other class is byte-identical, and the
@@ -103,7 +92,7 @@ def test_a_20000_line_file_lowers_correctly(record_property):
         assert body_text(output_lines, impl) == body_text(source_lines, forward), name
     assert output.count("    def _forward_impl(") == len(rewritten)
 
-    original, generated = load(text, "_scale_original"), load(output, "_scale_generated")
+    original, generated = load_module(text, "_scale_original"), load_module(output, "_scale_generated")
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
     for k in (planned[-1], planned[-1] + 1):  # a planned copy and one that is not
         config = getattr(original, f"Tiny{k}Config")()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import textwrap
 import types
 
@@ -28,6 +27,7 @@ from click.testing import CliRunner
 from hpgen.cli import cli
 
 from tests.conftest import FIXTURES, PLANS
+from tests.support.modules import load_module
 
 FIXTURE = (FIXTURES / "modeling_tiny.py").read_text()
 MLP_FORWARD = (
@@ -163,19 +163,6 @@ PLAN_RUNS = [(FIXTURES / "plan_tp_sp.json", "default"), (PLANS / "tiny_region.js
 
 def newline_of(text: str) -> str:
     return "\r\n" if "\r\n" in text else "\r" if "\r" in text else "\n"
-
-
-_counter = iter(range(10**9))
-
-
-def load_module(text: str) -> types.ModuleType:
-    module = types.ModuleType(f"_hardening_source_{next(_counter)}")
-    sys.modules[module.__name__] = module
-    try:
-        exec(compile(text.removeprefix("\ufeff"), module.__name__, "exec", dont_inherit=True), module.__dict__)
-    finally:
-        del sys.modules[module.__name__]
-    return module
 
 
 INPUT_IDS = torch.tensor([[1, 5, 9, 2, 7, 3, 11], [4, 4, 8, 0, 95, 6, 1]])
