@@ -24,6 +24,7 @@ def plan_with_report(
     summed: bool = True,
     notes: bool,
     dtype: str,
+    cp: int | None = None,
 ) -> tuple[str, list[str]]:
     """The plan's JSON text and the messages for stderr (notes with ``notes``, the sizing report with ``tp``)."""
     from hpgen.planner.document import dumps_plan
@@ -32,9 +33,13 @@ def plan_with_report(
     from hpgen.planner.report import size_report
 
     model = meta_model(load_config(target))
-    plan = plan_model(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, name=target, summed=summed)
+    plan = plan_model(
+        model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, name=target, summed=summed, cp=cp
+    )
     comments = plan.get("comments", {})
-    messages = [f"{target}: {comments.get('plan_source', 'plan')}"]
+    messages = [f"{target}: {comments.get('plan_source', 'context parallel')}"]
+    if comments.get("context_parallel"):
+        messages.append(f"  {comments['context_parallel']}")
     if comments.get("modeling_files"):  # one `hpgen lower` per file; parallelize(..., generated=[...]) takes them
         messages.append(f"  the boundaries live in {len(comments['modeling_files'])} modeling files; lower each with this plan:")
         messages += [f"    hpgen lower {_file_of(name)} PLAN" for name in comments["modeling_files"]]

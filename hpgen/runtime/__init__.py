@@ -10,21 +10,21 @@ train-mode random ops draw from) are loaded on first use so that generated files
 ``hpgen.runtime.defaults``, do not pay for them.
 
 Module map. The top level keeps only the modules that something outside hpgen names by
-path: generated files import ``defaults``; plans name functions in ``local`` and
-``local_heads``; users catch ``errors.ParallelizeError`` (which every group raises) and
+path: generated files import ``defaults``; plans name functions in ``local``,
+``local_heads`` and ``context``; users catch ``errors.ParallelizeError`` (which every group raises) and
 call ``folder_swap.recover``; ``torch.save`` of a state dict holding an ``SS`` parameter
 records ``shard_layout.PackedShard``. Everything else is in a subpackage by role, whose
 docstring says what each of its modules does. docs/runtime.md has the same table;
 ``tests/test_layers.py`` checks that both name every module, each in exactly one group:
 
 - ``hpgen.runtime`` (named from outside hpgen): ``defaults``, ``local``, ``local_heads``,
-  ``errors``, ``folder_swap``, ``shard_layout``;
+  ``context``, ``errors``, ``folder_swap``, ``shard_layout``;
 - ``hpgen.runtime.install`` (survey and install: what ``parallelize`` runs): ``parallelize``,
   ``agreement``, ``targets``, ``counterparts``, ``params``, ``attrs``, ``groups``, ``hooks``,
-  ``summed``, ``kernels``, ``stubs``, ``inputs``, ``tuners``, ``adapters``;
+  ``summed``, ``kernels``, ``stubs``, ``inputs``, ``tuners``, ``adapters``, ``context_checks``;
 - ``hpgen.runtime.forward`` (what generated forwards call): ``collectives``,
   ``traced_collectives``, ``handback``, ``boundary``, ``ops``, ``wrappers``, ``streams``,
-  ``sampling``;
+  ``sampling``, ``context_axis``;
 - ``hpgen.runtime.checkpoint`` (checkpoints and state dicts: read, presented to DCP and
   FSDP2, written): ``loading``, ``checkpoint_files``, ``file_maps``, ``conversions``,
   ``state_dict``, ``fsdp_state``, ``dcp_files``, ``saving``.

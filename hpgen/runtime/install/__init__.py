@@ -13,5 +13,6 @@
 - ``hpgen.runtime.install.stubs``: refuse a forward that would hand shards to a fused kernel;
 - ``hpgen.runtime.install.inputs``: the check that each axis's ranks were fed the same inputs;
 - ``hpgen.runtime.install.tuners``: peft's tuner layers as a plan sees them, and the methods refused;
-- ``hpgen.runtime.install.adapters``: peft's LoRA adapters laid out like their base layers.
+- ``hpgen.runtime.install.adapters``: peft's LoRA adapters laid out like their base layers;
+- ``hpgen.runtime.install.context_checks``: what a ``cp`` axis refuses, and decode steps run replicated on it.
 """

@@ -223,6 +223,17 @@ def survey_grad_reduce(matched: Iterable[Matched], plan: Plan) -> list[GradReduc
             reduce.uses.append((item, owner, attr))
         return reduce
 
+    matched = list(matched)
+    # a parameter sharded on an axis holds different values on its ranks: its gradient is never summed there
+    sharded_on: dict[int, set[str]] = {}
+    for item in matched:
+        for name, layout in item.entry.params.items():
+            try:
+                param = item.module.get_parameter(name)
+            except AttributeError:
+                continue
+            axes = {a for a in plan.mesh_dim_names if layout.on(a).kind in ("S", "SS", "RS")}
+            sharded_on.setdefault(id(param), set()).update(axes)
     for item in matched:
         entry = item.entry
         if entry.grad_reduce_params:
@@ -237,7 +248,8 @@ def survey_grad_reduce(matched: Iterable[Matched], plan: Plan) -> list[GradReduc
                 )
             for name in entry.grad_reduce_params:
                 reduce = record(item, name)
-                reduce.axes += [axis for axis in sharded if axis not in reduce.axes]
+                own = sharded_on.get(id(reduce.param), set())
+                reduce.axes += [axis for axis in sharded if axis not in reduce.axes and axis not in own]
         for name, layout in entry.params.items():
             replicated = {a: layout.on(a).replicas for a in plan.mesh_dim_names if layout.on(a).kind == "RS"}
             if replicated:

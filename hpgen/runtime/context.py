@@ -1,0 +1,134 @@
+"""Context parallelism's attention: the region function of attention modules on a ``cp`` axis.
+
+Plans written by ``hpgen plan --cp N`` cut the sequence at the first decoder layer and the
+rotary embedding's output (``R -> S(1)`` on ``cp``, the head-tail layout of
+:mod:`hpgen.runtime.forward.context_axis`) and gather it at the final norm's output. In
+between, each rank computes its own tokens; only attention mixes positions, so it needs
+every rank's keys and values. ``gathered_kv_attention`` runs the attention module's own
+body with two changes, both made where the body already hands values over:
+
+- its ``cache`` argument becomes :class:`GatheringCache`, whose ``update`` (which the body
+  calls with its rotated keys and values) all-gathers them along the sequence, in
+  sequence order, and then updates the caller's cache, if any, with the whole keys and
+  values (Llama 3's all-gather form; the gradient of the gather is a reduce-scatter);
+- its ``attention_mask`` becomes this rank's query rows of the unsharded model's mask
+  (transformers builds it for the whole sequence before the first decoder layer, so
+  padding, packed documents by ``position_ids`` and a user's 4-D mask are all in it), or,
+  where transformers left it to sdpa's ``is_causal``, the causal mask of this rank's
+  global positions.
+
+The body's attention implementation (sdpa or eager) then runs this rank's queries over all
+keys. A forward that continues a filled cache (a decode step) runs replicated on every
+rank (:meth:`~hpgen.runtime.forward.context_axis.ContextAxis.replicate`), the body as it is.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["GatheringCache", "gathered_kv_attention"]
+
+_CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+class GatheringCache:
+    """Stands in for the attention body's cache: ``update`` gathers the keys and values of
+    every rank along the sequence (dim 2), then updates the caller's ``cache`` if there is one."""
+
+    def __init__(self, axis: Any, cache: Any) -> None:
+        self.axis = axis
+        self.cache = cache
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        key_states = self.axis.all_gather(key_states, dim=2)
+        value_states = self.axis.all_gather(value_states, dim=2)
+        if self.cache is None:
+            return key_states, value_states
+        return self.cache.update(key_states, value_states, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        cache = self.__dict__.get("cache")
+        if cache is None:
+            raise AttributeError(name)
+        return getattr(cache, name)
+
+
+def _query_rows(mask: Tensor | None, layout: Any, dtype: torch.dtype, eager: bool) -> Tensor:
+    """This rank's rows of the whole sequence's mask; the causal mask of its positions if there is none."""
+    if mask is not None:
+        if mask.dim() != 4:
+            raise ValueError(f"context parallelism needs the 4-D attention mask transformers builds, got {mask.dim()}-D")
+        if mask.size(-2) == 1:  # one row for every query
+            return mask
+        if mask.size(-2) != layout.n:
+            raise ValueError(
+                f"context parallelism: the attention mask has {mask.size(-2)} query rows for a sequence of {layout.n}"
+            )
+        return mask.index_select(-2, layout.local)
+    keys = torch.arange(layout.n, device=layout.local.device)
+    allowed = (keys[None, :] <= layout.local[:, None])[None, None]
+    if not eager:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def gathered_kv_attention(module: nn.Module, *args: Any, axis: str = "cp", **kwargs: Any) -> Any:
+    """The attention module's body with every rank's keys and values and this rank's mask rows.
+
+    Bound as ``__hp_compute__`` of attention modules by an injection
+    (``{"_target_": "hpgen.runtime.context.gathered_kv_attention", "axis": "cp"}``).
+    """
+    ax = getattr(module, f"_hp_{axis}")
+    if not ax.active:
+        return module._forward_impl(*args, **kwargs)
+    layout = ax.current
+    if layout is None:
+        raise RuntimeError(
+            f"{type(module).__name__}: context parallelism on {axis!r}: no sequence was cut in this forward "
+            "(call the whole model, not the attention module alone)"
+        )
+    bound = module._hp_cp_signature.bind(*args, **kwargs)
+    arguments = bound.arguments
+    cache_name = module._hp_cp_cache
+    cache = arguments.get(cache_name)
+    extra = arguments.get(module._hp_cp_kwargs) or {}
+    if cache is None and cache_name in extra:
+        cache = extra[cache_name]
+    eager = module.config._attn_implementation == "eager"
+    mask = arguments.get("attention_mask")
+    dtype = _first_tensor(args, kwargs).dtype
+    arguments["attention_mask"] = _query_rows(mask, layout, dtype, eager)
+    if cache_name in extra:
+        extra[cache_name] = GatheringCache(ax, cache)
+    else:
+        arguments[cache_name] = GatheringCache(ax, cache)
+    return module._forward_impl(*bound.args, **bound.kwargs)
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> Tensor:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, Tensor) and value.is_floating_point():
+            return value
+    raise ValueError("context parallelism: the attention module was given no hidden states")
+
+
+def _prepare(module: nn.Module, *, axis: str = "cp") -> None:
+    """Record the body's parameters: where the mask and the cache are passed."""
+    signature = inspect.signature(module._forward_impl)
+    names = list(signature.parameters)
+    if "attention_mask" not in names:
+        raise ValueError(f"{type(module).__name__}: context parallelism needs an attention_mask argument")
+    cache = next((name for name in _CACHE_NAMES if name in names), None)
+    var_kw = next((n for n, p in signature.parameters.items() if p.kind is p.VAR_KEYWORD), None)
+    if cache is None:
+        raise ValueError(f"{type(module).__name__}: context parallelism needs the attention body's cache argument")
+    module._hp_cp_signature = signature
+    module._hp_cp_cache = cache
+    module._hp_cp_kwargs = var_kw
+
+
+gathered_kv_attention.prepare = _prepare  # type: ignore[attr-defined]
