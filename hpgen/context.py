@@ -22,7 +22,13 @@ def context_refusal(config: Any) -> str | None:
     window = _sliding_window(config)
     if window is not None:
         return f"sliding-window attention (config.sliding_window={window})"
-    if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", None) == "alibi":
+    attn_config = getattr(config, "attn_config", None)
+    if (
+        getattr(config, "alibi", False)
+        or getattr(config, "position_embedding_type", None) == "alibi"
+        or getattr(config, "model_type", None) == "bloom"
+        or getattr(attn_config, "alibi", False)
+    ):
         return "ALiBi attention"
     kinds = sorted({str(kind) for kind in getattr(config, "layer_types", None) or () if _is_recurrent(kind)})
     if kinds:

@@ -82,6 +82,46 @@ def _compare_step(
             result.grad_failures.append(f"{label} {name}: {err:.2e} > {tol:.2e}")
 
 
+def run_cp_refusals(case: CpCase, configs: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """``parallelize`` of ``case``'s plan on models whose config it must refuse: the message each
+    raised, with ``" (model changed)"`` added where the refused model is no longer as built."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hpgen.runtime import parallelize
+    from hpgen.runtime.defaults import IDENTITY_AXIS
+    from hpgen.runtime.errors import ParallelizeError
+
+    names = tuple(axis for axis, _ in case.mesh)
+    mesh = init_device_mesh("cpu", tuple(size for _, size in case.mesh), mesh_dim_names=names)
+    module = import_file(case.generated)
+    messages = {}
+    for label, overrides in configs.items():
+        attention = overrides.pop("_attn_implementation", None)
+        config = make_config(case.family, **overrides)
+        if attention is not None:
+            config._attn_implementation = attention
+        ref = reference_model(case.family, config, seed=3)
+        model = generated_model(module, case.family, config, ref)
+        try:
+            parallelize(model, case.plan, mesh)
+        except ParallelizeError as error:
+            changed = getattr(model, "_hp_parallelized", False) or model.model.rotary_emb._hp_cp is not IDENTITY_AXIS
+            messages[label] = str(error) + (" (model changed)" if changed else "")
+        else:
+            messages[label] = "accepted"
+    return messages
+
+
+def run_cp_spawn(
+    rank: int, world_size: int, cases: list[CpCase], refusals: tuple[CpCase, dict[str, dict[str, Any]]] | None = None
+) -> dict[str, Any]:
+    """Every case of ``cases`` (:func:`run_cp_cases`), then the refusals (under the key ``"refusals"``)."""
+    results: dict[str, Any] = run_cp_cases(rank, world_size, cases)
+    if refusals is not None:
+        results["refusals"] = run_cp_refusals(*refusals)
+    return results
+
+
 def run_cp_cases(rank: int, world_size: int, cases: list[CpCase]) -> dict[str, CpResult]:
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.dist import run_distributed
-from tests.runtime.context_cases import CpCase, CpResult, run_cp_cases
+from tests.runtime.context_cases import CpCase, CpResult, run_cp_cases, run_cp_spawn
 from tests.runtime.models import lower_family, make_config
 
 FAMILIES = ("llama", "qwen3")
@@ -53,7 +53,12 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, CpResu
         (tmp / f"{family}_cp2").mkdir()
         spec = _case(tmp, f"{family}_cp2", family, (("cp", 2),), cp=2)
         cases.append(CpCase(**spec, padded=True, packed=True, mask4d=True, generate=True))
-    return run_distributed(run_cp_cases, cases, world_size=2, timeout=240)
+    refused = {
+        "sliding window": dict(use_sliding_window=True, sliding_window=4, max_window_layers=0),
+        "attention dropout": dict(attention_dropout=0.1),
+        "flex attention": dict(_attn_implementation="flex_attention"),
+    }
+    return run_distributed(run_cp_spawn, cases, (cases[1], refused), world_size=2, timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +89,20 @@ def test_cp2_cuts_the_sequence_head_tail(two_ranks: list[dict[str, CpResult]]) -
     assert [by_case["llama_cp2"].local_tokens for by_case in two_ranks] == [[8, 8], [8, 8]]
 
 
+def test_parallelize_refuses_on_every_rank_before_anything_changes(two_ranks: list[dict[str, Any]]) -> None:
+    expected = {
+        "sliding window": "does not cover sliding-window attention (config.sliding_window=4)",
+        "attention dropout": "does not cover attention dropout (config.attention_dropout=0.1)",
+        "flex attention": "runs sdpa or eager attention, not 'flex_attention'",
+    }
+    for rank, by_case in enumerate(two_ranks):
+        for label, message in by_case["refusals"].items():
+            assert expected[label] in message, (rank, label, message)
+            assert "Qwen3ForCausalLM: context parallelism on 'cp'" in message and "model changed" not in message
+            assert "\n" not in message
+    assert two_ranks[0]["refusals"] == two_ranks[1]["refusals"]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("mesh", ["cp4", "cp2_tp2", "cp2_tp2_sp"])
 def test_four_ranks_match_the_unsharded_model(four_ranks: list[dict[str, CpResult]], family: str, mesh: str) -> None:
@@ -95,3 +114,33 @@ def test_cp4_and_sp_cut_each_ranks_tokens(four_ranks: list[dict[str, CpResult]])
     assert [by_case["llama_cp4"].local_tokens for by_case in four_ranks] == [[4, 4]] * 4
     assert [by_case["llama_cp2_tp2"].local_tokens for by_case in four_ranks] == [[8, 8]] * 4
     assert [by_case["llama_cp2_tp2_sp"].local_tokens for by_case in four_ranks] == [[4, 4]] * 4
+
+
+# ---- refusals: one line each, exit 2 and nothing written (the planner), on every rank (parallelize)
+
+_REFUSED_CONFIGS = {
+    "sliding-window attention (config.sliding_window=4)": dict(
+        model_type="qwen3", use_sliding_window=True, sliding_window=4, max_window_layers=0
+    ),
+    "ALiBi attention": dict(model_type="falcon", alibi=True, new_decoder_architecture=True),
+    "recurrent or linear-attention layers (config.layer_types has linear_attention)": dict(model_type="qwen3_next"),
+}
+
+
+@pytest.mark.parametrize("why", sorted(_REFUSED_CONFIGS))
+def test_hpgen_plan_cp_refuses_what_it_does_not_cover(tmp_path: Path, why: str) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from hpgen.cli import cli
+
+    small = dict(hidden_size=64, intermediate_size=89, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**small, **_REFUSED_CONFIGS[why]}))
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(cli, ["plan", str(config), "--cp", "2", "-o", str(out)], catch_exceptions=False)
+    assert result.exit_code == 2, result.output
+    assert f"--cp: context parallelism does not cover {why}" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+    assert not out.exists()
