@@ -11,9 +11,27 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CONTEXT_AXIS", "context_refusal"]
+__all__ = ["CONTEXT_AXIS", "GATHERED_KV_ATTENTION", "HEAD_TAIL", "context_refusal", "gathered_kv_ops"]
 
 CONTEXT_AXIS = "cp"
+# the region function of attention on a cp axis (hpgen.runtime.context), as plans name it
+GATHERED_KV_ATTENTION = "hpgen.runtime.context.gathered_kv_attention"
+HEAD_TAIL = "head-tail layout: the sequence in 2*cp chunks (tensor_split sizes), rank r holds chunks r and 2*cp-1-r"
+
+
+def gathered_kv_ops(axis: str) -> list[dict[str, object]]:
+    """What ``gathered_kv_attention`` moves inside the attention body, as ``hpgen explain`` lists ops."""
+    gather = dict(
+        axis=axis, src="S(2)", dst="R", op="all_gather", args={"dim": 2}, backward="reduce_scatter",
+        why=f"every query needs every rank's keys and values: gathered where the body calls its cache's update, "
+        f"after the rotary step ({HEAD_TAIL})",
+    )
+    mask = dict(
+        value="attention_mask", axis=axis, src="R", dst="S(2)", op="rows", args={}, backward="none",
+        why="this rank's query rows of the whole sequence's mask (the causal mask of its global positions "
+        "where transformers left it to sdpa's is_causal); no communication",
+    )
+    return [{"value": "key_states", **gather}, {"value": "value_states", **gather}, mask]
 _RECURRENT = ("mamba", "linear", "recurrent", "conv", "rwkv", "delta", "ssm", "lightning")
 
 

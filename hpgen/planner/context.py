@@ -20,15 +20,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from hpgen.context import CONTEXT_AXIS, context_refusal
+from hpgen.context import CONTEXT_AXIS, GATHERED_KV_ATTENTION, context_refusal
 from hpgen.errors import HpgenError
 from hpgen.placement import REPLICATE, shard
 from hpgen.plan_entries import Layout
 from hpgen.planner.draft import DraftEntry, DraftPlan, injection
 
-__all__ = ["GATHERED_KV_ATTENTION", "context_parallel"]
-
-GATHERED_KV_ATTENTION = "hpgen.runtime.context.gathered_kv_attention"
+__all__ = ["context_parallel"]
 _SEQ = shard(1)
 
 

@@ -144,3 +144,21 @@ def test_hpgen_plan_cp_refuses_what_it_does_not_cover(tmp_path: Path, why: str) 
     assert f"--cp: context parallelism does not cover {why}" in result.output
     assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
     assert not out.exists()
+
+
+def test_hpgen_explain_shows_the_cp_collectives(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from hpgen.cli import cli
+    from tests.runtime.models import FAMILIES as MODELS
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(__import__("json").dumps(_plan("llama", cp=2)))
+    result = CliRunner().invoke(cli, ["explain", str(MODELS["llama"].source()), str(plan)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    text = result.output
+    assert "hidden_states: cp R -> S(1) ==> split(dim=1), backward all_gather" in text  # the cut, first layer
+    assert "output: cp S(1) -> R ==> all_gather(dim=1), backward split" in text  # the final norm
+    assert "key_states: cp S(2) -> R ==> all_gather(dim=2), backward reduce_scatter" in text
+    assert "value_states: cp S(2) -> R ==> all_gather(dim=2), backward reduce_scatter" in text
+    assert "rank r holds chunks r and 2*cp-1-r" in text
