@@ -112,13 +112,66 @@ def run_cp_refusals(case: CpCase, configs: dict[str, dict[str, Any]]) -> dict[st
     return messages
 
 
+def run_cp_checkpoint(case: CpCase, folder: str) -> dict[str, Any]:
+    """``dcp.save`` of a cp model's ``state_dict()``, loaded into transformers' unsharded model and into a
+    fresh cp model: the parameters that differ from the saved ones (bit for bit), and the bytes stored."""
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hpgen.runtime import parallelize
+
+    names = tuple(axis for axis, _ in case.mesh)
+    mesh = init_device_mesh("cpu", tuple(size for _, size in case.mesh), mesh_dim_names=names)
+    module = import_file(case.generated)
+    config = make_config(case.family, **case.config)
+    ref = reference_model(case.family, config, seed=5)
+    model = generated_model(module, case.family, config, ref)
+    parallelize(model, case.plan, mesh)
+    dcp.save(model.state_dict(), checkpoint_id=folder)
+    mismatches: dict[str, list[str]] = {}
+    plain = reference_model(case.family, config, seed=6)
+    state = plain.state_dict()
+    dcp.load(state, checkpoint_id=folder)
+    plain.load_state_dict(state)
+    fresh = generated_model(module, case.family, config, reference_model(case.family, config, seed=7))
+    parallelize(fresh, case.plan, mesh)
+    fresh_state = fresh.state_dict()
+    dcp.load(fresh_state, checkpoint_id=folder)
+    fresh.load_state_dict(fresh_state)
+    saved = dict(ref.named_parameters())
+    for label, loaded in (("unsharded", plain), ("cp", fresh)):
+        mismatches[label] = [n for n, p in loaded.named_parameters() if not torch.equal(p.detach(), saved[n].detach())]
+    return {
+        "mismatches": mismatches,
+        "stored_bytes": sum(f.stat().st_size for f in Path(folder).iterdir() if f.suffix == ".distcp"),
+        "param_bytes": sum(p.numel() * p.element_size() for p in ref.parameters()),
+    }
+
+
 def run_cp_spawn(
-    rank: int, world_size: int, cases: list[CpCase], refusals: tuple[CpCase, dict[str, dict[str, Any]]] | None = None
+    rank: int,
+    world_size: int,
+    cases: list[CpCase],
+    refusals: tuple[CpCase, dict[str, dict[str, Any]]] | None = None,
+    checkpoint: tuple[CpCase, str] | None = None,
+    training: list[Any] = (),
 ) -> dict[str, Any]:
-    """Every case of ``cases`` (:func:`run_cp_cases`), then the refusals (under the key ``"refusals"``)."""
+    """Every case of ``cases`` (:func:`run_cp_cases`), then the refusals (key ``"refusals"``), a DCP round
+    trip (``"checkpoint"``) and training steps composed with FSDP2 (:class:`tests.runtime.compose.TrainCase`,
+    by name)."""
+    from tests.runtime.compose import run_train_case
+    from tests.runtime.models import case_mesh
+
     results: dict[str, Any] = run_cp_cases(rank, world_size, cases)
     if refusals is not None:
         results["refusals"] = run_cp_refusals(*refusals)
+    if checkpoint is not None:
+        results["checkpoint"] = run_cp_checkpoint(*checkpoint)
+    made: dict = {}
+    for case in training:
+        results[case.name] = run_train_case(case, case_mesh(case.mesh, case.plan, world_size, made))
     return results
 
 

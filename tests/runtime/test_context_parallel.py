@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from tests.dist import run_distributed
-from tests.runtime.context_cases import CpCase, CpResult, run_cp_cases, run_cp_spawn
+from tests.runtime.compose import TrainCase
+from tests.runtime.context_cases import CpCase, CpResult, run_cp_spawn
 from tests.runtime.models import lower_family, make_config
 
 FAMILIES = ("llama", "qwen3")
@@ -31,6 +32,7 @@ def _plan(family: str, **flags: Any) -> dict[str, Any]:
 
 def _case(tmp: Path, name: str, family: str, mesh: tuple[tuple[str, int], ...], **flags: Any) -> dict[str, Any]:
     plan = _plan(family, **flags)
+    (tmp / name).mkdir(parents=True, exist_ok=True)
     path = lower_family(family, plan, tmp / name)
     return dict(name=name, family=family, generated=str(path), plan=plan, mesh=mesh)
 
@@ -50,7 +52,6 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, CpResu
     tmp = tmp_path_factory.mktemp("cp2")
     cases = []
     for family in FAMILIES:
-        (tmp / f"{family}_cp2").mkdir()
         spec = _case(tmp, f"{family}_cp2", family, (("cp", 2),), cp=2)
         cases.append(CpCase(**spec, padded=True, packed=True, mask4d=True, generate=True))
     refused = {
@@ -58,7 +59,9 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, CpResu
         "attention dropout": dict(attention_dropout=0.1),
         "flex attention": dict(_attn_implementation="flex_attention"),
     }
-    return run_distributed(run_cp_spawn, cases, (cases[1], refused), world_size=2, timeout=240)
+    folder = tmp / "dcp"
+    folder.mkdir()
+    return run_distributed(run_cp_spawn, cases, (cases[1], refused), (cases[0], str(folder)), world_size=2, timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +74,13 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, CpRes
             (f"{family}_cp2_tp2", (("cp", 2), ("tp", 2)), dict(cp=2, tp=2)),
             (f"{family}_cp2_tp2_sp", (("cp", 2), ("tp", 2)), dict(cp=2, tp=2, sp=True)),
         ):
-            (tmp / name).mkdir()
             cases.append(CpCase(**_case(tmp, name, family, mesh, **flags), lengths=(16, 13)))
-    return run_distributed(run_cp_cases, cases, world_size=4, timeout=300)
+    # FSDP2 on dp over cp: the cp 2 plan, fully_shard per decoder layer and root on dp, half the batch per dp rank
+    spec = _case(tmp / "fsdp", "llama_cp2", "llama", (("dp", 2), ("cp", 2)), cp=2)
+    training = [
+        TrainCase("llama_dp2_cp2_fsdp2", "llama", spec["generated"], spec["plan"], spec["mesh"], "fsdp2", seq_len=13)
+    ]
+    return run_distributed(run_cp_spawn, cases, None, None, training, world_size=4, timeout=300)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -101,6 +108,25 @@ def test_parallelize_refuses_on_every_rank_before_anything_changes(two_ranks: li
             assert "Qwen3ForCausalLM: context parallelism on 'cp'" in message and "model changed" not in message
             assert "\n" not in message
     assert two_ranks[0]["refusals"] == two_ranks[1]["refusals"]
+
+
+def test_dcp_saves_one_copy_that_loads_unsharded_and_under_cp(two_ranks: list[dict[str, Any]]) -> None:
+    for rank, by_case in enumerate(two_ranks):
+        result = by_case["checkpoint"]
+        assert result["mismatches"] == {"unsharded": [], "cp": []}, f"rank {rank}"
+        # parameters are replicated on cp: the checkpoint holds one copy, not one per rank
+        assert result["param_bytes"] <= result["stored_bytes"] < 1.2 * result["param_bytes"], result
+
+
+def test_fsdp2_on_dp_over_cp_trains_like_one_process(four_ranks: list[dict[str, Any]]) -> None:
+    for rank, by_case in enumerate(four_ranks):
+        result = by_case["llama_dp2_cp2_fsdp2"]
+        assert result.loss_err <= result.loss_tol, f"rank {rank}: loss {result.loss_err} > {result.loss_tol}"
+        assert result.logits_err <= result.logits_tol, f"rank {rank}: logits {result.logits_err}"
+        assert result.grads_checked > 0 and result.weights_checked == result.grads_checked
+        assert not result.grad_failures, f"rank {rank}: " + "; ".join(result.grad_failures)
+        assert not result.weight_failures, f"rank {rank}: after AdamW: " + "; ".join(result.weight_failures)
+        assert result.local_bytes == result.expected_bytes == result.full_bytes  # replicated on cp
 
 
 @pytest.mark.parametrize("family", FAMILIES)
