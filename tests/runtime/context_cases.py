@@ -40,6 +40,7 @@ class CpCase:
     packed: bool = False  # three documents in one row, by position_ids
     mask4d: bool = False  # a user's 4-D boolean mask
     generate: bool = False  # greedy tokens after a cp prefill
+    compiled: bool = False  # loss and gradients through torch.compile(fullgraph=True, backend="aot_eager")
     config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -221,6 +222,25 @@ def run_cp_cases(rank: int, world_size: int, cases: list[CpCase]) -> dict[str, C
             mask[6:, :3] = False  # the last queries do not see the first keys
             mask = mask[None, None].expand(2, 1, 10, 10)
             _compare_step(case, ref, model, layouts, mesh, "4-D mask", result, input_ids=ids, attention_mask=mask, labels=ids)
+        if case.compiled:
+            ids = torch.randint(0, config.vocab_size, (2, 13), generator=generator)
+
+            def step(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                out = model(input_ids=ids, labels=ids)
+                return out.loss, out.logits
+
+            compiled = torch.compile(step, fullgraph=True, backend="aot_eager")  # a graph break would raise
+            for m in (ref, model):
+                m.zero_grad(set_to_none=True)
+            expected = ref(input_ids=ids, labels=ids)
+            expected.loss.backward()
+            loss, logits = compiled(ids)
+            loss.backward()
+            torch._dynamo.reset()
+            result.checks["compiled logits"] = ((expected.logits - logits).abs().max().item(), tolerance(expected.logits))
+            reference = dict(ref.named_parameters())
+            worst = max((p.grad - reference[n].grad).abs().max().item() for n, p in model.named_parameters())
+            result.checks["compiled gradients"] = (worst, max(tolerance(p.grad) for p in reference.values()))
         if case.generate:
             ref.eval()
             model.eval()

@@ -2,10 +2,11 @@
 
 Plans from ``hpgen plan`` for the tiny Llama and Qwen3 configs, the installed modeling
 files lowered under them. Two spawns: 2 ranks (``cp`` 2) and 4 ranks (``cp`` 4, ``cp`` 2 x
-``tp`` 2 with and without ``--sp``). Every case compares logits, loss and every gradient in
-train mode at 16 and 13 tokens (13: chunks of 4, 3, 3, 3, uneven head-tail shards), and
-the 2-rank cases also a left-padded batch, packed documents by ``position_ids``, a user's
-4-D mask and greedy generation after a cp prefill.
+``tp`` 2 with and without ``--sp``, FSDP2 on ``dp`` 2 over ``cp`` 2). Every case compares
+logits, loss and every gradient in train mode (13 tokens: uneven head-tail shards; the
+2-rank cases also 16), and the 2-rank cases also a left-padded batch, packed documents by
+``position_ids``, a user's 4-D mask, greedy generation after a cp prefill, a
+``torch.compile(fullgraph=True)`` step (Llama), a DCP round trip and the refusals.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, CpResu
     cases = []
     for family in FAMILIES:
         spec = _case(tmp, f"{family}_cp2", family, (("cp", 2),), cp=2)
-        cases.append(CpCase(**spec, padded=True, packed=True, mask4d=True, generate=True))
+        cases.append(CpCase(**spec, padded=True, packed=True, mask4d=True, generate=True, compiled=family == "llama"))
     refused = {
         "sliding window": dict(use_sliding_window=True, sliding_window=4, max_window_layers=0),
         "attention dropout": dict(attention_dropout=0.1),
@@ -74,7 +75,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, CpRes
             (f"{family}_cp2_tp2", (("cp", 2), ("tp", 2)), dict(cp=2, tp=2)),
             (f"{family}_cp2_tp2_sp", (("cp", 2), ("tp", 2)), dict(cp=2, tp=2, sp=True)),
         ):
-            cases.append(CpCase(**_case(tmp, name, family, mesh, **flags), lengths=(16, 13)))
+            cases.append(CpCase(**_case(tmp, name, family, mesh, **flags), lengths=(13,)))
     # FSDP2 on dp over cp: the cp 2 plan, fully_shard per decoder layer and root on dp, half the batch per dp rank
     spec = _case(tmp / "fsdp", "llama_cp2", "llama", (("dp", 2), ("cp", 2)), cp=2)
     training = [
@@ -88,6 +89,7 @@ def test_cp2_matches_the_unsharded_model(two_ranks: list[dict[str, CpResult]], f
     _check(two_ranks, f"{family}_cp2")
     result = two_ranks[0][f"{family}_cp2"]
     assert {"left-padded logits", "packed logits", "4-D mask logits"} <= set(result.checks)
+    assert family != "llama" or {"compiled logits", "compiled gradients"} <= set(result.checks)
     assert len(result.tokens[0]) == 6
 
 
@@ -136,10 +138,11 @@ def test_four_ranks_match_the_unsharded_model(four_ranks: list[dict[str, CpResul
 
 
 def test_cp4_and_sp_cut_each_ranks_tokens(four_ranks: list[dict[str, CpResult]]) -> None:
-    # cp 4: 16 tokens in 8 chunks of 2, 4 per rank; cp 2 x tp 2 with --sp: tp halves each cp rank's 8
-    assert [by_case["llama_cp4"].local_tokens for by_case in four_ranks] == [[4, 4]] * 4
-    assert [by_case["llama_cp2_tp2"].local_tokens for by_case in four_ranks] == [[8, 8]] * 4
-    assert [by_case["llama_cp2_tp2_sp"].local_tokens for by_case in four_ranks] == [[4, 4]] * 4
+    # cp 4: 13 tokens in 8 chunks (2, 2, 2, 2, 2, 1, 1, 1): rank r holds chunks r and 7 - r
+    assert [by_case["llama_cp4"].local_tokens for by_case in four_ranks] == [[3, 3], [3, 3], [3, 3], [4, 4]]
+    # cp 2 (chunks 4, 3, 3, 3: 7 and 6 tokens) x tp 2 (ranks 0, 1 are cp rank 0); --sp cuts each further on tp
+    assert [by_case["llama_cp2_tp2"].local_tokens for by_case in four_ranks] == [[7, 7], [7, 7], [6, 6], [6, 6]]
+    assert [by_case["llama_cp2_tp2_sp"].local_tokens for by_case in four_ranks] == [[4, 4], [3, 3], [3, 3], [3, 3]]
 
 
 # ---- refusals: one line each, exit 2 and nothing written (the planner), on every rank (parallelize)
