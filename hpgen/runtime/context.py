@@ -13,9 +13,13 @@ body with two changes, both made where the body already hands values over:
   values (Llama 3's all-gather form; the gradient of the gather is a reduce-scatter);
 - its ``attention_mask`` becomes this rank's query rows of the unsharded model's mask
   (transformers builds it for the whole sequence before the first decoder layer, so
-  padding, packed documents by ``position_ids`` and a user's 4-D mask are all in it), or,
-  where transformers left it to sdpa's ``is_causal``, the causal mask of this rank's
-  global positions.
+  padding, packed documents by ``position_ids`` and a user's 4-D mask are all in it).
+  Where transformers left causality to sdpa's ``is_causal`` (no mask), the body's
+  attention call goes to :func:`chunked_causal_sdpa` instead (the module reads its config
+  through :class:`AttentionConfig`, which names that function for the call): each of the
+  rank's two chunks attends to the keys up to its end with sdpa's ``is_causal``, no mask
+  materialized, so nothing quadratic in the sequence is saved for backward. (With eager
+  attention, the causal mask of this rank's global positions is built.)
 
 The body's attention implementation (sdpa or eager) then runs this rank's queries over all
 keys. A forward that continues a filled cache (a decode step) runs replicated on every
@@ -30,7 +34,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["GatheringCache", "gathered_kv_attention"]
+__all__ = ["AttentionConfig", "GatheringCache", "chunked_causal_sdpa", "gathered_kv_attention"]
+
+CHUNKED_CAUSAL = "hpgen_cp_chunked_causal_sdpa"  # its name in transformers' AttentionInterface
 
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")
 
@@ -76,6 +82,64 @@ def _query_rows(mask: Tensor | None, layout: Any, dtype: torch.dtype, eager: boo
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
+class AttentionConfig:
+    """An attention module's ``config``: the model's own, read and written through, except that
+    while :func:`gathered_kv_attention` runs a causal call without a mask its
+    ``_attn_implementation`` names :func:`chunked_causal_sdpa`."""
+
+    def __init__(self, config: Any) -> None:
+        object.__setattr__(self, "_hp_config", config)
+        object.__setattr__(self, "_hp_chunked", False)
+
+    @property
+    def _attn_implementation(self) -> Any:
+        return CHUNKED_CAUSAL if self._hp_chunked else self._hp_config._attn_implementation
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_hp_config"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_hp_"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._hp_config, name, value)
+
+
+def chunked_causal_sdpa(
+    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, **kwargs: Any
+) -> tuple[Tensor, None]:
+    """Causal sdpa of this rank's two chunks of queries over the whole sequence's keys, without a mask.
+
+    A chunk starting at global position ``s`` with ``L`` tokens attends to keys ``[0, s + L)``
+    causally, aligned at the end: its queries are put after ``s`` zero rows and run through
+    sdpa's ``is_causal`` (a square causal mask, which no kernel materializes), and the zero
+    rows' outputs are dropped. Exact; it saves nothing quadratic for backward, at the cost of
+    the zero rows' attention work.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    layout = module._hp_cp_layout
+    size = layout.size
+    pieces = []
+    offset = 0
+    for chunk in (layout.rank, 2 * size - 1 - layout.rank):
+        start, length = layout.chunks[chunk]
+        if length == 0:
+            continue
+        rows = query.narrow(2, offset, length)
+        offset += length
+        if start:
+            rows = torch.cat([rows.new_zeros((*rows.shape[:2], start, rows.shape[3])), rows], dim=2)
+        out, _ = sdpa_attention_forward(
+            module, rows, key.narrow(2, 0, start + length), value.narrow(2, 0, start + length), None,
+            is_causal=True, **kwargs,
+        )
+        pieces.append(out.narrow(1, start, length))  # [batch, length, heads, head_dim]
+    if not pieces:
+        return query.new_zeros((query.shape[0], 0, query.shape[1], query.shape[3])), None
+    return torch.cat(pieces, dim=1), None
+
+
 def gathered_kv_attention(module: nn.Module, *args: Any, axis: str = "cp", **kwargs: Any) -> Any:
     """The attention module's body with every rank's keys and values and this rank's mask rows.
 
@@ -98,15 +162,25 @@ def gathered_kv_attention(module: nn.Module, *args: Any, axis: str = "cp", **kwa
     extra = arguments.get(module._hp_cp_kwargs) or {}
     if cache is None and cache_name in extra:
         cache = extra[cache_name]
-    eager = module.config._attn_implementation == "eager"
+    config = module.config
+    implementation = config._attn_implementation
     mask = arguments.get("attention_mask")
-    dtype = _first_tensor(args, kwargs).dtype
-    arguments["attention_mask"] = _query_rows(mask, layout, dtype, eager)
+    chunked = mask is None and implementation == "sdpa" and isinstance(config, AttentionConfig)
+    if not chunked:
+        dtype = _first_tensor(args, kwargs).dtype
+        arguments["attention_mask"] = _query_rows(mask, layout, dtype, implementation == "eager")
     if cache_name in extra:
         extra[cache_name] = GatheringCache(ax, cache)
     else:
         arguments[cache_name] = GatheringCache(ax, cache)
-    return module._forward_impl(*bound.args, **bound.kwargs)
+    if not chunked:
+        return module._forward_impl(*bound.args, **bound.kwargs)
+    module._hp_cp_layout = layout
+    config._hp_chunked = True
+    try:
+        return module._forward_impl(*bound.args, **bound.kwargs)
+    finally:
+        config._hp_chunked = False
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> Tensor:
@@ -129,6 +203,11 @@ def _prepare(module: nn.Module, *, axis: str = "cp") -> None:
     module._hp_cp_signature = signature
     module._hp_cp_cache = cache
     module._hp_cp_kwargs = var_kw
+    if hasattr(module, "config") and not isinstance(module.config, AttentionConfig):
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(CHUNKED_CAUSAL, chunked_causal_sdpa)
+        module.config = AttentionConfig(module.config)
 
 
 gathered_kv_attention.prepare = _prepare  # type: ignore[attr-defined]
