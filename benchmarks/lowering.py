@@ -15,7 +15,7 @@ The stages are timed from the outside: for the duration of a run, the functions 
   classes); "imports", ``_absolute_imports`` (relative imports made absolute); "text", the
   rest of ``lower()``: the module's text regenerated from the tree, and the header;
 - compile: the builtin ``compile`` proving the generated code compiles;
-- write: ``hpgen.write.atomic_write`` into a temporary folder (temp file, fsync, rename).
+- write: ``hpgen.write.write_file`` into a temporary folder (temp file, fsync, rename).
 
 Times are the thread's CPU time (``time.thread_time``: other processes on a shared machine
 do not count), except the write, in wall time since it waits on fsync.
@@ -54,7 +54,7 @@ from transformers.models.auto import configuration_auto
 import hpgen.lower
 from hpgen.errors import HpgenError
 from hpgen.plan import plan_from_dict
-from hpgen.write import atomic_write
+from hpgen.write import write_file
 
 DEFAULT_TYPES = (
     "llama",
@@ -198,9 +198,9 @@ def time_case(case: Case, folder: Path) -> None:
         code = hpgen.lower.lower(case.text, plan, source_name=case.source.name, package=case.package)
         total = CLOCK() - start
     target = folder / case.source.name
-    target.unlink(missing_ok=True)  # atomic_write skips identical bytes; make it write
+    target.unlink(missing_ok=True)  # write_file skips identical bytes; make it write
     start = time.perf_counter()  # wall time: the write waits on fsync
-    atomic_write(target, code.encode())
+    write_file(target, code.encode())
     sink["write"] = time.perf_counter() - start
     sink["text"] = total - sum(sink[stage] for stage in WRAPPED.values())
     for stage in STAGES:

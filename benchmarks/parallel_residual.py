@@ -1,9 +1,10 @@
-"""One reduction a parallel-residual layer: decode and prefill of GPT-NeoX, GPT-J and Phi over 2 gloo ranks.
+"""One reduction a parallel-residual layer: decode and prefill of GPT-NeoX, GPT-J, Phi and Falcon over 2 gloo ranks.
 
     torchrun --nproc-per-node 2 benchmarks/parallel_residual.py [--rounds 12] [--compile] [--json out.json]
 
 One torchrun, one thread a rank, CPU. For each architecture (hidden 256, 8 heads,
-4 layers, fp32, SDPA) the same seeded weights are built as:
+4 layers, fp32, SDPA; multi-query Falcon also with 7 heads, hidden 224, cut 4/3) the same
+seeded weights are built as:
 
 - ``unsharded``: transformers' model on every rank;
 - ``hand-written``: sliced by hand, the attention and the MLP each all-reducing its output
@@ -60,8 +61,16 @@ MODELS = {
         hidden_size=256, num_attention_heads=8, num_kv_heads=2, new_decoder_architecture=True, num_hidden_layers=4,
         ffn_hidden_size=1024,
     )),
+    # Falcon-7B's layout (transformers' default): multi-query, one key/value head in the fused [queries | key |
+    # value]; with 8 heads (4 a rank) and 7 (4 and 3: hpgen's B(0, ...) with S(0,32), whole heads)
+    "falcon_mq": ("FalconConfig", "FalconForCausalLM", dict(
+        hidden_size=256, num_attention_heads=8, num_hidden_layers=4, ffn_hidden_size=1024,
+    )),
+    "falcon_mq7": ("FalconConfig", "FalconForCausalLM", dict(
+        hidden_size=224, num_attention_heads=7, num_hidden_layers=4, ffn_hidden_size=1024,
+    )),
 }  # fmt: skip
-NO_TP_PLAN = ("falcon",)  # transformers 5.24 has no tp_plan for these
+NO_TP_PLAN = ("falcon", "falcon_mq", "falcon_mq7")  # transformers 5.24 has no tp_plan for these
 COMMON = dict(vocab_size=1024, max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False)
 
 

@@ -14,7 +14,8 @@ docs/architecture.md draws it):
   ``durable``, ``context`` (what context parallelism does not cover): plain data every layer
   shares; no torch at import time, no libcst;
 - generator (core): ``index``, ``resolve``, ``emit``, ``lower``, ``write``, ``targets``,
-  ``explain``, ``generate``, ``summed_edit``, ``param_dims``: libcst in, files out;
+  ``explain``, ``generate``, ``summed_edit``, ``param_dims``, ``entry_names``: libcst in,
+  files out;
 - runtime (core): ``hpgen.runtime``, what generated files and users call; never libcst,
   the generator or the planner;
 - planner (core, generator): ``hpgen.planner``, ``hpgen plan``; never the runtime;

@@ -12,6 +12,7 @@ check`` on fresh targets does not pay for libcst.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -23,8 +24,8 @@ from hpgen import __version__
 from hpgen.errors import GeneratedCodeError, HpgenError, printable_path
 from hpgen.generate import check_target, generate, read_source
 from hpgen.plan import is_dotted_path
-from hpgen.targets import MODES, Target, find_pyproject, load_targets
-from hpgen.write import EXIT_BAD_INPUT, EXIT_INTERNAL, Report, atomic_write, unified_diff
+from hpgen.targets import MODES, BadTarget, Target, find_pyproject, load_targets
+from hpgen.write import EXIT_BAD_INPUT, EXIT_INTERNAL, Report, unified_diff, write_file
 
 
 def run_guarded(action: Callable[[], int]) -> None:
@@ -57,29 +58,52 @@ def plan_extra(command: str) -> Iterator[None]:
         raise HpgenError(f"{command} needs torch and transformers, and {missing} is not installed: {_PLAN_EXTRA}") from None
 
 
+@contextmanager
+def stdout_reader_may_leave() -> Iterator[None]:
+    """Let the reader of stdout go (``hpgen lower --check --diff | head``) without ending the run.
+
+    A closed pipe is no error of the run: what goes to stdout afterwards (and Python's flush at
+    exit) goes to the null device, nothing is said, and the exit status stays the run's own (1 for
+    a stale target). A closed pipe behind an output file is still reported: only stdout is covered.
+    """
+    try:
+        yield
+        sys.stdout.flush()
+    except BrokenPipeError:
+        try:
+            fd = sys.stdout.fileno()
+        except (AttributeError, OSError, ValueError):  # not a real stream (click's test runner)
+            return
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
+
+
 def write_stdout(text: str) -> None:
     """Write text as bytes, so CRLF and a BOM reach stdout unchanged."""
-    sys.stdout.flush()
-    sys.stdout.buffer.write(text.encode("utf-8"))
-    sys.stdout.buffer.flush()
+    with stdout_reader_may_leave():
+        sys.stdout.flush()
+        sys.stdout.buffer.write(text.encode("utf-8"))
+        sys.stdout.buffer.flush()
 
 
 def echo_diff(diff: str, color: bool | None) -> None:
     """A unified diff on stdout, coloured on a terminal (or as ``--color`` says)."""
-    for line in diff.splitlines(keepends=True):
-        body = line.rstrip("\r\n")
-        if line.startswith(("+++", "---")):
-            body = click.style(body, bold=True)
-        elif line[:1] in _DIFF_COLOURS:
-            body = click.style(body, fg=_DIFF_COLOURS[line[:1]])
-        click.echo(body + line[len(line.rstrip("\r\n")) :], nl=False, color=color)
+    with stdout_reader_may_leave():
+        for line in diff.splitlines(keepends=True):
+            body = line.rstrip("\r\n")
+            if line.startswith(("+++", "---")):
+                body = click.style(body, bold=True)
+            elif line[:1] in _DIFF_COLOURS:
+                body = click.style(body, fg=_DIFF_COLOURS[line[:1]])
+            click.echo(body + line[len(line.rstrip("\r\n")) :], nl=False, color=color)
 
 
 _DIFF_COLOURS = {"+": "green", "-": "red", "@": "cyan"}
 
 
-def configured_targets(outputs: Iterable[str] = ()) -> list[Target]:
-    """The ``[tool.hpgen]`` targets, or those among them whose output is in ``outputs``."""
+def configured_targets(outputs: Iterable[str] = ()) -> list[Target | BadTarget]:
+    """The ``[tool.hpgen]`` targets (bad entries among them), or those whose output is in ``outputs``."""
     pyproject = find_pyproject(Path.cwd())
     if pyproject is None:
         raise HpgenError("no pyproject.toml with a [tool.hpgen] table in this folder or above it; pass SOURCE and PLAN")
@@ -87,7 +111,10 @@ def configured_targets(outputs: Iterable[str] = ()) -> list[Target]:
     wanted = [Path(output).resolve() for output in outputs]
     if not wanted:
         return targets
-    by_output = {target.output.resolve(): target for target in targets if target.output is not None}
+    by_output: dict[Path, Target | BadTarget] = {}
+    for target in targets:  # the first entry naming an output is its target; a repeat is a BadTarget
+        if target.output is not None:
+            by_output.setdefault(target.output.resolve(), target)
     for output, path in zip(outputs, wanted):
         if path not in by_output:
             raise HpgenError(f"{output} is not the output of any target in {pyproject}")
@@ -95,18 +122,28 @@ def configured_targets(outputs: Iterable[str] = ()) -> list[Target]:
 
 
 def run_targets(
-    targets: list[Target], *, check: bool, diff: bool, full: bool, color: bool | None, summary: bool = True
+    targets: list[Target | BadTarget],
+    *,
+    check: bool,
+    diff: bool,
+    full: bool,
+    color: bool | None,
+    summary: bool = True,
+    fail_on_write: bool = False,
 ) -> int:
     """Regenerate (or, with ``check``/``diff``, compare) each target; one report for all.
 
     Each file written, stale or failed gets one line on stderr; ``summary`` adds a
     closing line of counts (for target lists) and otherwise a line for an untouched file.
+    ``fail_on_write`` makes a written file exit 1, as a formatter's pre-commit hook fails.
     """
-    report = Report(check=check or diff)
+    report = Report(check=check or diff, fail_on_write=fail_on_write)
     said: dict[str, str] = {}  # each error message printed so far -> the target it stopped first
     for target in targets:
         name = printable_path(target.output_name)
         try:
+            if isinstance(target, BadTarget):  # a wrong [tool.hpgen] entry: reported here, in its turn
+                raise target.error
             if check or diff:
                 found = check_target(target, full=full)
                 if found.fresh:
@@ -118,7 +155,7 @@ def run_targets(
                 click.echo(f"would regenerate {name}" + ("" if found.existing is not None else " (missing)"), err=True)
                 if diff:
                     echo_diff(unified_diff(found.existing or "", found.generated or "", name, f"{name} (hpgen)"), color)
-            elif atomic_write(target.output, generate(target).encode("utf-8")):
+            elif write_file(target.output, generate(target).encode("utf-8")):
                 report.written.append(name)
                 click.echo(f"wrote {name}", err=True)
             else:
@@ -159,6 +196,12 @@ def cli() -> None:
 @click.option("--mode", type=click.Choice(MODES), default="default", show_default=True)
 @click.option("--package", help="Package of SOURCE, for making its relative imports absolute.")
 @click.option("--color/--no-color", default=None, help="Colour diffs (default: when stdout is a terminal).")
+@click.option(
+    "--exit-non-zero-on-write",
+    "fail_on_write",
+    is_flag=True,
+    help="Exit 1 when a file was written, created ones included (the pre-commit hook).",
+)
 def lower_command(
     source: str | None,
     plan: str | None,
@@ -168,6 +211,7 @@ def lower_command(
     mode: str,
     package: str | None,
     color: bool | None,
+    fail_on_write: bool,
 ) -> None:
     """Rewrite the boundary classes of SOURCE as PLAN says.
 
@@ -179,16 +223,27 @@ def lower_command(
         if source is None:
             if output is not None or package is not None or mode != "default":
                 raise HpgenError("-o, --mode and --package need SOURCE and PLAN; targets set them in pyproject.toml")
-            return run_targets(configured_targets(), check=check, diff=diff, full=False, color=color)
+            return run_targets(
+                configured_targets(), check=check, diff=diff, full=False, color=color, fail_on_write=fail_on_write
+            )
         if plan is None:
             raise click.UsageError("Missing argument 'PLAN'.")
-        return _lower_one(source, plan, None if output in (None, "-") else output, check, diff, mode, package, color)
+        output_file = None if output in (None, "-") else output
+        return _lower_one(source, plan, output_file, check, diff, mode, package, color, fail_on_write)
 
     run_guarded(run)
 
 
 def _lower_one(
-    source: str, plan: str, output: str | None, check: bool, diff: bool, mode: str, package: str | None, color: bool | None
+    source: str,
+    plan: str,
+    output: str | None,
+    check: bool,
+    diff: bool,
+    mode: str,
+    package: str | None,
+    color: bool | None,
+    fail_on_write: bool,
 ) -> int:
     if package is not None and not is_dotted_path(package):
         raise HpgenError(f"--package {package!r} is not a dotted package name")
@@ -201,7 +256,9 @@ def _lower_one(
         raise HpgenError("the output is a folder; give a file name", file=output)
     target = Target(Path(source), Path(plan), None if output is None else Path(output), mode, package)
     if output is not None:
-        return run_targets([target], check=check, diff=diff, full=True, color=color, summary=False)
+        return run_targets(
+            [target], check=check, diff=diff, full=True, color=color, summary=False, fail_on_write=fail_on_write
+        )
     generated = generate(target)
     if diff:  # no output file: show what hpgen changes in the source
         text, _ = read_source(target.source)
@@ -231,8 +288,12 @@ def check_command(outputs: tuple[str, ...], full: bool, color: bool | None) -> N
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @click.option("--config", "config", help="A model type or config.json: add the sizing report for that model.")
 @click.option("--tp", type=click.IntRange(min=1), help="Ranks for the sizing report (default 2).")
-@click.option("--dtype", default="bfloat16", show_default=True, help="Parameter and activation dtype for the sizing report.")
-def explain_command(source: str, plan: str, as_json: bool, config: str | None, tp: int | None, dtype: str) -> None:
+@click.option(
+    "--dtype", help="Parameter and activation dtype for the sizing report (default: the config's, else bfloat16)."
+)
+def explain_command(
+    source: str, plan: str, as_json: bool, config: str | None, tp: int | None, dtype: str | None
+) -> None:
     """Per class: FQNs, form, each op and why, and collectives per forward call.
 
     With --config, also the parameter bytes per rank and the collectives per decoder layer
@@ -289,7 +350,7 @@ def explain_command(source: str, plan: str, as_json: bool, config: str | None, t
     help="Reduce a parallel-residual block's attention and MLP separately (two collectives, not one).",
 )
 @click.option("--explain", "show_notes", is_flag=True, help="Say on stderr what was sharded and why the rest was not.")
-@click.option("--dtype", default="bfloat16", show_default=True, help="Dtype of the sizing report printed on stderr.")
+@click.option("--dtype", help="Dtype of the sizing report printed on stderr (default: the config's, else bfloat16).")
 @click.option("-o", "--output", help="Write the plan here instead of stdout ('-' is stdout).")
 def plan_command(
     model: str,
@@ -301,7 +362,7 @@ def plan_command(
     from_source: bool,
     no_summed: bool,
     show_notes: bool,
-    dtype: str,
+    dtype: str | None,
     output: str | None,
 ) -> None:
     """Write a frozen plan for MODEL (a transformers model type or a config.json).
@@ -333,7 +394,10 @@ def plan_command(
         if output in (None, "-"):
             write_stdout(text)
         else:
-            written = atomic_write(output, text.encode("utf-8"))
+            try:
+                written = write_file(output, text.encode("utf-8"))
+            except OSError as exc:  # a read-only folder, a folder as -o, a full disk...
+                raise HpgenError(f"cannot write: {exc.strerror or exc}", file=output) from None
             click.echo(f"wrote {output}" if written else f"{output} unchanged", err=True)
         return 0
 
@@ -357,9 +421,10 @@ def verify_command(plan: str, model: str | None, source: str | None, ranks: int 
     """
 
     def run() -> int:
-        from hpgen.verify.cli import verify_command as body
+        with plan_extra("hpgen verify"):
+            from hpgen.verify.cli import verify_command as body
 
-        return body(plan, model, source, ranks, as_json)
+            return body(plan, model, source, ranks, as_json)
 
     run_guarded(run)
 

@@ -226,13 +226,35 @@ def explain(analysis: Analysis) -> dict[str, Any]:
                 }
             )
     wrapped = [_external_record(analysis.plan, key, found.name, made) for key, found in analysis.external.items()]
-    return {
+    report: dict[str, Any] = {
         "mesh_dim_names": list(analysis.plan.mesh_dim_names),
         "classes": classes,
         "wrapped": wrapped,
         "skipped": list(analysis.skipped),
         "elsewhere": {key: found.name for key, found in analysis.elsewhere.items()},
     }
+    whole_units = _whole_unit_records(analysis.plan)
+    if whole_units:  # hpgen.plan/2 only: a plan/1 plan's report is unchanged
+        report["whole_units"] = whole_units
+    return report
+
+
+def _whole_unit_records(plan: Plan) -> list[dict[str, Any]]:
+    """The entries whose parameters are cut in whole units or blocks, or that set attributes per rank:
+    their parameters' layouts and how each per-rank attribute is counted (``parallelize`` does both)."""
+    found = []
+    for key, entry in plan.entries.items():
+        uneven = any(p.whole_units for layout in entry.params.values() for _, p in layout.placements)
+        if not uneven and not entry.local_attrs:
+            continue
+        found.append(
+            {
+                "key": key,
+                "params": {name: {axis: str(p) for axis, p in layout.placements} for name, layout in sorted(entry.params.items())},
+                "local_attrs": {attr: count.describe() + (f" per {count.per.describe()}" if count.per else "") for attr, count in entry.local_attrs},
+            }
+        )
+    return found
 
 
 def _op_lines(ops: list[dict[str, Any]]) -> list[str]:
@@ -296,6 +318,13 @@ def explain_text(report: dict[str, Any]) -> str:
             lines.append(f"{record['fqn']}: {record['class']}, not in the source: wrapped by hpgen.runtime.parallelize")
         lines.append(f"  runs: {record['runs']}")
         lines += _op_lines(record["ops"])
+    for record in report.get("whole_units", []):
+        lines.append("")
+        lines.append(f"{record['key']}: parameters cut in whole units or blocks (by hpgen.runtime.parallelize)")
+        for name, layout in record["params"].items():
+            lines.append(f"  {name}: {', '.join(f'{axis} {p}' for axis, p in layout.items())}")
+        for attr, count in record["local_attrs"].items():
+            lines.append(f"  {attr} per rank: {count}")
     for key in report["skipped"]:
         lines.append("")
         lines.append(f"{key}: skip_source_lowering")

@@ -104,6 +104,11 @@ class ClassInfo:
     # ``self.<attr> = nn.Parameter(torch.empty(a, b))`` in ``__init__``: attr -> (dims, line), where the
     # factory's arguments say how many dims (every such assignment agreeing)
     param_dims: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # every ``self.<attr>`` any method assigns (``self.x = ...``, ``setattr(self, "x", ...)``,
+    # ``self.register_buffer("x", ...)``...), and whether some method sets one under a computed
+    # name (``setattr(self, name, ...)``), so that the full set is not known
+    attributes: frozenset[str] = frozenset()
+    dynamic_attributes: bool = False
 
 
 @dataclass(frozen=True)
@@ -300,6 +305,7 @@ def _index_class(node: cst.ClassDef, lines: _LineTable) -> ClassInfo:
     info.forward_lines = tuple(statement.lineno for statement in forward_ast)
     info.definition_lines = tuple(lines.definitions.get(info.name, ()))
     info.members = lines.members(info.name)
+    info.attributes, info.dynamic_attributes = _self_attributes(lines.classes.get(info.name))
     init_ast = lines.init_node(info.name)
     if init_ast is not None:
         info.children = _index_children(init_ast)
@@ -414,6 +420,45 @@ def _index_children(init: ast.FunctionDef) -> dict[str, tuple[Child, ...]]:
             if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
                 children.setdefault(target.attr, []).append(Child(found[0], found[1], node.lineno))
     return {attr: tuple(found) for attr, found in children.items()}
+
+
+# Calls that set an attribute of ``self`` by a name given as a string: ``setattr(self, name, ...)``
+# and nn.Module's registering methods ``self.<method>(name, ...)``.
+_NAMED_SETTERS = {"register_buffer", "register_parameter", "add_module", "register_module"}
+
+
+def _self_attributes(node: ast.ClassDef | None) -> tuple[frozenset[str], bool]:
+    """The ``self.<attr>`` names the class's methods assign, and whether one is assigned by a computed name."""
+    names: set[str] = set()
+    dynamic = False
+    for child in ast.walk(node) if node is not None else ():
+        if isinstance(child, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = child.targets if isinstance(child, ast.Assign) else [child.target]
+            for target in targets:
+                for part in ast.walk(target):
+                    if isinstance(part, ast.Attribute) and isinstance(part.value, ast.Name) and part.value.id == "self":
+                        names.add(part.attr)
+        elif isinstance(child, ast.Call):
+            func = child.func
+            is_setattr = isinstance(func, ast.Name) and func.id == "setattr" and child.args
+            is_setattr = is_setattr and isinstance(child.args[0], ast.Name) and child.args[0].id == "self"
+            is_register = (
+                isinstance(func, ast.Attribute)
+                and func.attr in _NAMED_SETTERS
+                and isinstance(func.value, ast.Name)
+                and func.value.id == "self"
+            )
+            if is_setattr or is_register:
+                named = child.args[1] if is_setattr and len(child.args) > 1 else child.args[0] if child.args else None
+                if isinstance(named, ast.Constant) and isinstance(named.value, str):
+                    names.add(named.value)
+                else:
+                    dynamic = True
+        elif isinstance(child, ast.Attribute) and child.attr in ("__dict__", "__setattr__"):
+            dynamic = True  # ``self.__dict__.update(...)``, ``object.__setattr__(self, name, ...)``
+        elif isinstance(child, ast.Name) and child.id == "vars":
+            dynamic = True
+    return frozenset(names), dynamic
 
 
 def _index_param_dims(init: ast.FunctionDef) -> dict[str, tuple[int, int]]:

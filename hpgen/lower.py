@@ -15,6 +15,7 @@ import libcst as cst
 from hpgen import __version__
 from hpgen.classify import Contract, classify_contract, is_identity_contract
 from hpgen.emit import AbsoluteImports, Style, header_text, rewrite_class
+from hpgen.entry_names import check_entry_names
 from hpgen.errors import GeneratedCodeError, HpgenError
 from hpgen.header import Header, display_name, sha256_text
 from hpgen.index import RUNTIME_IMPORT_TEXT as RUNTIME_IMPORT
@@ -71,6 +72,7 @@ def analyze(source_text: str, plan: Plan, *, source_name: str = "<source>") -> A
             where="1:1",
         )
     resolved = resolve_boundaries(plan, index, source_name=source_name)
+    check_entry_names(plan, index, resolved, source_name=source_name)
     check_param_dims(plan, index, resolved, source_name=source_name)
     keys_by_class: dict[str, list[str]] = defaultdict(list)
     external, elsewhere = {}, {}

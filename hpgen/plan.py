@@ -20,6 +20,7 @@ from hpgen.plan_entries import (
     FunctionRef,
     Injection,
     Layout,
+    LocalCount,
     Plan,
     SummedBranch,
     SummedReduction,
@@ -29,15 +30,18 @@ from hpgen.plan_entries import (
     summed_branches,
 )
 from hpgen.plan_names import fqn_matches, is_dotted_path, is_fqn_pattern, is_identifier, is_param_path, patterns_overlap
-from hpgen.plan_reader import PLAN_FORMAT, RESERVED_AXIS_NAMES, PlanReader
+from hpgen.plan_reader import PLAN_FORMAT, PLAN_FORMAT_2, PLAN_FORMATS, RESERVED_AXIS_NAMES, PlanReader
 
 __all__ = [
     "PLAN_FORMAT",
+    "PLAN_FORMATS",
+    "PLAN_FORMAT_2",
     "RESERVED_AXIS_NAMES",
     "Entry",
     "FunctionRef",
     "Injection",
     "Layout",
+    "LocalCount",
     "Plan",
     "SummedBranch",
     "SummedReduction",

@@ -8,18 +8,23 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from hpgen.placement import REPLICATE, Placement
 from hpgen.plan_names import fqn_matches
+from hpgen.shards import ShardLayout, block_ranges
 
 __all__ = [
     "LAYOUT_KEYS",
+    "PLAN_FORMAT",
+    "PLAN_FORMATS",
+    "PLAN_FORMAT_2",
     "Entry",
     "FunctionRef",
     "Injection",
     "Layout",
+    "LocalCount",
     "Plan",
     "SummedBranch",
     "SummedReduction",
@@ -30,6 +35,12 @@ __all__ = [
 ]
 
 LAYOUT_KEYS = ("in_src", "in_dst", "out_src", "out_dst")  # an entry's four layout maps, in document order
+
+PLAN_FORMAT = "hpgen.plan/1"
+# The first format with whole-unit placements (S(d,u), S(d,u,g), B(...)) and local_attrs. A plan
+# that uses none of them is written as PLAN_FORMAT, byte for byte as before.
+PLAN_FORMAT_2 = "hpgen.plan/2"
+PLAN_FORMATS = (PLAN_FORMAT, PLAN_FORMAT_2)
 
 
 @dataclass(frozen=True)
@@ -102,6 +113,80 @@ class SummedReduction:
 
 
 @dataclass(frozen=True)
+class LocalCount:
+    """A ``local_attrs`` value: an int attribute's value on each rank, read from its shards.
+
+    How many whole units of ``unit`` elements this rank holds of dim ``dim`` of parameter
+    ``of`` (of block ``block`` of it, when that dim is laid out ``B``), times ``times`` (the
+    query heads of whole key/value groups: 16 per group of Falcon-40B's fused projection);
+    with ``per``, that count divided by ``per``'s (query heads per key/value head). Every
+    division must be exact.
+    """
+
+    of: str
+    dim: int
+    unit: int = 1
+    block: int | None = None
+    per: LocalCount | None = None
+    times: int = 1
+
+    def value(self, shard_of: Callable[[str], ShardLayout]) -> int:
+        """The value on the rank whose shard of each named parameter ``shard_of`` gives; ``ValueError``
+        saying why where a count does not divide or the parameter has no such dim or block."""
+        count = self._count(shard_of)
+        if self.per is None:
+            return count
+        per = self.per.value(shard_of)
+        if per == 0 or count % per:
+            raise ValueError(f"{self.describe()}: {count} over {self.per.describe()} = {per} does not divide")
+        return count // per
+
+    def _count(self, shard_of: Callable[[str], ShardLayout]) -> int:
+        layout = shard_of(self.of)
+        ndim = len(layout.shape)
+        if not -ndim <= self.dim < ndim:
+            raise ValueError(f"{self.of} has no dim {self.dim} (shape {layout.shape})")
+        dim = self.dim % ndim
+        start, stop = 0, layout.shape[dim]
+        if self.block is not None:
+            blocks = [p for p in layout.placements if p.kind == "B" and p.dim is not None and p.dim % ndim == dim]
+            if not blocks:
+                raise ValueError(f"{self.of} dim {dim} is not laid out in blocks (B), so it has no block {self.block}")
+            ranges = block_ranges(blocks[0])
+            if not 0 <= self.block < len(ranges):
+                raise ValueError(f"{self.of} dim {dim} has {len(ranges)} blocks ({blocks[0]}), no block {self.block}")
+            start, stop = ranges[self.block][0]
+        held = layout.held_count(dim, start, stop)
+        if held % self.unit:
+            raise ValueError(f"{self.describe()}: this rank holds {held} elements, not whole units of {self.unit}")
+        return held // self.unit * self.times
+
+    def describe(self) -> str:
+        """The count in words, for messages: ``q_proj.weight dim 0 in units of 128``."""
+        block = f" block {self.block}" if self.block is not None else ""
+        unit = f" in units of {self.unit}" if self.unit > 1 else ""
+        times = f" times {self.times}" if self.times > 1 else ""
+        return f"{self.of} dim {self.dim}{block}{unit}{times}"
+
+    def document(self) -> dict[str, object]:
+        """The spec as a plan document writes it."""
+        doc: dict[str, object] = {"of": self.of, "dim": self.dim}
+        if self.unit != 1:
+            doc["unit"] = self.unit
+        if self.block is not None:
+            doc["block"] = self.block
+        if self.times != 1:
+            doc["times"] = self.times
+        if self.per is not None:
+            doc["per"] = self.per.document()
+        return doc
+
+    def params(self) -> tuple[str, ...]:
+        """The parameters it reads."""
+        return (self.of, *(self.per.params() if self.per else ()))
+
+
+@dataclass(frozen=True)
 class Entry:
     """One ``param_plan`` entry: the contract of the boundaries its key matches."""
 
@@ -123,6 +208,7 @@ class Entry:
     summed_reduction: SummedReduction | None = None
     tp_divide_attrs: tuple[str, ...] = ()
     divide_attrs: tuple[tuple[str, int], ...] = ()  # (attribute, divisor), sorted by attribute
+    local_attrs: tuple[tuple[str, LocalCount], ...] = ()  # (attribute, its per-rank count), sorted by attribute
     is_boundary: bool = True
     region_dispatch: bool = False
     skip_source_lowering: bool = False
@@ -177,6 +263,16 @@ class Plan:
     def digest(self) -> str:
         """sha256 of what the plan says, whatever its file's formatting, key order or name."""
         return hashlib.sha256(_canonical_text(self).encode()).hexdigest()
+
+    def required_format(self) -> str:
+        """The oldest format that holds this plan: ``hpgen.plan/2`` where a parameter is laid out in whole
+        units or blocks, or an entry has ``local_attrs``; else ``hpgen.plan/1``."""
+        for entry in self.entries.values():
+            if entry.local_attrs or any(
+                placement.whole_units for layout in entry.params.values() for _, placement in layout.placements
+            ):
+                return PLAN_FORMAT_2
+        return PLAN_FORMAT
 
     def boundary_class_for(self, key: str) -> str | None:
         """The class that ``boundary_classes`` names for an entry key, if any."""

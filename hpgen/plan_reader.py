@@ -14,19 +14,30 @@ from hpgen.errors import HpgenError
 from hpgen.placement import REPLICATE, Placement
 from hpgen.plan_entries import (
     LAYOUT_KEYS,
+    PLAN_FORMAT,
+    PLAN_FORMAT_2,
+    PLAN_FORMATS,
     Entry,
     FunctionRef,
     Injection,
     Layout,
+    LocalCount,
     Plan,
     SummedReduction,
     summed_branches,
 )
 from hpgen.plan_names import fqn_matches, is_dotted_path, is_fqn_pattern, is_identifier, is_param_path, patterns_overlap
 
-__all__ = ["ENTRY_KEYS", "INJECTION_KEYS", "PLAN_FORMAT", "RESERVED_AXIS_NAMES", "TOP_LEVEL_KEYS", "PlanReader"]
-
-PLAN_FORMAT = "hpgen.plan/1"
+__all__ = [
+    "ENTRY_KEYS",
+    "INJECTION_KEYS",
+    "PLAN_FORMAT",
+    "PLAN_FORMATS",
+    "PLAN_FORMAT_2",
+    "RESERVED_AXIS_NAMES",
+    "TOP_LEVEL_KEYS",
+    "PlanReader",
+]
 
 TOP_LEVEL_KEYS = {"format", "model_class", "mesh_dim_names", "boundary_classes", "param_plan", "injections"}
 ENTRY_KEYS = {
@@ -40,12 +51,14 @@ ENTRY_KEYS = {
     "summed_reduction",
     "tp_divide_attrs",
     "divide_attrs",
+    "local_attrs",
     "is_boundary",
     "region_dispatch",
     "skip_source_lowering",
 }
 INJECTION_KEYS = {"match", "local_compute_fn", "inner_wrapper"}
 SUMMED_KEYS = {"branches", "shared_input", "paired_input"}
+LOCAL_COUNT_KEYS = {"of", "dim", "unit", "block", "times", "per"}
 # An axis's collectives live on a boundary module as ``_hp_<axis>``. hpgen's other ``_hp_``
 # attributes (the generated class defaults, what the runtime binds) end in these names,
 # so an axis called so would overwrite one of them.
@@ -69,6 +82,7 @@ class PlanReader:
     def __init__(self, name: str) -> None:
         self.name = name
         self.mesh: tuple[str, ...] = ()
+        self.format: str | None = None  # the document's "format", None when it says none
 
     def fail(self, where: str, message: str) -> HpgenError:
         return HpgenError(message, file=self.name, where=where or None)
@@ -116,8 +130,11 @@ class PlanReader:
     def read(self, document: object, sha256: str) -> Plan:
         top = self.expect_object(document, "")
         # Unknown top-level keys are ignored: hyper_parallel's codegen_meta.json carries more.
-        if "format" in top and top["format"] != PLAN_FORMAT:
-            raise self.fail("format", f"unsupported plan format {top['format']!r} (expected {PLAN_FORMAT!r})")
+        if "format" in top:
+            if top["format"] not in PLAN_FORMATS:
+                expected = " or ".join(repr(name) for name in PLAN_FORMATS)
+                raise self.fail("format", f"unsupported plan format {top['format']!r} (expected {expected})")
+            self.format = top["format"]
         if "mesh_dim_names" not in top:
             raise self.fail("", "missing required key 'mesh_dim_names'")
         if "param_plan" not in top:
@@ -190,13 +207,16 @@ class PlanReader:
                 found[axis] = Placement.parse(text)
             except ValueError as exc:
                 raise self.fail(axis_where, str(exc)) from None
-            if found[axis].kind == "RS" and not params:
-                # a replicated shard says where a parameter's chunks live; boundary values
-                # move by collectives, and none of them reads or makes replicated chunks
+            if (found[axis].kind == "RS" or found[axis].whole_units) and not params:
+                # a replicated shard, a cut in whole units or in blocks says where a parameter's
+                # pieces live; boundary values move by collectives, and none of them reads or
+                # makes such pieces
                 raise self.fail(
                     axis_where,
-                    f"{found[axis]} is a parameter placement (params); inputs and outputs take R, S, P or SS",
+                    f"{found[axis]} is a parameter placement (params); inputs and outputs take R, S(d), P or SS",
                 )
+            if found[axis].whole_units:
+                self.require_format_2(axis_where, f"{found[axis]} (a placement in whole units or blocks)")
         return Layout(tuple((axis, found.get(axis, REPLICATE)) for axis in self.mesh))
 
     def layouts(
@@ -219,6 +239,50 @@ class PlanReader:
             if isinstance(divisor, bool) or not isinstance(divisor, int) or divisor < 1:
                 raise self.fail(name_where, f"expected a positive integer divisor, got {_json_type(divisor)}")
             found.append((name, divisor))
+        return tuple(found)
+
+    def require_format_2(self, where: str, what: str) -> None:
+        """A plan that says it is ``hpgen.plan/1`` cannot use what ``hpgen.plan/2`` added."""
+        if self.format == PLAN_FORMAT:
+            raise self.fail(
+                where, f"{what} is new in {PLAN_FORMAT_2!r}, but the plan says \"format\": {PLAN_FORMAT!r}"
+            )
+
+    def expect_int(self, value: object, where: str, *, minimum: int | None = None) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(where, f"expected an integer, got {_json_type(value)}")
+        if minimum is not None and value < minimum:
+            raise self.fail(where, f"expected an integer of at least {minimum}, got {value}")
+        return value
+
+    def local_count(self, value: object, where: str, *, nested: bool = False) -> LocalCount:
+        """One ``local_attrs`` value: ``{"of", "dim", "unit"?, "block"?, "times"?, "per"?}``."""
+        doc = self.expect_object(value, where)
+        self.check_keys(doc, LOCAL_COUNT_KEYS - ({"per"} if nested else set()), where, "a local_attrs count")
+        for required in ("of", "dim"):
+            if required not in doc:
+                raise self.fail(where, f"missing required key {required!r}")
+        of = self.expect_name(doc["of"], _path_join(where, "of"), is_param_path, "a parameter path")
+        dim = self.expect_int(doc["dim"], _path_join(where, "dim"))
+        unit = self.expect_int(doc.get("unit", 1), _path_join(where, "unit"), minimum=1)
+        times = self.expect_int(doc.get("times", 1), _path_join(where, "times"), minimum=1)
+        block = None
+        if "block" in doc:
+            block = self.expect_int(doc["block"], _path_join(where, "block"), minimum=0)
+        per = None
+        if "per" in doc:
+            per = self.local_count(doc["per"], _path_join(where, "per"), nested=True)
+        return LocalCount(of, dim, unit, block, per, times)
+
+    def local_attrs(self, value: object, where: str) -> tuple[tuple[str, LocalCount], ...]:
+        """``local_attrs``: attribute name -> its per-rank count."""
+        found = []
+        for name, spec in sorted(self.expect_object(value, where).items()):
+            name_where = _path_join(where, name)
+            self.expect_name(name, name_where, what="an attribute name (an identifier)")
+            found.append((name, self.local_count(spec, name_where)))
+        if found:
+            self.require_format_2(where, "local_attrs")
         return tuple(found)
 
     def entry(self, key: str, value: object, where: str) -> Entry:
@@ -275,6 +339,11 @@ class PlanReader:
                 raise self.fail(
                     _path_join(_path_join(where, "divide_attrs"), name), f"{name!r} is in tp_divide_attrs too"
                 )
+        local = self.local_attrs(doc.get("local_attrs", {}), _path_join(where, "local_attrs"))
+        for name, _ in local:
+            if name in divide or name in dict(divisors):
+                other = "tp_divide_attrs" if name in divide else "divide_attrs"
+                raise self.fail(_path_join(_path_join(where, "local_attrs"), name), f"{name!r} is in {other} too")
         flags = {
             part: self.expect_bool(doc[part], _path_join(where, part))
             for part in ("is_boundary", "region_dispatch", "skip_source_lowering")
@@ -296,6 +365,7 @@ class PlanReader:
             summed_reduction=summed,
             tp_divide_attrs=tuple(sorted(divide)),
             divide_attrs=divisors,
+            local_attrs=local,
             is_boundary=flags.get("is_boundary", has_io),
             region_dispatch=flags.get("region_dispatch", False),
             skip_source_lowering=flags.get("skip_source_lowering", False),

@@ -52,6 +52,11 @@ def resolve_key(plan: Plan, index: ModuleIndex, key: str, *, source_name: str) -
     return _Resolver(plan, index, source_name).resolve(key)
 
 
+def root_class(plan: Plan, index: ModuleIndex, key: str, *, source_name: str) -> ClassInfo:
+    """The class the plan's FQNs start from (``model_class``, else the file's one causal LM); errors name ``key``."""
+    return _Resolver(plan, index, source_name).root(key)
+
+
 class _Resolver:
     def __init__(self, plan: Plan, index: ModuleIndex, source_name: str) -> None:
         self.plan = plan

@@ -1,20 +1,25 @@
 """Shard arithmetic of the plan's placements, shared by the planner and the runtime.
 
 ``S(d)`` splits dim ``d`` like ``torch.tensor_split`` (the first ``n % k`` ranks hold one
-more element); ``SS(d,k)`` cuts dim ``d`` into ``k`` equal packed blocks (a fused
+more element); ``S(d,u)`` does the same over whole units of ``u`` elements (whole heads:
+the first ranks hold one more head); ``S(d,u,g)`` cuts dim ``d`` into ``g`` equal groups,
+the axis into ``g`` consecutive sets of ``size / g`` ranks, and set ``j`` cuts group ``j``
+in whole units; ``SS(d,k)`` cuts dim ``d`` into ``k`` equal packed blocks (a fused
 ``gate_up_proj``) and gives each rank its ``S(d)`` chunk of every block, concatenated in
 block order; ``RS(d,r)`` cuts dim ``d`` into ``size / r`` chunks (``tensor_split`` again)
-and gives rank ``i`` chunk ``i // r``, so ``r`` consecutive ranks hold each chunk. A
-layout over several mesh axes applies them in mesh order, each axis splitting what the
-previous ones left. DTensor's ``Shard`` and FSDP2 follow ``torch.chunk`` instead (pieces
-of ``ceil(n / k)``, trailing ranks may get nothing): :func:`chunk_bounds` is that one.
+and gives rank ``i`` chunk ``i // r``, so ``r`` consecutive ranks hold each chunk;
+``B(d, n1:P1, ...)`` gives each rank its piece of every block (by the block's own
+placement), concatenated in block order. A layout over several mesh axes applies them in
+mesh order, each axis splitting what the previous ones left. DTensor's ``Shard`` and
+FSDP2 follow ``torch.chunk`` instead (pieces of ``ceil(n / k)``, trailing ranks may get
+nothing): :func:`chunk_bounds` is that one.
 
 :class:`ShardLayout` is a parameter's shard on one rank (full shape, and per mesh axis
 the placement, the rank's index and the axis size): its local shape, the global ranges
 it holds per dim, the contiguous boxes they make, and the local slice of a full tensor
-all come from one walk over the axes (:func:`_axis_step`), the only place that tells
-``S``, ``RS`` and ``SS`` apart. The runtime's :mod:`hpgen.runtime.shard_layout` adds the
-DTensor names of a layout and back.
+all come from one walk over the axes (:func:`_axis_step`, whose :func:`held_positions`
+is the only place that tells the placements apart). The runtime's
+:mod:`hpgen.runtime.shard_layout` adds the DTensor names of a layout and back.
 
 Pure integer functions (no torch at import time; tensors are only handed in, and used by
 their methods), so the planner's sizing report and the runtime's sharding compute the
@@ -38,7 +43,10 @@ __all__ = [
     "ShardLayout",
     "chunk_bounds",
     "chunk_sizes",
+    "block_ranges",
+    "blocks_problem",
     "chunks_and_index",
+    "held_positions",
     "normalize_dim",
     "placement_problem",
     "row_heads",
@@ -99,21 +107,100 @@ def placement_problem(shape: Sequence[int], placement: Placement, size: int) -> 
     """Why a parameter of ``shape`` cannot take ``placement`` on an axis of ``size`` ranks, or None."""
     if placement.is_partial:
         return f"a parameter cannot be partial ({placement}): parameters hold values, not sums"
-    if placement.kind in ("S", "SS", "RS"):
+    if placement.kind in ("S", "SS", "RS", "B"):
         dim = normalize_dim(placement.dim, len(shape))
         if dim is None:
             return f"{placement} names dim {placement.dim}, but the parameter has shape {tuple(shape)}"
-        if placement.kind == "SS" and shape[dim] % placement.blocks:
-            return (
-                f"{placement} cuts dim {dim} of size {shape[dim]} into {placement.blocks} packed blocks, "
-                "which does not divide"
-            )
+        n = shape[dim]
+        if placement.kind == "SS" and n % placement.blocks:
+            return f"{placement} cuts dim {dim} of size {n} into {placement.blocks} packed blocks, which does not divide"
         if placement.kind == "RS" and size % placement.replicas:
             return (
                 f"{placement} puts each chunk on {placement.replicas} ranks, which does not divide the axis "
                 f"size {size}"
             )
+        if placement.kind == "S" and placement.whole_units:
+            return _units_problem(n, dim, placement, size)
+        if placement.kind == "B":
+            total = sum(block for block, _ in placement.parts)
+            if total != n:
+                return f"{placement}'s blocks add up to {total}, but dim {dim} has size {n}"
+            for index, (block, inner) in enumerate(placement.parts):
+                inner_shape = (*shape[:dim], block, *shape[dim + 1 :])
+                problem = placement_problem(inner_shape, inner, size)
+                if problem is not None:
+                    return f"block {index} ({block}:{inner}) of {placement}: {problem}"
     return None
+
+
+def _units_problem(n: int, dim: int, placement: Placement, size: int) -> str | None:
+    """Why ``S(d,u,g)`` cannot cut dim ``dim`` of size ``n`` over ``size`` ranks: groups or units that do
+    not divide, or a rank left with no unit (no head)."""
+    unit, groups = placement.unit, placement.groups
+    if size % groups:
+        return f"{placement} cuts the axis of size {size} into {groups} sets of ranks, which does not divide"
+    if n % groups:
+        return f"{placement} cuts dim {dim} of size {n} into {groups} groups, which does not divide"
+    group = n // groups
+    if group % unit:
+        where = f"its groups of {group}" if groups > 1 else f"dim {dim} of size {n}"
+        return f"{placement} cuts in whole units of {unit}, which do not divide {where}"
+    units, ranks = group // unit, size // groups
+    if units < ranks:
+        if groups > 1:
+            return (
+                f"{placement}: each of the {groups} groups holds {units} units of {unit} for its {ranks} ranks, so "
+                f"a rank would hold none (no head): at most {units * groups} ranks"
+            )
+        return (
+            f"{placement}: dim {dim} holds {units} units of {unit}, fewer than the {size} ranks, so a rank would "
+            f"hold none (no head): at most {units} ranks"
+        )
+    return None
+
+
+def held_positions(total: int, placement: Placement, rank: int, size: int, chunked: bool = False) -> list[Run]:
+    """The ``[start, stop)`` positions of a dim of ``total`` elements that rank ``rank`` of an axis of
+    ``size`` keeps under ``placement``, in the order its shard holds them.
+
+    The one place that tells ``R``, ``S`` (plain, in units, in groups), ``RS``, ``SS`` and ``B``
+    apart. ``chunked``: DTensor's reading (``torch.chunk`` pieces) instead of hpgen's
+    (``torch.tensor_split``); DTensor has no whole-unit shard, so ``S(d,u,g)`` reads as its ``Shard(d)``.
+    """
+    bounds = chunk_bounds if chunked else split_bounds
+    kind = placement.kind
+    if kind == "R":
+        return [(0, total)]
+    if kind == "S" and placement.whole_units and not chunked:
+        per_set = size // placement.groups
+        group_index, index = divmod(rank, per_set)
+        group = total // placement.groups
+        lo, hi = split_bounds(group // placement.unit, per_set, index)
+        start = group_index * group
+        return [(start + lo * placement.unit, start + hi * placement.unit)]
+    if kind in ("S", "RS"):
+        chunks, index = chunks_and_index(placement, rank, size)
+        return [bounds(total, chunks, index)]
+    if kind == "SS":
+        block = total // placement.blocks
+        lo, hi = bounds(block, size, rank)
+        return [(j * block + lo, j * block + hi) for j in range(placement.blocks)]
+    if kind == "B":
+        found, offset = [], 0
+        for block, inner in placement.parts:
+            found += [(offset + a, offset + b) for a, b in held_positions(block, inner, rank, size, chunked)]
+            offset += block
+        return found
+    raise ValueError(f"no shard layout for placement {placement} (only R, S, SS, RS and B)")
+
+
+def block_ranges(placement: Placement) -> list[tuple[Run, Placement]]:
+    """``B(d, ...)``'s blocks: each one's ``[start, stop)`` along its dim and its placement."""
+    found, offset = [], 0
+    for block, inner in placement.parts:
+        found.append(((offset, offset + block), inner))
+        offset += block
+    return found
 
 
 # --------------------------------------------------------------------------- the walk over the axes
@@ -156,20 +243,11 @@ def _joined(pieces: Iterable[Sequence[Run]], place: int) -> list[Run]:
 def _axis_step(runs: Sequence[Run], placement: Placement, rank: int, size: int, chunked: bool) -> list[Run]:
     """What rank ``rank`` of an axis of ``size`` laid out as ``placement`` keeps of the dim held as ``runs``.
 
-    The one place that tells ``S``, ``RS`` and ``SS`` apart. ``chunked``: DTensor's reading
-    (``torch.chunk`` pieces) instead of hpgen's (``torch.tensor_split``).
+    ``chunked``: DTensor's reading (``torch.chunk`` pieces) instead of hpgen's (``torch.tensor_split``).
     """
-    bounds = chunk_bounds if chunked else split_bounds
     total = sum(stop - start for start, stop in runs)
-    if placement.kind in ("S", "RS"):
-        chunks, index = chunks_and_index(placement, rank, size)
-        return _take(runs, *bounds(total, chunks, index))
-    if placement.kind == "SS":
-        block = total // placement.blocks
-        lo, hi = bounds(block, size, rank)
-        taken = [_take(runs, j * block + lo, j * block + hi) for j in range(placement.blocks)]
-        return _joined(taken, taken[0][0][0])
-    raise ValueError(f"no shard layout for placement {placement} (only R, S(d), SS(d,k), RS(d,r))")
+    taken = [_take(runs, lo, hi) for lo, hi in held_positions(total, placement, rank, size, chunked)]
+    return _joined(taken, taken[0][0][0] if taken else 0)
 
 
 @dataclass(frozen=True)
@@ -303,6 +381,52 @@ class ShardLayout:
             raise ValueError(f"dim {dim} of this shard is {len(held)} ranges ({self}), not one")
         return held[0]
 
+    def held_count(self, dim: int, start: int, stop: int) -> int:
+        """How many of the global indices ``[start, stop)`` of ``dim`` this rank holds."""
+        return sum(max(0, min(stop, b) - max(start, a)) for a, b in self._runs[dim])
+
+    def block_pieces(self, axis: int) -> list[tuple[Placement, Run]]:
+        """For a ``B`` placement on axis number ``axis``: each block's placement and the ``[start, stop)``
+        of the rank's local dim holding its piece (empty where it holds none of the block).
+
+        The blocks are positions of the full dim, so ``B`` must be the only axis splitting it
+        (:func:`blocks_problem`).
+        """
+        placement = self.shares[axis][0]
+        dim = self.split_dim(axis)
+        if placement.kind != "B" or dim is None:
+            raise ValueError(f"axis {axis} of {self} is not a B placement")
+        found, position = [], 0
+        for (lo, hi), inner in block_ranges(placement):
+            count = self.held_count(dim, lo, hi)
+            found.append((inner, (position, position + count)))
+            position += count
+        return found
+
+    def replicated_blocks(self) -> list[tuple[int, int, int, int, int]]:
+        """The replicated blocks of each ``B`` placement, where they lie in this rank's shard and how many
+        consecutive ranks of their axis hold each: ``(axis, dim, start, stop, replicas)``.
+
+        ``R`` blocks are held by the whole axis, ``RS(d,r)`` ones by their ``r`` replicas; adjacent
+        blocks held alike merge (Falcon's key and value rows: one gradient reduction). What the
+        runtime sums a ``B`` parameter's gradient over, and what the planner's report counts.
+        """
+        found: list[tuple[int, int, int, int, int]] = []
+        for axis, (placement, _, size) in enumerate(self.shares):
+            if placement.kind != "B" or size == 1:
+                continue
+            dim = self.split_dim(axis)
+            assert dim is not None
+            for inner, (start, stop) in self.block_pieces(axis):
+                replicas = size if inner.is_replicate else inner.replicas if inner.kind == "RS" else None
+                if replicas is None or replicas == 1 or start == stop:
+                    continue
+                if found and found[-1][:2] == (axis, dim) and found[-1][3] == start and found[-1][4] == replicas:
+                    found[-1] = (axis, dim, found[-1][2], stop, replicas)
+                else:
+                    found.append((axis, dim, start, stop, replicas))
+        return found
+
     def boxes(self) -> list[Box]:
         """Every contiguous block of the full tensor that this rank's shard is made of."""
         per_dim = []
@@ -346,6 +470,22 @@ class ShardLayout:
     def __str__(self) -> str:
         axes = ", ".join(f"{p} at {rank} of {size}" for p, rank, size in self.shares)
         return f"{self.shape} as {axes or 'a whole'}"
+
+
+def blocks_problem(ndim: int, placements: Sequence[Placement]) -> str | None:
+    """Why a layout (one placement per mesh axis) of a tensor of ``ndim`` dims cannot hold its ``B``
+    placements: a dim that ``B`` cuts into blocks must be cut by no other axis (its blocks are
+    positions of the whole dim)."""
+    for index, placement in enumerate(placements):
+        if placement.kind != "B":
+            continue
+        dim = normalize_dim(placement.dim, ndim)
+        for other_index, other in enumerate(placements):
+            if other_index == index or other.is_replicate or other.dim is None or other.is_partial:
+                continue
+            if normalize_dim(other.dim, ndim) == dim:
+                return f"{placement} cuts dim {dim} into blocks, and {other} on another axis cuts it too: B must be the only axis sharding its dim"
+    return None
 
 
 def row_heads(block: Any, linear_path: str, rows: int, head_dim: int) -> int:

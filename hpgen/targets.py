@@ -9,8 +9,9 @@ black do; target paths are relative to it::
       { source = "src/modeling_llama.py", plan = "plans/tp.json", output = "gen/toggle.py", mode = "toggle" },
     ]
 
-Everything here is checked before any target is lowered: a list that does not parse, an
-unknown key, or a missing source or plan exits 2 naming the place.
+Everything here is checked before any target is lowered, and exits 2 naming the place: a
+table that does not parse stops the run; a bad entry (an unknown key, a missing source or
+plan) is reported in its turn while the other targets are still lowered.
 """
 
 from __future__ import annotations
@@ -70,8 +71,26 @@ def _read_toml(path: Path) -> dict:
         raise HpgenError(f"cannot read: {exc}", file=str(path)) from None
 
 
-def load_targets(pyproject: Path) -> list[Target]:
-    """The validated targets of ``[tool.hpgen]``, with paths made relative to the cwd."""
+@dataclass(frozen=True)
+class BadTarget:
+    """A ``[tool.hpgen]`` entry that cannot be lowered: reported in its turn, the others still run."""
+
+    error: HpgenError
+    output: Path | None  # where the entry names one, so that ``hpgen check OUTPUT`` finds it
+    origin: str
+
+    @property
+    def output_name(self) -> str:
+        return self.origin if self.output is None else str(self.output)
+
+
+def load_targets(pyproject: Path) -> list[Target | BadTarget]:
+    """The targets of ``[tool.hpgen]``, with paths made relative to the cwd.
+
+    A table that does not parse or has no list of targets is an ``HpgenError``; an entry
+    that is wrong (an unknown key, a missing source or plan, a bad mode) becomes a
+    :class:`BadTarget` in its place, so that one bad target does not stop the others.
+    """
     table = _read_toml(pyproject).get("tool", {}).get("hpgen")
     name = str(pyproject)
     if not isinstance(table, dict):
@@ -82,38 +101,48 @@ def load_targets(pyproject: Path) -> list[Target]:
     entries = table.get("targets")
     if not isinstance(entries, list) or not entries:
         raise HpgenError("expected a non-empty list of targets", file=name, where="tool.hpgen.targets")
-    root = pyproject.parent
-    targets = []
+    targets: list[Target | BadTarget] = []
     outputs: dict[Path, str] = {}
     for number, entry in enumerate(entries):
         where = f"tool.hpgen.targets[{number}]"
-        if not isinstance(entry, dict):
-            raise HpgenError("expected a table with source, plan and output", file=name, where=where)
-        for key in sorted(entry):
-            if key not in _KEYS:
-                raise HpgenError(f"unknown key {key!r} (allowed: {', '.join(sorted(_KEYS))})", file=name, where=f"{where}.{key}")
-        paths = {}
-        for key in ("source", "plan", "output"):
-            value = entry.get(key)
-            if not isinstance(value, str) or not value:
-                raise HpgenError(f"{key!r} must be a path (a non-empty string)", file=name, where=f"{where}.{key}")
-            paths[key] = _relative(root / value)
-            if key != "output" and not paths[key].is_file():
-                raise HpgenError(f"no such file: {value}", file=name, where=f"{where}.{key}")
-        mode = entry.get("mode", "default")
-        if mode not in MODES:
-            raise HpgenError(f"mode {mode!r} is not one of {', '.join(MODES)}", file=name, where=f"{where}.mode")
-        package = entry.get("package")
-        if package is not None and not is_dotted_path(package):
-            raise HpgenError(f"package {package!r} is not a dotted package name", file=name, where=f"{where}.package")
-        output = paths["output"].resolve()
-        if output in outputs:
-            raise HpgenError(f"output {entry['output']!r} is also the output of {outputs[output]}", file=name, where=f"{where}.output")
-        if output == paths["source"].resolve():
-            raise HpgenError("the output would overwrite the source", file=name, where=f"{where}.output")
-        outputs[output] = where
-        targets.append(Target(paths["source"], paths["plan"], paths["output"], mode, package, f"{name}:{where}"))
+        try:
+            targets.append(_read_target(entry, pyproject, where, outputs))
+        except HpgenError as error:
+            output = entry.get("output") if isinstance(entry, dict) else None
+            named = _relative(pyproject.parent / output) if isinstance(output, str) and output else None
+            targets.append(BadTarget(error, named, f"{name}:{where}"))
     return targets
+
+
+def _read_target(entry: object, pyproject: Path, where: str, outputs: dict[Path, str]) -> Target:
+    """One entry of the list, checked; ``outputs`` (output -> entry) grows by its output."""
+    name = str(pyproject)
+    if not isinstance(entry, dict):
+        raise HpgenError("expected a table with source, plan and output", file=name, where=where)
+    for key in sorted(entry):
+        if key not in _KEYS:
+            raise HpgenError(f"unknown key {key!r} (allowed: {', '.join(sorted(_KEYS))})", file=name, where=f"{where}.{key}")
+    paths = {}
+    for key in ("source", "plan", "output"):
+        value = entry.get(key)
+        if not isinstance(value, str) or not value:
+            raise HpgenError(f"{key!r} must be a path (a non-empty string)", file=name, where=f"{where}.{key}")
+        paths[key] = _relative(pyproject.parent / value)
+        if key != "output" and not paths[key].is_file():
+            raise HpgenError(f"no such file: {value}", file=name, where=f"{where}.{key}")
+    mode = entry.get("mode", "default")
+    if mode not in MODES:
+        raise HpgenError(f"mode {mode!r} is not one of {', '.join(MODES)}", file=name, where=f"{where}.mode")
+    package = entry.get("package")
+    if package is not None and not is_dotted_path(package):
+        raise HpgenError(f"package {package!r} is not a dotted package name", file=name, where=f"{where}.package")
+    output = paths["output"].resolve()
+    if output in outputs:
+        raise HpgenError(f"output {entry['output']!r} is also the output of {outputs[output]}", file=name, where=f"{where}.output")
+    if output == paths["source"].resolve():
+        raise HpgenError("the output would overwrite the source", file=name, where=f"{where}.output")
+    outputs[output] = where
+    return Target(paths["source"], paths["plan"], paths["output"], mode, package, f"{name}:{where}")
 
 
 def _relative(path: Path) -> Path:

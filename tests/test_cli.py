@@ -142,10 +142,72 @@ def test_explain_says_how_each_gather_learns_the_shard_sizes(tmp_path):
     assert "sizes: exchanged: one all-gather of an int64 per rank" in text
 
 
+def test_explain_and_lower_take_whole_heads(tmp_path):
+    """hpgen.plan/2: whole-unit placements are lowered like S(d) (the body reads its shards) and explained with
+    their per-rank attributes; a plan/1 plan's report has no such section."""
+    plan = json.loads(PLAN.read_text())
+    plan["format"] = "hpgen.plan/2"
+    attention = plan["param_plan"]["model.layers.*.self_attn"]
+    attention["params"] = {
+        "q_proj.weight": {"tp": "S(0,16,2)"}, "k_proj.weight": {"tp": "RS(0,2)"}, "v_proj.weight": {"tp": "RS(0,2)"},
+        "o_proj.weight": {"tp": "S(1,16,2)"},
+    }  # fmt: skip
+    attention["local_attrs"] = {
+        "num_key_value_groups": {"of": "q_proj.weight", "dim": 0, "per": {"of": "k_proj.weight", "dim": 0}}
+    }
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    lowered = run("lower", SOURCE, tmp_path / "plan.json")
+    assert lowered.exit_code == 0 and "self._hp_tp.all_reduce(outputs[0])" in lowered.stdout
+    report = json.loads(run("explain", SOURCE, tmp_path / "plan.json", "--json").stdout)
+    assert report["whole_units"] == [
+        {
+            "key": "model.layers.*.self_attn",
+            "params": {name: {"tp": p["tp"]} for name, p in sorted(attention["params"].items())},
+            "local_attrs": {"num_key_value_groups": "q_proj.weight dim 0 per k_proj.weight dim 0"},
+        }
+    ]
+    text = run("explain", SOURCE, tmp_path / "plan.json").stdout
+    assert "  o_proj.weight: tp S(1,16,2)" in text
+    assert "  num_key_value_groups per rank: q_proj.weight dim 0 per k_proj.weight dim 0" in text
+    assert "whole_units" not in json.loads(run("explain", SOURCE, PLAN, "--json").stdout)
+    # whole units are parameter placements: a boundary value refuses them, naming the place (exit 2, one line)
+    attention["in_dst"]["hidden_states"] = {"tp": "S(1,16)"}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    refused = run("lower", SOURCE, tmp_path / "plan.json")
+    assert refused.exit_code == 2
+    assert 'in_dst.hidden_states.tp: S(1,16) is a parameter placement (params)' in refused.stderr
+    assert refused.stderr.count("\n") == 1
+
+
 def test_console_script_and_module_entry_points(tmp_path):
     for command in (["hpgen"], [sys.executable, "-m", "hpgen"]):
         done = subprocess.run([*command, "--version"], capture_output=True, text=True, check=True)
         assert done.stdout.startswith("hpgen, version")
+
+
+
+def test_a_closed_stdout_pipe_ends_quietly_with_the_runs_own_exit_status(tmp_path):
+    """``hpgen lower --check --diff -o OUT | head``: the reader has gone before hpgen writes (the pipe's
+    read end is closed first, so every write meets a broken pipe). No "cannot write" of OUT, no
+    traceback, and the exit status is the check's (1: stale); the same for code sent to stdout (0)."""
+    out = tmp_path / "gen.py"
+    out.write_text("stale = True\n")
+    runs = {
+        "check --diff": ["lower", SOURCE, PLAN, "-o", out, "--check", "--diff"],
+        "to stdout": ["lower", SOURCE, PLAN],
+    }
+    started = {}
+    for name, args in runs.items():
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        started[name] = subprocess.Popen(
+            [sys.executable, "-m", "hpgen", *map(str, args)], stdout=write_end, stderr=subprocess.PIPE, text=True
+        )
+        os.close(write_end)
+    done = {name: (process.communicate(timeout=120)[1], process.returncode) for name, process in started.items()}
+    assert done["check --diff"] == (f"would regenerate {out}\n", 1), done
+    assert done["to stdout"] == ("", 0), done
+    assert out.read_text() == "stale = True\n"
 
 
 # --------------------------------------------------------------------------- bad input
@@ -204,6 +266,29 @@ BAD_INPUTS = {
         plan_with(**{f"param_plan/{MLP}/in_src": {"y": {"tp": "S(1)"}}}),
         "'y' is not a parameter of TinyMLP.forward",
     ),
+    "entry naming no module": (
+        None,
+        plan_with(**{"param_plan/model.norrm": {"is_boundary": False, "params": {"weight": {"tp": "R"}}}}),
+        """plan.json:param_plan["model.norrm"]: TinyModel.__init__ assigns no submodule 'norrm' (did you mean 'model.norm'?)""",
+    ),
+    "misspelt parameter": (
+        None,
+        plan_with(**{f"param_plan/{MLP}/params": {"gate_projj.weight": {"tp": "S(0)"}}}),
+        f"""plan.json:param_plan["{MLP}"].params["gate_projj.weight"]: TinyMLP.__init__ assigns no submodule 'gate_projj' """
+        "(did you mean 'gate_proj.weight'?)",
+    ),
+    "misspelt parameter of nn.Linear": (
+        None,
+        plan_with(**{"param_plan/lm_head/params": {"weigth": {"tp": "S(0)"}}}),
+        """plan.json:param_plan["lm_head"].params["weigth"]: nn.Linear has no parameter 'weigth' (did you mean 'weight'?) """
+        "(its parameters: bias, weight)",
+    ),
+    "misspelt grad-reduced parameter": (
+        None,
+        plan_with(**{"param_plan/model.norm": {"is_boundary": False, "grad_reduce_params": ["wieght"]}}),
+        """plan.json:param_plan["model.norm"].grad_reduce_params["wieght"]: TinyRMSNorm.__init__ assigns no parameter 'wieght' """
+        "(did you mean 'weight'?)",
+    ),
     "source does not parse": (source_with("def forward(self, x):\n        return self.down_proj", "def forward(self, x:\n        return self.down_proj"), None, "modeling.py:123:16: source does not parse: '(' was never closed"),
     "forward inherited": (source_with("    def forward(self, x):\n        return self.down_proj(", "    def forwardx(self, x):\n        return self.down_proj("), None, "modeling.py:116:1: class TinyMLP has no forward of its own"),
     "forward defined twice": (
@@ -235,6 +320,49 @@ def test_bad_input_exits_2_with_one_located_line_and_writes_nothing(case, tmp_pa
     assert expected in message, message
     assert not out.exists()
     assert sorted(path.name for path in tmp_path.iterdir()) == ["modeling.py", "plan.json"]
+
+
+@pytest.mark.parametrize(
+    ("how", "old", "new", "named"),
+    [
+        ("built by a function", "self.gate_proj = nn.Linear(", "self.gate_proj = make_linear(", "gate_proj.weight"),
+        ("set by a computed name", "self.gate_proj = nn.Linear(", "setattr(self, 'gate' + '_proj', nn.Linear(", "gate_proj.weight"),
+        ("from a base in another file", "class TinyMLP(nn.Module):", "class TinyMLP(ImportedBase):", "base_proj.weight"),
+    ],
+)
+def test_names_the_source_does_not_show_are_left_to_parallelize(how, old, new, named, tmp_path):
+    """Where the source does not say what a module holds, lower does not guess: the plan lowers
+    (``parallelize`` checks the names on the model itself)."""
+    text = source_with(old, new)
+    if how == "set by a computed name":
+        text = text.replace("bias=config.mlp_bias)\n        self.up_proj", "bias=config.mlp_bias))\n        self.up_proj", 1)
+    source = tmp_path / "modeling.py"
+    source.write_text(text)
+    plan = tmp_path / "plan.json"
+    plan.write_text(plan_with(**{f"param_plan/{MLP}/params": {named: {"tp": "S(0)"}}}))
+    result = run("lower", source, plan)
+    assert result.exit_code == 0, result.stderr
+    plan.write_text(plan_with(**{f"param_plan/{MLP}/params": {"down_projj.weight": {"tp": "S(1)"}}}))
+    assert run("lower", source, plan).exit_code == (0 if how != "built by a function" else 2)
+
+
+def test_a_boundary_class_naming_a_base_is_not_taken_for_the_whole_module(tmp_path):
+    """boundary_classes may name torch.nn.Embedding for a subclass with a norm of its own (Inkling's
+    embedding): the parameters are checked against the class the source builds, not nn.Embedding's."""
+    normed = (
+        "class NormedEmbedding(nn.Embedding):\n    def __init__(self, num, dim):\n        super().__init__(num, dim)\n"
+        "        self.embed_norm = TinyRMSNorm(dim)\n\n\nclass TinyModel("
+    )
+    text = source_with("class TinyModel(", normed).replace("self.embed_tokens = nn.Embedding(", "self.embed_tokens = NormedEmbedding(")
+    source = tmp_path / "modeling.py"
+    source.write_text(text)
+    plan = tmp_path / "plan.json"
+    for norm, code in (("embed_norm", 0), ("embed_nrom", 2)):
+        plan.write_text(plan_with(**{"boundary_classes": {"model.embed_tokens": "torch.nn.Embedding"},
+                                     "param_plan/model.embed_tokens/grad_reduce_params": [f"{norm}.weight"]}))
+        result = run("lower", source, plan)
+        assert result.exit_code == code, result.stderr
+    assert "NormedEmbedding.__init__ assigns no submodule 'embed_nrom' (did you mean 'embed_norm.weight'?)" in result.stderr
 
 
 def test_bad_input_messages_are_all_different():

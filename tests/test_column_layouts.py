@@ -6,7 +6,7 @@ import pytest
 
 from hpgen.placement import Placement
 from hpgen.planner.flow.values import ShapeUse, Val
-from hpgen.planner.layouts import PLAIN, ColumnLayout, UnequalBlocks, grouped, layout_of, packed, replicated
+from hpgen.planner.layouts import PLAIN, ColumnLayout, UnequalBlocks, grouped, layout_of, packed, query_blocks, replicated
 
 
 def use(method: str, *sizes: object) -> ShapeUse:
@@ -40,7 +40,17 @@ def test_unequal_blocks_are_refused_with_the_reason() -> None:
     with pytest.raises(UnequalBlocks, match="unequal sizes"):
         layout_of(use("split", [128, 32, 32]), 192, (8, 1, 16))  # multi-query: [queries | key | value]
     with pytest.raises(UnequalBlocks, match="multi-query"):
-        layout_of(use("view", None, None, 6, 16), 96, (4, 1, 16))  # heads + 2 rows of head_dim
+        layout_of(use("view", None, None, 6, 16), 96, (4, 2, 16))  # heads + 2 rows, but two key/value heads
+
+
+def test_multi_query_rows_are_blocks_whose_key_and_value_stay_whole() -> None:
+    # Falcon-7B's view(..., heads + 2, head_dim) with one key/value head: [queries | key | value]
+    layout = layout_of(use("view", None, None, 6, 16), 96, (4, 1, 16))
+    assert layout == query_blocks(4, 16)
+    assert layout.placement(0) == Placement.parse("B(0, 64:S(0), 16:R, 16:R)")
+    # new_decoder_architecture with one key/value group: view(..., -1, heads + 2, head_dim)
+    assert layout_of(use("view", None, None, -1, 6, 16), 96, (4, 1, 16)) == query_blocks(4, 16)
+    assert query_blocks(7, 16, PLAIN.in_units(16)).placement(0) == Placement.parse("B(0, 112:S(0,16), 16:R, 16:R)")
 
 
 @pytest.mark.parametrize(

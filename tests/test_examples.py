@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,6 +54,19 @@ def test_lora_finetuning_tracks_peft_on_one_process() -> None:
     assert float(steps[-1][0]) < float(steps[0][0])  # it trains
     (err,) = re.findall(r"saved adapter on one process: logits max \|diff\| (\S+)", out)
     assert float(err) < 1e-4, out
+
+
+@pytest.mark.parametrize("ranks", [2, 4], ids=["tp2", "dp2xtp2"])
+def test_trainer_finetuning_tracks_the_unsharded_model(ranks: int) -> None:
+    out = _torchrun("trainer_finetune.py", ranks)
+    number = r"(\d+\.\d+)"
+    steps = re.findall(rf"step \d+: loss {number} grad_norm {number}  \(unsharded model, one process: {number} {number}\)", out)
+    assert len(steps) == 5, out
+    for loss, norm, reference_loss, reference_norm in steps:
+        assert abs(float(loss) - float(reference_loss)) <= 1e-4 and abs(float(norm) - float(reference_norm)) <= 1e-4, out
+        assert float(reference_norm) > 0.5  # clipping (max_grad_norm 0.5) was active
+    ((logits, weights),) = re.findall(r"logits max \|diff\| (\S+); its weights vs the unsharded model's after the same steps: (\S+)", out)
+    assert float(logits) < 1e-4 and float(weights) < 1e-3, out
 
 
 def _shims(folder: Path) -> Path:

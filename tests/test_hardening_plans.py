@@ -114,14 +114,25 @@ def site_of(key: str) -> Site:
 
 IDENT = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,7}", fullmatch=True).filter(is_identifier)
 AXIS = IDENT.filter(lambda name: name not in RESERVED_AXIS_NAMES and not name.startswith("__"))
-DIM = st.integers(-4, 3)
-PLACEMENT = st.one_of(
-    st.just("R"),
-    DIM.map(lambda d: f"S({d})"),
-    st.sampled_from(["sum", "avg", "max", "min"]).map(lambda op: f"P({op})"),
-    st.tuples(DIM, st.integers(1, 4)).map(lambda dk: f"SS({dk[0]},{dk[1]})"),
-)
-PARAM_PATH = st.lists(st.one_of(IDENT, st.integers(0, 3).map(str)), min_size=1, max_size=3).map(".".join)
+
+
+def placements(ndim: int = 4) -> st.SearchStrategy[str]:
+    """A placement whose dims a tensor of ``ndim`` dims has."""
+    dim = st.integers(-ndim, ndim - 1)
+    return st.one_of(
+        st.just("R"),
+        dim.map(lambda d: f"S({d})"),
+        st.sampled_from(["sum", "avg", "max", "min"]).map(lambda op: f"P({op})"),
+        st.tuples(dim, st.integers(1, 4)).map(lambda dk: f"SS({dk[0]},{dk[1]})"),
+    )
+
+
+def parameters_of(key: str) -> dict[str, int]:
+    """The parameters (path -> dims) of the fixture's module at ``key``: a plan names real ones
+    (``hpgen lower`` refuses a name the source shows does not exist)."""
+    module = REFERENCE_MODEL.get_submodule(key.replace("*", "0"))
+    return {name: parameter.dim() for name, parameter in module.named_parameters()}
+
 JSON_VALUE = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(-(10**6), 10**6), st.text(max_size=6)),
     lambda inner: st.lists(inner, max_size=2) | st.dictionaries(st.text(max_size=4), inner, max_size=2),
@@ -134,9 +145,9 @@ def valid_plans(draw) -> dict:
     """A random plan document that hpgen must accept for the fixture."""
     mesh = draw(st.lists(st.one_of(st.just("tp"), AXIS), min_size=1, max_size=3, unique=True))
 
-    def layout() -> dict:
+    def layout(ndim: int = 4) -> dict:
         axes = draw(st.lists(st.sampled_from(mesh), unique=True, max_size=len(mesh)))
-        return {axis: draw(PLACEMENT) for axis in axes}
+        return {axis: draw(placements(ndim)) for axis in axes}
 
     def layouts(names: list[str]) -> dict:
         chosen = draw(st.lists(st.sampled_from(names), unique=True, max_size=len(names)))
@@ -166,11 +177,13 @@ def valid_plans(draw) -> dict:
             for part in ("out_src", "out_dst"):
                 if draw(st.booleans()):
                     entry[part] = layouts(outputs)
-            if draw(st.booleans()):
-                entry["params"] = {path: layout() for path in draw(st.lists(PARAM_PATH, unique=True, max_size=3))}
+            owned = parameters_of(key)
+            names = st.sampled_from(sorted(owned))
+            if owned and draw(st.booleans()):
+                entry["params"] = {path: layout(owned[path]) for path in draw(st.lists(names, unique=True, max_size=3))}
             for part in ("deferred_bias_params", "grad_reduce_params"):
-                if draw(st.integers(0, 3)) == 0:
-                    entry[part] = draw(st.lists(PARAM_PATH, unique=True, max_size=2))
+                if owned and draw(st.integers(0, 3)) == 0:
+                    entry[part] = draw(st.lists(names, unique=True, max_size=2))
             if "tp" in mesh and draw(st.integers(0, 3)) == 0:
                 entry["tp_divide_attrs"] = draw(st.lists(IDENT, unique=True, max_size=2))
             for flag, odds in (("is_boundary", 4), ("region_dispatch", 4), ("skip_source_lowering", 8)):

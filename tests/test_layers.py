@@ -19,7 +19,7 @@ PACKAGE = Path(hpgen.__file__).parent
 # The core: plain data every layer shares (no torch at import time, no libcst).
 CORE = {"placement", "plan", "plan_entries", "plan_names", "plan_reader", "classify", "shards", "header", "stubs", "errors", "durable", "conv1d", "context"}
 # The generator: reads sources with libcst and writes generated files.
-GENERATOR = {"index", "resolve", "emit", "lower", "write", "targets", "explain", "generate", "summed_edit", "param_dims"}
+GENERATOR = {"index", "resolve", "emit", "lower", "write", "targets", "explain", "generate", "summed_edit", "param_dims", "entry_names"}
 
 # What each layer may import (itself included).
 ALLOWED = {
@@ -193,6 +193,7 @@ NAMED_FROM_OUTSIDE = {
     "errors": "users catch its ParallelizeError",
     "folder_swap": "users call its recover (docs/checkpoints.md)",
     "shard_layout": "torch.save of a state dict holding an SS parameter records its PackedShard",
+    "trainer": "users train with its Trainer (docs/training.md)",
 }
 
 
@@ -214,7 +215,13 @@ def test_what_generated_forwards_run_imports_no_install_or_checkpoint_code():
 def test_the_runtime_maps_put_every_module_in_exactly_one_group():
     """The package docstring's map and docs/runtime.md's table name each group as the tree has it, and each module once."""
     groups = _runtime_groups()
-    assert set(groups) == {"hpgen.runtime", "hpgen.runtime.install", "hpgen.runtime.forward", "hpgen.runtime.checkpoint"}
+    assert set(groups) == {
+        "hpgen.runtime",
+        "hpgen.runtime.install",
+        "hpgen.runtime.forward",
+        "hpgen.runtime.checkpoint",
+        "hpgen.runtime.training",
+    }
     for where, listed in (("hpgen/runtime/__init__.py", _docstring_groups()), ("docs/runtime.md", _page_groups())):
         names = [name for _, modules in listed for name in modules]
         assert len(names) == len(set(names)), (where, sorted({n for n in names if names.count(n) > 1}))

@@ -88,17 +88,19 @@ sys.meta_path.insert(0, _NotInstalled())
     [
         ["plan", "llama", "--tp", "2"],
         ["explain", str(FIXTURES / "modeling_tiny.py"), str(FIXTURES / "plan_tp.json"), "--config", "llama"],
+        ["verify", str(ROOT / "tests" / "plans" / "llama_tp.json")],
     ],
-    ids=["plan", "explain-config"],
+    ids=["plan", "explain-config", "verify"],
 )
 def test_without_torch_and_transformers_the_plan_commands_name_the_extra(tmp_path: Path, args: list[str]) -> None:
     (tmp_path / "sitecustomize.py").write_text(_BLOCKER)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
     done = subprocess.run([sys.executable, "-m", "hpgen", *args], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2, done.stderr
-    command = "hpgen plan" if args[0] == "plan" else "hpgen explain --config"
+    command = {"plan": "hpgen plan", "explain": "hpgen explain --config", "verify": "hpgen verify"}[args[0]]
+    missing = "torch" if args[0] == "verify" else "transformers"  # the first of the two each command imports
     assert done.stderr == (
-        f"error: {command} needs torch and transformers, and transformers is not installed: "
+        f"error: {command} needs torch and transformers, and {missing} is not installed: "
         "pip install -e '.[plan]' in a clone of the hpgen repository\n"
     )
     # the generator itself still works there
@@ -179,7 +181,7 @@ def test_one_bad_plan_behind_two_targets_is_said_once(tmp_path: Path, monkeypatc
     assert sum("'S(x)' is not a placement" in line for line in lines) == 1, result.stderr
     assert lines == [
         "error: bad.json:param_plan[\"model.layers.*.mlp\"].out_src.output.tp: 'S(x)' is not a placement "
-        "(expected R, S(d), P(op), SS(d,k) or RS(d,r))",
+        "(expected R, S(d), S(d,u), S(d,u,g), P(op), SS(d,k), RS(d,r) or B(d, n1:P1, n2:P2, ...))",
         "wrote gen/b.py",
         "error: gen/c.py: not written, the same error as gen/a.py",
         "1 written, 2 failed",

@@ -144,7 +144,7 @@ def test_key_order_does_not_change_the_plan_or_the_signature():
         (minimal(tp_divide_attrs=["num heads"]), "tp_divide_attrs[0]: 'num heads' is not an identifier"),
         (
             minimal(out_src={"output": {"tp": "RS(0,2)"}}),
-            "out_src.output.tp: RS(0,2) is a parameter placement (params); inputs and outputs take R, S, P or SS",
+            "out_src.output.tp: RS(0,2) is a parameter placement (params); inputs and outputs take R, S(d), P or SS",
         ),
         (minimal(divide_attrs={"num_key_value_groups": 0}), "divide_attrs.num_key_value_groups: expected a positive"),
         (minimal(divide_attrs={"num_key_value_groups": True}), "expected a positive integer divisor, got a boolean"),
@@ -199,3 +199,94 @@ def test_duplicate_json_keys_are_an_error():
 def test_unreadable_plan(tmp_path):
     with pytest.raises(HpgenError, match="cannot read plan"):
         load_plan(tmp_path / "missing.json")
+
+
+# --------------------------------------------------------------------------- hpgen.plan/2: whole units, blocks, local_attrs
+
+FALCON_ATTENTION = {
+    "params": {
+        "query_key_value.weight": {"tp": "B(0, 4544:S(0,64), 64:R, 64:R)"},
+        "dense.weight": {"tp": "S(1,64)"},
+    },
+    "local_attrs": {"num_heads": {"of": "query_key_value.weight", "dim": 0, "block": 0, "unit": 64}},
+}
+
+
+def test_whole_units_blocks_and_local_attrs_load():
+    plan = plan_from_dict({"format": "hpgen.plan/2", **minimal(**FALCON_ATTENTION)})
+    entry = plan.entries["model.layers.*.mlp"]
+    assert str(entry.params["query_key_value.weight"].on("tp")) == "B(0,4544:S(0,64),64:R,64:R)"
+    ((name, count),) = entry.local_attrs
+    assert name == "num_heads" and (count.of, count.dim, count.block, count.unit, count.per) == (
+        "query_key_value.weight", 0, 0, 64, None
+    )
+    assert count.document() == {"of": "query_key_value.weight", "dim": 0, "unit": 64, "block": 0}
+    assert plan.required_format() == "hpgen.plan/2"
+    # A document without "format" takes them too; a plan without them needs only hpgen.plan/1.
+    assert plan_from_dict(minimal(**FALCON_ATTENTION)).required_format() == "hpgen.plan/2"
+    assert plan_from_dict(minimal(params={"w": {"tp": "S(0,1)"}})).required_format() == "hpgen.plan/1"
+
+
+def test_local_count_values_per_rank():
+    """Qwen2.5-7B at tp 8: 4 or 3 query heads per rank, all of one key/value head's group."""
+    from hpgen.plan import LocalCount as LocalCountOf
+    from hpgen.shards import ShardLayout
+
+    plan = plan_from_dict(
+        minimal(
+            params={"q_proj.weight": {"tp": "S(0,128,4)"}, "k_proj.weight": {"tp": "RS(0,2)"}},
+            local_attrs={
+                "num_heads": {"of": "q_proj.weight", "dim": 0, "unit": 128},
+                "num_key_value_groups": {"of": "q_proj.weight", "dim": 0, "per": {"of": "k_proj.weight", "dim": 0}},
+            },
+        )
+    )
+    entry = plan.entries["model.layers.*.mlp"]
+    shapes = {"q_proj.weight": (28 * 128, 3584), "k_proj.weight": (4 * 128, 3584)}
+    counts = dict(entry.local_attrs)
+    for rank in range(8):
+        def shard_of(name):
+            return ShardLayout(shapes[name], [(entry.params[name].on("tp"), rank, 8)])
+
+        assert counts["num_heads"].value(shard_of) == (4 if rank % 2 == 0 else 3)
+        assert counts["num_key_value_groups"].value(shard_of) == (4 if rank % 2 == 0 else 3)
+    # whole groups of [16 query | key | value] heads (18 units of 8) cut over 3 ranks: 3, 3, 2 groups
+    groups = LocalCountOf("qkv", 0, unit=18 * 8, times=16)
+    fused = [groups.value(lambda name, r=rank: ShardLayout((8 * 18 * 8, 4), [(Placement.parse("S(0,144)"), r, 3)])) for rank in range(3)]
+    assert fused == [48, 48, 32]
+    assert groups.document() == {"of": "qkv", "dim": 0, "unit": 144, "times": 16}
+    with pytest.raises(ValueError, match="not laid out in blocks"):
+        from hpgen.plan import LocalCount
+
+        LocalCount("q_proj.weight", 0, block=0).value(lambda name: ShardLayout(shapes[name], []))
+
+
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [
+        (
+            {"format": "hpgen.plan/1", **minimal(params={"w": {"tp": "S(0,64)"}})},
+            "params.w.tp: S(0,64) (a placement in whole units or blocks) is new in 'hpgen.plan/2', but the plan says",
+        ),
+        (
+            {"format": "hpgen.plan/1", **minimal(local_attrs={"n": {"of": "w", "dim": 0}})},
+            "local_attrs: local_attrs is new in 'hpgen.plan/2'",
+        ),
+        ({"format": "hpgen.plan/3", **minimal()}, "unsupported plan format 'hpgen.plan/3' (expected 'hpgen.plan/1' or 'hpgen.plan/2')"),
+        (minimal(in_src={"x": {"tp": "S(0,64)"}}), "in_src.x.tp: S(0,64) is a parameter placement (params)"),
+        (minimal(out_dst={"y": {"tp": "B(0,8:R,8:S(0))"}}), "is a parameter placement (params)"),
+        (minimal(local_attrs={"n": {"of": "w"}}), "local_attrs.n: missing required key 'dim'"),
+        (minimal(local_attrs={"n": {"of": "w", "dim": 0, "unit": 0}}), "local_attrs.n.unit: expected an integer of at least 1"),
+        (minimal(local_attrs={"n": {"of": "w", "dim": "0"}}), "local_attrs.n.dim: expected an integer, got the string '0'"),
+        (minimal(local_attrs={"n": {"of": "w", "dim": 0, "times": 0}}), "local_attrs.n.times: expected an integer of at least 1"),
+        (minimal(local_attrs={"n": {"of": "w w", "dim": 0}}), "'w w' is not a parameter path"),
+        (minimal(local_attrs={"n": {"of": "w", "dim": 0, "heads": 2}}), "unknown key 'heads' in a local_attrs count"),
+        (
+            minimal(local_attrs={"n": {"of": "w", "dim": 0, "per": {"of": "v", "dim": 0, "per": {"of": "w", "dim": 0}}}}),
+            "unknown key 'per' in a local_attrs count",
+        ),
+        (minimal(tp_divide_attrs=["n"], local_attrs={"n": {"of": "w", "dim": 0}}), "local_attrs.n: 'n' is in tp_divide_attrs too"),
+    ],
+)
+def test_plan_2_refusals(document, message):
+    assert message in error_of(document)

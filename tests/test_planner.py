@@ -94,7 +94,6 @@ def test_bert_self_attention_keeps_its_output_sharded_for_the_dense_after_it() -
 @pytest.mark.parametrize(
     ("family", "module", "reason"),
     [
-        ("falcon", "transformer.h.*.self_attention.query_key_value", "multi-query"),
         ("gpt_bigcode", "transformer.h.*.attn.c_attn", "unequal sizes [64, 16, 16]"),
     ],
 )
@@ -190,9 +189,14 @@ def test_a_norm_across_the_sharded_features_leaves_the_pair_replicated() -> None
     assert plan["param_plan"]["model.layers.*.mlp.down_proj"]["in_dst"] == {"input": {"tp": "S(-1)"}}
 
 
-def test_heads_that_do_not_divide_are_refused_by_the_derivation() -> None:
-    plan = derived("opt", tp=3)
-    assert "do not divide over --tp 3" in plan["comments"]["replicated"]["model.decoder.layers.*.self_attn.q_proj"]
+def test_heads_that_do_not_divide_are_cut_whole_by_the_derivation() -> None:
+    plan = derived("opt", tp=3)  # 4 heads of 16 on 3 ranks: 2, 1, 1
+    attention = entry(plan, "model.decoder.layers.*.self_attn")
+    assert attention["params"]["q_proj.weight"] == attention["params"]["v_proj.bias"] == {"tp": "S(0,16)"}
+    assert attention["params"]["out_proj.weight"] == {"tp": "S(1,16)"}
+    # each rank's num_heads, counted from its shard of out_proj's input in heads of 16
+    assert attention["local_attrs"] == {"num_heads": {"of": "out_proj.weight", "dim": 1, "unit": 16}}
+    assert "tp_divide_attrs" not in attention and plan["format"] == "hpgen.plan/2"
 
 
 def test_mamba_mixer_shards_its_channels_and_reduces_x_proj() -> None:
@@ -326,6 +330,25 @@ def test_hpgen_plan_prints_the_notes_and_the_sizing_report(tmp_path: Path) -> No
     assert plan["comments"]["plan_source"] == "derived from the source"
     assert "sharded: transformer.h.*.attn: attention: column- and row-parallel projections" in result.stderr
     assert "parameters at bfloat16" in result.stderr and "total per forward" in result.stderr
+
+
+def test_the_sizing_report_is_at_the_checkpoints_dtype_unless_told(tmp_path: Path) -> None:
+    """A float32 checkpoint is sized at float32 (its config's dtype), --dtype overrides it; the report says which."""
+    from hpgen.planner.load import meta_model
+    from hpgen.planner.report import format_bytes, size_report
+
+    config = tiny("gpt2")
+    config.dtype = "float32"
+    config.save_pretrained(tmp_path)
+    path = str(tmp_path / "config.json")
+    own = CliRunner().invoke(cli, ["plan", path, "--tp", "2"], catch_exceptions=False)
+    told = CliRunner().invoke(cli, ["plan", path, "--tp", "2", "--dtype", "bfloat16"], catch_exceptions=False)
+    assert own.exit_code == told.exit_code == 0, own.stderr + told.stderr
+    assert "parameters at float32 (the config's dtype; --dtype to change): " in own.stderr
+    assert "parameters at bfloat16 (--dtype): " in told.stderr
+    sized = size_report(meta_model(config), json.loads(own.stdout), tp=2, dtype="float32")
+    assert f"{format_bytes(sized.total_bytes)} unsharded" in own.stderr
+    assert f"{format_bytes(sized.total_bytes // 2)} unsharded" in told.stderr
 
 
 def test_hpgen_explain_adds_the_sizing_report_with_config(tmp_path: Path) -> None:

@@ -115,6 +115,36 @@ def test_the_documented_local_hook_runs_the_installed_hpgen(tmp_path: Path) -> N
     assert again.returncode == 0 and "Passed" in again.stdout, again.stdout + again.stderr
 
 
+def test_the_hook_fails_when_it_creates_a_file(tmp_path: Path) -> None:
+    """A fresh repository whose [tool.hpgen] output does not exist yet: pre-commit only sees changes to
+    tracked files, so a hook that merely creates the file would let the commit land with it untracked.
+    The documented hook (the same command as the repository's hpgen-lower) fails; after ``git add`` it passes."""
+    import yaml
+
+    (local,) = [config for config in _documented_configs() if "repo: local" in config]
+    (documented,) = yaml.safe_load(local)["repos"][0]["hooks"]
+    offered = {hook["id"]: hook for hook in yaml.safe_load((ROOT / ".pre-commit-hooks.yaml").read_text())}
+    assert documented["entry"] == offered["hpgen-lower"]["entry"] == "hpgen lower --exit-non-zero-on-write"
+    repo = stale_project(tmp_path)
+    shutil.rmtree(repo / "gen")  # nothing generated yet
+    (repo / ".pre-commit-config.yaml").write_text(local)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "PRE_COMMIT_HOME": str(tmp_path / "home"), "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    git(repo, "init", "-q")
+    git(repo, "add", ".")
+    subprocess.run([sys.executable, "-m", "pre_commit", "install"], cwd=repo, env=env, check=True, capture_output=True)
+    first = subprocess.run(["git", "commit", "-m", "first"], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 1, first.stdout + first.stderr  # the commit does not land
+    said = first.stdout + first.stderr  # git passes the hook's output on to stderr
+    assert "hpgen lower" in said and "Failed" in said and "- exit code: 1" in said and "wrote gen/modeling_tiny_tp.py" in said
+    assert (repo / "gen" / "modeling_tiny_tp.py").is_file()
+    assert subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True).returncode != 0  # no commit
+    git(repo, "add", ".")
+    again = subprocess.run(["git", "commit", "-m", "first"], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "Passed" in again.stdout + again.stderr, again.stdout + again.stderr
+
+
 def test_the_documented_remote_hooks_name_hooks_the_repository_has(tmp_path: Path) -> None:
     """The ``rev: <commit sha>`` config is valid once filled in, and names hooks of .pre-commit-hooks.yaml
     (``pre-commit try-repo`` above runs those hooks from a commit, as that config does)."""

@@ -246,23 +246,23 @@ def test_falcon_attention_is_sharded_by_heads_and_summed_with_the_mlp(family: st
     assert plan["transformer.h.*"]["summed_reduction"]["branches"] == ["mlp", "self_attention"]
 
 
-def test_falcon_keeps_its_attention_whole_where_the_format_cannot_cut_it() -> None:
-    """Multi-query ``[Q heads | K | V]`` (unequal blocks), ALiBi (read by heads, not sharded) and fewer key/value
-    groups than --tp keep the attention whole, and ``--explain`` says why."""
+def test_falcon_keeps_its_attention_whole_where_alibi_reads_its_heads() -> None:
+    """ALiBi (read by heads, not sharded) keeps the attention whole, and no summed reduction is written; multi-query
+    Falcon (``[Q heads | K | V]``) is sharded and summed (tests/test_planner_uneven_heads.py)."""
     from tests.derived_configs import tiny
 
-    for family, options in (("falcon", {}), ("falcon_mha", {"alibi": True})):
-        config = tiny(family)
-        for key, value in options.items():
-            setattr(config, key, value)
-        from hpgen.planner.load import meta_model
-        from hpgen.planner.make import plan_model
+    from hpgen.planner.load import meta_model
+    from hpgen.planner.make import plan_model
 
-        plan = plan_model(meta_model(config), tp=2, name=family)["param_plan"]
-        assert "transformer.h.*.self_attention" not in plan and "summed_reduction" not in plan.get("transformer.h.*", {})
-    result = CliRunner().invoke(cli, ["plan", "falcon", "--tp", "2", "--explain", "-o", "-"])
-    assert result.exit_code == 0, result.output
-    assert "[71 query heads | 1 key | 1 value] (multi-query), blocks of unequal sizes" in result.output
+    config = tiny("falcon_mha")
+    config.alibi = True
+    plan = plan_model(meta_model(config), tp=2, name="falcon_mha")["param_plan"]
+    assert "transformer.h.*.self_attention" not in plan and "summed_reduction" not in plan.get("transformer.h.*", {})
+    multi_query = plan_model(meta_model(tiny("falcon")), tp=2, name="falcon")["param_plan"]
+    assert multi_query["transformer.h.*.self_attention"]["params"]["query_key_value.weight"] == {
+        "tp": "B(0,64:S(0),16:R,16:R)"
+    }
+    assert multi_query["transformer.h.*"]["summed_reduction"]["branches"] == ["mlp", "self_attention"]
 
 
 def _caller_calls(source: str) -> list[frozenset[str]]:

@@ -251,9 +251,9 @@ def test_a_style_it_cannot_map_lists_the_supported_ones(tmp_path: Path) -> None:
     [
         ({}, 3, "num_attention_heads=4 does not divide over --tp 3"),
         (
-            {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3},
-            2,
-            "num_key_value_heads=3 does not divide over --tp 2 and --tp 2 is not a multiple of it",
+            {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 2},
+            3,
+            "num_key_value_heads=2 does not divide over --tp 3 and --tp 3 is not a multiple of it",
         ),
     ],
 )

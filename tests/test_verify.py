@@ -151,3 +151,49 @@ def test_larger_axes_scale_the_heads(tmp_path: Path) -> None:
     case = prepare(plan, tmp_path / "8", model="mistral", ranks=8)
     assert case.mesh == (("tp", 8),)
     assert (case.config.num_attention_heads, case.config.num_key_value_heads) == (16, 4)
+
+
+def _six_head_plans() -> dict[str, dict[str, Any]]:
+    """For a Llama of 6 query and 2 key/value heads of 128 at 4 ranks: the whole-head plan (hpgen.plan/2), and
+    hpgen.plan/1's plain cut, which would split a head."""
+    from tests.runtime.models import load_plan_dict
+
+    whole = load_plan_dict("llama_tp")
+    whole["format"] = "hpgen.plan/2"
+    attention = whole["param_plan"]["model.layers.*.self_attn"]
+    attention["params"] = {
+        "q_proj.weight": {"tp": "S(0,128,2)"}, "k_proj.weight": {"tp": "RS(0,2)"}, "v_proj.weight": {"tp": "RS(0,2)"},
+        "o_proj.weight": {"tp": "S(1,128,2)"},
+    }  # fmt: skip
+    attention["local_attrs"] = {
+        "num_key_value_groups": {"of": "q_proj.weight", "dim": 0, "per": {"of": "k_proj.weight", "dim": 0}}
+    }
+    plain = load_plan_dict("llama_tp")
+    plain["param_plan"]["model.layers.*.self_attn"]["params"]["k_proj.weight"] = {"tp": "RS(0,2)"}
+    plain["param_plan"]["model.layers.*.self_attn"]["params"]["v_proj.weight"] = {"tp": "RS(0,2)"}
+    return {"whole_heads": whole, "plain_cut": plain}
+
+
+def test_the_tiny_copy_keeps_heads_that_do_not_divide(tmp_path: Path) -> None:
+    """6 heads at --ranks 4 are proven on 6 heads (head_dim shrinks instead, the plan's units with it): the
+    whole-head plan is exact, the plain cut is refused, where a 4-head copy would have called it exact."""
+    from transformers import LlamaConfig
+
+    from hpgen.verify.prepare import prepare
+    from hpgen.verify.run import verify_many
+
+    LlamaConfig(hidden_size=768, num_attention_heads=6, num_key_value_heads=2, head_dim=128).save_pretrained(tmp_path)
+    cases = [
+        prepare(plan, tmp_path / name, model=str(tmp_path), ranks=4, name=name) for name, plan in _six_head_plans().items()
+    ]
+    config = cases[0].config
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size) == (6, 2, 16, 96)
+    assert cases[0].mesh == (("tp", 4),)
+    params = cases[0].plan["param_plan"]["model.layers.*.self_attn"]["params"]
+    assert params["q_proj.weight"] == {"tp": "S(0,16,2)"} and params["o_proj.weight"] == {"tp": "S(1,16,2)"}
+    whole, plain = verify_many(cases, progress=False)
+    assert whole.exact, whole
+    assert {"logits", "gradients", "greedy generation"} <= {check.name for check in whole.checks}
+    assert not plain.exact and plain.raised is not None and plain.raised.refused
+    assert "o_proj.weight S(1) on axis 'tp' of size 4: dim 1 holds 6 attention heads" in plain.raised.error
+    assert "Plan it S(1,16): whole heads" in plain.raised.error, plain.raised.error

@@ -158,13 +158,49 @@ def test_full_check_lowers_again(project, monkeypatch):
     ],
 )
 def test_bad_target_lists_exit_2_with_the_place(project, pyproject, expected):
+    """A table that does not parse is one line; a bad entry is its line and the summary's."""
     (project / "pyproject.toml").write_text(pyproject)
     for command in (["lower"], ["check"]):
         result = run_hpgen(*command)
         assert result.exit_code == 2, result.output
         assert expected in result.stderr
-        assert result.stderr.count("\n") == 1
+        lines = result.stderr.splitlines()
+        assert lines == [lines[0]] if "targets[" not in expected else lines[1:] == ["1 failed"], lines
     assert not (project / "gen").exists()  # nothing written, not even the output folder
+
+
+def test_every_target_is_tried_and_each_bad_one_reported(project):
+    """A first target naming a missing plan, a second that is fine, a third with an unknown key:
+    the second is written (and checked), the other two reported in their turn, exit 2."""
+    (project / "pyproject.toml").write_text(
+        "[tool.hpgen]\ntargets = [\n"
+        '  { source = "models/modeling_tiny.py", plan = "plans/nope.json", output = "gen/a.py" },\n'
+        '  { source = "models/modeling_tiny.py", plan = "plans/tp.json", output = "gen/b.py" },\n'
+        '  { source = "models/modeling_tiny.py", plan = "plans/tp.json", output = "gen/c.py", modes = "x" },\n'
+        "]\n"
+    )
+    lowered = run_hpgen("lower")
+    assert lowered.exit_code == 2
+    assert lowered.stderr.splitlines() == [
+        f"error: {project / 'pyproject.toml'}:tool.hpgen.targets[0].plan: no such file: plans/nope.json",
+        "wrote ../../gen/b.py",
+        f"error: {project / 'pyproject.toml'}:tool.hpgen.targets[2].modes: unknown key 'modes' "
+        "(allowed: mode, output, package, plan, source)",
+        "1 written, 2 failed",
+    ]
+    assert sorted(path.name for path in (project / "gen").iterdir()) == ["b.py"]
+    checked = run_hpgen("check")
+    assert checked.exit_code == 2 and checked.stderr.splitlines()[-1] == "1 up to date, 2 failed", checked.stderr
+    named = run_hpgen("check", "../../gen/a.py")  # only the named target, and it is the bad one
+    assert named.exit_code == 2 and "plans/nope.json" in named.stderr and "1 failed" in named.stderr
+    assert run_hpgen("check", "../../gen/b.py").exit_code == 0
+
+
+def test_exit_non_zero_on_write_fails_whenever_a_file_is_written(project):
+    """What the pre-commit hook runs: exit 1 when a file was written (here created), 0 when nothing was."""
+    first = run_hpgen("lower", "--exit-non-zero-on-write")
+    assert first.exit_code == 1 and first.stderr.splitlines()[-1] == "2 written"
+    assert run_hpgen("lower", "--exit-non-zero-on-write").exit_code == 0
 
 
 def test_no_pyproject_anywhere(tmp_path, monkeypatch):

@@ -106,6 +106,9 @@ WRONG: dict[str, Wrong] = {
     # a column-parallel lm_head whose output is declared whole: never gathered (parallelize refuses)
     "lm_head_not_gathered": Wrong("llama", _set("lm_head", "out_src", "output", {"tp": "R"}),
                                   "lm_head", "parallelize"),
+    # lm_head's output gather left out (out_dst S(-1)): right by its own entry, but the model returns a shard
+    "lm_head_gather_removed": Wrong("llama", _set("lm_head", "out_dst", "output", {"tp": "S(-1)"}),
+                                    "lm_head", "forward", entry="lm_head"),
     # sequence parallelism: the norms of a sequence-sharded stream see half the tokens each
     "sp_missing_grad_reduce": Wrong("llama", _drop_grad_reduce("model.layers."), "model.layers.", "backward", SP),
     # sequence parallelism: the attention's input declared whole while the stream is cut by tokens

@@ -31,7 +31,10 @@ module of the package; :mod:`hpgen.planner.flow` has a map of its own):
   groups, and what lies between their projections); :mod:`~hpgen.planner.heads`,
   :mod:`~hpgen.planner.head_names`, :mod:`~hpgen.planner.reshapes`,
   :mod:`~hpgen.planner.layouts` (attention heads, each column's typed layout, the
-  attributes to divide); :mod:`~hpgen.planner.head_cuts`, :mod:`~hpgen.planner.head_inputs` (per-head
+  attributes to divide); :mod:`~hpgen.planner.head_shares` (each rank's whole heads where
+  they do not divide ``--tp``, and the placements that cut them; the translator's checks use
+  it too), :mod:`~hpgen.planner.uneven_heads` (a group's projections cut that way, and each
+  rank's count of the attributes that size its heads); :mod:`~hpgen.planner.head_cuts`, :mod:`~hpgen.planner.head_inputs` (per-head
   inputs made outside the attention, ALiBi); :mod:`~hpgen.planner.head_parts` (heads
   split into parts working together); :mod:`~hpgen.planner.head_maps`,
   :mod:`~hpgen.planner.head_params` (a leaf applying one matrix to each head's features;

@@ -40,6 +40,7 @@ class Boundary:
     grad_reduce: set[str] = field(default_factory=set)
     divide_attrs: dict[str, int] = field(default_factory=dict)
     tp_divide_attrs: set[str] = field(default_factory=set)
+    local_attrs: dict[str, LocalCount] = field(default_factory=dict)  # attribute -> its count on each rank
     out_grad_partial: tuple[str, ...] = ()
     axes: set[str] = field(default_factory=set)
     injection_axis: str | None = None
@@ -59,6 +60,7 @@ class Boundary:
             grad_reduce_params=tuple(sorted(self.grad_reduce)),
             divide_attrs=dict(self.divide_attrs),
             tp_divide_attrs=tuple(sorted(self.tp_divide_attrs)),
+            local_attrs=dict(sorted(self.local_attrs.items())),
             out_grad_partial=tuple(self.out_grad_partial),
         )
 

@@ -1,25 +1,30 @@
 """The checks: the mesh axes divide what a translated plan shards (heads, experts, vocabulary rows).
 
-Head-sharded attention needs the heads to divide over the axis; key/value heads fewer
-than ``--tp`` (``--tp`` a multiple of them) are replicated, as vLLM does: the key/value
-projections become ``RS(0, tp / kv)`` and the attention entry divides
-``num_key_value_groups`` by the same number (``divide_attrs``). Experts sharded by expert
+Head-sharded attention keeps heads whole: where they divide over the axis, key/value heads
+fewer than ``--tp`` (``--tp`` a multiple of them) are replicated, as vLLM does: the
+key/value projections become ``RS(0, tp / kv)`` and the attention entry divides
+``num_key_value_groups`` by the same number (``divide_attrs``). Where they do not divide,
+each rank takes whole heads, some one more (:mod:`hpgen.planner.head_shares`), and a rank
+left with no query head is refused. Experts sharded by expert
 need their count to divide; a vocab-parallel embedding needs at least one row per rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from hpgen.errors import HpgenError
 from hpgen.placement import replicated_shard, shard
+from hpgen.plan_entries import LocalCount
 from hpgen.planner.boundary import Boundary
+from hpgen.planner.head_shares import HeadShares, head_shares
 
 if TYPE_CHECKING:
     from hpgen.planner.plan_context import PlanContext
 
-__all__ = ["check_sizes", "config_value", "is_attention"]
+__all__ = ["HeadsNotCut", "check_sizes", "config_value", "is_attention"]
 
 
 def check_sizes(context: PlanContext, sizes: Mapping[str, int], boundaries: Mapping[str, Boundary]) -> None:
@@ -30,7 +35,11 @@ def check_sizes(context: PlanContext, sizes: Mapping[str, int], boundaries: Mapp
     for axis, size in sizes.items():
         flag = "--tp" if axis == "tp" else "--ep"
         attention = [b for b in boundaries.values() if axis in b.axes and b.kind == "block" and is_attention(b)]
-        if attention:
+        shares = _uneven_shares(context.name, text, attention, size, flag) if attention else None
+        if shares is not None:
+            for boundary in attention:
+                _cut_whole_heads(context.name, boundary, axis, shares)
+        elif attention:
             for attr in ("num_attention_heads", "num_key_value_heads"):
                 value = config_value(text, attr)
                 if not isinstance(value, int) or value % size == 0:
@@ -59,6 +68,81 @@ def check_sizes(context: PlanContext, sizes: Mapping[str, int], boundaries: Mapp
                 raise HpgenError(f"{context.name}: {boundary.fqn} has {rows} rows, fewer than {flag} {size}")
 
 
+class HeadsNotCut(HpgenError):
+    """Heads that do not divide the axis, in a projection transformers' plan shards whole (a fused ``qkv``) that
+    hpgen cannot cut into whole heads from the plan alone: the plan derived from the source reads its layout."""
+
+
+def _uneven_shares(name: str, config: Any, attention: list[Boundary], size: int, flag: str) -> HeadShares | None:
+    """The heads' shares over ``size`` ranks where they do not divide (None where they do, or where the config does
+    not say the counts: the checks above apply then); raise where a rank would hold no query head."""
+    heads = config_value(config, "num_attention_heads")
+    kv = config_value(config, "num_key_value_heads")
+    kv = heads if kv is None else kv
+    head_dim = _head_dim(attention[0], config)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (heads, kv, head_dim)):
+        return None
+    if heads < size:
+        raise HpgenError(
+            f"{name}: {flag} {size} leaves a rank with no query head: num_attention_heads={heads} is fewer than the "
+            f"ranks ({attention[0].fqn} is head-sharded)"
+        )
+    if heads % kv or (kv < size and size % kv):
+        return None  # the checks above say why
+    shares = head_shares(heads, kv, head_dim, size)
+    return None if shares.even else shares
+
+
+def _cut_whole_heads(name: str, boundary: Boundary, axis: str, shares: HeadShares) -> None:
+    """Heads that do not divide over ``axis``: every head-sharded parameter of the attention cut in whole heads
+    (:mod:`hpgen.planner.head_shares`), and each rank's ``num_key_value_groups`` where key/value heads replicate."""
+    q, kv, head_dim = shares.heads, shares.kv_heads, shares.head_dim
+    counted: dict[str, LocalCount] = {}  # "query" / "keys" -> the heads a rank holds, counted from a weight's rows
+    for param, layout in sorted(boundary.params.items()):
+        placement = layout.on(axis)
+        if placement.kind != "S":
+            continue
+        shape = boundary.module.get_parameter(param).shape
+        dim = placement.dim % len(shape)
+        n = shape[dim]
+        if n == q * head_dim:
+            cut = shares.query(dim, head_dim)
+        elif n == kv * head_dim:
+            cut = shares.keys(dim, head_dim)
+        elif n == q:  # one value per query head (GPT-OSS's sinks)
+            cut = shares.query(dim, 1)
+        else:
+            raise HeadsNotCut(
+                f"{name}: {boundary.fqn}.{param} is head-sharded on dim {dim} of size {n}, which is not whole heads "
+                f"of {head_dim} ({q} query, {kv} key/value heads); the heads do not divide over --{axis} {shares.tp}"
+            )
+        boundary.params[param] = layout.with_axis(axis, cut)
+        if param.endswith("weight") and dim == 0 and n in (q * head_dim, kv * head_dim):
+            counted.setdefault("query" if n == q * head_dim else "keys", LocalCount(param, 0, head_dim))
+    if shares.replicas > 1:
+        if not isinstance(getattr(boundary.module, "num_key_value_groups", None), int):
+            raise HpgenError(
+                f"{name}: num_key_value_heads={kv} is fewer than --{axis} {shares.tp}; replicating them needs "
+                f"{type(boundary.module).__name__}.num_key_value_groups (what repeat_kv repeats by), which it does not "
+                "have"
+            )
+        if "query" not in counted or "keys" not in counted:
+            raise HpgenError(
+                f"{name}: {boundary.fqn} has no query and key projections of its own to count each rank's "
+                f"num_key_value_groups from, and its {q} query heads do not divide over --{axis} {shares.tp}"
+            )
+        # query heads per key/value head on each rank: what repeat_kv repeats by
+        boundary.local_attrs["num_key_value_groups"] = replace(counted["query"], per=counted["keys"])
+
+
+def _head_dim(boundary: Boundary, config: Any) -> int | None:
+    head_dim = getattr(boundary.module, "head_dim", None) or config_value(config, "head_dim")
+    if not isinstance(head_dim, int):
+        hidden, heads = config_value(config, "hidden_size"), config_value(config, "num_attention_heads")
+        head_dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) else None
+    return head_dim
+
+
 def _replicate_kv_heads(name: str, boundary: Boundary, axis: str, kv_heads: int, replicas: int, config: Any) -> None:
     """Fewer key/value heads than ranks: each on ``replicas`` consecutive ranks (``RS(0,r)``), as vLLM does.
 
@@ -66,10 +150,7 @@ def _replicate_kv_heads(name: str, boundary: Boundary, axis: str, kv_heads: int,
     dim 0 holds ``kv_heads`` heads; ``num_key_value_groups`` (query heads per key/value
     head, what ``repeat_kv`` repeats by) is divided by ``replicas`` on each rank.
     """
-    head_dim = getattr(boundary.module, "head_dim", None) or config_value(config, "head_dim")
-    if not isinstance(head_dim, int):
-        hidden, heads = config_value(config, "hidden_size"), config_value(config, "num_attention_heads")
-        head_dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) else None
+    head_dim = _head_dim(boundary, config)
     found = []
     for param, layout in boundary.params.items():
         shape = boundary.module.get_parameter(param).shape

@@ -20,7 +20,10 @@ file) :mod:`hpgen.planner.flow` gives the graph of its layers: which ``nn.Linear
    divide ``--tp``; a fused projection's layout is recognised from the reshape that
    follows it (``split(split_size)`` / ``chunk(3)``: Q|K|V blocks -> ``SS(d,3)``;
    ``view(..., heads, 3, head_dim)``: per-head interleaved -> ``S(d)``; one key/value
-   head packed after the queries (multi-query) is refused). Integer attributes that
+   head packed after the queries (multi-query Falcon) -> ``B(d, ...)``, the queries cut
+   and the key and value whole); heads that do not divide are cut whole, some ranks one
+   more (:mod:`~hpgen.planner.uneven_heads`, with the attributes that size them counted per
+   rank, ``local_attrs``). Integer attributes that
    size a reshape of sharded values (``self.num_heads``, ``self.split_size``) are divided
    (``tp_divide_attrs``); a global count read from ``self.config`` there is refused. An
    attention that splits its heads into parts working together (DiffLlama's ``chunk(2)``
@@ -64,10 +67,11 @@ from pathlib import Path
 from typing import Any
 
 from hpgen.placement import REPLICATE
+from hpgen.plan_entries import LocalCount
 from hpgen.planner.channels import channel_attrs, find_channel_mixer
 from hpgen.planner.derive_context import DeriveContext
 from hpgen.planner.derived_blocks import GroupLayout, boundaries
-from hpgen.planner.entries import Contradicted, Derivation, HeadCut, Note, Placed, Refused
+from hpgen.planner.entries import Contradicted, Derivation, HeadCut, NoQueryHead, Note, Placed, Refused
 from hpgen.planner.flow import leaf_kind, module_names
 from hpgen.planner.gathered import check_gathered, gathered_columns
 from hpgen.planner.groups import Group, check_mid, depths, direct_params, find_groups, first_marker, sources
@@ -76,9 +80,10 @@ from hpgen.planner.head_parts import head_parts
 from hpgen.planner.heads import HeadRules, per_head_input
 from hpgen.planner.latent import LatentRefused, check_broadcast, replicated_closure
 from hpgen.planner.layouts import PLAIN, ColumnLayout
-from hpgen.planner.modules import generic, is_linear, is_nn_linear, lca, positive_int, relative
+from hpgen.planner.modules import attr_value, generic, is_linear, is_nn_linear, lca, positive_int, relative
 from hpgen.planner.reshapes import column_layout, divided_attrs, sharded_counts
 from hpgen.planner.split_rows import place_split_rows, reshapes_weight
+from hpgen.planner.uneven_heads import UnevenHeads, groups_count, rank_values, uneven_layouts
 from hpgen.planner.vocab import place_vocabulary
 
 __all__ = ["Derivation", "Note", "Placed", "decoder_layers", "derive"]
@@ -165,6 +170,8 @@ def _place_layer(ctx: DeriveContext, model_rules: HeadRules, layer: str, result:
                 except Refused as plain:
                     if not isinstance(refused, LatentRefused):  # a latent's own refusal says more
                         refused = plain
+            if isinstance(refused, NoQueryHead):
+                result.no_query_head = result.no_query_head or str(refused)
             for fqn in sorted(cols | group.rows):
                 result.note(
                     fqn, False, str(refused), needs_whole=refused.consumer if isinstance(refused, Contradicted) else ""
@@ -211,8 +218,9 @@ def _channel_mixers(ctx: DeriveContext, layer: str, result: Derivation) -> set[s
 
 def _place_group(
     ctx: DeriveContext, rules: HeadRules, group: Group, linears: set[str]
-) -> tuple[list[Placed], Mapping[str, set[str]]]:
-    """The entries of one group and the attributes to divide, or :class:`Refused` saying why it stays whole."""
+) -> tuple[list[Placed], Mapping[str, set[str]], Mapping[str, Mapping[str, LocalCount]]]:
+    """The entries of one group, the attributes to divide and those with a value per rank (heads that do not
+    divide), or :class:`Refused` saying why it stays whole."""
     modules, flow, layer = ctx.modules, group.flow, group.layer
     cols, rows, mids = group.cols, group.rows, group.mids
     attention = rules.is_attention(cols, rows)
@@ -254,7 +262,16 @@ def _place_group(
     # heads split into parts that work together (differential attention): a strided cut of every part
     parts = head_parts(ctx, group, heads)
     replicated = {c for c, layout in (parts.layouts if parts else {}).items() if layout.replicated}
-    rules.check_runtime_heads(cols - replicated, layer)
+    shares = None  # the heads' shares where they do not divide over --tp: each rank takes whole heads
+    if attention and heads is not None and parts is None:
+        try:
+            shares = rules.shares(heads, lca(cols | rows))
+        except NoQueryHead:
+            raise
+        except Refused:
+            shares = None  # key/value heads fewer than the ranks that do not divide them: the checks below say why
+    if shares is None:
+        rules.check_runtime_heads(cols - replicated, layer)
     cut: dict[str, HeadCut] = {}
     if side and heads:
         common = lca(cols | rows)
@@ -268,8 +285,13 @@ def _place_group(
         layouts = {col: column_layout(modules, group, col, heads, attention) for col in plain}
         layouts.update({col: PLAIN for col in gathered})  # its outputs are whole values, one per head
     check_gathered(gathered, modules, layouts, heads if attention else None, ctx.tp, layer)
+    uneven = None
     if attention and heads is not None and parts is None:
-        rules.check_heads(cols, layouts, heads, layer)
+        if shares is None:
+            rules.check_heads(cols, layouts, heads, layer)
+        else:
+            uneven = uneven_layouts(modules, cols, rows, layouts, shares, layer)
+            layouts = uneven.columns
     counts = sharded_counts(modules, cols - replicated, rows, layouts, heads)
     direct = direct_params(ctx.model, modules, group, raw, layouts, heads, parts.k if parts else None)
     # reshapes of the parameters sharded with the heads (dt_bias.view(1, 1, num_heads, head_dim)) size shards too
@@ -284,13 +306,68 @@ def _place_group(
     for module, attrs in (parts.divide if parts else {}).items():
         divide.setdefault(module, set()).update(attrs)
     what = "attention" if attention else "MLP"
-    layout = GroupLayout(what, heads, parts, layouts, frozenset(gathered), direct, cut)
-    return boundaries(ctx, rules, group, layout), divide
+    ranked: dict[str, dict[str, LocalCount]] = {}
+    row = PLAIN
+    if uneven is not None:
+        ranked = _rank_attrs(modules, group, uneven, direct, cut, divide)
+        divide, row = {}, uneven.row
+    layout = GroupLayout(what, heads, parts, layouts, frozenset(gathered), direct, cut, row)
+    return boundaries(ctx, rules, group, layout), divide, ranked
 
 
-def _record(result: Derivation, group: Group, pieces: list[Placed], divide: Mapping[str, set[str]]) -> None:
-    """Write one group's entries and divided attributes into ``result`` (:class:`Refused`, and nothing written,
-    where a module would hold two groups)."""
+def _rank_attrs(
+    modules: Mapping[str, Any],
+    group: Group,
+    uneven: UnevenHeads,
+    direct: Mapping[str, Any],
+    cut: Mapping[str, HeadCut],
+    divide: Mapping[str, set[str]],
+) -> dict[str, dict[str, LocalCount]]:
+    """Heads cut unevenly: each rank's value of the attributes that would be divided (``num_heads``...), by module;
+    :class:`Refused` where something else between the projections follows the heads."""
+    shares, layer = uneven.shares, group.layer
+    sharded = sorted(name for name, placement in direct.items() if placement != REPLICATE)
+    if sharded:
+        raise Refused(
+            f"{relative(sharded[0], layer)} is read per head between the projections, and the {shares.heads} heads do "
+            f"not divide over --tp {shares.tp}: hpgen cuts such parameters only where they divide"
+        )
+    if cut:
+        raise Refused(
+            f"the attention takes {', '.join(repr(n) for n in sorted(cut))} (one slice per head, made outside it), "
+            f"which hpgen cuts only where the {shares.heads} heads divide over --tp {shares.tp}"
+        )
+    values = rank_values(modules, group.cols, group.rows, uneven)
+    ranked: dict[str, dict[str, LocalCount]] = {}
+    for module, attrs in divide.items():
+        for attr in sorted(attrs):
+            value = attr_value(modules, module, attr)
+            count = values[value].under(module) if value in values else None
+            if count is None:
+                raise Refused(
+                    f"self.{attr} of {relative(module, layer) or 'the layer'} sizes the sharded heads, and hpgen "
+                    f"cannot tell its share on each rank where the heads do not divide over --tp {shares.tp}"
+                )
+            ranked.setdefault(module, {})[attr] = count
+    common = lca(group.cols | group.rows)
+    groups = getattr(modules.get(common), "num_key_value_groups", None)
+    if shares.replicas > 1 and isinstance(groups, int) and groups == shares.group:  # what repeat_kv repeats by
+        count = groups_count(values, shares, common)
+        if count is None:
+            raise Refused(f"hpgen cannot count {relative(common, layer) or 'the layer'}'s num_key_value_groups per rank")
+        ranked.setdefault(common, {})["num_key_value_groups"] = count
+    return ranked
+
+
+def _record(
+    result: Derivation,
+    group: Group,
+    pieces: list[Placed],
+    divide: Mapping[str, set[str]],
+    ranked: Mapping[str, Mapping[str, LocalCount]],
+) -> None:
+    """Write one group's entries and divided attributes (and per-rank ones, ``ranked``) into ``result``
+    (:class:`Refused`, and nothing written, where a module would hold two groups)."""
     for piece in pieces:
         if piece.fqn in result.placed:
             raise Refused(f"{relative(piece.fqn, group.layer) or group.layer} would hold two groups")
@@ -303,6 +380,11 @@ def _record(result: Derivation, group: Group, pieces: list[Placed], divide: Mapp
         if owner is None:
             owner = result.placed[module] = Placed(module, "attrs", why="sizes of the sharded heads")
         owner.divide |= attrs
+    for module, values in ranked.items():
+        owner = result.placed.get(module)
+        if owner is None:
+            owner = result.placed[module] = Placed(module, "attrs", why="sizes of the sharded heads")
+        owner.local_attrs.update(values)
 
 
 def _source_file(cls: type) -> str | None:

@@ -23,7 +23,7 @@ from hpgen.planner.head_cuts import cut_heads
 from hpgen.planner.head_parts import Parts
 from hpgen.planner.heads import HeadRules
 from hpgen.planner.latent import fed_columns, pre_chain, replicated_closure
-from hpgen.planner.layouts import ColumnLayout
+from hpgen.planner.layouts import PLAIN, ColumnLayout
 from hpgen.planner.load import defined_in
 from hpgen.planner.modules import is_conv1d, is_nn_linear, join, lca, relative, returns_addressable
 
@@ -41,6 +41,7 @@ class GroupLayout:
     gathered: frozenset[str]  # columns reading another column's output whole, gathered on entry
     direct: Mapping[str, Placement]  # parameters the code between the projections reads itself
     head_inputs: Mapping[str, HeadCut]  # per-head inputs made outside the attention -> their cut
+    row: ColumnLayout = PLAIN  # the row projections' input: S, or whole heads where they do not divide
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def boundaries(ctx: DeriveContext, rules: HeadRules, group: Group, layout: Group
         placed = Placed(common, "block", inputs=block.inputs, why=why)
         pre[common] = block.pre
         cut_heads(placed, head_inputs, layout.heads[0] if layout.heads else None)
-        _params(modules, placed, cols - gathered, rows, layouts)
+        _params(modules, placed, cols - gathered, rows, layouts, layout.row)
         pieces.append(placed)
         for col in sorted(gathered):  # its own wrapped nn.Linear: the input is gathered on entry
             leaf = Placed(
@@ -137,7 +138,7 @@ def boundaries(ctx: DeriveContext, rules: HeadRules, group: Group, layout: Group
             if not is_nn_linear(modules[row]):
                 raise Refused(f"{relative(row, layer)} would be a boundary of its own but is not an nn.Linear")
             placed = Placed(row, "row_leaf", why=f"{what}: row-parallel nn.Linear (input arrives sharded)")
-            _params(modules, placed, set(), {row}, layouts)
+            _params(modules, placed, set(), {row}, layouts, layout.row)
             pieces.append(placed)
         if head_inputs:  # the attention around the leaves still gets its per-head input cut
             if not (top_level_class(type(modules[common])) and defined_in(type(modules[common]), ctx.source)):
@@ -175,8 +176,10 @@ def _params(
     cols: Collection[str],
     rows: Collection[str],
     layouts: Mapping[str, ColumnLayout],
+    row_layout: ColumnLayout = PLAIN,
 ) -> None:
-    """The placements of the columns' and rows' weights and biases, named relative to ``placed``."""
+    """The placements of the columns' and rows' weights and biases, named relative to ``placed`` (the rows' input
+    cut by ``row_layout``)."""
     for col in sorted(cols):
         module = modules[col]
         dim = 1 if is_conv1d(module) else 0
@@ -186,7 +189,7 @@ def _params(
     for row in sorted(rows):
         module = modules[row]
         dim = 0 if is_conv1d(module) else 1
-        placed.params[join(relative(row, placed.fqn), "weight")] = shard(dim)
+        placed.params[join(relative(row, placed.fqn), "weight")] = row_layout.placement(dim)
         if getattr(module, "bias", None) is not None:
             name = join(relative(row, placed.fqn), "bias")
             placed.params[name] = REPLICATE

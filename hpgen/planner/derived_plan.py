@@ -134,6 +134,7 @@ def _placed_boundaries(context: PlanContext, placed: dict[str, Placed]) -> dict[
         boundary.params = {param: Layout.same(("tp",), layout) for param, layout in entry.params.items()}
         boundary.deferred = set(entry.deferred)
         boundary.tp_divide_attrs = set(entry.divide)
+        boundary.local_attrs = dict(entry.local_attrs)
         if entry.kind == "reduce_leaf":
             boundary.out_grad_partial = ("output",)
     for fqn, entry in placed.items():

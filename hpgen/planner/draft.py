@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from hpgen.plan import PLAN_FORMAT, Plan, plan_from_dict
-from hpgen.plan_entries import LAYOUT_KEYS, FunctionRef, Injection, Layout, SummedReduction
+from hpgen.plan import PLAN_FORMAT, PLAN_FORMAT_2, Plan, plan_from_dict
+from hpgen.plan_entries import LAYOUT_KEYS, FunctionRef, Injection, Layout, LocalCount, SummedReduction
 
 __all__ = ["DraftEntry", "DraftPlan", "injection"]
 
@@ -39,6 +39,7 @@ class DraftEntry:
     grad_reduce_params: tuple[str, ...] = ()
     divide_attrs: Mapping[str, int] = field(default_factory=dict)
     tp_divide_attrs: tuple[str, ...] = ()
+    local_attrs: Mapping[str, LocalCount] = field(default_factory=dict)  # attribute -> its count on each rank
     out_grad_partial: tuple[str, ...] = ()
     in_grad_partial: tuple[str, ...] = ()
     summed_reduction: SummedReduction | None = None
@@ -62,6 +63,8 @@ class DraftEntry:
         for part in ("tp_divide_attrs", "out_grad_partial", "in_grad_partial"):
             if getattr(self, part):
                 entry[part] = list(getattr(self, part))
+        if self.local_attrs:
+            entry["local_attrs"] = {name: count.document() for name, count in self.local_attrs.items()}
         if self.summed_reduction is not None:
             summed = self.summed_reduction
             entry["summed_reduction"] = {"branches": list(summed.branches)}
@@ -118,7 +121,7 @@ class DraftPlan:
     def document(self) -> dict[str, Any]:
         """The plan document: what ``hpgen plan`` writes (:func:`~hpgen.planner.document.dumps_plan`)."""
         document: dict[str, Any] = {
-            "format": PLAN_FORMAT,
+            "format": self.format(),
             "model_class": self.model_class,
             "mesh_dim_names": list(self.mesh),
             "param_plan": {key: entry.document() for key, entry in self.entries.items()},
@@ -130,6 +133,16 @@ class DraftPlan:
         if self.boundary_classes:
             document["boundary_classes"] = dict(self.boundary_classes)
         return document
+
+    def format(self) -> str:
+        """``hpgen.plan/2`` where an entry cuts a parameter in whole units or blocks or has ``local_attrs`` (heads
+        that do not divide), else ``hpgen.plan/1``: a plan needing nothing new is written as before."""
+        for entry in self.entries.values():
+            if entry.local_attrs or any(
+                placement.whole_units for layout in entry.params.values() for _, placement in layout.placements
+            ):
+                return PLAN_FORMAT_2
+        return PLAN_FORMAT
 
     def validated(self, name: str | None = None) -> Plan:
         """The draft loaded as a plan; raises :class:`~hpgen.errors.HpgenError` where it would not load."""

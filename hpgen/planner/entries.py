@@ -8,7 +8,7 @@ from typing import Literal, Union
 from hpgen.placement import Placement
 from hpgen.planner.modules import generic
 
-__all__ = ["BATCH_MAJOR", "SHARDING_KINDS", "Derivation", "HeadCut", "Note", "Placed", "Refused"]
+__all__ = ["BATCH_MAJOR", "SHARDING_KINDS", "Derivation", "HeadCut", "NoQueryHead", "Note", "Placed", "Refused"]
 
 # How a per-head input made outside an attention is cut to a rank's heads: S(d) on its head dim, or
 # BATCH_MAJOR where the heads are fused into the batch dim (a region's local compute cuts it).
@@ -29,6 +29,7 @@ class Placed:
     deferred: set[str] = field(default_factory=set)
     inputs: tuple[str, ...] = ()  # forward parameters entering a block (R -> R)
     divide: set[str] = field(default_factory=set)  # tp_divide_attrs
+    local_attrs: dict[str, LocalCount] = field(default_factory=dict)  # attribute -> its count on each rank
     grad_reduce: set[str] = field(default_factory=set)  # replicated parameters the sharded body runs through
     head_inputs: dict[str, HeadCut] = field(default_factory=dict)  # per-head inputs made outside: name -> its cut
     global_heads: int | None = None  # the query heads, for a batch_major head input's local compute
@@ -53,6 +54,7 @@ class Derivation:
 
     placed: dict[str, Placed] = field(default_factory=dict)
     notes: list[Note] = field(default_factory=list)
+    no_query_head: str = ""  # why an attention stays whole: --tp leaves a rank without a query head
 
     def note(self, target: str, sharded: bool, text: str, *, needs_whole: str = "") -> None:
         item = Note(generic(target), sharded, text, generic(needs_whole) if needs_whole else "")
@@ -66,6 +68,11 @@ class Derivation:
 
 class Refused(Exception):
     """A group (or module) the derivation leaves replicated; the message says why."""
+
+
+class NoQueryHead(Refused):
+    """An attention whose query heads are fewer than ``--tp``: no cut gives every rank one. Where it is the reason an
+    attention stays whole, ``hpgen plan`` refuses the ``--tp`` (:attr:`Derivation.no_query_head`)."""
 
 
 class Contradicted(Refused):

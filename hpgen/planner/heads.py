@@ -13,11 +13,12 @@ from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from typing import Any
 
-from hpgen.planner.entries import Refused
+from hpgen.planner.entries import NoQueryHead, Refused
 from hpgen.planner.flow import Flow
 from hpgen.planner.head_maps import per_head_map
 from hpgen.planner.head_names import HEAD_DIM_ATTRS, HEADS_ATTRS, KV_HEADS_ATTRS
 from hpgen.planner.head_params import param_use, per_head_view
+from hpgen.planner.head_shares import HeadShares, NoHeadForRank, head_shares
 from hpgen.planner.layouts import ColumnLayout
 from hpgen.planner.modules import between, is_linear, lca, out_features, positive_int, prefixes, relative
 from hpgen.shards import row_heads
@@ -88,15 +89,15 @@ class HeadRules:
                 if not (path == layer or path.startswith(layer + ".")):
                     continue
                 head_dim = positive_int(getattr(self.modules.get(path), "head_dim", None))
-                if not head_dim or n % head_dim:
-                    continue
+                if not head_dim or n % head_dim or _multi_query(self.modules.get(path), n, head_dim):
+                    continue  # a multi-query [queries | key | value]: its layout cuts the query heads alone
                 held = row_heads(self.modules[path], relative(col, path), n, head_dim)  # as parallelize counts
                 if held % self.tp:
                     where = relative(path, layer) or "the layer"
                     size = f"{where}'s head_dim {head_dim}" if held * head_dim == n else f"{n // held} features ({where})"
                     raise Refused(
                         f"{relative(col, layer)} has {n} outputs, {held} heads of {size}, which do not divide over "
-                        f"--tp {self.tp}" + _unequal_blocks(self.modules.get(path), n, head_dim)
+                        f"--tp {self.tp}"
                     )
 
     def per_head(self, fqn: str) -> bool:
@@ -229,7 +230,9 @@ class HeadRules:
             n = out_features(self.modules[col])
             layout = layouts[col]
             per_block = layout.block(n)
-            if layout.plain and n in (q, kv) and n % head_dim:
+            if layout.in_blocks:  # multi-query [queries | key | value]: the query heads are cut, the rest is whole
+                units = q
+            elif layout.plain and n in (q, kv) and n % head_dim:
                 units = n  # one value per head (a per-head gate)
             elif per_block % head_dim and not (layout.grouped and per_block % layout.count == 0):
                 raise Refused(f"{relative(col, layer)} has {n} features, not a whole number of heads of {head_dim}")
@@ -242,8 +245,27 @@ class HeadRules:
                     f"{relative(col, layer)} holds {units} heads (or key/value groups, or groups of heads), which do "
                     f"not divide over --tp {tp}"
                 )
-        if tp is not None and (q % tp or kv % tp):
+        multi_query = any(layouts[col].in_blocks for col in cols)
+        if tp is not None and (q % tp or (kv % tp and not multi_query)):
             raise Refused(f"{q} query and {kv} key/value heads do not divide over --tp {tp}")
+
+    def shares(self, heads: tuple[int, int, int], where: str) -> HeadShares | None:
+        """The heads' shares over ``--tp`` where they do not divide (None where they do, or without ``--tp``).
+
+        Raises :class:`NoQueryHead` where a rank would hold no query head (the plan refuses that ``--tp`` when no
+        other reason keeps the attention whole), :class:`Refused` where key/value heads fewer than the ranks do not
+        divide them.
+        """
+        if self.tp is None:
+            return None
+        q, kv, head_dim = heads
+        try:
+            shares = head_shares(q, kv, head_dim, self.tp)
+        except NoHeadForRank as error:
+            raise NoQueryHead(f"{where}: {error}") from None
+        except ValueError as error:
+            raise Refused(str(error)) from None
+        return None if shares.even else shares
 
 
 def normalized_heads(module: Any, head_sizes: Iterable[int]) -> int | None:
@@ -278,13 +300,8 @@ def per_head_input(name: str) -> bool:
     return any(part in lowered for part in PER_HEAD_INPUTS) and "mask" not in lowered
 
 
-def _unequal_blocks(attention: Any, n: int, head_dim: int) -> str:
-    """Why a fused multi-query projection (Falcon-7B's ``[all query heads | key | value]``) stays whole: its
-    blocks have unequal sizes, which no placement of the plan format (equal blocks only) cuts by heads."""
+def _multi_query(attention: Any, n: int, head_dim: int) -> bool:
+    """A fused multi-query projection (Falcon-7B's ``[all query heads | key | value]``), whose heads do not all cut
+    alike: the query heads are sharded and the key and value kept whole (:func:`hpgen.planner.layouts.query_blocks`)."""
     q, kv = (positive_int(getattr(attention, name, None)) for name in ("num_heads", "num_kv_heads"))
-    if not q or not kv or kv >= q or n != (q + 2 * kv) * head_dim:
-        return ""
-    return (
-        f": it is [{q} query heads | {kv} key | {kv} value] (multi-query), blocks of unequal sizes that no placement "
-        "cuts by heads, so the attention stays whole on every rank (no summed reduction: only the MLP is reduced)"
-    )
+    return bool(q and kv and kv < q and n == (q + 2 * kv) * head_dim)

@@ -12,7 +12,8 @@ its output says how the features are packed (a :class:`ColumnLayout`):
   interleaved -> ``grouped(heads)``, whole heads stay together under a plain shard;
   ``view(..., 3, heads, head_dim)``: blocks again; ``view(..., kv, q // kv + 2, head_dim)``
   (Falcon's grouped layout): per key/value group; ``view(..., heads + 2, head_dim)``
-  (multi-query) refused;
+  with one key/value head (multi-query Falcon): blocks of unequal sizes ``[queries | key |
+  value]``, the query block cut by heads and the key and value whole (``B``);
 - an MLP's ``view(..., 2, -1)`` packs gate and up -> ``packed(2)``.
 
 A layout becomes a placement (``S``, ``SS``, ``RS`` text) only on a weight's dim
@@ -25,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
-from hpgen.placement import Placement, replicated_shard, shard, strided_shard
+from hpgen.placement import REPLICATE, Placement, block_placement, replicated_shard, shard, strided_shard
 from hpgen.planner.flow import ShapeUse, Val
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "last_dim",
     "layout_of",
     "packed",
+    "query_blocks",
     "replicated",
 ]
 
@@ -49,6 +51,8 @@ class Packing(Enum):
     CONTIGUOUS = "contiguous"  # one run of features (S), maybe in groups a cut keeps whole (whole heads)
     PACKED = "packed"  # equal packed blocks (Q|K|V), each cut on its own (SS)
     REPLICATED = "replicated"  # each chunk on consecutive ranks: key/value heads every rank needs (RS)
+    WHOLE = "whole"  # every rank holds all of it (R): a multi-query projection's key or value block
+    BLOCKS = "blocks"  # blocks of unequal sizes, each with its own layout (B): multi-query [queries | key | value]
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,10 @@ class ColumnLayout:
 
     packing: Packing
     count: int = 1
+    # cut in whole units of this many features where the heads do not divide (0: a plain cut), in ``groups`` groups
+    unit: int = 0
+    groups: int = 1
+    blocks: tuple[tuple[int, ColumnLayout], ...] = ()  # BLOCKS: (features, layout) of each block, in order
 
     @property
     def plain(self) -> bool:
@@ -85,6 +93,12 @@ class ColumnLayout:
     def replicated(self) -> bool:
         return self.packing is Packing.REPLICATED
 
+    @property
+    def in_blocks(self) -> bool:
+        """Blocks each with its own layout (``B``): multi-query ``[query heads | key | value]`` (:func:`query_blocks`),
+        or packed blocks each cut in whole heads."""
+        return self.packing is Packing.BLOCKS
+
     def block(self, features: int) -> int:
         """The features of one packed block (all of them when not packed)."""
         return features // self.count if self.packed else features
@@ -92,11 +106,21 @@ class ColumnLayout:
     def placement(self, dim: int) -> Placement:
         """The placement of a weight whose ``dim`` holds these features: ``S``, ``SS`` or ``RS`` on it (a
         grouping needs no count there: a plain shard of whole groups keeps them whole)."""
+        if self.in_blocks:
+            return block_placement(dim, tuple((size, layout.placement(dim)) for size, layout in self.blocks))
+        if self.packing is Packing.WHOLE:
+            return REPLICATE
+        if self.unit:
+            return shard(dim, self.unit, self.groups)
         if self.packed:
             return strided_shard(dim, self.count)
         if self.replicated:
             return replicated_shard(dim, self.count)
         return shard(dim)
+
+    def in_units(self, unit: int, groups: int = 1) -> ColumnLayout:
+        """This contiguous layout cut in whole units of ``unit`` features (in ``groups`` groups): ``S(d,unit,groups)``."""
+        return ColumnLayout(self.packing, self.count, unit, groups)
 
 
 PLAIN = ColumnLayout(Packing.CONTIGUOUS)
@@ -115,6 +139,15 @@ def packed(blocks: int) -> ColumnLayout:
 def replicated(ranks: int) -> ColumnLayout:
     """Each chunk held by ``ranks`` consecutive ranks (``RS``)."""
     return ColumnLayout(Packing.REPLICATED, ranks)
+
+
+WHOLE = ColumnLayout(Packing.WHOLE)
+
+
+def query_blocks(heads: int, head_dim: int, query: ColumnLayout = PLAIN) -> ColumnLayout:
+    """Multi-query ``[heads query heads | one key head | one value head]``: the query block cut by ``query``, the key
+    and value whole on every rank (their gradients summed over the ranks, as ``RS`` ones are)."""
+    return ColumnLayout(Packing.BLOCKS, 3, blocks=((heads * head_dim, query), (head_dim, WHOLE), (head_dim, WHOLE)))
 
 
 class UnequalBlocks(ValueError):
@@ -171,8 +204,12 @@ def layout_of(use: ShapeUse, n: int, heads: tuple[int, int, int] | None) -> Colu
             or (lead in (q, kv) and len(suffix) >= 3 and suffix[1] in (2, 3))
         ):
             return grouped(lead)  # [heads, k, head_dim]: interleaved per head, whole heads stay together
+        if len(suffix) == 3 and suffix[0] == kv == 1 and suffix[1] == q + 2 and suffix[2] == head_dim:
+            return query_blocks(q, head_dim)  # one key/value group [queries | key | value] (new_decoder_architecture)
         if lead == kv and len(suffix) == 3 and suffix[1] == q // kv + 2:
             return grouped(lead)  # [kv groups, queries per group + 2, head_dim]: per key/value group
+        if len(suffix) == 2 and lead == q + 2 and suffix[1] == head_dim and kv == 1:
+            return query_blocks(q, head_dim)  # [queries | key | value], multi-query (Falcon-7B)
         if lead == q + 2 and len(suffix) == 2:
             raise UnequalBlocks(
                 "the projection packs the query heads with one shared key and value head (multi-query), which no S "

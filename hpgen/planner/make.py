@@ -4,7 +4,9 @@ transformers' ``base_model_tp_plan`` is the interchange format users know, so wh
 exists and shards something inside the decoder layers it is translated
 (:mod:`hpgen.planner.translator`). Where there is none, or where it shards only the embeddings
 (bamba, diffllama, gpt_oss, lfm2, ...), the plan is derived from the modeling source
-(:mod:`hpgen.planner.derive`); ``from_source`` forces that. A translated plan that leaves
+(:mod:`hpgen.planner.derive`); ``from_source`` forces that, and so do heads that do not divide
+``--tp`` in a fused projection transformers' plan shards whole (GPT-NeoX's ``query_key_value``:
+the source says how its heads are laid out; ``comments.derived_because`` says so). A translated plan that leaves
 whole blocks replicated (the attention next to sharded experts) gets those blocks from the
 derivation too (without ``--sp``/``--ep``). Either way the plan's top-level ``comments``
 (ignored by the loader) say where it came from and, for a derived plan, what was sharded
@@ -100,10 +102,18 @@ def plan_model(
 def _plan_model(
     model: Any, *, tp: int | None, ep: int | None, sp: bool, from_source: bool, ep_axis: str | None, name: str
 ) -> DraftPlan:
+    from hpgen.planner.checks import HeadsNotCut
     from hpgen.planner.translator import translated_draft
 
+    uncut = None
     if plan_source(model, from_source=from_source) == TRANSFORMERS:
-        plan = translated_draft(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, name=name)
+        try:
+            plan = translated_draft(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, name=name)
+        except HeadsNotCut as error:
+            if ep is not None:
+                raise
+            uncut = str(error)  # a fused projection: the derivation reads how its heads are laid out
+    if plan_source(model, from_source=from_source) == TRANSFORMERS and uncut is None:
         plan = plan.replace(comments={"plan_source": TRANSFORMERS, **plan.comments})
         if ep is None and not sp:
             plan = _completed(model, plan, tp=tp, name=name)
@@ -119,12 +129,15 @@ def _plan_model(
     from hpgen.planner.derived_plan import derived_plan
 
     derivation = derive(model, tp=tp)
+    if derivation.no_query_head:  # no cut of this --tp gives every rank a query head
+        raise HpgenError(f"{name}: {derivation.no_query_head}")
     if not derivation.placed:
         raise HpgenError(f"{name}: nothing to shard: {_reasons(derivation)}")
     plan = derived_plan(model, derivation, tp=tp, sp=sp, name=name)
     return plan.replace(
         comments={
             "plan_source": DERIVED,
+            **({"derived_because": uncut} if uncut is not None else {}),
             "sharded": {note.target: note.text for note in derivation.notes if note.sharded},
             "replicated": {note.target: note.text for note in derivation.notes if not note.sharded},
         }

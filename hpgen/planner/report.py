@@ -32,7 +32,7 @@ from hpgen.classify import COMMUNICATING, DEFAULT_BACKWARD, summed_ops, value_op
 from hpgen.plan import Plan, plan_from_dict
 from hpgen.planner.modules import generic
 
-__all__ = ["Collective", "SizeReport", "format_bytes", "size_report"]
+__all__ = ["Collective", "HeadsHeld", "SizeReport", "format_bytes", "size_report"]
 
 _DIGIT = re.compile(r"\.(\d+)(?=\.|$)")
 
@@ -50,6 +50,29 @@ class Collective:
     calls: int  # collective calls per use
 
 
+@dataclass(frozen=True)
+class HeadsHeld:
+    """The heads each rank holds of one attention, where they differ between ranks (heads that do not divide)."""
+
+    heads: int
+    query: tuple[int, ...]  # query heads per rank
+    kv_heads: int
+    kv: tuple[int, ...] | None  # key/value heads per rank (None where no projection of its own holds them)
+
+    @property
+    def busiest_share(self) -> float:
+        """The most query heads a rank holds, as a share of all: its share of the attention's FLOPs (the score and
+        value products are per query head), against ``1 / tp`` for an even cut."""
+        return max(self.query) / self.heads
+
+    def text(self) -> str:
+        kv = f"; key/value heads {', '.join(map(str, self.kv))} of {self.kv_heads}" if self.kv is not None else ""
+        return (
+            f"query heads per rank {', '.join(map(str, self.query))} of {self.heads}{kv}; the busiest rank computes "
+            f"{self.busiest_share:.3f} of the attention (even: {1 / len(self.query):.3f})"
+        )
+
+
 @dataclass
 class SizeReport:
     """Parameter bytes per rank and collectives per forward/backward of one plan on ``tp`` ranks."""
@@ -58,6 +81,7 @@ class SizeReport:
     dtype: str
     element_size: int
     hidden_size: int | None
+    dtype_from: str = ""  # why this dtype (the config's, --dtype), said beside it
     total_bytes: int = 0
     sharded_bytes: int = 0  # unsharded size of the parameters the plan shards
     replicated_bytes: int = 0
@@ -68,6 +92,7 @@ class SizeReport:
     grad_reduce_bytes: int = 0  # per backward: gradients of grad_reduce_params all-reduced
     grad_reduce_count: int = 0  # how many such all-reduces (one per parameter)
     optional: set[str] = field(default_factory=set)  # inputs defaulting to None: their collectives only when given
+    heads: dict[str, HeadsHeld] = field(default_factory=dict)  # attention pattern -> its heads per rank, where uneven
 
     def totals(self, phase: str) -> dict[str, tuple[int, int, float]]:
         """kind -> (calls, tensor bytes, sent bytes) per token over a whole forward (or backward)."""
@@ -94,6 +119,7 @@ class SizeReport:
         return {
             "tp": self.tp,
             "dtype": self.dtype,
+            "dtype_from": self.dtype_from,
             "parameters": {
                 "total_bytes": self.total_bytes,
                 "sharded_bytes": self.sharded_bytes,
@@ -107,18 +133,22 @@ class SizeReport:
             "per_token": {
                 phase: {k: list(v) for k, v in self.totals(phase).items()} for phase in ("forward", "backward")
             },
+            **({"heads": {p: h.__dict__.copy() for p, h in self.heads.items()}} if self.heads else {}),
         }
 
     def text(self) -> str:
         """The report as a few readable lines."""
         mb = format_bytes
         lines = [
-            f"parameters at {self.dtype}: {mb(self.total_bytes)} unsharded; per rank on --tp {self.tp}: "
+            f"parameters at {self.dtype}{f' ({self.dtype_from})' if self.dtype_from else ''}: "
+            f"{mb(self.total_bytes)} unsharded; per rank on --tp {self.tp}: "
             + ", ".join(f"rank {i} {mb(b)}" for i, b in enumerate(self.rank_bytes))
             + (f" ({max(self.rank_bytes) / self.total_bytes:.2f} of the model)" if self.total_bytes else ""),
             f"  sharded: {mb(self.sharded_bytes)} split over the ranks; replicated: {mb(self.replicated_bytes)} on "
             "every rank",
         ]
+        for pattern, held in self.heads.items():  # only where the heads do not divide: ranks hold different counts
+            lines.append(f"  {pattern}: {held.text()}")
         width = f"hidden size {self.hidden_size}, " if self.hidden_size else ""
         lines.append(f"collectives per token ({width}{self.dtype}; they grow with the tokens of a batch):")
         for pattern, collectives in self.per_layer.items():
@@ -178,8 +208,11 @@ def format_bytes(count: float) -> str:
 # --------------------------------------------------------------------------- computing it
 
 
-def size_report(model: Any, plan: Mapping[str, Any] | Plan, *, tp: int, dtype: Any = None) -> SizeReport:
-    """The report of ``plan`` on ``tp`` ranks for ``model`` (any device: only shapes are read)."""
+def size_report(
+    model: Any, plan: Mapping[str, Any] | Plan, *, tp: int, dtype: Any = None, dtype_from: str = ""
+) -> SizeReport:
+    """The report of ``plan`` on ``tp`` ranks for ``model`` (any device: only shapes are read);
+    ``dtype_from`` says why ``dtype`` (printed beside it)."""
     import torch
 
     from hpgen.placement import Placement
@@ -191,7 +224,9 @@ def size_report(model: Any, plan: Mapping[str, Any] | Plan, *, tp: int, dtype: A
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = getattr(text, "hidden_size", None)
-    report = SizeReport(tp, str(dtype).replace("torch.", ""), element, hidden if isinstance(hidden, int) else None)
+    report = SizeReport(
+        tp, str(dtype).replace("torch.", ""), element, hidden if isinstance(hidden, int) else None, dtype_from
+    )
     modules = dict(model.named_modules())
     matched = {fqn: loaded.entry_for(fqn) for fqn in modules if fqn}
     matched = {fqn: entry for fqn, entry in matched.items() if entry is not None}
@@ -224,6 +259,8 @@ def size_report(model: Any, plan: Mapping[str, Any] | Plan, *, tp: int, dtype: A
             shape = ShardLayout(tuple(param.shape), ((placement, rank, tp),)).local_shape
             report.rank_bytes[rank] += _prod(shape) * element
 
+    report.heads = _heads_held(modules, matched, text, tp)
+
     # collectives: per boundary instance, grouped by decoder layer kind
     layer_members: dict[str, dict[str, list[Collective]]] = {}
     for fqn, entry in sorted(matched.items(), key=lambda item: _natural(item[0])):
@@ -238,13 +275,20 @@ def size_report(model: Any, plan: Mapping[str, Any] | Plan, *, tp: int, dtype: A
                 continue
         for name, layout in sorted(entry.params.items()):  # RS(d,r): the local chunk summed over its r replicas
             placement = layout.on("tp")
-            if placement.kind != "RS" or placement.replicas < 2 or name in entry.grad_reduce_params:
+            replicated = _replicated_rows(placement, tp)  # B(d, ...): the rows of its R and RS blocks
+            if (placement.kind != "RS" or placement.replicas < 2) and not replicated:
+                continue
+            if name in entry.grad_reduce_params:
                 continue
             try:
                 param = modules[fqn].get_parameter(name)
             except AttributeError:
                 continue
-            report.grad_reduce_bytes += _prod(ShardLayout(tuple(param.shape), ((placement, 0, tp),)).local_shape) * element
+            if replicated:
+                report.grad_reduce_bytes += replicated * _prod(param.shape) // param.shape[placement.dim] * element
+            else:
+                local = ShardLayout(tuple(param.shape), ((placement, 0, tp),)).local_shape
+                report.grad_reduce_bytes += _prod(local) * element
             report.grad_reduce_count += 1
         layer = _layer_of(fqn)
         if layer is None:
@@ -318,6 +362,77 @@ def _collectives(
             for phase, kind in (("forward", op.kind), ("backward", op.backward or DEFAULT_BACKWARD.get(op.kind))):
                 if kind in COMMUNICATING:
                     found.append(Collective(generic(fqn), op.name, kind, phase, width * hidden * element, 0.0, 1))
+    return found
+
+
+def _config_int(config: Any, name: str) -> int | None:
+    """An integer config value; None where it is absent or differs per layer (transformers raises then)."""
+    try:
+        value = getattr(config, name, None)
+    except Exception:  # AmbiguousGlobalPerLayerAttributeError
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _replicated_rows(placement: Any, tp: int) -> int:
+    """The rows of a ``B`` placement's blocks held by more than one rank (``R``, ``RS``) that a rank holds: their
+    gradient is summed over the holders once per backward (multi-query Falcon's key and value)."""
+    from hpgen.shards import ShardLayout
+
+    if placement.kind != "B":
+        return 0
+    rows = 0
+    for size, inner in placement.parts:
+        if inner.is_replicate:
+            rows += size
+        elif inner.kind == "RS" and inner.replicas > 1:
+            rows += ShardLayout((size,), ((inner.on_dim(0), 0, tp),)).local_shape[0]
+    return rows
+
+
+def _heads_held(modules: Mapping[str, Any], matched: Mapping[str, Any], config: Any, tp: int) -> dict[str, HeadsHeld]:
+    """Each attention's heads per rank, by pattern, where they differ between ranks.
+
+    The query heads are read from the projection whose input is all of them (``o_proj``: its input features cut in
+    whole heads), the key/value heads from a projection whose output is theirs alone.
+    """
+    from hpgen.shards import ShardLayout
+
+    heads, kv = (_config_int(config, name) for name in ("num_attention_heads", "num_key_value_heads"))
+    kv = kv or heads
+    if not isinstance(heads, int) or not isinstance(kv, int) or heads < 1:
+        return {}
+    found: dict[str, HeadsHeld] = {}
+    for fqn, entry in matched.items():
+        module = modules[fqn]
+        head_dim = getattr(module, "head_dim", None) or _config_int(config, "head_dim")
+        hidden = _config_int(config, "hidden_size")
+        head_dim = head_dim or (hidden // heads if isinstance(hidden, int) else None)
+        name = f"{type(module).__name__} {fqn}".lower()  # the attention, or its row projection as an entry of its own
+        if not isinstance(head_dim, int) or head_dim < 1 or not ("attn" in name or "attention" in name):
+            continue
+        query = keys = None
+        for param_name, layout in sorted(entry.params.items()):
+            placement = layout.on("tp")
+            try:
+                param = module.get_parameter(param_name)
+            except AttributeError:
+                continue
+            if param.dim() != 2 or placement.is_replicate:
+                continue
+            owner = module.get_submodule(param_name.rpartition(".")[0]) if "." in param_name else module
+            transposed = type(owner).__name__ == "Conv1D"
+            inputs, outputs = (0, 1) if transposed else (1, 0)
+            dim = placement.dim % 2 if placement.dim is not None else None
+            local = [ShardLayout(tuple(param.shape), ((placement, r, tp),)).local_shape for r in range(tp)]
+            if dim is not None and any(shape[dim] % head_dim for shape in local):
+                continue  # not cut in whole heads (a projection of other features)
+            if dim == inputs and param.shape[inputs] == heads * head_dim and query is None:
+                query = tuple(shape[inputs] // head_dim for shape in local)
+            elif dim == outputs and param.shape[outputs] == kv * head_dim and kv != heads and keys is None:
+                keys = tuple(shape[outputs] // head_dim for shape in local)
+        if query is not None and (len(set(query)) > 1 or (keys is not None and len(set(keys)) > 1)):
+            found.setdefault(generic(fqn), HeadsHeld(heads, query, kv, keys))
     return found
 
 

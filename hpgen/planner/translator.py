@@ -54,7 +54,8 @@ their own (mesh ``NAME x tp``), keeping the TP plan's intermediate-dim rules on 
 
 Key/value heads fewer than ``--tp`` (``--tp`` a multiple of them) are replicated, as vLLM
 does: the key/value projections become ``RS(0, tp / kv)`` and the attention entry divides
-``num_key_value_groups`` by the same number (``divide_attrs``).
+``num_key_value_groups`` by the same number (``divide_attrs``). Heads that do not divide
+``--tp`` are cut whole, some ranks holding one more (:mod:`~hpgen.planner.head_shares`).
 
 Each step is a function of its own module, and :func:`translated_plan` calls them in
 order, passing what one returns to the next: step 1 is :mod:`~hpgen.planner.load` (the

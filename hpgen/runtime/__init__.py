@@ -5,29 +5,33 @@ checkpoint, each rank reading its slices), ``save_pretrained`` / ``full_state_di
 (the unsharded checkpoint of a parallelized model), ``local_state_dict`` (plain local
 shards), ``optimizer_state_dict`` / ``load_optimizer_state_dict`` (optimizer state for
 DCP, sharded like the parameters), ``checked_reader`` (a DCP reader that checks the
-checkpoint's files before reading any) and ``reseed_random_streams`` (the streams
-train-mode random ops draw from) are loaded on first use so that generated files, which import
+checkpoint's files before reading any), ``reseed_random_streams`` (the streams
+train-mode random ops draw from) and ``grad_norm`` / ``clip_grad_norm_`` (the unsharded
+model's gradient norm, and clipping by it) are loaded on first use so that generated files, which import
 ``hpgen.runtime.defaults``, do not pay for them.
 
 Module map. The top level keeps only the modules that something outside hpgen names by
 path: generated files import ``defaults``; plans name functions in ``local``,
 ``local_heads`` and ``context``; users catch ``errors.ParallelizeError`` (which every group raises) and
 call ``folder_swap.recover``; ``torch.save`` of a state dict holding an ``SS`` parameter
-records ``shard_layout.PackedShard``. Everything else is in a subpackage by role, whose
+records ``shard_layout.PackedShard``; users train with ``trainer.Trainer`` (transformers'
+``Trainer`` for parallelized models). Everything else is in a subpackage by role, whose
 docstring says what each of its modules does. docs/runtime.md has the same table;
 ``tests/test_layers.py`` checks that both name every module, each in exactly one group:
 
 - ``hpgen.runtime`` (named from outside hpgen): ``defaults``, ``local``, ``local_heads``,
-  ``context``, ``errors``, ``folder_swap``, ``shard_layout``;
+  ``context``, ``errors``, ``folder_swap``, ``shard_layout``, ``trainer``;
 - ``hpgen.runtime.install`` (survey and install: what ``parallelize`` runs): ``parallelize``,
   ``agreement``, ``targets``, ``counterparts``, ``params``, ``attrs``, ``groups``, ``hooks``,
-  ``summed``, ``kernels``, ``stubs``, ``inputs``, ``tuners``, ``adapters``, ``context_checks``;
+  ``summed``, ``kernels``, ``stubs``, ``inputs``, ``tuners``, ``adapters``, ``wrapped``,
+  ``context_checks``;
 - ``hpgen.runtime.forward`` (what generated forwards call): ``collectives``,
-  ``traced_collectives``, ``handback``, ``boundary``, ``ops``, ``wrappers``, ``streams``,
-  ``sampling``, ``context_axis``;
+  ``traced_collectives``, ``handback``, ``devices``, ``boundary``, ``ops``, ``wrappers``,
+  ``streams``, ``sampling``, ``context_axis``;
 - ``hpgen.runtime.checkpoint`` (checkpoints and state dicts: read, presented to DCP and
   FSDP2, written): ``loading``, ``checkpoint_files``, ``file_maps``, ``conversions``,
-  ``state_dict``, ``fsdp_state``, ``dcp_files``, ``saving``.
+  ``state_dict``, ``fsdp_state``, ``dcp_files``, ``saving``;
+- ``hpgen.runtime.training`` (what training loops call beside the optimizer): ``clipping``.
 
 The subpackages import the top level and each other, except that ``forward`` imports
 neither ``install`` nor ``checkpoint``: what generated forwards run needs no install or
@@ -40,8 +44,10 @@ from typing import Any
 
 __all__ = [
     "checked_reader",
+    "clip_grad_norm_",
     "from_pretrained",
     "full_state_dict",
+    "grad_norm",
     "load_optimizer_state_dict",
     "local_state_dict",
     "optimizer_state_dict",
@@ -52,6 +58,8 @@ __all__ = [
 
 _LAZY = {
     "checked_reader": "hpgen.runtime.checkpoint.dcp_files",
+    "clip_grad_norm_": "hpgen.runtime.training.clipping",
+    "grad_norm": "hpgen.runtime.training.clipping",
     "parallelize": "hpgen.runtime.install.parallelize",
     "from_pretrained": "hpgen.runtime.checkpoint.loading",
     "reseed_random_streams": "hpgen.runtime.forward.streams",

@@ -111,12 +111,16 @@ def dtensor_form(shape: tuple[int, ...], layout: tuple[Placement, ...], sizes: t
     to ``Shard(d)``, ``SS(d,k)`` to ``_StridedShard(d, split_factor=k)``, ``RS(d,r)`` to
     ``Shard(d)`` and ``Replicate()`` on the axis unflattened into chunks and replicas, and
     ``R`` to ``Replicate()``; checked dim by dim against DTensor's chunk semantics for all
-    coordinates (:meth:`ShardLayout.indices` read both ways).
+    coordinates (:meth:`ShardLayout.indices` read both ways). Whole-unit and block placements
+    (``S(d,u,g)``, ``B``) have no DTensor name: their form is ``Shard(d)``, exact only where it
+    holds the same elements (:func:`_whole_units_form`).
     """
     ndim = len(shape)
     for placement in layout:
-        if placement.kind not in ("R", "S", "SS", "RS"):
+        if placement.kind not in ("R", "S", "SS", "RS", "B"):
             return DTensorForm(None, False, f"{placement} has no DTensor form")
+    if any(placement.whole_units for placement in layout):
+        return _whole_units_form(shape, layout, sizes)
     seen = [_as_chunks(p, n) for p, n in zip(layout, sizes)]
     layout = tuple(p for p, _, _ in seen)
     sizes = tuple(n for _, n, _ in seen)
@@ -152,6 +156,28 @@ def dtensor_form(shape: tuple[int, ...], layout: tuple[Placement, ...], sizes: t
                     f"DTensor ({_describe(theirs)})"
                 )
     return DTensorForm(tuple(placements), True, None, packed, split, chunked)
+
+
+def _whole_units_form(shape: tuple[int, ...], layout: tuple[Placement, ...], sizes: tuple[int, ...]) -> DTensorForm:
+    """The form of a layout with whole-unit or block placements, which DTensor has no name for:
+    ``Shard(d)`` in their place, exact only where it holds the same elements on every rank
+    (8 heads on 2 ranks), else a copy laid out that way (7 heads: 4 and 3 against 4 and 4)."""
+    facing = tuple(Placement("S", dim=p.dim) if p.whole_units else p for p in layout)
+    form = dtensor_form(shape, facing, sizes)
+    if form.placements is None:
+        return form
+    for coordinate in itertools.product(*(range(size) for size in sizes)):
+        ours = ShardLayout.of(shape, layout, coordinate, sizes)
+        theirs = ShardLayout.of(shape, facing, coordinate, sizes)
+        for dim in range(len(shape)):
+            if ours.indices(dim) != theirs.indices(dim, chunked=True):
+                placements = ", ".join(str(p) for p in layout if p.whole_units)
+                problem = (
+                    f"{placements} has no DTensor placement; Shard({dim}) holds other elements at coordinate "
+                    f"{coordinate} ({_describe(ours.indices(dim))} against {_describe(theirs.indices(dim, chunked=True))})"
+                )
+                return DTensorForm(form.placements, False, problem, form.packed, form.split, form.chunked)
+    return DTensorForm(form.placements, True, None, form.packed, form.split, form.chunked)
 
 
 def _describe(indices: list[int]) -> str:

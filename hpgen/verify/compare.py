@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hpgen.verify.localize import Difference, Recorder, first_difference, tolerance
+from hpgen.verify.localize import Difference, Recorder, first_difference, returned_as_declared, tolerance
 from hpgen.verify.prepare import Prepared
 
 __all__ = ["Check", "Outcome", "Raised", "expected_shard", "run_cases"]
@@ -167,7 +167,7 @@ def _run_case(case: Prepared, mesh: Any, outcome: Outcome) -> None:
                                     f"{tuple(ref_logits.shape)} unsharded"))
         outcome.forward = first_difference(
             recorder.outputs, reference_recorder.outputs, "forward", recorder.classes, plan, mesh
-        )
+        ) or returned_as_declared(recorder.outputs, logits, ref_logits, recorder.classes, plan)
         recorder.remove()
         return
     err = (logits.float() - ref_logits.float()).abs().max().item()
@@ -191,6 +191,8 @@ def _run_case(case: Prepared, mesh: Any, outcome: Outcome) -> None:
         outcome.forward = first_difference(
             recorder.outputs, reference_recorder.outputs, "forward", recorder.classes, plan, mesh
         )
+        if outcome.forward is None and not outcome.checks[0].ok:
+            outcome.forward = returned_as_declared(recorder.outputs, logits, ref_logits, recorder.classes, plan)
         outcome.backward = first_difference(
             recorder.grads, reference_recorder.grads, "backward", recorder.classes, plan, mesh
         )
@@ -380,8 +382,25 @@ def expected_shard(full: torch.Tensor, placement: str, rank: int, size: int) -> 
     if text.startswith("SS("):
         dim, blocks = (int(part) for part in text[3:-1].split(","))
         return torch.cat([block.tensor_split(size, dim)[rank] for block in full.chunk(blocks, dim)], dim)
-    if text.startswith("S("):
-        return full.tensor_split(size, int(text[2:-1]))[rank]
+    if text.startswith("B("):  # blocks along dim, each with its own placement, the rank's pieces concatenated
+        dim_text, _, rest = text[2:-1].partition(",")
+        blocks, depth, start = [], 0, 0
+        for index, char in enumerate(rest + ","):
+            depth += {"(": 1, ")": -1}.get(char, 0)
+            if char == "," and depth == 0:
+                blocks.append(rest[start:index].split(":", 1))
+                start = index + 1
+        dim = int(dim_text)
+        parts = full.split([int(n) for n, _ in blocks], dim)
+        return torch.cat([expected_shard(part, inner, rank, size) for part, (_, inner) in zip(parts, blocks)], dim)
+    if text.startswith("S("):  # S(d), S(d,u): whole units of u, S(d,u,g): g groups, each on size / g ranks
+        dim, unit, groups = ([int(part) for part in text[2:-1].split(",")] + [1, 1])[:3]
+        per_set = size // groups
+        group = full.chunk(groups, dim)[rank // per_set]
+        units = group.split(unit, dim)
+        counts = [len(units) // per_set + (i < len(units) % per_set) for i in range(per_set)]
+        first = sum(counts[: rank % per_set])
+        return torch.cat(units[first : first + counts[rank % per_set]], dim)
     raise ValueError(placement)
 
 

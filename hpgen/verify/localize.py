@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Difference", "Recorder", "first_difference", "tolerance"]
+__all__ = ["Difference", "Recorder", "first_difference", "returned_as_declared", "tolerance"]
 
 
 def tolerance(reference: torch.Tensor) -> float:
@@ -208,6 +208,31 @@ def first_difference(
         if not err <= tol:
             found = Difference(record.fqn, classes.get(record.fqn, "?"), side, name, err, tol)
     return found
+
+
+def returned_as_declared(
+    mine: list[Record], returned: torch.Tensor, reference: torch.Tensor, classes: dict[str, str], plan: Any
+) -> Difference | None:
+    """The boundary whose output the model returns as it is, when that output is declared sharded
+    or partial (``out_dst`` ``S``/``P``): right by its own entry, so :func:`first_difference` passes
+    it, but the model's output must be whole (an ``lm_head`` whose gather was left out)."""
+    for record in reversed(mine):
+        entry = plan.entry_for(record.fqn)
+        if entry is None or not entry.is_boundary:
+            continue
+        if record.value.shape != returned.shape or not torch.equal(record.value, returned.detach()):
+            continue
+        name = record.what.split("#")[0]
+        layout = entry.out_dst.get(name)
+        if layout is None or not any(p.is_shard or p.is_partial for _, p in layout.placements):
+            return None
+        declared = ", ".join(f"{axis} {placement}" for axis, placement in layout.placements)
+        return Difference(
+            record.fqn, classes.get(record.fqn, "?"), "forward",
+            f"{name} (declared {declared} and returned by the model as it is: shape {tuple(returned.shape)} on "
+            f"this rank, {tuple(reference.shape)} unsharded)", float("inf"), 0.0,
+        )
+    return None
 
 
 _MISSHAPEN = torch.empty(0)  # a boundary's output whose declared layout does not explain its shape

@@ -59,7 +59,7 @@ def prepare(
     from hpgen.generate import infer_package, read_source
     from hpgen.lower import lower
     from hpgen.plan import load_plan, plan_from_dict
-    from hpgen.verify.shrink import axis_sizes, shape_for, tiny_config
+    from hpgen.verify.shrink import axis_sizes, kept_heads, scaled_units, shape_for, tiny_config
 
     if source is not None and not Path(source).is_file():
         raise HpgenError("no such modeling file", file=str(source))
@@ -77,7 +77,13 @@ def prepare(
     document, layers = fewer_layers(document)
     loaded = plan_from_dict(document, name=plan_name)
     config = _config(loaded, model, plan_name)
-    shape = shape_for(loaded, sizes)
+    kept, factor = kept_heads(config, loaded, sizes)  # heads that do not divide stay, head_dim shrinks instead
+    shape = {**shape_for(loaded, sizes), **kept}
+    try:
+        document = scaled_units(document, factor)
+    except ValueError as error:
+        raise HpgenError(f"cannot shrink the plan's whole-head units with head_dim: {error}", file=plan_name) from None
+    loaded = plan_from_dict(document, name=plan_name)
     if any(getattr(config, key, None) for key in _EXPERT_COUNTS):
         # transformers' default experts kernel (grouped_mm) needs 16-byte rows: the tiny 89 is odd
         shape = {**shape, "intermediate_size": 96}

@@ -4,8 +4,10 @@
 architecture on one. The shrunk sizes keep what a plan shards dividing over its axes: 4
 query and 2 key/value heads of 16 features, 4 experts, and odd sizes where a shard may be
 uneven (vocabulary rows, MLP intermediate) so that tensor_split's uneven chunks run too.
-:func:`shape_for` scales the heads and experts for larger axes. transformers is imported
-inside the functions that build a config.
+:func:`shape_for` scales the heads and experts for larger axes; :func:`kept_heads` keeps head
+counts that do not divide the axis (and a whole-head plan's), shrinking ``head_dim`` instead,
+and :func:`scaled_units` the plan's units with it, so the copy has the heads the job runs.
+transformers is imported inside the functions that build a config.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CONFIG_FIXES", "TINY", "all_configs", "axis_sizes", "shape_for", "tiny_config"]
+__all__ = ["CONFIG_FIXES", "TINY", "all_configs", "axis_sizes", "kept_heads", "scaled_units", "shape_for", "tiny_config"]
 
 # The tiny shape, applied to the keys a config has: head_dim 16 with 4 query and 2 KV heads
 # (GQA), 4 experts of which 2 are routed per token, and odd sizes where a shard may be
@@ -322,11 +324,12 @@ def axis_sizes(plan: Any, ranks: int | None = None) -> dict[str, int]:
 
     A plan does not say how large its axes are; 2 ranks an axis shard every planned dim. An
     axis holding key/value heads replicated ``RS(d, r)`` takes ``2 r`` ranks (2 chunks of
-    ``r`` replicas, as the plan was written for). ``ranks`` sets the total: the last axis
+    ``r`` replicas, as the plan was written for), or ``g r`` with query heads in ``g`` groups
+    (``S(d,u,g)``: a set of ``r`` ranks a group). ``ranks`` sets the total: the last axis
     (``tp`` in ``ep x tp``) takes what the others leave; a total they do not divide is a
     ``ValueError``.
     """
-    sizes = {axis: 2 * _replicas(plan, axis) for axis in plan.mesh_dim_names}
+    sizes = {axis: max(2, _groups(plan, axis)) * _replicas(plan, axis) for axis in plan.mesh_dim_names}
     if ranks is None:
         return sizes
     *others, last = plan.mesh_dim_names
@@ -350,6 +353,102 @@ def _replicas(plan: Any, axis: str) -> int:
             if placement.kind == "RS" and placement.replicas:
                 found = max(found, placement.replicas)
     return found
+
+
+def _groups(plan: Any, axis: str) -> int:
+    """The largest group count ``g`` of an ``S(d,u,g)`` placement on ``axis``, blocks included (1 when none)."""
+    found = 1
+    for entry in plan.entries.values():
+        for layout in entry.params.values():
+            placement = layout.on(axis)
+            for inner in [placement, *(p for _, p in placement.parts)]:
+                if inner.kind == "S":
+                    found = max(found, inner.groups)
+    return found
+
+
+def _whole_units(plan: Any) -> bool:
+    return any(p.whole_units for entry in plan.entries.values() for layout in entry.params.values() for _, p in layout.placements)
+
+
+def _head_dim(config: Any) -> int | None:
+    heads = getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None)
+    if not isinstance(head_dim, int) and isinstance(heads, int) and heads > 0:
+        hidden = getattr(config, "hidden_size", None)
+        head_dim = hidden // heads if isinstance(hidden, int) and hidden % heads == 0 else None
+    return head_dim if isinstance(head_dim, int) and head_dim > 0 else None
+
+
+def kept_heads(config: Any, plan: Any, sizes: dict[str, int]) -> tuple[dict[str, Any], int]:
+    """The shape that keeps ``config``'s head counts where the tiny ones would prove another model, and the
+    factor by which ``head_dim`` shrinks instead (1: the usual tiny shape, nothing kept).
+
+    Kept when the plan cuts whole heads or blocks (``hpgen.plan/2``), or when the query heads (or
+    the key/value heads, which may also be replicated) do not divide over the largest axis: 6 heads
+    at 4 ranks are proven on 6 heads, each of a head_dim small enough for a quick run, the hidden
+    size that many heads of it.
+    """
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    head_dim = _head_dim(config)
+    largest = max(sizes.values(), default=1)
+    if not isinstance(heads, int) or head_dim is None or largest < 2:
+        return {}, 1
+    kv_uneven = isinstance(kv, int) and kv > 0 and kv % largest != 0 and largest % kv != 0
+    if not (_whole_units(plan) or heads % largest or kv_uneven):
+        return {}, 1
+    small = next(d for d in (16, 8, 4, 2, 1) if head_dim % d == 0 and (heads * d <= 256 or d <= 2))
+    shape: dict[str, Any] = {"num_attention_heads": heads, "head_dim": small, "hidden_size": heads * small}
+    if isinstance(kv, int):
+        shape["num_key_value_heads"] = kv
+    return shape, head_dim // small
+
+
+def scaled_units(document: dict[str, Any], factor: int) -> dict[str, Any]:
+    """The plan document with every whole-unit size (``S(d,u,g)``'s ``u``, ``B``'s block sizes,
+    ``local_attrs``' units) divided by ``factor``: the plan of the copy whose head_dim shrank so.
+
+    ``ValueError`` where a size is not a multiple of ``factor`` (a unit that is not whole heads).
+    """
+    from hpgen.placement import Placement
+
+    if factor == 1:
+        return document
+
+    def scaled(size: int) -> int:
+        if size % factor:
+            raise ValueError(f"{size} is not a multiple of {factor}: the plan cuts a unit that is not whole heads")
+        return size // factor
+
+    def placement(p: Placement) -> Placement:
+        import dataclasses
+
+        if p.kind == "B":
+            return dataclasses.replace(p, parts=tuple((scaled(n), placement(inner)) for n, inner in p.parts))
+        if p.kind == "S" and p.unit > 1:
+            return dataclasses.replace(p, unit=scaled(p.unit))
+        return p
+
+    def count(spec: dict[str, Any]) -> dict[str, Any]:
+        out = dict(spec)
+        if "unit" in out:
+            out["unit"] = scaled(out["unit"])
+        if "per" in out:
+            out["per"] = count(out["per"])
+        return out
+
+    entries = {}
+    for key, entry in document.get("param_plan", {}).items():
+        entry = dict(entry)
+        if "params" in entry:
+            entry["params"] = {
+                name: {axis: str(placement(Placement.parse(text))) for axis, text in layout.items()}
+                for name, layout in entry["params"].items()
+            }
+        if "local_attrs" in entry:
+            entry["local_attrs"] = {attr: count(spec) for attr, spec in entry["local_attrs"].items()}
+        entries[key] = entry
+    return {**document, "param_plan": entries}
 
 
 # shape keys of heads and experts: scaled together so they divide over a larger axis

@@ -29,11 +29,9 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+import multiprocessing as mp  # torch.multiprocessing's contexts are these; torch is imported in the ranks
 
-__all__ = ["PRELOAD", "RankFailed", "run_distributed"]
+__all__ = ["PRELOAD", "RankFailed", "run_distributed", "start_server"]
 
 # what every rank imports anyway; the forkserver imports it once, before its first fork (a
 # module that fails to import there is imported by the rank that needs it instead)
@@ -59,14 +57,15 @@ def run_distributed(
     fn: Callable[..., Any],
     *args: Any,
     world_size: int = 2,
-    backend: str = "gloo",
+    backend: str | None = "gloo",
     timeout: float = 60.0,
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results by rank.
 
     ``fn`` must be a module-level function (see the module docstring). ``timeout`` (seconds)
     bounds the whole run, process start-up included, and is also the process group's
-    collective timeout. With ``backend="nccl"`` rank ``r`` uses ``cuda:r``.
+    collective timeout. With ``backend="nccl"`` rank ``r`` uses ``cuda:r``; ``backend=None``
+    calls ``init_process_group`` without one, as a user may (torch picks the machine's default).
     """
     try:
         pickle.dumps((fn, args))
@@ -100,6 +99,15 @@ def run_distributed(
                     process.join()
             for receiver in receivers:
                 receiver.close()
+
+
+def start_server() -> None:
+    """Start the forkserver now, so that its imports of :data:`PRELOAD` overlap the caller's own
+    work before its first :func:`run_distributed` (``hpgen verify``: about 5 CPU seconds each)."""
+    if _context().get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
 
 
 def _context() -> Any:
@@ -156,7 +164,7 @@ def _collect(
 def _rank_main(
     rank: int,
     world_size: int,
-    backend: str,
+    backend: str | None,
     init_method: str,
     timeout: float,
     fn: Callable[..., Any],
@@ -164,12 +172,15 @@ def _rank_main(
     pipe: Connection,
 ) -> None:
     """Body of one rank: join the group, run ``fn``, report, leave the group."""
+    import torch  # preloaded by the forkserver
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(
-            backend,
+            backend=backend,
             init_method=init_method,
             rank=rank,
             world_size=world_size,

@@ -30,7 +30,7 @@ class LoraCase:
     """One LoRA comparison: the family's reference builder, its generated file and plan, the peft config."""
 
     name: str
-    family: str  # a key of tests/runtime/models.FAMILIES, or "gpt2" (tests/derived_configs)
+    family: str  # a key of tests/runtime/models.FAMILIES, or one of DERIVED (tests/derived_configs)
     generated: str
     plan: dict[str, Any]
     targets: tuple[str, ...]
@@ -55,12 +55,15 @@ class LoraResult:
     masks: dict[str, list[bool]] = field(default_factory=dict)  # adapter dropout -> its first mask bits
 
 
+DERIVED = ("gpt2", "falcon")  # families whose tiny config is tests/derived_configs' (multi-query Falcon)
+
+
 def family_config(family: str, overrides: dict[str, Any]) -> Any:
-    """The tiny config of ``family`` (GPT-2's from tests/derived_configs) with ``overrides``."""
-    if family == "gpt2":
+    """The tiny config of ``family`` (GPT-2's and Falcon's from tests/derived_configs) with ``overrides``."""
+    if family in DERIVED:
         from tests.derived_configs import tiny
 
-        config = tiny("gpt2")
+        config = tiny(family)
         for key, value in overrides.items():
             setattr(config, key, value)
         return config
@@ -70,11 +73,11 @@ def family_config(family: str, overrides: dict[str, Any]) -> Any:
 
 
 def _reference(family: str, config: Any, seed: int) -> nn.Module:
-    import transformers
+    if family in DERIVED:
+        from hpgen.planner.load import model_class_for
 
-    if family == "gpt2":
         torch.manual_seed(seed)
-        model = transformers.GPT2LMHeadModel(config)
+        model = model_class_for(config)(config)
         perturb_(model, seed)
         return model
     from tests.runtime.models import reference_model
@@ -85,7 +88,8 @@ def _reference(family: str, config: Any, seed: int) -> nn.Module:
 def _model_class(module: Any, family: str) -> type:
     from tests.runtime.models import FAMILIES
 
-    return getattr(module, "GPT2LMHeadModel" if family == "gpt2" else FAMILIES[family].model)
+    derived = {"gpt2": "GPT2LMHeadModel", "falcon": "FalconForCausalLM"}
+    return getattr(module, derived[family] if family in derived else FAMILIES[family].model)
 
 
 def lora_config(case: LoraCase) -> Any:

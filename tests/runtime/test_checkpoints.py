@@ -29,6 +29,7 @@ runs every case on both ranks and reports numbers that the tests check:
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -339,6 +340,8 @@ def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> 
     if rank == 0:
         folder.mkdir()
         (folder / "tokenizer.json").write_text("{}")
+        Path(f"{root}/saved_given_real").mkdir()  # saved_given is a link to it: the save keeps the link
+        Path(f"{root}/saved_given").symlink_to("saved_given_real", target_is_directory=True)
     torch.distributed.barrier()
     models["llama"].save_pretrained(folder, is_main_process=rank == 0, max_shard_size="100KB", safe_serialization=True)
     loaded = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
@@ -352,6 +355,9 @@ def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> 
     out.saved_keys["keywords: not main"] = sorted(p.name for p in folder.iterdir())
     models["llama"].save_pretrained(f"{root}/saved_given", state_dict=models["llama"].state_dict())  # DTensors
     loaded = transformers.LlamaForCausalLM.from_pretrained(f"{root}/saved_given").eval()
+    link = Path(f"{root}/saved_given")
+    out.saved_keys["given: link"] = [os.readlink(link) if link.is_symlink() else "not a link"]
+    out.saved_keys["given: real folder"] = sorted(p.name for p in Path(f"{root}/saved_given_real").iterdir())
     out.logits["llama: save_pretrained(state_dict=model.state_dict())"] = (
         (_logits(loaded) - _logits(references["llama"])).abs().max().item(),
         tolerance(_logits(references["llama"])),
@@ -391,7 +397,8 @@ def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> 
     module = import_file(case.generated)
     unreadable = [
         ("missing weight", f"{root}/llama_broken"),
-        ("not a checkpoint", f"{root}/nowhere"),
+        ("not a checkpoint", root),  # a folder of checkpoint folders
+        ("no folder", f"{root}/nowhere"),
         ("truncated file", f"{root}/llama_truncated"),
         ("not safetensors", f"{root}/llama_text"),
         ("shard missing", f"{root}/llama_tied_shard_missing"),
@@ -403,6 +410,11 @@ def _run_all(rank: int, world_size: int, cases: list[Checkpoint], root: str) -> 
             out.errors[label] = "no error"
         except ParallelizeError as error:
             out.errors[label] = str(error)
+    try:  # no config= either: the folder is named before its config.json is looked for
+        from_pretrained(module.LlamaForCausalLM, f"{root}/nowhere/", load_plan_dict(case.plan), mesh)
+        out.errors["no folder, no config"] = "no error"
+    except ParallelizeError as error:
+        out.errors["no folder, no config"] = str(error)
 
     _dtypes_and_mappings(out, case, root, mesh, rank, world_size)
     _misshapen_state_dict(out, case, reference, mesh)
@@ -697,6 +709,8 @@ def test_save_pretrained_takes_transformers_keywords(results: list[RankResults])
     assert "tokenizer.json" in saved["keywords: folder"] and "model.safetensors.index.json" in saved["keywords: folder"]
     assert not any(name.startswith(".") for name in saved["keywords: folder"])
     assert saved["keywords: not main"] == saved["keywords: folder"]
+    assert saved["given: link"] == ["saved_given_real"]  # a symlinked folder keeps its link
+    assert "config.json" in saved["given: real folder"] and "model.safetensors" in saved["given: real folder"]
     for rank, result in enumerate(results):
         err, tol = result.logits["llama: save_pretrained(state_dict=model.state_dict())"]
         assert err <= tol, f"rank {rank}: {err} > {tol}"
@@ -725,6 +739,8 @@ def test_refusals_are_clear(results: list[RankResults]) -> None:
         assert "has no weights for 1 parameter(s)" in errors["missing weight"]
         assert "model.layers.1.mlp.down_proj.weight" in errors["missing weight"]
         assert "not a safetensors checkpoint folder" in errors["not a checkpoint"]
+        assert errors["no folder"].endswith("/nowhere: no such folder"), errors["no folder"]
+        assert errors["no folder, no config"] == errors["no folder"]
         assert "llama_truncated/model.safetensors is truncated: its tensors need" in errors["truncated file"]
         assert "llama_text/model.safetensors is not a safetensors file" in errors["not safetensors"]
         assert "model.safetensors.index.json names shard files that are not in" in errors["shard missing"]

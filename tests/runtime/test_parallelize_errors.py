@@ -61,8 +61,7 @@ def _scenarios() -> dict[str, tuple[str, str, dict[str, Any], dict[str, Any], li
                 "1 key/value heads",
                 "head_dim 16",
                 "axis 'tp' of size 2",
-                "Re-plan for this model's config: `hpgen plan CHECKPOINT_FOLDER --tp 2`",
-                "replicates each head on 2 ranks with RS(0,2)",
+                "a rank would hold part of a head. Plan it RS(0,2): each head whole on 2 ranks",
             ],
         ),
         "kv_heads_replicated_too_few": (
@@ -70,7 +69,7 @@ def _scenarios() -> dict[str, tuple[str, str, dict[str, Any], dict[str, Any], li
             "llama_tp",
             _with(tp, "model.layers.*.self_attn", params={**attn["params"], **_kv(attn, "RS(0,1)")}),
             {"num_key_value_heads": 1},
-            ["k_proj.weight", "RS(0,1) on axis 'tp' of size 2 cuts it into 2 chunks, which do not divide 1"],
+            ["k_proj.weight", "RS(0,1) on axis 'tp' of size 2: dim 0 holds 1 key/value heads", "which its 2 chunks do not divide"],
         ),
         "kv_replicas_not_dividing": (
             "llama",
@@ -113,6 +112,16 @@ def _scenarios() -> dict[str, tuple[str, str, dict[str, Any], dict[str, Any], li
             _with(tp, "model.embed_tokens", **vocab["param_plan"]["model.embed_tokens"]),
             {"tie_word_embeddings": True},
             ["model.embed_tokens.weight", "lm_head.weight", "tied", "tp S(0)", "unplanned (R)"],
+        ),
+        "replicated_input_block": (
+            "llama",
+            "llama_tp",
+            {
+                **_with(tp, "model.layers.*.self_attn", params={**attn["params"], "o_proj.weight": {"tp": "B(1, 48:S(1,16), 16:R)"}}),
+                "format": "hpgen.plan/2",
+            },
+            {},
+            ["model.layers.0.self_attn", "o_proj.weight B(1,48:S(1,16),16:R)", "added to the partial sum once per rank"],
         ),
         "row_bias_not_deferred": (
             "llama",

@@ -121,3 +121,33 @@ def test_core_shard_arithmetic_is_torch_s_own():
             chunks += [[]] * (k - len(chunks))  # torch.chunk returns fewer pieces; FSDP2 pads with empties
             assert [values[slice(*chunk_bounds(n, k, r))].tolist() for r in range(k)] == chunks
             assert list(chunk_sizes(n, k)) == [len(piece) for piece in chunks]
+
+
+def test_whole_units_and_blocks_take_shard_where_it_holds_the_same_rows() -> None:
+    """8 heads of 4 on 2 ranks: ``S(0,4)`` is DTensor's ``Shard(0)`` exactly; 7 heads on 3 ranks are not
+    (12, 8, 8 rows against DTensor's 10, 10, 8), nor are blocks with replicated parts."""
+    exact = dtensor_form((32, 5), (Placement.parse("S(0,4)"),), (2,))
+    assert exact.exact and exact.placements == (Shard(0),)
+    uneven = dtensor_form((28, 5), (Placement.parse("S(0,4)"),), (3,))
+    assert not uneven.exact and uneven.placements == (Shard(0),) and "S(0,4) has no DTensor placement" in uneven.problem
+    seven = dtensor_form((28, 5), (Placement.parse("S(0,4)"),), (2,))  # 16 and 12 rows: torch.chunk's 14, 14
+    assert not seven.exact
+    blocks = dtensor_form((36, 5), (Placement.parse("B(0,28:S(0,4),4:R,4:R)"),), (2,))
+    assert not blocks.exact and blocks.chunked == (Shard(0),)
+
+
+def test_replicated_blocks_are_summed_over_their_holders() -> None:
+    """The gradient rows of a ``B`` parameter's replicated blocks, in the local shard: adjacent blocks held
+    alike merge into one reduction; ``RS`` blocks over their replica sets, ``R`` ones over the axis."""
+    from hpgen.runtime.install.hooks import block_regions
+
+    falcon = Placement.parse("B(0,28:S(0,4),4:R,4:R)")
+    assert [block_regions(ShardLayout((36, 5), [(falcon, rank, 2)]), ("tp",)) for rank in range(2)] == [
+        [(0, 16, 24, "tp", 2)],
+        [(0, 12, 20, "tp", 2)],
+    ]
+    grouped = Placement.parse("B(0,24:S(0,4,2),8:RS(0,2),8:RS(0,2))")  # [6 q | 2 k | 2 v] heads at tp 4
+    layout = ShardLayout((40, 5), [(grouped, 3, 4)])
+    assert layout.local_shape == (12, 5)  # 1 query head, key head 1, value head 1
+    assert block_regions(layout, ("tp",)) == [(0, 4, 12, "tp", 2)]
+    assert block_regions(ShardLayout((36, 5), [(falcon, 0, 1)]), ("tp",)) == []  # one rank: nothing to sum

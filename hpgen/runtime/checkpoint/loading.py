@@ -40,6 +40,7 @@ from hpgen.runtime.checkpoint.conversions import Mapped, Source, checkpoint_sour
 from hpgen.runtime.checkpoint.state_dict import local_state_dict, sharded_params
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.folder_swap import recover
+from hpgen.runtime.forward.devices import collective_device
 from hpgen.shards import ShardLayout
 
 __all__ = ["from_pretrained"]
@@ -78,11 +79,14 @@ def from_pretrained(
     path = Path(path)
     if recover(path):  # a save killed between its two renames (systems without RENAME_EXCHANGE)
         logger.warning("from_pretrained: %s was missing after an interrupted save; its previous contents are back", path)
+    if not path.is_dir():
+        what = "is a file, not a checkpoint folder" if path.exists() else "no such folder"
+        raise ParallelizeError(f"from_pretrained: {path}: {what}")
     config = _config(model_class, path, config, config_kwargs)
     with CheckpointFiles(path) as files:
         dtype = _dtype(dtype, config, files)
         config.dtype = dtype
-        device = _device(mesh, device)
+        device = collective_device(mesh) if device is None else torch.device(device)
         model = _build_on_meta(model_class, config, dtype)
         parallelize(model, plan, mesh)
         _load(model, files, device)
@@ -129,16 +133,6 @@ def _dtype(dtype: torch.dtype | str | None, config: Any, files: CheckpointFiles)
     if not isinstance(found, torch.dtype):
         raise ParallelizeError(f"dtype {dtype!r} is not a torch dtype (nor 'auto')")
     return found
-
-
-def _device(mesh: DeviceMesh, device: torch.device | str | None) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    if mesh.device_type not in ("cpu", "meta"):
-        return torch.device(mesh.device_type)
-    return torch.device("cpu")
 
 
 def _build_on_meta(model_class: type[nn.Module], config: Any, dtype: torch.dtype) -> nn.Module:

@@ -47,7 +47,7 @@ def _rank() -> int:
 
 
 def full_state_dict(model: nn.Module, *, rank0_only: bool = True, keep: bool | None = None) -> dict[str, torch.Tensor]:
-    """The unsharded state dict, on the CPU; every rank of the mesh calls it.
+    """The unsharded state dict, on the CPU; every rank of the mesh calls it (and of ``dp`` under FSDP2).
 
     With ``rank0_only`` the other ranks get an empty dict (they still send their shards);
     ``keep``, when given, says for this rank instead.
@@ -61,13 +61,14 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True, keep: bool | N
     done: dict[int, torch.Tensor] = {}  # one gather per Parameter, shared by its tied names
     for key, value in local.items():
         record = records.get(key)
-        if record is None:
-            tensor = value
-        elif id(record) in done:
+        if record is not None and id(record) in done:
             tensor = done[id(record)]
         else:
-            tensor = gather_full(value, record)
-            done[id(record)] = tensor
+            # FSDP2 (fully_shard on dp after parallelize): its dp pieces first, then hpgen's axes
+            tensor = value.full_tensor() if isinstance(value, DTensor) else value
+            if record is not None:
+                tensor = gather_full(tensor, record)
+                done[id(record)] = tensor
         if keep:
             full[key] = _on_cpu(tensor)
     return full

@@ -249,6 +249,8 @@ def install_state_dict_hooks(
 class ShardRecorder:
     """Makes the :class:`ShardedParam` of a parameter and registers the state-dict hooks of its owners."""
 
+    generation = 0  # counts the records made: what caches layouts (clip_grad_norm_'s) checks
+
     def __init__(self, mesh: DeviceMesh, axes: Mapping[str, AxisCollectives], names: Sequence[str]) -> None:
         self.names = tuple(names)
         self.groups = tuple(axes[axis].group for axis in self.names)
@@ -274,6 +276,7 @@ class ShardRecorder:
         if not form.exact and form.placements is not None and not gathered:
             logger.debug("%s: state_dict() copies it DTensor's way: %s", name, form.problem)
         record = ShardedParam(name, shard_layout, self.names, dtensor_mesh, self.groups, form, gathered)
+        ShardRecorder.generation += 1
         for owner, attr in owners:
             registry = owner.__dict__.get("_hp_sharded")
             if registry is None:

@@ -3,6 +3,7 @@
 - ``hpgen.runtime.forward.collectives``: autograd-aware collectives of one mesh axis;
 - ``hpgen.runtime.forward.traced_collectives``: the same collectives as ``torch.compile`` traces them;
 - ``hpgen.runtime.forward.handback``: CPU collectives that return once the backend lets go of their tensors;
+- ``hpgen.runtime.forward.devices``: the device a mesh's or a group's collectives take tensors on;
 - ``hpgen.runtime.forward.boundary``: the generic form's ``_hp_boundary``, each value moved to its layout;
 - ``hpgen.runtime.forward.ops``: the classifier's ops at run time, and an output found in a return value;
 - ``hpgen.runtime.forward.wrappers``: ``nn.Embedding``, ``nn.Linear``, ``nn.Identity`` and any other

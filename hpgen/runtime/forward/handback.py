@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from hpgen.runtime.forward.devices import collective_device
+
 __all__ = ["all_gather_object", "broadcast_object", "call"]
 
 _BUDGET_S = 1.0  # a worker drops its references microseconds after the data moved, unless descheduled
@@ -78,9 +80,14 @@ def _await_release(tensors: list[Tensor], counts: list[int]) -> None:
             time.sleep(1e-4)
 
 
-def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
-    """Every rank's ``obj`` (picklable), in group rank order, as ``dist.all_gather_object`` gives them."""
-    mine = _pickled(obj, group)
+def all_gather_object(
+    obj: Any, group: dist.ProcessGroup | None = None, device: torch.device | None = None
+) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in group rank order, as ``dist.all_gather_object`` gives them.
+
+    ``device``: where the bytes travel (the mesh's device); by default what the group's backend takes.
+    """
+    mine = _pickled(obj, group, device)
     size = dist.get_world_size(group)
     lengths = [torch.zeros(1, dtype=torch.int64, device=mine.device) for _ in range(size)]
     call(dist.all_gather, lengths, torch.tensor([mine.numel()], dtype=torch.int64, device=mine.device), group=group)
@@ -92,9 +99,12 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[
     return [_unpickled(t[: int(n)]) for t, n in zip(every, lengths, strict=True)]
 
 
-def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
-    """Global rank ``src``'s ``obj`` (picklable) on every rank of ``group``."""
-    mine = _pickled(obj, group)
+def broadcast_object(
+    obj: Any, src: int = 0, group: dist.ProcessGroup | None = None, device: torch.device | None = None
+) -> Any:
+    """Global rank ``src``'s ``obj`` (picklable) on every rank of ``group`` (``device`` as in
+    :func:`all_gather_object`)."""
+    mine = _pickled(obj, group, device)
     length = torch.tensor([mine.numel()], dtype=torch.int64, device=mine.device)
     call(dist.broadcast, length, src=src, group=group)
     data = mine if dist.get_rank() == src else torch.empty(int(length), dtype=torch.uint8, device=mine.device)
@@ -102,12 +112,10 @@ def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = N
     return _unpickled(data)
 
 
-def _pickled(obj: Any, group: dist.ProcessGroup | None) -> Tensor:
-    """``obj`` as bytes, on the device the group's backend takes (the CPU for gloo, else this rank's GPU)."""
-    backend = str(dist.get_backend(group))
-    on_cpu = "gloo" in backend or "mpi" in backend
-    device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
-    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+def _pickled(obj: Any, group: dist.ProcessGroup | None, device: torch.device | None) -> Tensor:
+    """``obj`` as bytes, on ``device`` or else the device the group's backend takes."""
+    where = collective_device(group) if device is None else device
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(where)
 
 
 def _unpickled(data: Tensor) -> Any:

@@ -334,7 +334,7 @@ def projection_layout(module: nn.Module, placements: Iterable[Any]) -> str | Non
     conv1d = type(module).__name__.endswith("Conv1D") and isinstance(getattr(module, "nf", None), int)
     if not (isinstance(module, nn.Linear) or conv1d):
         return None
-    dims = {p.dim % 2 for p in placements if p.kind in ("S", "SS", "RS") and p.dim is not None}
+    dims = {p.dim % 2 for p in placements if p.kind in ("S", "SS", "RS", "B") and p.dim is not None}
     if not dims or len(dims) > 1:
         return None
     (dim,) = dims

@@ -6,8 +6,10 @@ Each LoRA adapter pair (``lora_A`` [r, in], ``lora_B`` [out, r]) takes its base 
 layout (:func:`adapter_layouts`), as Megatron's LoRA layers and vLLM's do:
 
 - base sharded on its outputs (column-parallel): ``B`` sharded on its outputs like the
-  base, ``A`` replicated, and ``A``'s gradient, partial on each rank (``B``'s rows see only
-  this rank's outputs), all-reduced over the axis;
+  base (in whole heads, or in blocks, alike), ``A`` replicated, and ``A``'s gradient,
+  partial on each rank (``B``'s rows see only this rank's outputs), all-reduced over the
+  axis; the rows of ``B`` in a replicated block of a ``B(...)`` base (Falcon's key and
+  value) have their gradient summed over the axis, as the base's are;
 - base sharded on its inputs (row-parallel): ``A`` sharded on its inputs, so ``B A x`` is a
   partial sum added to the base's partial output before the boundary's single reduction
   (no collective of its own); ``B`` replicated, its gradient (``A x`` is partial) all-reduced.
@@ -38,14 +40,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from hpgen.conv1d import is_conv1d
-from hpgen.placement import REPLICATE, Placement
+from hpgen.placement import REPLICATE
 from hpgen.plan import Layout, body_is_sharded
 from hpgen.runtime.checkpoint.state_dict import ShardRecorder
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.collectives import AxisCollectives
 from hpgen.runtime.forward.handback import call
 from hpgen.runtime.forward.streams import LayoutChange
-from hpgen.runtime.install.hooks import FollowReducedParameters, GradAllReduce
+from hpgen.runtime.install.hooks import FollowReducedParameters, GradAllReduce, block_regions
 from hpgen.runtime.install.params import Matched, rank_shard
 from hpgen.runtime.install.tuners import is_tuner_layer, method_problem
 from hpgen.shards import ShardLayout, normalize_dim
@@ -81,18 +83,23 @@ def adapter_layouts(base: Layout, axes: Sequence[str], *, transposed: bool, redu
         p = base.on(axis)
         if p.kind == "R":
             continue
-        if p.kind not in ("S", "SS"):
+        dim = normalize_dim(p.dim, 2)
+        replicated_blocks = p.kind == "B" and any(inner.kind != "S" for _, inner in p.parts)
+        if p.kind not in ("S", "SS", "B") or any(inner.kind == "RS" for _, inner in p.parts):
             unsupported = (
-                f"LoRA on a base weight laid out {p} on axis {axis!r} is not supported (only S(d) and SS(d,k): "
-                "a replicated shard's adapters would count each chunk's gradient once per replica)"
+                f"LoRA on a base weight laid out {p} on axis {axis!r} is not supported (only S(d), S(d,u,g), "
+                "SS(d,k) and B of R and S blocks: a replicated shard's adapters would count each chunk's gradient "
+                "once per replica)"
             )
             continue
-        dim = normalize_dim(p.dim, 2)
         if dim == out_dim:
-            b.append((axis, Placement(p.kind, dim=0, blocks=p.blocks)))
+            # B's rows of a replicated block get their gradient summed like the base's (block_regions)
+            b.append((axis, p.on_dim(0)))
             a_reduce.append(axis)
+        elif replicated_blocks:
+            unsupported = f"LoRA on a base weight laid out {p} on axis {axis!r} (replicated blocks of its inputs) is not supported"
         else:
-            a.append((axis, Placement(p.kind, dim=1, blocks=p.blocks)))
+            a.append((axis, p.on_dim(1)))
             b_reduce.append(axis)
             sharded_in.append(axis)
     return AdapterLayout(
@@ -212,8 +219,13 @@ class AdapterWatch:
             param = self._local(owner, attr, shard_layout, where)
             self._align(param, layout)
             groups = [self.axes[axis].group for axis in reduce if self.axes[axis].size > 1]
-            if groups:
-                reducer = GradAllReduce(groups, where)
+            regions = [  # the rows of B's replicated blocks (only R blocks reach here: RS is refused)
+                (dim, start, stop, self.axes[axis].group)
+                for dim, start, stop, axis, _ in block_regions(shard_layout, self.names)
+                if axis not in reduce
+            ]
+            if groups or regions:
+                reducer = GradAllReduce(groups, where, regions)
                 frozen = not param.requires_grad  # a loaded adapter (is_trainable=False) may be unfrozen later
                 param.requires_grad_(True)
                 param.register_hook(reducer)

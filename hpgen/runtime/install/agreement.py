@@ -29,6 +29,7 @@ from hpgen import __version__
 from hpgen.header import read_header
 from hpgen.plan import Plan
 from hpgen.runtime.errors import ParallelizeError
+from hpgen.runtime.forward.devices import collective_device
 from hpgen.runtime.forward.handback import all_gather_object, call
 
 __all__ = ["check_ranks_agree", "raise_together", "rank_record"]
@@ -98,11 +99,6 @@ def _differences(other: Mapping[str, object], first: Mapping[str, object]) -> li
     return found
 
 
-def mesh_device(mesh: DeviceMesh) -> torch.device:
-    """The device the mesh's collectives take tensors on (this rank's CUDA device, or the CPU)."""
-    return torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
-
-
 def raise_together(error: ParallelizeError | None, mesh: DeviceMesh, axes: Iterable[str]) -> None:
     """Raise on every rank if any rank of an axis has ``error``: a refusal on one rank alone
     would leave its peers waiting in their first collective."""
@@ -111,11 +107,11 @@ def raise_together(error: ParallelizeError | None, mesh: DeviceMesh, axes: Itera
         size = dist.get_world_size(group)
         if size == 1:
             continue
-        failed = torch.tensor([0 if error is None else 1], device=mesh_device(mesh))
+        failed = torch.tensor([0 if error is None else 1], device=collective_device(mesh))
         call(dist.all_reduce, failed, group=group)
         if not failed.item():
             continue
-        messages = all_gather_object(None if error is None else str(error), group)
+        messages = all_gather_object(None if error is None else str(error), group, collective_device(mesh))
         if error is not None:
             raise error
         ranks = dist.get_process_group_ranks(group)
@@ -126,7 +122,7 @@ def raise_together(error: ParallelizeError | None, mesh: DeviceMesh, axes: Itera
 def check_ranks_agree(model: nn.Module, plan: Plan, mesh: DeviceMesh, axes: Iterable[str]) -> None:
     """Raise :class:`ParallelizeError` on every rank unless all ranks of each axis were given the same."""
     record = rank_record(model, plan)
-    mine = _digest(record).to(mesh_device(mesh))
+    mine = _digest(record).to(collective_device(mesh))
     for axis in axes:
         group = mesh.get_group(axis)
         size = dist.get_world_size(group)
@@ -136,7 +132,7 @@ def check_ranks_agree(model: nn.Module, plan: Plan, mesh: DeviceMesh, axes: Iter
         call(dist.all_gather, digests, mine, group=group)
         if all(torch.equal(d, digests[0]) for d in digests):
             continue
-        records = all_gather_object(record, group)
+        records = all_gather_object(record, group, mine.device)
         ranks = dist.get_process_group_ranks(group)
         lines = []
         for index in range(1, size):

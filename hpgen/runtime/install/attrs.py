@@ -10,6 +10,12 @@ head_dim)``) reads them from integer attributes, which ``parallelize`` divides:
   holds ``H / tp`` query heads and ``kv * r / tp`` key/value heads, so its groups are
   ``H / kv / r`` and the plan says ``{"num_key_value_groups": r}`` (``hpgen plan`` writes it).
 
+- ``local_attrs`` (attribute -> a count): the value on this rank, counted from its shards
+  (:class:`hpgen.plan.LocalCount`), where ranks hold different numbers of heads
+  (``S(d,u)``, ``B``): Falcon's ``num_heads``, ``num_key_value_groups`` as this rank's
+  query rows over its key/value rows. Counted for every rank, so every rank refuses alike
+  a count that does not divide or is zero (a rank with no head).
+
 Each value must divide. Then, for every attention module whose plan entry replicates
 heads (an ``RS`` projection), the query heads of every rank must be exactly the ones
 that its key/value heads serve, in ``repeat_kv``'s order, with the module's
@@ -25,7 +31,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from hpgen.plan import Plan
+from hpgen.plan import Layout, LocalCount, Plan
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.collectives import AxisCollectives
 from hpgen.runtime.install.params import Matched
@@ -43,22 +49,73 @@ def survey_attrs(
         where = f"{item.fqn} ({type(item.module).__name__})"
         divisors = [(attr, axes["tp"].size, "axis 'tp' of size") for attr in item.entry.tp_divide_attrs]
         divisors += [(attr, divisor, "divide_attrs divisor") for attr, divisor in item.entry.divide_attrs]
-        values = {}
+        values: dict[str, int] = {}
+        local: dict[str, dict[tuple[int, ...], int]] = {}  # attribute -> its value at every mesh coordinate
         for attr, divisor, what in divisors:
             key = "tp_divide_attrs" if what.startswith("axis") else "divide_attrs"
             value = getattr(item.module, attr, None)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ParallelizeError(f"{where}: {key} names {attr!r}, which is not an int attribute")
             if value % divisor:
-                raise ParallelizeError(f"{where}: {attr}={value} does not divide over {what} {divisor}")
+                raise ParallelizeError(
+                    f"{where}: {attr}={value} does not divide over {what} {divisor}. Where ranks hold different "
+                    f"numbers of heads, cut whole heads (S(d,head_dim)) and count {attr} per rank with local_attrs "
+                    "(docs/plan-format.md)"
+                )
             values[attr] = value // divisor
             found.append((item.module, attr, value // divisor))
-        _check_head_groups(item, plan, axes, values, where)
+        for attr, count in item.entry.local_attrs:
+            value = getattr(item.module, attr, None)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ParallelizeError(f"{where}: local_attrs names {attr!r}, which is not an int attribute")
+            local[attr] = _local_values(item, plan, axes, attr, count, where)
+            found.append((item.module, attr, local[attr][tuple(axes[a].rank for a in plan.mesh_dim_names)]))
+        _check_head_groups(item, plan, axes, values, local, where)
     return found
 
 
+def _local_values(
+    item: Matched, plan: Plan, axes: Mapping[str, AxisCollectives], attr: str, count: LocalCount, where: str
+) -> dict[tuple[int, ...], int]:
+    """``count`` at every mesh coordinate, each checked (a rank refusing alone would hang the others)."""
+    mesh = plan.mesh_dim_names
+    shapes = {}
+    for name in count.params():
+        try:
+            shapes[name] = tuple(item.module.get_parameter(name).shape)
+        except AttributeError:
+            raise ParallelizeError(
+                f"{where}: local_attrs.{attr} counts {name!r}, which is not a parameter of this module"
+            ) from None
+    sizes = [axes[a].size for a in mesh]
+
+    def at(ranks: tuple[int, ...]) -> int:
+        def shard_of(name: str) -> ShardLayout:
+            layout = item.entry.params.get(name, Layout(()))
+            return ShardLayout.of(shapes[name], [layout.on(a) for a in mesh], ranks, sizes)
+
+        coordinate = ", ".join(f"{a}={r}" for a, r in zip(mesh, ranks))
+        try:
+            value = count.value(shard_of)
+        except ValueError as error:
+            raise ParallelizeError(f"{where}: local_attrs.{attr} at {coordinate}: {error}") from None
+        if value < 1:
+            raise ParallelizeError(
+                f"{where}: local_attrs.{attr} is 0 at {coordinate} ({count.describe()}): that rank would hold no "
+                "head; use fewer ranks"
+            )
+        return value
+
+    return {ranks: at(ranks) for ranks in itertools.product(*(range(size) for size in sizes))}
+
+
 def _check_head_groups(
-    item: Matched, plan: Plan, axes: Mapping[str, AxisCollectives], values: Mapping[str, int], where: str
+    item: Matched,
+    plan: Plan,
+    axes: Mapping[str, AxisCollectives],
+    values: Mapping[str, int],
+    local: Mapping[str, Mapping[tuple[int, ...], int]],
+    where: str,
 ) -> None:
     """Every rank's query heads use exactly its key/value heads, grouped as ``repeat_kv`` does."""
     mesh = plan.mesh_dim_names
@@ -75,13 +132,16 @@ def _check_head_groups(
     query, keys = _projections(item, heads * head_dim, kv_heads * head_dim)
     if query is None or keys is None:
         return
-    groups = values.get("num_key_value_groups", module.num_key_value_groups)
+    divided = values.get("num_key_value_groups", module.num_key_value_groups)
     per_kv = heads // kv_heads
     sizes = [axes[a].size for a in mesh]
     for ranks in itertools.product(*(range(size) for size in sizes)):
         q0, q1 = (n // head_dim for n in _rows(item, query, mesh, ranks, sizes))
         k0, k1 = (n // head_dim for n in _rows(item, keys, mesh, ranks, sizes))
         wanted = [q // per_kv - k0 for q in range(q0, q1)]
+        groups = divided
+        if "num_key_value_groups" in local:  # this coordinate's own count
+            groups = local["num_key_value_groups"][ranks]
         got = [j // groups for j in range(q1 - q0)] if groups > 0 else []
         if k1 - k0 < 1 or wanted != got or (q1 - q0) != groups * (k1 - k0):
             coordinate = ", ".join(f"{a}={r}" for a, r in zip(mesh, ranks))
@@ -90,8 +150,9 @@ def _check_head_groups(
                 f"{where}: at {coordinate} of axis {axis!r} (size {axes[axis].size}) a rank holds query heads "
                 f"[{q0}, {q1}) of {heads} and key/value heads [{k0}, {k1}) of {kv_heads}, but its "
                 f"num_key_value_groups would be {groups}: repeat_kv would pair them wrongly. With key/value heads "
-                f"replicated as RS(0,r), divide it by r (divide_attrs: {{\"num_key_value_groups\": r}}); the query "
-                "heads of each rank must all belong to its key/value heads"
+                f"replicated as RS(0,r), divide it by r (divide_attrs: {{\"num_key_value_groups\": r}}), or, where "
+                "ranks hold different numbers of query heads, count it per rank (local_attrs: the query rows per "
+                "key/value row); the query heads of each rank must all belong to its key/value heads"
             )
 
 

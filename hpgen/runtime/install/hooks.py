@@ -11,7 +11,8 @@ per-head ``q_norm``, a norm on a sequence-sharded residual stream) gets only thi
 part of its gradient. A tensor hook all-reduces that gradient over the axes on which
 the boundary's body is sharded, before it is accumulated into ``.grad``. ``RS(d,r)``
 parameters (key/value heads replicated on ``r`` ranks) are summed the same way, over
-their replica group.
+their replica group, and so are the rows of a ``B`` parameter's replicated blocks (multi-query
+Falcon's key and value), those rows only, over the block's holders.
 
 Because the sum happens in the tensor hook, before accumulation, the engines of the
 other mesh axes see a complete gradient and need no extra step: DDP (same Parameters)
@@ -25,7 +26,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,7 +42,8 @@ from hpgen.runtime.forward.handback import call
 from hpgen.runtime.forward.ops import address_of, get_output, replace_output
 from hpgen.runtime.forward.wrappers import BiasShare, subclass_with
 from hpgen.runtime.install.groups import replica_group
-from hpgen.runtime.install.params import Matched
+from hpgen.runtime.install.params import Matched, rank_shard
+from hpgen.shards import ShardLayout
 
 __all__ = [
     "BiasAdder",
@@ -49,6 +51,7 @@ __all__ = [
     "FollowReducedParameters",
     "GradAllReduce",
     "GradReduce",
+    "block_regions",
     "install_grad_reduce",
     "survey_deferred_biases",
     "survey_grad_reduce",
@@ -77,23 +80,53 @@ class BiasAdder:
 
 
 class GradAllReduce:
-    """Tensor hook: the sum over ``groups`` of a gradient each rank holds only a part of."""
+    """Tensor hook: the sum over ``groups`` of a gradient each rank holds only a part of.
 
-    def __init__(self, groups: Sequence[dist.ProcessGroup], where: str) -> None:
+    ``regions``: ``(dim, start, stop, group)`` slices of the gradient summed over ``group``
+    only (the replicated blocks of a ``B`` placement: Falcon's key and value rows, whose
+    gradient each rank's query heads make only a part of); the other rows are whole already.
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[dist.ProcessGroup],
+        where: str,
+        regions: Sequence[tuple[int, int, int, dist.ProcessGroup]] = (),
+    ) -> None:
         self.groups = tuple(groups)
         self.where = where  # the parameter's FQN, for debugging
+        self.regions = tuple(regions)
 
     def __call__(self, grad: Tensor) -> Tensor:
         total = grad.clone(memory_format=torch.contiguous_format)
         for group in self.groups:
             call(dist.all_reduce, total, group=group)
+        for dim, start, stop, group in self.regions:
+            piece = total.narrow(dim, start, stop - start)
+            if piece.is_contiguous():
+                call(dist.all_reduce, piece, group=group)
+            else:
+                summed = piece.contiguous()
+                call(dist.all_reduce, summed, group=group)
+                piece.copy_(summed)
         return total
 
     def __repr__(self) -> str:
-        return f"GradAllReduce({self.where}, groups={len(self.groups)})"
+        return f"GradAllReduce({self.where}, groups={len(self.groups)}, regions={len(self.regions)})"
 
     def __deepcopy__(self, memo: dict) -> GradAllReduce:
         return self  # holds process-group handles, shared by copies of a model
+
+
+Region = tuple[int, int, int, str, int]
+"""A slice of a parameter's local gradient summed over some of an axis's ranks:
+``(dim, start, stop, axis, replicas)``; ``replicas`` equal to the axis size is the whole axis."""
+
+
+def block_regions(shard_layout: ShardLayout, names: Sequence[str]) -> list[Region]:
+    """The replicated blocks of each ``B`` placement of ``shard_layout`` (mesh axes ``names``), as
+    :meth:`~hpgen.shards.ShardLayout.replicated_blocks` finds them, with their axes named."""
+    return [(dim, start, stop, names[axis], replicas) for axis, dim, start, stop, replicas in shard_layout.replicated_blocks()]
 
 
 # --------------------------------------------------------------------------- survey and install
@@ -195,6 +228,7 @@ class GradReduce:
     axes: list[str]  # grad_reduce_params: every axis its boundary's body is sharded on
     replicas: dict[str, int]  # RS(d,r): axis -> r
     uses: list[tuple[Matched, nn.Module, str]]
+    regions: list[Region] = field(default_factory=list)  # B: the replicated blocks' rows
 
     def groups(self, axes: Mapping[str, AxisCollectives], mesh: DeviceMesh) -> list[dist.ProcessGroup]:
         """The process groups to sum over; axes of size one (and ``r`` of one) reduce nothing."""
@@ -204,13 +238,25 @@ class GradReduce:
                 found.append(replica_group(mesh, axis, replicas))
         return found
 
+    def region_groups(self, mesh: DeviceMesh) -> list[tuple[int, int, int, dist.ProcessGroup]]:
+        """The replicated blocks' slices and the group each is summed over (none on an axis whose
+        whole gradient is summed already)."""
+        return [
+            (dim, start, stop, replica_group(mesh, axis, replicas))
+            for dim, start, stop, axis, replicas in self.regions
+            if axis not in self.axes
+        ]
 
-def survey_grad_reduce(matched: Iterable[Matched], plan: Plan) -> list[GradReduce]:
+
+def survey_grad_reduce(
+    matched: Iterable[Matched], plan: Plan, axes: Mapping[str, AxisCollectives]
+) -> list[GradReduce]:
     """Each Parameter whose gradient a rank holds only part of, with what to sum it over.
 
     ``grad_reduce_params`` sum over every axis the boundary's body is sharded on;
     ``RS(d,r)`` parameters over the ``r`` ranks of the axis holding the same chunk (their
-    replica group, :mod:`hpgen.runtime.install.groups`).
+    replica group, :mod:`hpgen.runtime.install.groups`); the replicated blocks of a ``B``
+    parameter over their holders, those rows only.
     """
     found: dict[int, GradReduce] = {}
 
@@ -254,6 +300,12 @@ def survey_grad_reduce(matched: Iterable[Matched], plan: Plan) -> list[GradReduc
             replicated = {a: layout.on(a).replicas for a in plan.mesh_dim_names if layout.on(a).kind == "RS"}
             if replicated:
                 record(item, name).replicas.update(replicated)
+            if any(layout.on(a).kind == "B" for a in plan.mesh_dim_names):
+                shape = item.module.get_parameter(name).shape
+                regions = block_regions(rank_shard(shape, layout, axes, plan.mesh_dim_names), plan.mesh_dim_names)
+                if regions:
+                    reduce = record(item, name)
+                    reduce.regions += [region for region in regions if region not in reduce.regions]
     return list(found.values())
 
 
@@ -311,10 +363,11 @@ def install_grad_reduce(
     follows: dict[int, tuple[Matched, list[tuple[nn.Module, str, GradAllReduce]]]] = {}
     for record in records:
         groups = record.groups(axes, mesh)
-        if not groups:
+        regions = record.region_groups(mesh)
+        if not groups and not regions:
             continue
         param = replaced.get(id(record.param), record.param)
-        reducer = GradAllReduce(groups, record.name)
+        reducer = GradAllReduce(groups, record.name, regions)
         param.register_hook(reducer)
         param._hp_grad_reduce = reducer
         for item, owner, attr in record.uses:

@@ -86,7 +86,7 @@ class InputCheck:
             call(dist.all_gather, gathered, mine, group=group)
             if all(torch.equal(other, gathered[0]) for other in gathered):
                 continue
-            every = all_gather_object(digests, group)
+            every = all_gather_object(digests, group, self.device)
             raise RuntimeError(_message(type(module).__name__, axis, dist.get_process_group_ranks(group), every))
         return None
 

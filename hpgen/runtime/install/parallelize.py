@@ -28,7 +28,9 @@ state-dict hooks (:mod:`hpgen.runtime.checkpoint.state_dict`) and ``save_pretrai
 (:mod:`hpgen.runtime.checkpoint.saving`) make checkpoints keep every shard.
 
 Other mesh axes belong to torch's engines, applied after ``parallelize``: FSDP2
-(``fully_shard`` per decoder layer and on the root, on a ``dp`` axis) or DDP. The
+(``fully_shard`` per decoder layer and on the root, on a ``dp`` axis) or DDP; a DDP over
+ranks of a plan axis is kept from the shards and refused at its first forward
+(:mod:`hpgen.runtime.install.wrapped`). The
 gradient reductions happen in tensor hooks that follow FSDP2's parameters
 (:mod:`hpgen.runtime.install.hooks`), so those engines see whole gradients.
 
@@ -44,6 +46,7 @@ from __future__ import annotations
 import os
 import sys
 import types
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,11 +63,12 @@ from hpgen.runtime.checkpoint.saving import bind_save_pretrained
 from hpgen.runtime.checkpoint.state_dict import install_state_dict_hooks
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.collectives import AxisCollectives, scope_shard_sizes
+from hpgen.runtime.forward.devices import collective_device
 from hpgen.runtime.forward.sampling import bind_generate
 from hpgen.runtime.forward.streams import install_streams
 from hpgen.runtime.install.adapters import survey_adapters, watch_adapters
 from hpgen.runtime.forward.context_axis import ContextAxis
-from hpgen.runtime.install.agreement import check_ranks_agree, mesh_device, raise_together
+from hpgen.runtime.install.agreement import check_ranks_agree, raise_together
 from hpgen.runtime.install.context_checks import install_context, survey_context
 from hpgen.runtime.install.attrs import survey_attrs
 from hpgen.runtime.install.counterparts import GeneratedModule, generated_modules
@@ -82,6 +86,7 @@ from hpgen.runtime.install.stubs import refuse_replaced_stubs
 from hpgen.runtime.install.summed import SummedBlock, branch_fqns, survey_summed
 from hpgen.runtime.install.targets import ModuleInstall, module_install
 from hpgen.runtime.install.tuners import peft_base_model, resolve_tuner_names
+from hpgen.runtime.install.wrapped import DataParallelCheck, KeptFromDDP, MeshAxes
 
 __all__ = ["ParallelizeError", "parallelize"]
 
@@ -140,12 +145,18 @@ def parallelize(
         raise
     raise_together(None, mesh, on_mesh)
     survey.install(axes, plan.mesh_dim_names)
-    device = mesh_device(mesh)
+    device = collective_device(mesh)
     # random ops: one stream for replicated and partial values, one per rank for sharded ones
     branches = branch_fqns((t.item for t in survey.targets), plan)
     install_streams(model, [(t.item, t.form) for t in survey.targets], plan, axes, device, branches)
     groups = [(axis, axes[axis].group) for axis in plan.mesh_dim_names if axes[axis].size > 1]
     bind_generate(model, [group for _, group in groups], device)
+    model._hp_mesh_axes = MeshAxes(mesh, on_mesh)  # the other mesh axes are the data-parallel ones
+    if groups:  # a DDP over these ranks would overwrite shards: kept from them, and refused at its first
+        # forward, before the input check (whose error such a DDP's data sharding would otherwise raise)
+        listed = getattr(model, "_ddp_params_and_buffers_to_ignore", ())
+        model._ddp_params_and_buffers_to_ignore = KeptFromDDP(groups, listed)
+        model.register_forward_pre_hook(DataParallelCheck(groups))
     if check_inputs and groups:
         model.register_forward_pre_hook(InputCheck(groups, device), with_kwargs=True)
     # state_dict() as DTensors, load_state_dict of DTensors or full tensors, save_pretrained unsharded
@@ -156,10 +167,20 @@ def parallelize(
     scope_shard_sizes(model, axes.values())  # gathers reuse the sizes of shards made in the same forward
     install_context(model, axes)  # cp: decode steps after a cp prefill run replicated
     model._hp_parallelized = True
+    model._hp_mesh = mesh  # the ranks holding the model: clip_grad_norm_ sums its norm over them
+    _PARALLELIZED.add(model)
     if peft_model is not None:
         peft_model._hp_parallelized = True
         return peft_model
     return model
+
+
+_PARALLELIZED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def parallelized_models() -> list[nn.Module]:
+    """Every model ``parallelize`` has made that is still alive (``clip_grad_norm_`` finds parameters' layouts)."""
+    return list(_PARALLELIZED)
 
 
 def _as_plan(plan: PlanLike) -> Plan:
@@ -252,7 +273,7 @@ def _survey(
     targets = [module_install(item, plan, mesh, axes, generated) for item in matched]
     biases = survey_deferred_biases(matched, plan, frozenset(branch_fqns(matched, plan)))
     summed = survey_summed(matched, plan, axes)
-    grad_reduces = survey_grad_reduce(matched, plan)
+    grad_reduces = survey_grad_reduce(matched, plan, axes)
     divides = survey_attrs(matched, plan, axes)
     slots = survey_adapters(model, matched, plan.mesh_dim_names)
     return _Survey(targets, shards, biases, grad_reduces, divides, mesh, summed, slots)

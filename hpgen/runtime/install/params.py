@@ -7,13 +7,16 @@
 - a placement the parameter cannot take (a dim it does not have, ``P`` on a parameter,
   ``SS(d,k)`` whose ``k`` does not divide the dim);
 - attention heads cut in the middle: in a module with a ``head_dim``, every sharded
-  projection dim that holds whole heads must hold a number of heads (query or key/value)
-  that the axis divides (``S``) or that its chunks divide (``RS(d,r)``: ``size / r``
-  chunks, so the axis size is a multiple of the key/value heads or divides them); a
+  projection dim (or block of a ``B`` dim) that holds whole heads must hold a number of
+  heads (query or key/value) that the axis divides (``S``), that its chunks divide
+  (``RS(d,r)``: ``size / r`` chunks, so the axis size is a multiple of the key/value heads
+  or divides them), or be cut in units of whole heads (``S(d,u)``, ``S(d,u,g)``); a
   projection held by a sub-module that declares its own ``num_heads`` holds that many
-  (:func:`hpgen.shards.row_heads`);
-  attention code infers local heads with ``view(..., -1, head_dim)`` and would crash
-  mid-forward or, worse, mix heads;
+  (:func:`hpgen.shards.row_heads`); attention code infers local heads with
+  ``view(..., -1, head_dim)`` and would crash mid-forward or, worse, mix heads. The
+  refusal says what the plan must say instead;
+- a ``B`` placement sharing its dim with another axis, or a whole-unit cut that leaves a
+  rank no unit (:func:`hpgen.shards.placement_problem`);
 - experts that do not divide (a module's ``num_experts`` on a sharded dim);
 - an ``nn.Linear`` whose bias does not follow its weight (a column-parallel weight with
   a replicated bias, a row-parallel bias not in ``deferred_bias_params``);
@@ -41,7 +44,15 @@ from hpgen.placement import REPLICATE, Placement
 from hpgen.plan import Entry, Layout, Plan
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.collectives import AxisCollectives
-from hpgen.shards import ShardLayout, chunks_and_index, normalize_dim, placement_problem, row_heads
+from hpgen.shards import (
+    ShardLayout,
+    block_ranges,
+    blocks_problem,
+    chunks_and_index,
+    normalize_dim,
+    placement_problem,
+    row_heads,
+)
 
 __all__ = ["Matched", "ParamShard", "rank_shard", "shard_params", "survey_params"]
 
@@ -198,6 +209,15 @@ def _check_tied(
             )
 
 
+def _input_dim(owner: nn.Module, name: str, ndim: int) -> int | None:
+    """The input-feature dim of a projection's weight (``nn.Linear`` [out, in]: 1; ``Conv1D`` [in, out]: 0)."""
+    if not name.endswith("weight") or ndim != 2:
+        return None
+    if isinstance(owner, nn.Linear):
+        return 1
+    return 0 if is_conv1d(owner) else None
+
+
 def _heads_label(module: nn.Module, heads: int) -> str:
     """``key/value heads`` or ``attention heads`` when the module's config says which, else ``heads``."""
     config = getattr(module, "config", None)
@@ -217,6 +237,9 @@ def _check_placements(item: Matched, name: str, shard_layout: ShardLayout, mesh:
     owner = item.module.get_submodule(owner_path) if owner_path else item.module
     head_dim = getattr(item.module, "head_dim", None)
     num_experts = getattr(item.module, "num_experts", None)
+    blocks = blocks_problem(len(shard_layout.shape), shard_layout.placements)
+    if blocks is not None:
+        raise ParallelizeError(f"{where}: {name}: {blocks}")
     # Each axis splits what the ones before it left; rank 0's chunk stands for all, so every
     # rank reaches the same verdict (a refusal on one rank only would hang the others).
     first = ShardLayout.of(shard_layout.shape, shard_layout.placements, [0] * len(mesh), shard_layout.sizes)
@@ -225,15 +248,25 @@ def _check_placements(item: Matched, name: str, shard_layout: ShardLayout, mesh:
         problem = placement_problem(current, placement, size)
         if problem is not None:
             raise ParallelizeError(f"{where}: {name} {placement} on axis {axis!r}: {problem}")
-        if placement.kind in ("S", "RS") and size > 1:
+        if placement.kind == "B" and size > 1 and _input_dim(owner, name, len(current)) == normalize_dim(placement.dim, len(current)):
+            if any(not inner.is_shard for _, inner in placement.parts):
+                raise ParallelizeError(
+                    f"{where}: {name} {placement} on axis {axis!r}: a replicated block of its input features would "
+                    "be added to the partial sum once per rank; only the output features take replicated blocks"
+                )
+        if placement.kind in ("S", "RS", "B") and size > 1:
             dim = normalize_dim(placement.dim, len(current))
             n = current[dim]
-            chunks = chunks_and_index(placement, 0, size)[0]
-            if isinstance(head_dim, int) and head_dim > 0 and isinstance(owner, nn.Linear) and n % head_dim == 0:
-                heads = row_heads(item.module, owner_path, n, head_dim)
-                if heads % chunks:
-                    message = _heads_message(where, name, placement, dim, axis, size, heads, head_dim, item)
-                    raise ParallelizeError(message)
+            if isinstance(head_dim, int) and head_dim > 0 and isinstance(owner, nn.Linear):
+                pieces = block_ranges(placement) if placement.kind == "B" else [((0, n), placement)]
+                for block, ((lo, hi), inner) in enumerate(pieces):
+                    label = f" block {block} ({hi - lo}:{inner})" if placement.kind == "B" else ""
+                    cut = _head_cut(hi - lo, inner, size, head_dim, item, owner_path)
+                    if cut is not None:
+                        raise ParallelizeError(
+                            f"{where}: {name} {placement} on axis {axis!r} of size {size}: dim {dim}{label} {cut}: "
+                            f"a rank would hold part of a head. {_heads_advice(inner, dim, head_dim, hi - lo, size)}"
+                        )
             if isinstance(num_experts, int) and len(current) == 3 and n == num_experts and n % size:
                 raise ParallelizeError(
                     f"{where}: {name} dim {dim} holds {n} experts, which do not divide over axis {axis!r} "
@@ -241,35 +274,35 @@ def _check_placements(item: Matched, name: str, shard_layout: ShardLayout, mesh:
                 )
 
 
-def _heads_message(
-    where: str,
-    name: str,
-    placement: Placement,
-    dim: int,
-    axis: str,
-    size: int,
-    heads: int,
-    head_dim: int,
-    item: Matched,
-) -> str:
-    """Why ``placement`` would cut a head, and the placement or axis size that would not."""
-    label = _heads_label(item.module, heads)
-    held = f"{where}: {name} dim {dim} holds {heads} {label} of head_dim {head_dim} ({heads * head_dim} rows)"
+def _head_cut(n: int, placement: Placement, size: int, head_dim: int, item: Matched, owner_path: str) -> str | None:
+    """How ``placement`` on an axis of ``size`` would cut a head of a projection dim of ``n`` rows
+    holding heads of ``head_dim`` (None where it keeps heads whole, or where the rows are not heads)."""
+    if n % head_dim or placement.kind not in ("S", "RS"):
+        return None
+    heads = row_heads(item.module, owner_path, n, head_dim)
+    held = f"holds {heads} {_heads_label(item.module, heads)} of head_dim {n // heads} ({n} rows)"
+    if placement.kind == "S" and placement.whole_units:
+        if placement.unit % (n // heads):
+            return f"{held}, which {placement} cuts in units of {placement.unit} rows"
+        return None
+    chunks = chunks_and_index(placement, 0, size)[0]
+    if heads % chunks == 0:
+        return None
     if placement.kind == "RS":
-        return (
-            f"{held}; {placement} on axis {axis!r} of size {size} cuts it into {size // placement.replicas} "
-            f"chunks, which do not divide {heads}: a rank would hold part of a head. The axis size must be a "
-            f"multiple of the {label} (with RS(d, size / heads)) or divide them"
-        )
-    advice = f"Use a {axis} size that divides {heads}"
+        return f"{held}, which its {chunks} chunks do not divide"
+    return f"{held}, which do not divide over it"
+
+
+def _heads_advice(placement: Placement, dim: int, head_dim: int, n: int, size: int) -> str:
+    """What the plan must say instead of a placement that cuts a head."""
+    heads = n // head_dim
     if size % heads == 0:
-        advice = (
-            f"Re-plan for this model's config: `hpgen plan CHECKPOINT_FOLDER --tp {size}` (or its config.json) "
-            f"replicates each head on {size // heads} ranks with RS({dim},{size // heads}); or use a {axis} size "
-            f"that divides {heads}"
-        )
+        return f"Plan it RS({dim},{size // heads}): each head whole on {size // heads} ranks"
+    if heads < size:
+        return f"{heads} heads cannot reach every one of {size} ranks: use at most {heads} ranks, or a multiple of {heads}"
     return (
-        f"{held}, which do not divide over axis {axis!r} of size {size}: a rank would hold part of a head. {advice}"
+        f"Plan it S({dim},{head_dim}): whole heads, the first ranks one more (docs/plan-format.md), with the "
+        "module's head-count attributes given per rank in local_attrs"
     )
 
 
@@ -291,14 +324,14 @@ def _check_linear_biases(item: Matched, planned: Mapping[str, tuple[Layout, Matc
             w = weight_layout.on(axis)
             b = bias_layout.on(axis) if bias_layout else REPLICATE
             w_dim = normalize_dim(w.dim, 2) if w.dim is not None else None
-            if w.kind in ("S", "SS", "RS") and w_dim == 0:
-                wanted: Placement = Placement(w.kind, dim=0, blocks=w.blocks, replicas=w.replicas)
-                if b.kind != w.kind or normalize_dim(b.dim, 1) != 0 or (b.blocks, b.replicas) != (w.blocks, w.replicas):
+            if w.kind in ("S", "SS", "RS", "B") and w_dim == 0:
+                wanted: Placement = w.on_dim(0)
+                if b.kind != w.kind or normalize_dim(b.dim, 1) != 0 or b.on_dim(0) != wanted:
                     raise ParallelizeError(
                         f"{item.fqn}: {weight_fqn} is {w} on axis {axis!r} (output features sharded) but its bias "
                         f"{bias_fqn} is {b}: plan the bias as {wanted} too"
                     )
-            elif w.kind in ("S", "SS") and w_dim == 1:
+            elif w.kind in ("S", "SS", "B") and w_dim == 1:
                 if b.kind != "R" or bias_fqn not in deferred:
                     raise ParallelizeError(
                         f"{item.fqn}: {weight_fqn} is {w} on axis {axis!r} (row-parallel: the output is a partial "

@@ -327,10 +327,11 @@ def _wrapper(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, Axi
             out_dst = entry.output_layouts(output, mesh_axes)[1].on(axis) if output else None
             # packed blocks (a fused gate_up_proj) are fine while the output stays sharded: no gather to reorder
             packed_local = w.kind == "SS" and dim == 0 and out_dst == LAST_DIM
-            if not w.is_shard and not packed_local:
+            if (not w.is_shard or w.whole_units) and not packed_local:
                 raise ParallelizeError(
                     f"{where}: weight {w} on axis {axis!r}: a wrapped nn.Linear takes S(0) (column-parallel) or "
-                    "S(1) (row-parallel) weights, or SS(0,k) when its output stays sharded"
+                    "S(1) (row-parallel) weights, or SS(0,k) when its output stays sharded (whole-unit and block "
+                    "placements are for projections inside a planned module, whose body reads their shards)"
                 )
             expected_out, expected_in = {0: (LAST_DIM, REPLICATE), 1: (PARTIAL_SUM, LAST_DIM)}[dim]
             if out_src != expected_out or in_dst != expected_in:

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 
+from hpgen.plan import LocalCount
 from hpgen.runtime.forward.wrappers import MIXINS
 from hpgen.runtime.install.params import Matched
 
@@ -61,7 +62,8 @@ def resolve_tuner_names(matched: Iterable[Matched]) -> list[Matched]:
     resolved = []
     for item in matched:
         entry = item.entry
-        names = [*entry.params, *entry.deferred_bias_params, *entry.grad_reduce_params]
+        counted = [name for _, count in entry.local_attrs for name in count.params()]
+        names = [*entry.params, *entry.deferred_bias_params, *entry.grad_reduce_params, *counted]
         rename = {name: _renamed(item.module, name) for name in names}
         if all(old == new for old, new in rename.items()):
             resolved.append(item)
@@ -71,9 +73,15 @@ def resolve_tuner_names(matched: Iterable[Matched]) -> list[Matched]:
             params={rename[name]: layout for name, layout in entry.params.items()},
             deferred_bias_params=tuple(rename[name] for name in entry.deferred_bias_params),
             grad_reduce_params=tuple(rename[name] for name in entry.grad_reduce_params),
+            local_attrs=tuple((attr, _renamed_count(count, rename)) for attr, count in entry.local_attrs),
         )
         resolved.append(dataclasses.replace(item, entry=entry))
     return resolved
+
+
+def _renamed_count(count: LocalCount, rename: dict[str, str]) -> LocalCount:
+    per = _renamed_count(count.per, rename) if count.per is not None else None
+    return dataclasses.replace(count, of=rename[count.of], per=per)
 
 
 def method_problem(layer: nn.Module, name: str, sharded_inputs: Sequence[str]) -> str | None:

@@ -1,0 +1,180 @@
+"""What a parallelized model knows of its mesh, and the refusal of a DDP that spans its plan axes.
+
+:class:`MeshAxes` (``model._hp_mesh_axes``) records the mesh ``parallelize`` was given and the
+plan axes hpgen owns on it; the other axes are the data-parallel ones, which
+``hpgen.runtime.trainer.Trainer`` hands to DDP or FSDP2.
+
+``DistributedDataParallel(model)`` over the whole world (what a stock ``transformers.Trainer``
+and ``Accelerator().prepare`` do under torchrun) is wrong for a tensor-parallel model: its
+constructor broadcasts rank 0's tensors over ranks that hold different shards (overwriting
+them where the shapes agree), it averages gradients that hpgen has already summed, and the
+data is sharded over ranks that must see the same batch. Two guards:
+
+- :class:`KeptFromDDP` is the model's ``_ddp_params_and_buffers_to_ignore`` (the list DDP's
+  constructor reads to leave parameters alone): read by a DDP being built over ranks of one
+  plan-axis group, it names every sharded parameter, so that DDP neither broadcasts nor
+  reduces them; read by a DDP on the other axes (the data-parallel one), it names only what
+  the user listed. It finds the DDP being built in its caller's frame; where it cannot (a
+  torch whose DDP reads the list elsewhere) it names only the user's list.
+- :class:`DataParallelCheck`, a forward pre-hook of every parallelized model (on even with
+  ``check_inputs=False``), stops the first forward run inside such a DDP, before any optimizer
+  step, with the same error on every rank: it names the fix and says whether the shards were
+  overwritten (it compares a digest of each sharded parameter across the DDP's ranks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sys
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
+
+from hpgen.runtime.forward.handback import all_gather_object
+from hpgen.runtime.install.inputs import _tensor_digest
+
+__all__ = ["DataParallelCheck", "KeptFromDDP", "MeshAxes", "mesh_axes_of"]
+
+
+@dataclass(frozen=True, eq=False)
+class MeshAxes:
+    """The mesh a model was parallelized on, and the plan axes (those hpgen owns) found on it."""
+
+    mesh: DeviceMesh
+    plan_axes: tuple[str, ...]
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The mesh's other axes, left to DDP or FSDP2, in mesh order."""
+        return tuple(axis for axis in self.mesh.mesh_dim_names or () if axis not in self.plan_axes)
+
+    def size(self, axes: Sequence[str]) -> int:
+        names = tuple(self.mesh.mesh_dim_names or ())
+        size = 1
+        for axis in axes:
+            size *= self.mesh.size(names.index(axis))
+        return size
+
+    def __deepcopy__(self, memo: dict) -> MeshAxes:
+        return self  # holds process groups: shared by copies of a model
+
+
+def mesh_axes_of(model: nn.Module) -> MeshAxes | None:
+    """The :class:`MeshAxes` of a parallelized model (through peft and DDP wrappers), or None."""
+    seen = model
+    for _ in range(8):
+        found = seen.__dict__.get("_hp_mesh_axes")
+        if isinstance(found, MeshAxes):
+            return found
+        if isinstance(seen, DistributedDataParallel):
+            seen = seen.module
+        elif hasattr(seen, "get_base_model"):  # peft's PeftModel
+            seen = seen.get_base_model()
+        else:
+            return None
+    return None
+
+
+def _spanned(groups: Sequence[tuple[str, tuple[int, ...]]], ranks: Sequence[int]) -> list[tuple[str, tuple[int, ...]]]:
+    """The plan axes two or more of whose group's ranks are among ``ranks`` (a DDP's)."""
+    return [(axis, members) for axis, members in groups if len(set(members) & set(ranks)) > 1]
+
+
+def _member_ranks(groups: Sequence[tuple[str, Any]]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple((axis, tuple(dist.get_process_group_ranks(group))) for axis, group in groups)
+
+
+class KeptFromDDP:
+    """``model._ddp_params_and_buffers_to_ignore``: the sharded parameters, for a DDP spanning a plan axis."""
+
+    def __init__(self, groups: Sequence[tuple[str, Any]], listed: Sequence[str] = ()) -> None:
+        self.groups = _member_ranks(groups)
+        self.listed = tuple(listed)  # what the user had set before parallelize
+
+    def __iter__(self) -> Any:
+        caller = sys._getframe(1).f_locals  # DistributedDataParallel.__init__, reading the list
+        ddp, module = caller.get("self"), caller.get("module")
+        names = list(self.listed)
+        if isinstance(ddp, DistributedDataParallel) and isinstance(module, nn.Module):
+            ranks = dist.get_process_group_ranks(ddp.process_group)
+            if _spanned(self.groups, ranks):
+                from hpgen.runtime.checkpoint.state_dict import sharded_params
+
+                names += sorted(sharded_params(module))
+        return iter(names)
+
+    def __deepcopy__(self, memo: dict) -> KeptFromDDP:
+        return self
+
+
+class DataParallelCheck:
+    """Forward pre-hook of the model: refuse to run inside a DDP whose ranks share a plan-axis group."""
+
+    def __init__(self, groups: Sequence[tuple[str, Any]]) -> None:
+        self.groups = _member_ranks(groups)
+        self.allowed: set[int] = set()  # id() of DDPs already found to span no plan axis
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        ddp = DistributedDataParallel._active_ddp_module
+        if ddp is None or id(ddp) in self.allowed:
+            return None
+        ranks = tuple(dist.get_process_group_ranks(ddp.process_group))
+        spanned = _spanned(self.groups, ranks)
+        if not spanned:
+            self.allowed.add(id(ddp))
+            return None
+        raise RuntimeError(_message(module, ranks, spanned, _overwritten(module, ddp, spanned)))
+
+    def __deepcopy__(self, memo: dict) -> DataParallelCheck:
+        return self
+
+
+def _overwritten(module: nn.Module, ddp: DistributedDataParallel, spanned: Sequence[tuple[str, tuple[int, ...]]]) -> list[str]:
+    """Sharded parameters whose shards are now equal on two DDP ranks of one plan-axis group (rank 0's broadcast)."""
+    from hpgen.runtime.checkpoint.state_dict import sharded_params
+
+    params = dict(module.named_parameters(remove_duplicate=False))
+    mine = {name: _tensor_digest(params[name]) for name in sorted(sharded_params(module)) if name in params}
+    every = all_gather_object(mine, ddp.process_group)
+    ranks = dist.get_process_group_ranks(ddp.process_group)
+    index = {rank: position for position, rank in enumerate(ranks)}
+    overwritten = set()
+    for _, members in spanned:
+        inside = [index[rank] for rank in members if rank in index]
+        for name in mine:
+            digests = [every[position].get(name) for position in inside]
+            if len(set(digests)) < len(digests):
+                overwritten.add(name)
+    # each rank checked its own groups: the union, so that every rank raises the same error
+    return sorted(set().union(*all_gather_object(sorted(overwritten), ddp.process_group)))
+
+
+def _message(
+    module: nn.Module, ranks: Sequence[int], spanned: Sequence[tuple[str, tuple[int, ...]]], overwritten: list[str]
+) -> str:
+    axes = ", ".join(repr(axis) for axis, _ in spanned)
+    if overwritten:
+        shown = ", ".join(overwritten[:4]) + (f" and {len(overwritten) - 4} more" if len(overwritten) > 4 else "")
+        state = (
+            f"DistributedDataParallel's constructor has OVERWRITTEN the shards of {len(overwritten)} parameters "
+            f"({shown}) with those of global rank {ranks[0]}: this model's weights are now wrong. Build and parallelize the model "
+            "again (or reload its checkpoint) before training it."
+        )
+    else:
+        state = "The shards are unchanged (hpgen kept that DDP from them; no optimizer step was taken)."
+    return (
+        f"hpgen: {type(module).__name__} runs inside DistributedDataParallel over global ranks "
+        f"{', '.join(map(str, ranks))}, which holds two or more ranks of one group of the plan's axis {axes}. Such a DDP "
+        "broadcasts one rank's shards over the others, averages gradients hpgen already summed, and its data is "
+        "sharded over ranks that must see the same batch (what a stock transformers.Trainer or "
+        f"Accelerator().prepare(model) does under torchrun). {state}\nTrain it with hpgen.runtime.trainer.Trainer "
+        "(transformers' Trainer: DDP or FSDP2 on the data-parallel mesh axis only, data sharded over those ranks, "
+        "clipping by the whole model's norm), or in your own loop: DistributedDataParallel(model, "
+        "process_group=mesh.get_group('dp')) on the data-parallel axis only, and hpgen.runtime.clip_grad_norm_ "
+        "instead of torch.nn.utils.clip_grad_norm_."
+    )

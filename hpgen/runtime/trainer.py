@@ -1,0 +1,280 @@
+"""``Trainer``: transformers' ``Trainer`` for models parallelized by hpgen (same constructor).
+
+A stock ``transformers.Trainer`` under torchrun treats every rank as a data-parallel
+replica: it wraps the model in DDP over the whole world (whose constructor broadcasts rank
+0's shards), shards the data over every rank, clips by each rank's local norm, saves from
+rank 0 alone (hpgen's ``save_pretrained`` gathers, so every rank must join) and writes rank
+0's optimizer state for all. This subclass keeps transformers' loop and changes only those
+steps, where the Trainer and accelerate offer them:
+
+- the model: no DDP over the plan's (tensor-parallel) axes; when the mesh has one other
+  axis of more than one rank, DDP on it (or nothing, when the model is already FSDP2 on it);
+  accelerate still applies mixed precision and compilation;
+- the data: sharded over the data-parallel ranks only (every rank of a tensor-parallel group
+  gets the same batches), through accelerate's own ``prepare_data_loader``;
+- the tensor-parallel size presented as ``model._tp_size``, which the Trainer reads for its
+  loss scaling (``average_tokens_across_devices``) and batch sizes;
+- clipping and the logged ``grad_norm``: :func:`hpgen.runtime.clip_grad_norm_`, the unsharded
+  model's norm;
+- checkpoints: every rank joins ``save_pretrained`` (one writer, loadable by plain
+  transformers), each rank writes its own optimizer state, rank 0 the scheduler, and
+  ``hpgen_trainer.json`` the mesh and the model's random-stream step; resuming checks that
+  file first and refuses another mesh, then loads the weights, each rank's optimizer state,
+  the scheduler, per-rank RNG states (transformers' own) and the random streams.
+
+Accelerate's ``ParallelismConfig`` is not used: on the CPU accelerate refuses it, and its
+data sharding assumes the tensor-parallel axis is the mesh's last; the mesh's own
+coordinates are used instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from hpgen.runtime.install.wrapped import MeshAxes, mesh_axes_of
+
+__all__ = ["LAYOUT_FILE", "Trainer"]
+
+LAYOUT_FILE = "hpgen_trainer.json"
+_OPTIMIZER_FILE = "optimizer-rank{rank}-of-{world}.pt"
+_SCHEDULER_FILE = "scheduler.pt"
+
+
+class Trainer(transformers.Trainer):
+    """transformers' ``Trainer`` for a model parallelized by hpgen (or a peft model over one).
+
+    Build the model, ``parallelize`` it (and ``fully_shard`` it on the mesh's data-parallel
+    axis, if you want FSDP2 there), then pass it as to ``transformers.Trainer``; run under
+    torchrun, every rank alike. See docs/training.md.
+    """
+
+    def __init__(self, model: nn.Module | None = None, *args: Any, **kwargs: Any) -> None:
+        if model is None:
+            raise ValueError(
+                "hpgen.runtime.trainer.Trainer needs the parallelized model itself (model=...): model_init is not "
+                "supported, since the model must be parallelized on every rank before the Trainer wraps it"
+            )
+        found = mesh_axes_of(model)
+        if found is None:
+            raise ValueError(
+                f"hpgen.runtime.trainer.Trainer: {type(model).__name__} was not parallelized by hpgen "
+                "(call hpgen.runtime.parallelize first); for an unparallelized model use transformers.Trainer"
+            )
+        self._hp_mesh: MeshAxes = found
+        data_axes = found.data_axes
+        if len(data_axes) > 1:
+            raise ValueError(
+                f"hpgen.runtime.trainer.Trainer: the mesh has {len(data_axes)} axes besides the plan's "
+                f"({', '.join(data_axes)}); it takes at most one data-parallel axis (flatten them into one)"
+            )
+        self._hp_data_axis = data_axes[0] if data_axes else None
+        super().__init__(model, *args, **kwargs)
+        # read by Trainer.get_tp_size: the ranks that share one batch. Set after the Accelerator is made, which
+        # would otherwise build a ParallelismConfig from it (refused on the CPU; see the module docstring).
+        self.model._tp_size = found.size(found.plan_axes)
+        # instance attribute: Accelerator.prepare (the Trainer's dataloaders) calls it for every DataLoader
+        self.accelerator.prepare_data_loader = self._prepare_data_loader_over_dp
+
+    # ---- data and model ---------------------------------------------------------------
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The number of data-parallel replicas (ranks of the mesh's axis besides the plan's, or 1)."""
+        return self._hp_mesh.size([self._hp_data_axis]) if self._hp_data_axis else 1
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self._hp_mesh.mesh.get_local_rank(self._hp_data_axis) if self._hp_data_axis else 0
+
+    def _prepare_data_loader_over_dp(
+        self, data_loader: torch.utils.data.DataLoader, device_placement: bool | None = None, slice_fn_for_dispatch: Any = None
+    ) -> torch.utils.data.DataLoader:
+        """accelerate's ``prepare_data_loader`` with the data-parallel ranks as its processes."""
+        from accelerate.data_loader import prepare_data_loader
+
+        accelerator = self.accelerator
+        if getattr(data_loader, "_is_accelerate_prepared", False):
+            if data_loader not in accelerator._dataloaders:
+                accelerator._dataloaders.append(data_loader)
+            return data_loader
+        if accelerator.dispatch_batches:
+            raise ValueError(
+                "hpgen.runtime.trainer.Trainer: dispatch_batches=True slices each batch over every rank; the ranks of "
+                "a tensor-parallel group must see the same batch. Leave dispatch_batches unset"
+            )
+        prepared = prepare_data_loader(
+            data_loader,
+            accelerator.device,
+            num_processes=self.data_parallel_size,
+            process_index=self.data_parallel_rank,
+            split_batches=accelerator.split_batches,
+            put_on_device=accelerator.device_placement if device_placement is None else device_placement,
+            rng_types=accelerator.rng_types.copy(),
+            dispatch_batches=False,
+            even_batches=accelerator.even_batches,
+            use_seedable_sampler=accelerator.use_seedable_sampler,
+            data_seed=accelerator.dataloader_config.data_seed,
+            non_blocking=accelerator.non_blocking,
+            use_stateful_dataloader=accelerator.use_stateful_dataloader,
+        )
+        accelerator._dataloaders.append(prepared)
+        return prepared
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        """DDP on the data-parallel axis only (none when FSDP2 owns it or it is absent), then accelerate's
+        mixed precision and compilation without its own DDP."""
+        if self.accelerator.unwrap_model(model, keep_torch_compile=False) is not model or not training:
+            return model
+        if self.data_parallel_size > 1 and not any(isinstance(p, DTensor) for p in model.parameters()):
+            kwargs = self.accelerator.ddp_handler.to_kwargs() if self.accelerator.ddp_handler is not None else {}
+            device = self.accelerator.device
+            model = DistributedDataParallel(
+                model,
+                process_group=self._hp_mesh.mesh.get_group(self._hp_data_axis),
+                device_ids=[device] if device.type == "cuda" else None,
+                **kwargs,
+            )
+        return self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
+
+    # ---- clipping -----------------------------------------------------------------------
+
+    def _norm_of(self, model: nn.Module) -> nn.Module:
+        return self.accelerator.unwrap_model(model, keep_torch_compile=False)
+
+    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
+        from hpgen.runtime import clip_grad_norm_
+
+        self.accelerator.unscale_gradients()
+        return clip_grad_norm_(self._norm_of(model), self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        if grad_norm is None:
+            from hpgen.runtime import grad_norm as whole_norm
+
+            self.accelerator.unscale_gradients()
+            grad_norm = whole_norm(self._norm_of(model))
+        return super()._get_grad_norm(model, grad_norm)
+
+    # ---- saving -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _every_rank_saves(self) -> Iterator[None]:
+        """transformers' ``_save`` keeps every rank for the model's collective ``save_pretrained`` under this flag."""
+        before = self.is_distributed_loading_by_transformers
+        self.is_distributed_loading_by_transformers = True
+        try:
+            yield
+        finally:
+            self.is_distributed_loading_by_transformers = before
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        with self._every_rank_saves():
+            super()._save(output_dir, state_dict=state_dict)
+
+    def _layout(self) -> dict[str, Any]:
+        mesh = self._hp_mesh.mesh
+        return {
+            "world_size": self.args.world_size,
+            "mesh": dict(zip(mesh.mesh_dim_names or (), mesh.mesh.shape)),
+            "plan_axes": list(self._hp_mesh.plan_axes),
+        }
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        os.makedirs(output_dir, exist_ok=True)
+        rank, world = self.args.process_index, self.args.world_size
+        state = _local_tensors(self.optimizer.state_dict())
+        torch.save(state, os.path.join(output_dir, _OPTIMIZER_FILE.format(rank=rank, world=world)))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_FILE))
+            streams = getattr(_hpgen_model(self.model), "_hp_streams", None)
+            record = {**self._layout(), "streams": [streams.seed, streams.step] if streams is not None else None}
+            with open(os.path.join(output_dir, LAYOUT_FILE), "w") as handle:
+                json.dump(record, handle, indent=2)
+
+    # ---- resuming -----------------------------------------------------------------------
+
+    def _checked_layout(self, checkpoint: str) -> dict[str, Any]:
+        """The checkpoint's ``hpgen_trainer.json``, refused unless written on a mesh like this one."""
+        path = os.path.join(checkpoint, LAYOUT_FILE)
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"{checkpoint}: no {LAYOUT_FILE}; it was not written by hpgen.runtime.trainer.Trainer, so its "
+                "optimizer state is not per rank. Start from its weights instead (load them, then train without "
+                "resume_from_checkpoint)"
+            )
+        with open(path) as handle:
+            saved = json.load(handle)
+        mine = self._layout()
+        if {key: saved.get(key) for key in mine} != mine:
+            raise ValueError(
+                f"{checkpoint}: written on mesh {saved.get('mesh')} (plan axes {saved.get('plan_axes')}, "
+                f"{saved.get('world_size')} ranks), resumed on {mine['mesh']} (plan axes {mine['plan_axes']}, "
+                f"{mine['world_size']} ranks). Its optimizer state is one file per rank's shards, so it resumes only "
+                "on the same mesh. Resume there, or start from its weights (model.safetensors, any mesh) without the "
+                "optimizer state"
+            )
+        return saved
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        self._checked_layout(resume_from_checkpoint)  # before any weight changes
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        saved = self._checked_layout(checkpoint)
+        rank, world = self.args.process_index, self.args.world_size
+        path = os.path.join(checkpoint, _OPTIMIZER_FILE.format(rank=rank, world=world))
+        device = self.args.device
+        state = torch.load(path, map_location="cpu" if device.type == "cpu" else device, weights_only=True)
+        self.optimizer.load_state_dict(_as_parameters(state, self.optimizer))
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, _SCHEDULER_FILE), weights_only=True))
+        if saved.get("streams") is not None:
+            from hpgen.runtime import reseed_random_streams
+
+            reseed_random_streams(_hpgen_model(self.model), *saved["streams"])
+
+
+def _hpgen_model(model: nn.Module) -> nn.Module:
+    """The parallelized model inside peft's wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _local_tensors(state: Any) -> Any:
+    """An optimizer state dict with each DTensor (FSDP2's shards) replaced by its local tensor."""
+    if isinstance(state, DTensor):
+        return state.to_local()
+    if isinstance(state, dict):
+        return {key: _local_tensors(value) for key, value in state.items()}
+    if isinstance(state, list):
+        return [_local_tensors(value) for value in state]
+    return state
+
+
+def _as_parameters(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The saved local tensors as DTensors again where the optimizer's parameter is one (FSDP2)."""
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    ids = [index for group in state["param_groups"] for index in group["params"]]
+    by_id = dict(zip(ids, params))
+    restored = {}
+    for index, per_param in state["state"].items():
+        param = by_id.get(index)
+        if isinstance(param, DTensor):
+            per_param = {
+                name: DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+                if isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape == param.to_local().shape
+                else value
+                for name, value in per_param.items()
+            }
+        restored[index] = per_param
+    return {**state, "state": restored}
