@@ -342,6 +342,11 @@ def explain_command(
     metavar="NAME",
     help="Put the experts on an axis of their own (mesh NAME x tp); without it they share tp.",
 )
+@click.option(
+    "--attn-dp",
+    is_flag=True,
+    help="With --ep: attention and dense layers data-parallel over the expert ranks, tokens gathered into the experts.",
+)
 @click.option("--from-source", is_flag=True, help="Derive the plan from the modeling source even where transformers has one.")
 @click.option(
     "--no-summed-reduction",
@@ -359,6 +364,7 @@ def plan_command(
     cp: int | None,
     ep: int | None,
     ep_axis: str | None,
+    attn_dp: bool,
     from_source: bool,
     no_summed: bool,
     show_notes: bool,
@@ -388,6 +394,7 @@ def plan_command(
                 notes=show_notes,
                 dtype=dtype,
                 cp=cp,
+                attn_dp=attn_dp,
             )
         for message in messages:
             click.echo(message, err=True)

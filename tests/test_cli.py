@@ -415,3 +415,12 @@ def test_the_generator_never_imports_torch(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_plan_attn_dp_needs_ep_alone(tmp_path):
+    out = tmp_path / "plan.json"
+    for flags in (["--attn-dp"], ["--ep", "2", "--tp", "2", "--attn-dp"]):
+        result = run("plan", "qwen3_moe", *flags, "-o", out)
+        assert result.exit_code == 2 and not out.exists()
+        assert "--attn-dp: give --ep N (without --tp or --sp" in result.output
+        assert "Traceback" not in result.output

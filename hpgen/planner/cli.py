@@ -25,6 +25,7 @@ def plan_with_report(
     notes: bool,
     dtype: str | None,
     cp: int | None = None,
+    attn_dp: bool = False,
 ) -> tuple[str, list[str]]:
     """The plan's JSON text and the messages for stderr (notes with ``notes``, the sizing report with ``tp``)."""
     from hpgen.planner.document import dumps_plan
@@ -32,9 +33,17 @@ def plan_with_report(
     from hpgen.planner.make import plan_model
 
     model = meta_model(load_config(target))
+    if attn_dp and (ep is None or tp is not None or sp):
+        raise HpgenError("--attn-dp: give --ep N (without --tp or --sp: attention TP inside each group is not supported yet)")
+    if attn_dp and cp is not None:
+        raise HpgenError("--attn-dp: not with --cp (attention cannot be data-parallel and context-parallel at once)")
     plan = plan_model(
         model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, name=target, summed=summed, cp=cp
     )
+    if attn_dp:
+        from hpgen.planner.attn_dp import data_parallel_attention
+
+        plan = data_parallel_attention(model, plan, target)
     comments = plan.get("comments", {})
     messages = [f"{target}: {comments.get('plan_source', 'context parallel')}"]
     if comments.get("context_parallel"):

@@ -8,8 +8,10 @@ attention module runs ``hpgen.runtime.context.gathered_kv_attention`` (an inject
 keys and values are all-gathered along the sequence and its queries keep their rows of
 the whole sequence's mask. The final norm gathers the sequence back (``S(1) -> R``), so
 the logits and the loss are the unsharded model's. Every parameter of the layers and
-the norm computes on this rank's tokens only, so its gradient is summed over ``cp``
-(``grad_reduce_params``).
+the norm computes on this rank's tokens only, so its gradient is summed over ``cp``:
+``grad_reduce_params`` in its per-axis form, ``{"input_layernorm.weight": ["cp"]}``, plus
+``tp`` for a parameter the tensor-parallel plan sums there (a norm under ``--sp``) and is
+not sharded on (a parameter sharded on ``tp`` is summed over ``cp`` only).
 
 With ``--tp`` the mesh is ``["cp", "tp"]`` (tp innermost): the tensor-parallel entries
 get their ``cp`` placements added; with ``--sp`` too, tp shards each rank's cp tokens.
@@ -24,6 +26,7 @@ from hpgen.context import CONTEXT_AXIS, GATHERED_KV_ATTENTION, context_refusal
 from hpgen.errors import HpgenError
 from hpgen.placement import REPLICATE, shard
 from hpgen.plan_entries import Layout
+from hpgen.plan_names import fqn_matches
 from hpgen.planner.draft import DraftEntry, DraftPlan, injection
 
 __all__ = ["context_parallel"]
@@ -73,6 +76,7 @@ def context_parallel(model: Any, plan: DraftPlan | None, *, cp: int, name: str) 
             outputs={out[0]: kept},
             out_names=out if len(out) > 1 else None,
             grad_reduce=params,
+            sharded=_sharded_params(entries, fqn),
         )
     pattern = f"{layers_path}.*.{attention}"
     attn = modules[f"{layers[0][0]}.{attention}"]
@@ -92,6 +96,7 @@ def context_parallel(model: Any, plan: DraftPlan | None, *, cp: int, name: str) 
         outputs={norm_out[0]: gathered},
         out_names=norm_out if len(norm_out) > 1 else None,
         grad_reduce=tuple(param for param, _ in norm.named_parameters()),
+        sharded=_sharded_params(entries, norm_path),
     )
     injections = (
         *(plan.injections if plan is not None else ()),
@@ -138,6 +143,29 @@ def _attention_name(layer: Any, name: str) -> str:
     return found[0]
 
 
+def _body_axes(entry: DraftEntry) -> tuple[str, ...]:
+    """The axes ``entry``'s body computes on shards along (where a list of ``grad_reduce_params`` sums)."""
+    layouts = (*entry.in_dst.values(), *entry.out_src.values(), *entry.params.values())
+    found = dict.fromkeys(axis for layout in layouts for axis, placement in layout.placements if not placement.is_replicate)
+    return tuple(found)
+
+
+def _sharded_params(entries: dict[str, DraftEntry], fqn: str) -> dict[str, set[str]]:
+    """The axes each parameter under ``fqn`` (by its path from there) is sharded on, from any entry."""
+    depth = len(fqn.split("."))
+    found: dict[str, set[str]] = {}
+    for key, entry in entries.items():
+        parts = key.split(".")
+        if len(parts) < depth or not fqn_matches(".".join(parts[:depth]), fqn):
+            continue
+        prefix = ".".join(parts[depth:])
+        for name, layout in entry.params.items():
+            axes = {axis for axis, placement in layout.placements if not placement.is_replicate}
+            if axes:
+                found.setdefault(f"{prefix}.{name}" if prefix else name, set()).update(axes)
+    return found
+
+
 def _with(layouts: dict[str, Layout], moves: dict[str, dict[str, tuple[Any, Any]]], side: int) -> dict[str, Layout]:
     result = dict(layouts)
     for value, by_axis in moves.items():
@@ -153,16 +181,30 @@ def _merged(
     outputs: dict[str, Any] | None = None,
     out_names: tuple[str, ...] | None = None,
     grad_reduce: tuple[str, ...] = (),
+    sharded: dict[str, set[str]] | None = None,
 ) -> DraftEntry:
-    """``entry`` (or a new one) with the ``cp`` placements of ``inputs``/``outputs`` ({value: {axis: (src, dst)}})."""
+    """``entry`` (or a new one) with the ``cp`` placements of ``inputs``/``outputs`` ({value: {axis: (src, dst)}}).
+
+    ``grad_reduce``: parameters whose gradients are summed over ``cp``; the entry's
+    ``grad_reduce_params`` then name their axes, each with the other axes the entry's
+    body is sharded on except those ``sharded`` (parameter -> axes) shards it on.
+    """
     entry = entry or DraftEntry()
     inputs, outputs = inputs or {}, outputs or {}
     names = entry.out_names
     if out_names is not None and names is None:
         names = tuple(out_names)
     reduce = tuple(dict.fromkeys((*entry.grad_reduce_params, *grad_reduce)))
+    axes = dict(entry.grad_reduce_axes)
+    if grad_reduce:
+        body = _body_axes(entry)
+        for param in reduce:
+            own = (sharded or {}).get(param, set())
+            over = axes.get(param) or tuple(axis for axis in body if axis not in own)
+            axes[param] = (CONTEXT_AXIS, *(axis for axis in over if axis != CONTEXT_AXIS))
     return replace(
         entry,
+        grad_reduce_axes=axes,
         in_src=_with(dict(entry.in_src), inputs, 0),
         in_dst=_with(dict(entry.in_dst), inputs, 1),
         out_src=_with(dict(entry.out_src), outputs, 0),

@@ -26,8 +26,8 @@ docstring says what each of its modules does. docs/runtime.md has the same table
   ``summed``, ``kernels``, ``stubs``, ``inputs``, ``tuners``, ``adapters``, ``wrapped``,
   ``context_checks``;
 - ``hpgen.runtime.forward`` (what generated forwards call): ``collectives``,
-  ``traced_collectives``, ``handback``, ``devices``, ``boundary``, ``ops``, ``wrappers``,
-  ``streams``, ``sampling``, ``context_axis``;
+  ``traced_collectives``, ``shard_records``, ``handback``, ``devices``, ``boundary``, ``ops``,
+  ``wrappers``, ``streams``, ``sampling``, ``context_axis``;
 - ``hpgen.runtime.checkpoint`` (checkpoints and state dicts: read, presented to DCP and
   FSDP2, written): ``loading``, ``checkpoint_files``, ``file_maps``, ``conversions``,
   ``state_dict``, ``fsdp_state``, ``dcp_files``, ``saving``;

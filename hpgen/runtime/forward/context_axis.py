@@ -33,7 +33,7 @@ from torch import Tensor
 
 from hpgen.shards import split_sizes
 
-from .collectives import AxisCollectives, Size, _norm_dim
+from .collectives import AxisCollectives, Size, _each_in_sequences, _norm_dim
 
 __all__ = ["ContextAxis", "HeadTail", "head_tail_sizes"]
 
@@ -133,6 +133,7 @@ class ContextAxis(AxisCollectives):
         finally:
             self._replicated = before
 
+    @_each_in_sequences
     def split(
         self, x: Tensor | None, dim: int, *, backward: str = "all_gather", sizes: tuple[Size, ...] | None = None
     ) -> Tensor | None:
@@ -147,6 +148,7 @@ class ContextAxis(AxisCollectives):
             self._layout = layout
         return super().split(x.index_select(d, layout.gathered), d, backward=backward, sizes=layout.sizes)
 
+    @_each_in_sequences
     def all_gather(
         self,
         x: Tensor | None,
