@@ -7,7 +7,7 @@ from typing import Any
 import libcst as cst
 
 from hpgen.classify import DEFAULT_BACKWARD, Contract, Op, is_identity_contract, value_ops
-from hpgen.context import CONTEXT_AXIS, GATHERED_KV_ATTENTION, HEAD_TAIL, gathered_kv_ops
+from hpgen.context_coverage import CONTEXT_AXIS, GATHERED_KV_ATTENTION, HEAD_TAIL, gathered_kv_ops
 from hpgen.lower import Analysis
 from hpgen.plan import Plan
 from hpgen.summed_edit import SummedSiteError, rewrite_summed

@@ -55,6 +55,6 @@ module of the package; :mod:`hpgen.planner.flow` has a map of its own):
   reduced once), :mod:`~hpgen.planner.files` (boundaries in several modeling files),
   :mod:`~hpgen.planner.attn_dp` (``--attn-dp``: the ``--ep`` plan rewritten for
   data-parallel attention);
-  :mod:`~hpgen.planner.context` (``--cp``: the sequence cut over a ``cp`` axis).
+  :mod:`~hpgen.planner.context_plan` (``--cp``: the sequence cut over a ``cp`` axis).
 - :mod:`~hpgen.planner.report` sizes a plan per rank (parameter bytes, collectives).
 """

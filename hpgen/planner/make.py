@@ -81,7 +81,7 @@ def plan_model(
     :func:`hpgen.planner.translator.translated_plan` (transformers' plans only). A plan whose boundaries live
     in several modeling files names each class by file (:func:`hpgen.planner.files.name_files`).
     ``summed``: parallel-residual blocks reduce their two branches once (:mod:`hpgen.planner.summed`).
-    ``cp``: the sequence cut over a ``cp`` axis outside the tensor-parallel one (:mod:`hpgen.planner.context`);
+    ``cp``: the sequence cut over a ``cp`` axis outside the tensor-parallel one (:mod:`hpgen.planner.context_plan`);
     without ``tp``, ``sp`` or ``ep`` the plan is context-parallel alone."""
     from hpgen.planner.files import name_files
     from hpgen.planner.summed import add_summed_reductions
@@ -93,7 +93,7 @@ def plan_model(
         if summed:
             plan = add_summed_reductions(model, plan)
     if cp is not None:
-        from hpgen.planner.context import context_parallel
+        from hpgen.planner.context_plan import context_parallel
 
         plan = context_parallel(model, plan, cp=cp, name=name)
     return name_files(model, plan).document()  # the one place the plan becomes a document

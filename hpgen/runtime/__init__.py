@@ -12,7 +12,7 @@ model's gradient norm, and clipping by it) are loaded on first use so that gener
 
 Module map. The top level keeps only the modules that something outside hpgen names by
 path: generated files import ``defaults``; plans name functions in ``local``,
-``local_heads`` and ``context``; users catch ``errors.ParallelizeError`` (which every group raises) and
+``local_heads`` and ``context_attention``; users catch ``errors.ParallelizeError`` (which every group raises) and
 call ``folder_swap.recover``; ``torch.save`` of a state dict holding an ``SS`` parameter
 records ``shard_layout.PackedShard``; users train with ``trainer.Trainer`` (transformers'
 ``Trainer`` for parallelized models). Everything else is in a subpackage by role, whose
@@ -20,7 +20,7 @@ docstring says what each of its modules does. docs/runtime.md has the same table
 ``tests/test_layers.py`` checks that both name every module, each in exactly one group:
 
 - ``hpgen.runtime`` (named from outside hpgen): ``defaults``, ``local``, ``local_heads``,
-  ``context``, ``errors``, ``folder_swap``, ``shard_layout``, ``trainer``;
+  ``context_attention``, ``errors``, ``folder_swap``, ``shard_layout``, ``trainer``;
 - ``hpgen.runtime.install`` (survey and install: what ``parallelize`` runs): ``parallelize``,
   ``agreement``, ``targets``, ``counterparts``, ``params``, ``attrs``, ``groups``, ``hooks``,
   ``summed``, ``kernels``, ``stubs``, ``inputs``, ``tuners``, ``adapters``, ``wrapped``,

@@ -1,7 +1,7 @@
 """Context parallelism at install: what a ``cp`` axis refuses, and the decode steps it replicates.
 
 The ``cp`` axis (:mod:`hpgen.runtime.forward.context_axis`) cuts the sequence and gathers keys
-and values in attention (:mod:`hpgen.runtime.context`). That is exact for softmax
+and values in attention (:mod:`hpgen.runtime.context_attention`). That is exact for softmax
 attention over a mask transformers builds for the whole sequence; :func:`survey_context`
 refuses, before anything changes, the models where it would not be: attention
 implementations other than sdpa and eager (flash and flex build their masks or
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hpgen.context import CONTEXT_AXIS, context_refusal
+from hpgen.context_coverage import CONTEXT_AXIS, context_refusal
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.context_axis import ContextAxis
 

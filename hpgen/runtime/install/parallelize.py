@@ -56,7 +56,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from hpgen.context import CONTEXT_AXIS
+from hpgen.context_coverage import CONTEXT_AXIS
 from hpgen.errors import HpgenError, did_you_mean
 from hpgen.plan import Plan, load_plan, plan_from_dict
 from hpgen.runtime.checkpoint.saving import bind_save_pretrained

@@ -1,4 +1,4 @@
-"""What context parallelism (a ``cp`` axis) does not cover, read from a model's config.
+"""The ``cp`` axis's names, and what context parallelism does not cover (read from a config).
 
 The ``cp`` axis cuts the sequence and gathers every rank's keys and values in attention,
 with this rank's rows of the mask transformers builds for the whole sequence. That is
@@ -14,8 +14,8 @@ from typing import Any
 __all__ = ["CONTEXT_AXIS", "GATHERED_KV_ATTENTION", "HEAD_TAIL", "context_refusal", "gathered_kv_ops"]
 
 CONTEXT_AXIS = "cp"
-# the region function of attention on a cp axis (hpgen.runtime.context), as plans name it
-GATHERED_KV_ATTENTION = "hpgen.runtime.context.gathered_kv_attention"
+# the region function of attention on a cp axis (hpgen.runtime.context_attention), as plans name it
+GATHERED_KV_ATTENTION = "hpgen.runtime.context_attention.gathered_kv_attention"
 HEAD_TAIL = "head-tail layout: the sequence in 2*cp chunks (tensor_split sizes), rank r holds chunks r and 2*cp-1-r"
 
 

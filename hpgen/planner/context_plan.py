@@ -4,7 +4,7 @@ Every rank of a ``cp`` group is given the whole batch. The plan cuts the sequenc
 (``R -> S(1)`` on ``cp``, which the runtime lays out head-tail for a balanced causal
 load) where the decoder layers begin: the first layer's input and the rotary embedding's
 ``(cos, sin)``, so every layer rotates its tokens by their global positions. Each
-attention module runs ``hpgen.runtime.context.gathered_kv_attention`` (an injection): its
+attention module runs ``hpgen.runtime.context_attention.gathered_kv_attention`` (an injection): its
 keys and values are all-gathered along the sequence and its queries keep their rows of
 the whole sequence's mask. The final norm gathers the sequence back (``S(1) -> R``), so
 the logits and the loss are the unsharded model's. Every parameter of the layers and
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from hpgen.context import CONTEXT_AXIS, GATHERED_KV_ATTENTION, context_refusal
+from hpgen.context_coverage import CONTEXT_AXIS, GATHERED_KV_ATTENTION, context_refusal
 from hpgen.errors import HpgenError
 from hpgen.placement import REPLICATE, shard
 from hpgen.plan_entries import Layout

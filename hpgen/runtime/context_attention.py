@@ -144,7 +144,7 @@ def gathered_kv_attention(module: nn.Module, *args: Any, axis: str = "cp", **kwa
     """The attention module's body with every rank's keys and values and this rank's mask rows.
 
     Bound as ``__hp_compute__`` of attention modules by an injection
-    (``{"_target_": "hpgen.runtime.context.gathered_kv_attention", "axis": "cp"}``).
+    (``{"_target_": "hpgen.runtime.context_attention.gathered_kv_attention", "axis": "cp"}``).
     """
     ax = getattr(module, f"_hp_{axis}")
     if not ax.active:
