@@ -34,9 +34,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["AttentionConfig", "GatheringCache", "chunked_causal_sdpa", "gathered_kv_attention"]
+__all__ = ["AttentionConfig", "GatheringCache", "LocalKVCache", "RecomputedAttention", "chunked_causal_sdpa", "gathered_kv_attention", "recomputed_attention"]
 
 CHUNKED_CAUSAL = "hpgen_cp_chunked_causal_sdpa"  # its name in transformers' AttentionInterface
+RECOMPUTED = "hpgen_cp_recomputed_attention"
 
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")
 
@@ -55,6 +56,33 @@ class GatheringCache:
         if self.cache is None:
             return key_states, value_states
         return self.cache.update(key_states, value_states, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        cache = self.__dict__.get("cache")
+        if cache is None:
+            raise AttributeError(name)
+        return getattr(cache, name)
+
+
+class LocalKVCache:
+    """Stands in for the attention body's cache in a cp training step: ``update`` returns this
+    rank's keys and values as they are (:class:`RecomputedAttention` gathers them), after
+    putting every rank's, gathered outside autograd, into the caller's cache (the cache the
+    unsharded model would fill)."""
+
+    def __init__(self, axis: Any, cache: Any, module: nn.Module, n: int) -> None:
+        self.axis = axis
+        self.cache = cache
+        self.module = module
+        self.n = n
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        with torch.no_grad():
+            key = self.axis.all_gather(key_states, dim=2, total=self.n)
+            value = self.axis.all_gather(value_states, dim=2, total=self.n)
+        self.cache.update(key, value, *args, **kwargs)
+        self.module._hp_cp_gathered = (key, value)  # the forward's attention uses them, saves nothing of them
+        return key_states, value_states
 
     def __getattr__(self, name: str) -> Any:
         cache = self.__dict__.get("cache")
@@ -84,16 +112,16 @@ def _query_rows(mask: Tensor | None, layout: Any, dtype: torch.dtype, eager: boo
 
 class AttentionConfig:
     """An attention module's ``config``: the model's own, read and written through, except that
-    while :func:`gathered_kv_attention` runs a causal call without a mask its
-    ``_attn_implementation`` names :func:`chunked_causal_sdpa`."""
+    while :func:`gathered_kv_attention` runs its ``_attn_implementation`` names hpgen's
+    function for the call (:func:`chunked_causal_sdpa`, or :func:`recomputed_attention`)."""
 
     def __init__(self, config: Any) -> None:
         object.__setattr__(self, "_hp_config", config)
-        object.__setattr__(self, "_hp_chunked", False)
+        object.__setattr__(self, "_hp_route", None)
 
     @property
     def _attn_implementation(self) -> Any:
-        return CHUNKED_CAUSAL if self._hp_chunked else self._hp_config._attn_implementation
+        return self._hp_route or self._hp_config._attn_implementation
 
     def __getattr__(self, name: str) -> Any:
         return getattr(object.__getattribute__(self, "_hp_config"), name)
@@ -140,6 +168,60 @@ def chunked_causal_sdpa(
     return torch.cat(pieces, dim=1), None
 
 
+def _sdpa_core(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, kwargs: dict) -> Tensor:
+    """sdpa of this rank's queries over the whole sequence's keys: chunked causal without a mask, else the mask's rows."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if mask is None:
+        return chunked_causal_sdpa(module, query, key, value, None, **kwargs)[0]
+    return sdpa_attention_forward(module, query, key, value, mask, **kwargs)[0]
+
+
+class RecomputedAttention(torch.autograd.Function):
+    """sdpa over the gathered keys and values that saves only this rank's queries, keys and
+    values for backward: backward gathers the keys and values again and recomputes the
+    attention (its gradients reach the local keys and values through the gather's own
+    backward, a reduce-scatter). What a rank saves is then a share of the sequence, where
+    saving the gathered keys and values (and sdpa's outputs over them) would be the whole."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, module: nn.Module, ax: Any, layout: Any, kwargs: dict
+    ) -> Tensor:
+        gathered = module.__dict__.pop("_hp_cp_gathered", None)
+        with torch.no_grad():
+            if gathered is None:
+                gathered = (ax.all_gather(key, 2, total=layout.n), ax.all_gather(value, 2, total=layout.n))
+            out = _sdpa_core(module, query, *gathered, mask, kwargs)
+        ctx.save_for_backward(query, key, value, mask)
+        ctx.context = (module, ax, layout, kwargs)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        query, key, value, mask = ctx.saved_tensors
+        module, ax, layout, kwargs = ctx.context
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in (query, key, value)]
+        with torch.enable_grad():
+            module._hp_cp_layout = layout
+            out = _sdpa_core(
+                module, inputs[0], ax.all_gather(inputs[1], 2, total=layout.n), ax.all_gather(inputs[2], 2, total=layout.n),
+                mask, kwargs,
+            )
+            wanted = [t for t in inputs if t.requires_grad]
+            found = iter(torch.autograd.grad(out, wanted, grad))
+        return (*(next(found) if t.requires_grad else None for t in inputs), None, None, None, None, None)
+
+
+def recomputed_attention(
+    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, **kwargs: Any
+) -> tuple[Tensor, None]:
+    """The attention call of a cp training step (an ``AttentionInterface`` function): this rank's
+    keys and values, gathered inside :class:`RecomputedAttention`."""
+    layout = module._hp_cp_layout
+    return RecomputedAttention.apply(query, key, value, attention_mask, module, module._hp_cp_axis, layout, kwargs), None
+
+
 def gathered_kv_attention(module: nn.Module, *args: Any, axis: str = "cp", **kwargs: Any) -> Any:
     """The attention module's body with every rank's keys and values and this rank's mask rows.
 
@@ -165,22 +247,30 @@ def gathered_kv_attention(module: nn.Module, *args: Any, axis: str = "cp", **kwa
     config = module.config
     implementation = config._attn_implementation
     mask = arguments.get("attention_mask")
-    chunked = mask is None and implementation == "sdpa" and isinstance(config, AttentionConfig)
+    routed = implementation == "sdpa" and isinstance(config, AttentionConfig)
+    chunked = mask is None and routed
     if not chunked:
         dtype = _first_tensor(args, kwargs).dtype
         arguments["attention_mask"] = _query_rows(mask, layout, dtype, implementation == "eager")
-    if cache_name in extra:
-        extra[cache_name] = GatheringCache(ax, cache)
+    # a training step: the attention call gathers (and gathers again in backward) itself
+    recompute = routed and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    if not recompute:
+        stand_in = GatheringCache(ax, cache)
     else:
-        arguments[cache_name] = GatheringCache(ax, cache)
-    if not chunked:
+        stand_in = None if cache is None else LocalKVCache(ax, cache, module, layout.n)
+    if cache_name in extra:
+        extra[cache_name] = stand_in
+    else:
+        arguments[cache_name] = stand_in
+    if not routed:
         return module._forward_impl(*bound.args, **bound.kwargs)
     module._hp_cp_layout = layout
-    config._hp_chunked = True
+    module._hp_cp_axis = ax
+    config._hp_route = RECOMPUTED if recompute else CHUNKED_CAUSAL if chunked else None
     try:
         return module._forward_impl(*bound.args, **bound.kwargs)
     finally:
-        config._hp_chunked = False
+        config._hp_route = None
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> Tensor:
@@ -207,6 +297,7 @@ def _prepare(module: nn.Module, *, axis: str = "cp") -> None:
         from transformers import AttentionInterface
 
         AttentionInterface.register(CHUNKED_CAUSAL, chunked_causal_sdpa)
+        AttentionInterface.register(RECOMPUTED, recomputed_attention)
         module.config = AttentionConfig(module.config)
 
 
