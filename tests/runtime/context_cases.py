@@ -41,6 +41,7 @@ class CpCase:
     mask4d: bool = False  # a user's 4-D boolean mask
     generate: bool = False  # greedy tokens after a cp prefill
     compiled: bool = False  # loss and gradients through torch.compile(fullgraph=True, backend="aot_eager")
+    sharded_logits: bool = False  # a training step with shard_logits: each rank's tokens' logits
     config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -55,7 +56,15 @@ class CpResult:
 
 
 def _compare_step(
-    case: CpCase, ref: Any, model: Any, layouts: dict, mesh: Any, label: str, result: CpResult, **inputs: Any
+    case: CpCase,
+    ref: Any,
+    model: Any,
+    layouts: dict,
+    mesh: Any,
+    label: str,
+    result: CpResult,
+    positions: torch.Tensor | None = None,
+    **inputs: Any,
 ) -> None:
     for m in (ref, model):
         m.zero_grad(set_to_none=True)
@@ -63,6 +72,8 @@ def _compare_step(
     got = model(**inputs)
     expected.loss.backward()
     got.loss.backward()
+    if positions is not None:  # sequence-sharded logits: this rank's tokens, in the order it holds them
+        expected.logits = expected.logits.index_select(1, positions)
     valid = torch.isfinite(expected.logits)
     result.checks[f"{label} logits"] = (
         (expected.logits[valid] - got.logits[valid]).abs().max().item(),
@@ -222,6 +233,14 @@ def run_cp_cases(rank: int, world_size: int, cases: list[CpCase]) -> dict[str, C
             mask[6:, :3] = False  # the last queries do not see the first keys
             mask = mask[None, None].expand(2, 1, 10, 10)
             _compare_step(case, ref, model, layouts, mesh, "4-D mask", result, input_ids=ids, attention_mask=mask, labels=ids)
+        if case.sharded_logits:
+            from hpgen.runtime.context_logits import local_positions, shard_logits
+
+            ids = torch.randint(0, config.vocab_size, (2, 13), generator=generator)
+            shard_logits(model)
+            positions = local_positions(model, 13)
+            _compare_step(case, ref, model, layouts, mesh, "sharded logits", result, positions, input_ids=ids, labels=ids)
+            shard_logits(model, False)
         if case.compiled:
             ids = torch.randint(0, config.vocab_size, (2, 13), generator=generator)
 

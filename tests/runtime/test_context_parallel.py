@@ -54,7 +54,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, CpResu
     cases = []
     for family in FAMILIES:
         spec = _case(tmp, f"{family}_cp2", family, (("cp", 2),), cp=2)
-        cases.append(CpCase(**spec, padded=True, packed=True, mask4d=True, generate=True, compiled=family == "llama"))
+        cases.append(CpCase(**spec, padded=True, packed=True, mask4d=True, generate=True, compiled=family == "llama", sharded_logits=True))
     refused = {
         "sliding window": dict(use_sliding_window=True, sliding_window=4, max_window_layers=0),
         "attention dropout": dict(attention_dropout=0.1),
@@ -88,7 +88,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, CpRes
 def test_cp2_matches_the_unsharded_model(two_ranks: list[dict[str, CpResult]], family: str) -> None:
     _check(two_ranks, f"{family}_cp2")
     result = two_ranks[0][f"{family}_cp2"]
-    assert {"left-padded logits", "packed logits", "4-D mask logits"} <= set(result.checks)
+    assert {"left-padded logits", "packed logits", "4-D mask logits", "sharded logits logits"} <= set(result.checks)
     assert family != "llama" or {"compiled logits", "compiled gradients"} <= set(result.checks)
     assert len(result.tokens[0]) == 6
 

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from hpgen.context_coverage import CONTEXT_AXIS, context_refusal
+from hpgen.runtime.context_logits import install_logits
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.context_axis import ContextAxis
 
@@ -102,11 +103,13 @@ def _filled(cache: Any) -> bool:
     return bool(seen.item() if isinstance(seen, torch.Tensor) else seen)
 
 
-def install_context(model: nn.Module, axes: dict[str, Any]) -> None:
-    """The decode-step hook, on a model with a ``cp`` axis of more than one rank."""
+def install_context(model: nn.Module, axes: dict[str, Any], plan: Any) -> None:
+    """The decode-step hook and the head and loss on each rank's tokens
+    (:mod:`hpgen.runtime.context_logits`), on a model with a ``cp`` axis of more than one rank."""
     ax = axes.get(CONTEXT_AXIS)
     if not isinstance(ax, ContextAxis) or ax.size == 1:
         return
     hook = DecodeReplicates(ax)
     model.register_forward_pre_hook(hook.before, with_kwargs=True)
     model.register_forward_hook(hook.after, with_kwargs=True, always_call=True)
+    install_logits(model, ax, plan)

@@ -172,7 +172,7 @@ def parallelize(
     model._hp_adapters = watch_adapters(model, survey.adapter_slots, axes, recorder)
     bind_save_pretrained(model)
     scope_shard_sizes(model, axes.values())  # gathers reuse the sizes of shards made in the same forward
-    install_context(model, axes)  # cp: decode steps after a cp prefill run replicated
+    install_context(model, axes, plan)  # cp: decode steps after a cp prefill run replicated; the loss on each rank's tokens
     model._hp_parallelized = True
     model._hp_mesh = mesh  # the ranks holding the model: clip_grad_norm_ sums its norm over them
     _PARALLELIZED.add(model)
