@@ -23,8 +23,9 @@ def gathered_kv_ops(axis: str) -> list[dict[str, object]]:
     """What ``gathered_kv_attention`` moves inside the attention body, as ``hpgen explain`` lists ops."""
     gather = dict(
         axis=axis, src="S(2)", dst="R", op="all_gather", args={"dim": 2}, backward="reduce_scatter",
-        why=f"every query needs every rank's keys and values: gathered where the body calls its cache's update, "
-        f"after the rotary step ({HEAD_TAIL})",
+        why=f"every query needs every rank's keys and values, gathered after the rotary step: in a training step "
+        f"inside the sdpa call, and again in backward, which recomputes the attention (only this rank's keys and "
+        f"values are saved); otherwise where the body calls its cache's update ({HEAD_TAIL})",
     )
     mask = dict(
         value="attention_mask", axis=axis, src="R", dst="S(2)", op="rows", args={}, backward="none",

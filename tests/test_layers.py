@@ -190,6 +190,7 @@ NAMED_FROM_OUTSIDE = {
     "local": "plans name its functions (local_compute_fn)",
     "local_heads": "plans name its functions (local_compute_fn)",
     "context_attention": "plans name its gathered_kv_attention (local_compute_fn)",
+    "context_logits": "users call its shard_logits (docs/context-parallel.md)",
     "errors": "users catch its ParallelizeError",
     "folder_swap": "users call its recover (docs/checkpoints.md)",
     "shard_layout": "torch.save of a state dict holding an SS parameter records its PackedShard",
