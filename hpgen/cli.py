@@ -345,7 +345,8 @@ def explain_command(
 @click.option(
     "--attn-dp",
     is_flag=True,
-    help="With --ep: attention and dense layers data-parallel over the expert ranks, tokens gathered into the experts.",
+    help="With --ep: attention and dense layers data-parallel over the expert ranks, tokens gathered into the experts "
+    "(with --tp: attention tensor-parallel inside each data-parallel group, mesh ep x tp).",
 )
 @click.option("--from-source", is_flag=True, help="Derive the plan from the modeling source even where transformers has one.")
 @click.option(

@@ -13,6 +13,13 @@ scatter returns each rank exactly the tokens it gave); one entry on the inner mo
 the batch at its entry (``R -> S(0)``), gathers ``last_hidden_state`` at its exit, runs
 through ``hpgen.runtime.local.batch_parallel`` (a placeholder sequence on a rank whose share
 is empty) and sums the gradients of every replicated parameter it holds over the axis.
+
+With ``--tp M`` (``tp_plan``: what ``hpgen plan --tp M`` writes) the mesh is ``(ep, tp)``:
+inside each data-parallel group of ``tp`` ranks, the decoder layers' attention and dense
+blocks take the ``--tp`` plan's entries (heads split where they divide, as ``--tp`` alone
+decides), and each layer's gradient sums name ``ep`` alone, so a weight sharded on ``tp``
+is never summed over ``tp``. Embedding, norms, routers and ``lm_head`` stay whole, and the
+experts are sharded over ``ep`` (each ``tp`` rank of a group runs its group's experts).
 """
 
 from __future__ import annotations
@@ -30,8 +37,12 @@ BATCH_INPUTS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
 _EXPERTS_FN = "hpgen.runtime.local.experts_parallel"
 
 
-def data_parallel_attention(model: Any, plan: dict[str, Any], name: str) -> dict[str, Any]:
-    """``plan`` (an ``--ep`` plan document of ``model``) rewritten for data-parallel attention."""
+def data_parallel_attention(
+    model: Any, plan: dict[str, Any], name: str, tp_plan: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """``plan`` (an ``--ep`` plan document of ``model``) rewritten for data-parallel attention;
+    with ``tp_plan`` (a ``--tp`` plan document of ``model``), attention tensor-parallel inside
+    each data-parallel group (see the module docstring)."""
     plan = copy.deepcopy(plan)
     experts = [inj for inj in plan.get("injections", []) if _target(inj) == _EXPERTS_FN]
     if not experts:
@@ -89,12 +100,45 @@ def data_parallel_attention(model: Any, plan: dict[str, Any], name: str) -> dict
         {"match": prefix, "local_compute_fn": {"_target_": "hpgen.runtime.local.batch_parallel", "axis": axis}},
         *plan["injections"],
     ]
+    if tp_plan is not None:
+        matches = {inj["match"] for inj in experts}
+        _attention_tensor_parallel(plan, tp_plan, f"{prefix}.{layers}." if layers else None, axis, matches, name)
     comments = plan.setdefault("comments", {})
     comments["attn_dp"] = (
         f"the batch split over {axis!r} at {prefix}'s entry (one batch on every rank; for serving, each rank its "
         f"own requests, make {prefix}'s in_src and out_dst S(0)); experts gather every rank's tokens"
     )
     return plan
+
+
+def _attention_tensor_parallel(
+    plan: dict[str, Any], tp_plan: dict[str, Any], layers: str | None, axis: str, experts: set[str], name: str
+) -> None:
+    """Add ``tp_plan``'s entries inside the decoder layers (attention, dense MLPs), but the
+    ``experts`` entries and those around them (MoE blocks), on a second mesh axis."""
+    (tp_axis,) = tp_plan["mesh_dim_names"]
+    if tp_axis == axis or layers is None:
+        raise HpgenError(
+            f"{name}: --attn-dp --tp: needs the experts on an axis other than {tp_axis!r} and one decoder layer list"
+        )
+    taken = []
+    for key, entry in tp_plan["param_plan"].items():
+        if not key.startswith(layers) or key in plan["param_plan"]:
+            continue  # outside the layers: whole and data-parallel, as without --tp
+        if any(e.startswith(key + ".") or key.startswith(e + ".") for e in experts):
+            continue  # the experts' (or a block holding them): sharded on the expert axis
+        plan["param_plan"][key] = copy.deepcopy(entry)
+        taken.append(key)
+        if key in tp_plan.get("boundary_classes", {}):
+            plan["boundary_classes"][key] = tp_plan["boundary_classes"][key]
+    if not taken:
+        raise HpgenError(f"{name}: --attn-dp --tp: the --tp plan shards nothing in the decoder layers but the experts")
+    plan["injections"] += [inj for inj in tp_plan.get("injections", []) if inj["match"] in taken]
+    plan["mesh_dim_names"] = [axis, tp_axis]
+    plan["comments"]["attn_dp_tp"] = (
+        f"inside each data-parallel group, {', '.join(sorted(taken))} tensor-parallel over {tp_axis!r} "
+        f"(the --tp plan's entries); the layers' gradient sums name {axis!r} alone"
+    )
 
 
 def _layer_list(inner: Any) -> str | None:

@@ -33,17 +33,20 @@ def plan_with_report(
     from hpgen.planner.make import plan_model
 
     model = meta_model(load_config(target))
-    if attn_dp and (ep is None or tp is not None or sp):
-        raise HpgenError("--attn-dp: give --ep N (without --tp or --sp: attention TP inside each group is not supported yet)")
+    if attn_dp and (ep is None or sp):
+        raise HpgenError("--attn-dp: give --ep N (and --tp M for attention tensor-parallel inside each group; not --sp)")
     if attn_dp and cp is not None:
         raise HpgenError("--attn-dp: not with --cp (attention cannot be data-parallel and context-parallel at once)")
-    plan = plan_model(
-        model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, name=target, summed=summed, cp=cp
-    )
     if attn_dp:
         from hpgen.planner.attn_dp import data_parallel_attention
 
-        plan = data_parallel_attention(model, plan, target)
+        expert_plan = plan_model(model, ep=ep, ep_axis=ep_axis, from_source=from_source, name=target, summed=summed)
+        tp_plan = None if tp is None else plan_model(model, tp=tp, from_source=from_source, name=target, summed=summed)
+        plan = data_parallel_attention(model, expert_plan, target, tp_plan)
+    else:
+        plan = plan_model(
+            model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, name=target, summed=summed, cp=cp
+        )
     comments = plan.get("comments", {})
     messages = [f"{target}: {comments.get('plan_source', 'context parallel')}"]
     if comments.get("context_parallel"):

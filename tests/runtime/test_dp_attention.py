@@ -55,16 +55,17 @@ def dp_attention_plan(mode: str) -> dict[str, Any]:
 
 
 def attention_tp_plan() -> dict[str, Any]:
-    """On a 2 x 2 mesh: the ``--attn-dp`` plan over ``ep``, with ``hpgen plan --tp 2``'s attention entry on
-    ``tp`` (heads split inside each data-parallel group). The layers' gradient sums name ``ep`` alone, so
-    ``q_proj`` (rows sharded on ``tp``) is summed over ``ep`` only, and ``q_norm`` over both."""
+    """What ``hpgen plan --ep 2 --tp 2 --attn-dp`` writes, on a 2 x 2 mesh: the ``--attn-dp`` plan over
+    ``ep``, with ``hpgen plan --tp 2``'s attention entry on ``tp`` (heads split inside each data-parallel
+    group). The layers' gradient sums name ``ep`` alone, so ``q_proj`` (rows sharded on ``tp``) is summed
+    over ``ep`` only, and ``q_norm`` over both."""
+    from hpgen.planner.attn_dp import data_parallel_attention
     from hpgen.planner.load import meta_model
     from hpgen.planner.make import plan_model
 
-    plan = dp_attention_plan("global")
-    tp = plan_model(meta_model(make_config(FAMILY)), tp=2)
-    plan["mesh_dim_names"] = ["ep", "tp"]
-    plan["param_plan"]["model.layers.*.self_attn"] = tp["param_plan"]["model.layers.*.self_attn"]
+    model = meta_model(make_config(FAMILY))
+    plan = data_parallel_attention(model, plan_model(model, ep=2), FAMILY, plan_model(model, tp=2))
+    assert plan["mesh_dim_names"] == ["ep", "tp"] and "model.layers.*.self_attn" in plan["param_plan"]
     return plan
 
 

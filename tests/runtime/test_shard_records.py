@@ -4,7 +4,8 @@ One spawn of 2 gloo ranks runs every case, inside a model forward's scope
 (:class:`ShardScope`), eagerly and in the form the ops take under ``torch.compile``:
 a gather of a different token count on each rank (12 and 6, a rank with none, none at
 all), the sum over ranks scattered back (the experts of a data-parallel attention),
-after a batch split on the same dim of a tensor of another shape; values and gradients
+after a batch split on the same dim of a tensor of another shape (and of ids of the tokens'
+other dims); values and gradients
 checked exactly; and tuples (the rotary ``(cos, sin)``) moved like tensors.
 """
 
@@ -34,8 +35,10 @@ def _round_trip(ax: AxisCollectives, counts: list[int], *, batch_split: bool) ->
     scope = ShardScope([ax])
     scope.enter(None, ())
     try:
-        if batch_split:  # a split at the first layer leaves a record on dim 0 of another shape
+        if batch_split:  # a split at the first layer leaves records on dim 0: hidden states of
+            # another shape, and ids whose length equals the hidden size (the tokens' other dims)
             ax.split(torch.zeros(3, 4, HIDDEN), 0)
+            ax.split(torch.zeros(3, HIDDEN, dtype=torch.long), 0)
         x = pieces[ax.rank].clone().requires_grad_()
         whole = ax.all_gather(x, 0)
         if not torch.equal(whole.detach(), torch.cat(pieces)):

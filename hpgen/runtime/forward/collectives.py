@@ -41,8 +41,9 @@ shortcut its peers did not would wait in a collective they never run):
 1. ``total=``: the caller knows the gathered dim's full size (a column-parallel
    ``lm_head`` knows its ``out_features``);
 2. inside a forward of a parallelized model (:func:`scope_shard_sizes`), the op of this
-   axis that last made a shard on the same dim of a tensor of the same other dims in that
-   forward (the ``split`` of the sequence at the first decoder layer, a ``reduce_scatter``)
+   axis that last made a shard on the same dim of a tensor of the same other dims (and kind
+   of values: floating point or not) in that forward (the ``split`` of the sequence at the
+   first decoder layer, a ``reduce_scatter``)
    left its sizes behind, and the gathers after it use them. Every rank runs the same ops
    in the same order, so every rank finds the same record; a shard whose size is not the
    recorded one is an error, never a silent misread;
@@ -363,6 +364,22 @@ class AxisCollectives:
 
     # ---- shard sizes ------------------------------------------------------------------
 
+    def shard_like(self, x: Tensor, like: Tensor, dim: int) -> None:
+        """Let a gather of ``x`` on ``dim`` take the sizes recorded for ``like``, a tensor
+        sharded on ``dim`` alike whose other dims differ (two norms' outputs concatenated on
+        their features: ``[b, s_i, 2h]`` from ``[b, s_i, h]``).
+
+        Records are kept per tensor shape, so without this the gather of ``x`` finds none and
+        exchanges sizes (a graph break under ``torch.compile``). Every rank calls it alike:
+        the lookup depends on ``like``'s other dims and ``x``'s shape, the same on every rank.
+        """
+        if self._known is None or self.size == 1:
+            return
+        d = _norm_dim(dim, like.dim())
+        sizes = self._known.for_gather(like, d)
+        if sizes is not None:
+            self._known.add(x, _norm_dim(dim, x.dim()), sizes, gathered=False)
+
     def _made(self, x: Tensor, dim: int) -> _Shard:
         """The shard a scatter makes of ``x``'s whole ``dim``, recorded for the gathers after it:
         what a gather of the same forward took on that dim, if one took that total, else
@@ -371,12 +388,12 @@ class AxisCollectives:
         sizes = self._known.for_scatter(dim, n) if self._known is not None else None
         shard = _Shard(dim, split_sizes(n, self.size) if sizes is None else sizes)
         if self._known is not None:
-            self._known.add(dim, x.shape, shard.sizes, gathered=False)
+            self._known.add(x, dim, shard.sizes, gathered=False)
         return shard
 
     def _shard_sizes(self, x: Tensor, dim: int, total: Size | None, what: str) -> tuple[Size, ...]:
         """Every rank's size of ``x`` along ``dim``: from ``total``, a record, or an exchange."""
-        known = self._known.for_gather(dim, x.shape) if self._known is not None and total is None else None
+        known = self._known.for_gather(x, dim) if self._known is not None and total is None else None
         if total is not None:
             sizes, origin = split_sizes(total, self.size), f"total={total}"
         elif known is not None:
@@ -384,7 +401,7 @@ class AxisCollectives:
         else:
             sizes = self._exchange_sizes(x.size(dim), x.device)
             if self._known is not None:  # what each rank gave: the conjugate scatter returns it
-                self._known.add(dim, x.shape, sizes, gathered=True)
+                self._known.add(x, dim, sizes, gathered=True)
             return sizes
         mine = x.size(dim)
         if _tracing():
