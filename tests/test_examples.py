@@ -140,7 +140,7 @@ def test_the_readme_walk_through_runs_as_written(tmp_path: Path) -> None:
 
 
 def test_long_context_trains_like_one_process_under_cp() -> None:
-    out = _torchrun("long_context.py", 2)
+    out = _ranks_run("long_context.py", 2)
     steps = re.findall(r"step \d+: loss ([\d.]+)  \(unsharded model on one process: ([\d.]+)\)", out)
     assert len(steps) == 3, out
     for mine, reference in steps:
