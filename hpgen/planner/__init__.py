@@ -54,6 +54,7 @@ module of the package; :mod:`hpgen.planner.flow` has a map of its own):
   source contradicts fall back), :mod:`~hpgen.planner.summed` (parallel-residual blocks
   reduced once), :mod:`~hpgen.planner.files` (boundaries in several modeling files),
   :mod:`~hpgen.planner.attn_dp` (``--attn-dp``: the ``--ep`` plan rewritten for
-  data-parallel attention).
+  data-parallel attention);
+  :mod:`~hpgen.planner.context_plan` (``--cp``: the sequence cut over a ``cp`` axis).
 - :mod:`~hpgen.planner.report` sizes a plan per rank (parameter bytes, collectives).
 """
