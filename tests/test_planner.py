@@ -30,8 +30,8 @@ def placements(placed) -> dict[str, str]:
 
 
 def derived(family: str, tp: int = 2) -> dict[str, Any]:
-    from hpgen.planner.load import meta_model
-    from hpgen.planner.make import plan_model
+    from hpgen.planner.model.load import meta_model
+    from hpgen.planner.entry.make import plan_model
 
     return plan_model(meta_model(tiny(family)), tp=tp, from_source=True, name=family)
 
@@ -249,8 +249,8 @@ def test_mixers_the_placements_cannot_cut_gather_around_a_replicated_scan() -> N
 
 
 def test_transformers_plan_is_kept_where_it_shards_the_layers() -> None:
-    from hpgen.planner.load import meta_model
-    from hpgen.planner.make import plan_source
+    from hpgen.planner.model.load import meta_model
+    from hpgen.planner.entry.make import plan_source
 
     neox = meta_model(tiny("gpt_neox"))
     assert plan_source(neox) == "transformers' plan"
@@ -259,9 +259,9 @@ def test_transformers_plan_is_kept_where_it_shards_the_layers() -> None:
 
 
 def test_transformers_plan_is_completed_where_it_leaves_the_attention_replicated() -> None:
-    from hpgen.planner.load import meta_model
-    from hpgen.planner.make import plan_model
-    from hpgen.planner.translator import translated_plan
+    from hpgen.planner.model.load import meta_model
+    from hpgen.planner.entry.make import plan_model
+    from hpgen.planner.translate.translator import translated_plan
 
     model = meta_model(tiny("flint"))
     plan = plan_model(model, tp=2, name="flint")
@@ -287,7 +287,7 @@ def test_derived_plans_load_and_lower() -> None:
     from hpgen.generate import infer_package
     from hpgen.lower import lower
     from hpgen.plan import plan_from_dict
-    from hpgen.planner.load import model_class_for
+    from hpgen.planner.model.load import model_class_for
 
     for family in ("gpt2", "opt", "bert"):
         source = Path(inspect.getsourcefile(model_class_for(tiny(family))) or "")
@@ -298,8 +298,8 @@ def test_derived_plans_load_and_lower() -> None:
 
 
 def test_sizing_report_counts_bytes_and_collectives() -> None:
-    from hpgen.planner.load import meta_model
-    from hpgen.planner.report import size_report
+    from hpgen.planner.model.load import meta_model
+    from hpgen.planner.entry.sizing_report import size_report
 
     model = meta_model(tiny("gpt2"))
     report = size_report(model, derived("gpt2"), tp=2, dtype="bfloat16")
@@ -334,8 +334,8 @@ def test_hpgen_plan_prints_the_notes_and_the_sizing_report(tmp_path: Path) -> No
 
 def test_the_sizing_report_is_at_the_checkpoints_dtype_unless_told(tmp_path: Path) -> None:
     """A float32 checkpoint is sized at float32 (its config's dtype), --dtype overrides it; the report says which."""
-    from hpgen.planner.load import meta_model
-    from hpgen.planner.report import format_bytes, size_report
+    from hpgen.planner.model.load import meta_model
+    from hpgen.planner.entry.sizing_report import format_bytes, size_report
 
     config = tiny("gpt2")
     config.dtype = "float32"
@@ -354,7 +354,7 @@ def test_the_sizing_report_is_at_the_checkpoints_dtype_unless_told(tmp_path: Pat
 def test_hpgen_explain_adds_the_sizing_report_with_config(tmp_path: Path) -> None:
     import inspect
 
-    from hpgen.planner.load import model_class_for
+    from hpgen.planner.model.load import model_class_for
 
     config = tmp_path / "opt"
     tiny("opt").save_pretrained(config)
@@ -372,8 +372,8 @@ def test_hpgen_explain_adds_the_sizing_report_with_config(tmp_path: Path) -> Non
 
 def _translated(model_type: str) -> tuple[Any, dict[str, Any]]:
     """transformers' plan of ``model_type``'s tiny config (the coverage table's), on the meta device."""
-    from hpgen.planner.load import meta_model
-    from hpgen.planner.make import plan_model
+    from hpgen.planner.model.load import meta_model
+    from hpgen.planner.entry.make import plan_model
     from hpgen.verify.shrink import tiny_config
 
     model = meta_model(tiny_config(model_type))
@@ -385,7 +385,7 @@ def test_a_language_model_from_another_file_names_each_class_by_file() -> None:
     # every boundary's class by qualified name, so that each file's lowering takes its own keys
     from hpgen.lower import analyze
     from hpgen.plan import plan_from_dict
-    from hpgen.planner.load import source_file as _source_file
+    from hpgen.planner.model.load import source_file as _source_file
 
     model, plan = _translated("got_ocr2")
     files = plan["comments"]["modeling_files"]
@@ -433,7 +433,7 @@ def test_chunked_attributes_reads_forward_and_the_methods_it_calls() -> None:
     import ast
     import textwrap
 
-    from hpgen.planner.corrections import chunked_attributes
+    from hpgen.planner.translate.corrections import chunked_attributes
 
     source = textwrap.dedent(
         """
@@ -455,12 +455,12 @@ def test_a_block_the_source_contradicts_falls_back_to_replicated() -> None:
     # a block of transformers' plan that shards the module needing a sharded value whole is dropped,
     # the group staying replicated as the derivation leaves it; MLA plans (deepseek_v2) keep their
     # attention: what needs a value whole there is kv_a_layernorm, which transformers leaves replicated too
-    from hpgen.planner.crosscheck import drop_contradicted
-    from hpgen.planner.entries import Derivation
+    from hpgen.planner.passes.crosscheck import drop_contradicted
+    from hpgen.planner.derive.placed import Derivation
 
     from hpgen.placement import Placement
     from hpgen.plan_entries import Layout
-    from hpgen.planner.draft import DraftEntry, DraftPlan
+    from hpgen.planner.translate.draft import DraftEntry, DraftPlan
 
     def layout(text: str) -> Layout:
         return Layout.same(("tp",), Placement.parse(text))
@@ -488,8 +488,8 @@ def test_a_projection_reading_the_values_whole_is_gathered_on_entry() -> None:
     # key/value head: column-parallel over its outputs, its input gathered (S(-1) -> R), its output
     # sharded with the heads; A (one per key/value head) follows. transformers' rowwise dt_proj is
     # replaced by the derived attention; the MLP stays as transformers' plan has it.
-    from hpgen.planner.derive import derive
-    from hpgen.planner.load import meta_model
+    from hpgen.planner.derive.derivation import derive
+    from hpgen.planner.model.load import meta_model
 
     derivation = derive(meta_model(tiny("doge")), tp=2)
     assert derivation.placed["model.layers.0.self_attn"].kind == "block"
@@ -506,7 +506,7 @@ def test_a_projection_reading_the_values_whole_is_gathered_on_entry() -> None:
     assert "gathers its input" in plan["comments"]["replaced"]["model.layers.*.self_attn"]
     assert "model.layers.*.mlp" in plan["param_plan"]
     # --sp: the derived attention is entered from the sequence-sharded stream like transformers' MLP
-    from hpgen.planner.make import plan_model
+    from hpgen.planner.entry.make import plan_model
 
     sp = plan_model(meta_model(tiny("doge")), tp=2, sp=True, name="doge")
     assert entry(sp, "model.layers.*.self_attn")["in_src"] == {"hidden_states": {"tp": "S(1)"}}
@@ -517,9 +517,9 @@ def test_a_projection_reading_the_values_whole_is_gathered_on_entry() -> None:
 def test_a_gathered_column_must_write_one_value_per_head_of_a_plain_layout() -> None:
     import torch.nn as nn
 
-    from hpgen.planner.entries import Contradicted
-    from hpgen.planner.gathered import check_gathered
-    from hpgen.planner.layouts import PLAIN, grouped, packed
+    from hpgen.planner.derive.placed import Contradicted
+    from hpgen.planner.derive.gathered import check_gathered
+    from hpgen.planner.derive.column_layouts import PLAIN, grouped, packed
 
     modules = {"a.v": nn.Linear(64, 32), "a.dt": nn.Linear(32, 2), "a.mix": nn.Linear(32, 3)}
     heads = (4, 2, 16)
@@ -535,8 +535,8 @@ def test_a_gathered_column_must_write_one_value_per_head_of_a_plain_layout() -> 
 
 def plan_model_of(family: str) -> dict[str, Any]:
     """``hpgen plan --tp 2`` of ``family``'s tiny config (transformers' plan where it has one)."""
-    from hpgen.planner.load import meta_model
-    from hpgen.planner.make import plan_model
+    from hpgen.planner.model.load import meta_model
+    from hpgen.planner.entry.make import plan_model
 
     return plan_model(meta_model(tiny(family)), tp=2, name=family)
 
@@ -565,7 +565,7 @@ def test_feature_statistics_follow_the_column_output_into_methods() -> None:
     import textwrap
     from types import SimpleNamespace
 
-    from hpgen.planner.corrections import feature_statistics
+    from hpgen.planner.translate.corrections import feature_statistics
 
     source = textwrap.dedent(
         """
@@ -607,8 +607,8 @@ def test_latent_attention_keeps_its_down_projections_replicated_in_the_block() -
 
 
 def test_transformers_mla_plan_is_completed_with_the_attention() -> None:
-    from hpgen.planner.load import meta_model
-    from hpgen.planner.make import plan_model
+    from hpgen.planner.model.load import meta_model
+    from hpgen.planner.entry.make import plan_model
 
     plan = plan_model(meta_model(tiny("deepseek_v3")), tp=2, name="deepseek_v3")
     assert plan["comments"]["plan_source"] == "transformers' plan"
@@ -675,7 +675,7 @@ def test_a_replicated_latent_is_shared_by_the_heads_or_the_group_stays_replicate
     expanded to all; cut into heads itself, it would need a per-head slice, so the group is refused."""
     import importlib.util
 
-    from hpgen.planner.derive import derive
+    from hpgen.planner.derive.derivation import derive
 
     path = tmp_path / "latent_model.py"
     path.write_text(LATENT_SOURCE)
@@ -716,7 +716,7 @@ def test_a_conv_over_blocks_of_unequal_sizes_has_no_packed_placement() -> None:
     from torch import nn
 
     from hpgen.planner.flow import Val
-    from hpgen.planner.mixers import conv_placement
+    from hpgen.planner.derive.linear_mixers import conv_placement
 
     model = nn.Module()
     model.conv = nn.Conv1d(256, 256, 4, groups=256, device="meta")
@@ -738,8 +738,8 @@ def test_a_conv_over_blocks_of_unequal_sizes_has_no_packed_placement() -> None:
 def test_a_row_whose_columns_cannot_shard_splits_its_replicated_input() -> None:
     """BitNet's MLP pair stays replicated (ffn_sub_norm across the sharded width), so down_proj, wider in
     than out, is a row on its split input: R -> S(-1), weight S(1), P(sum) -> R; --sp leaves it replicated."""
-    from hpgen.planner.load import meta_model
-    from hpgen.planner.make import plan_model
+    from hpgen.planner.model.load import meta_model
+    from hpgen.planner.entry.make import plan_model
 
     plan = derived("bitnet")
     down = entry(plan, "model.layers.*.mlp.down_proj")
@@ -756,7 +756,7 @@ def test_a_grouped_linear_is_not_sharded_as_a_linear() -> None:
     import torch
     from torch import nn
 
-    from hpgen.planner.split_rows import reshapes_weight
+    from hpgen.planner.derive.split_rows import reshapes_weight
 
     class Grouped(nn.Linear):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -806,7 +806,7 @@ def test_differential_attention_whose_halves_do_not_divide_stays_replicated() ->
 def test_a_weightless_torch_norm_over_whole_heads_works_per_head() -> None:
     import torch.nn as nn
 
-    from hpgen.planner.heads import normalized_heads
+    from hpgen.planner.derive.heads.rules import normalized_heads
 
     assert normalized_heads(nn.RMSNorm(32, elementwise_affine=False), {16}) == 32  # a pair of heads
     assert normalized_heads(nn.LayerNorm(16, elementwise_affine=False, bias=False), {16}) == 16
@@ -963,7 +963,7 @@ def test_a_recurrence_is_opened_and_shards_only_where_its_code_works_per_head(
     channels make the honest gather around a replicated body; a ``[C, C]`` matrix is no per-channel state."""
     import importlib.util
 
-    from hpgen.planner.derive import derive
+    from hpgen.planner.derive.derivation import derive
 
     path = tmp_path / "recurrent_model.py"
     path.write_text(RECURRENT_SOURCE)
@@ -1085,7 +1085,7 @@ def test_a_per_head_matrix_and_a_short_conv_on_one_column_follow_the_heads(
     over ``cat([k, v])`` (no split says its blocks), leaves the attention replicated."""
     import importlib.util
 
-    from hpgen.planner.derive import derive
+    from hpgen.planner.derive.derivation import derive
 
     path = tmp_path / "head_map_model.py"
     path.write_text(HEAD_MAP_SOURCE)
@@ -1122,8 +1122,8 @@ def test_inkling2_attention_is_completed_with_its_per_head_scales_taps_and_share
     ``conv_kernel_size`` (4, as many as the heads, but sized within a head) is not. The relative-position
     projection's 16 rows are its module's 4 heads of ``d_rel`` 4, which divide over 2 ranks (not one head of
     the attention's head_dim 16)."""
-    from hpgen.planner.load import meta_model
-    from hpgen.planner.make import plan_model
+    from hpgen.planner.model.load import meta_model
+    from hpgen.planner.entry.make import plan_model
 
     plan = plan_model(meta_model(tiny("inkling2")), tp=2, name="inkling2")
     assert plan["comments"]["plan_source"] == "transformers' plan"
@@ -1148,7 +1148,7 @@ def test_output_names_come_from_records_not_from_a_tensor_method_with_keywords()
     # Inkling2's short convolution ends ``return hidden_states.to(dtype=input_dtype)``: one tensor, named
     # ``output``; a ``dtype`` output would make the generated forward assign ``outputs.dtype``
     from hpgen.index import parse_source
-    from hpgen.planner.signatures import return_names
+    from hpgen.planner.translate.signatures import return_names
 
     source = (
         "class Conv:\n    def forward(self, x):\n        return x.to(dtype=x.dtype)\n\n"

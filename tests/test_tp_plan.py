@@ -316,7 +316,7 @@ def test_bad_targets_exit_2(args: list[str], expected: str) -> None:
 
 def test_generating_plans_keeps_torch_out_of_the_generator() -> None:
     probe = (
-        "import sys, hpgen.planner.make, hpgen.planner.translator, hpgen.planner.derive, hpgen.planner.derived_plan, "
+        "import sys, hpgen.planner.entry.make, hpgen.planner.translate.translator, hpgen.planner.derive.derivation, hpgen.planner.translate.derived_plan, "
         "hpgen.cli, hpgen.lower; "
         "print('torch' in sys.modules, 'transformers' in sys.modules)"
     )
@@ -328,8 +328,8 @@ def test_generating_plans_keeps_torch_out_of_the_generator() -> None:
 
 
 def test_generated_plans_match_the_unsharded_llama_on_two_ranks(tmp_path: Path) -> None:
-    from hpgen.planner.load import meta_model
-    from hpgen.planner.translator import translated_plan
+    from hpgen.planner.model.load import meta_model
+    from hpgen.planner.translate.translator import translated_plan
     from tests.dist import run_distributed
     from tests.runtime.models import (
         Case,

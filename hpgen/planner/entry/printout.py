@@ -1,0 +1,99 @@
+"""What ``hpgen plan`` and ``hpgen explain --config`` print besides the plan: notes and the sizing report.
+
+Kept apart from :mod:`hpgen.cli` so that the command line imports torch and transformers
+only for the commands that build a model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hpgen.errors import HpgenError
+
+__all__ = ["plan_with_report", "sizing_for"]
+
+
+def plan_with_report(
+    target: str,
+    *,
+    tp: int | None,
+    ep: int | None,
+    sp: bool,
+    from_source: bool,
+    ep_axis: str | None = None,
+    summed: bool = True,
+    notes: bool,
+    dtype: str | None,
+) -> tuple[str, list[str]]:
+    """The plan's JSON text and the messages for stderr (notes with ``notes``, the sizing report with ``tp``)."""
+    from hpgen.planner.translate.document import dumps_plan
+    from hpgen.planner.model.load import load_config, meta_model
+    from hpgen.planner.entry.make import plan_model
+
+    model = meta_model(load_config(target))
+    plan = plan_model(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, name=target, summed=summed)
+    comments = plan.get("comments", {})
+    messages = [f"{target}: {comments.get('plan_source', 'plan')}"]
+    if comments.get("derived_because"):  # transformers' plan shards a fused projection the heads do not divide
+        messages.append(f"  not transformers' plan: {comments['derived_because']}")
+    if comments.get("modeling_files"):  # one `hpgen lower` per file; parallelize(..., generated=[...]) takes them
+        messages.append(f"  the boundaries live in {len(comments['modeling_files'])} modeling files; lower each with this plan:")
+        messages += [f"    hpgen lower {_file_of(name)} PLAN" for name in comments["modeling_files"]]
+    if notes:
+        for heading, key in (
+            ("sharded", "sharded"),
+            ("kept replicated", "replicated"),
+            ("transformers' plan corrected", "corrected"),
+            ("derived in place of transformers' plan", "replaced"),
+            ("reduced once", "summed_reduction"),
+        ):
+            for pattern, text in sorted(comments.get(key, {}).items()):
+                messages.append(f"  {heading}: {pattern}: {text}")
+    if tp is not None and ep is None:
+        messages.append(_sized(model, plan, tp, dtype).text())
+    return dumps_plan(plan), messages
+
+
+# the sizing report's dtype when neither --dtype nor the config names one (a model type's defaults)
+DEFAULT_REPORT_DTYPE = "bfloat16"
+
+
+def report_dtype(config: Any, dtype: str | None) -> tuple[str, str]:
+    """The sizing report's dtype and where it comes from: ``--dtype``, else the config's
+    ``dtype`` (``torch_dtype`` in older files: the checkpoint's), else bfloat16."""
+    if dtype is not None:
+        return dtype, "--dtype"
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for source in (text, config):
+        found = getattr(source, "dtype", None) or getattr(source, "torch_dtype", None)
+        if found is not None:
+            return str(found).replace("torch.", ""), "the config's dtype; --dtype to change"
+    return DEFAULT_REPORT_DTYPE, "the config names no dtype; --dtype to change"
+
+
+def _sized(model: Any, plan: Any, tp: int, dtype: str | None) -> Any:
+    from hpgen.planner.entry.sizing_report import size_report
+
+    chosen, source = report_dtype(model.config, dtype)
+    try:
+        return size_report(model, plan, tp=tp, dtype=chosen, dtype_from=source)
+    except ValueError as error:
+        raise HpgenError(f"--dtype: {error}") from None
+
+
+def _file_of(module_name: str) -> str:
+    """The file of an importable module (its name when it cannot be found)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):
+        spec = None
+    return spec.origin if spec is not None and spec.origin else module_name
+
+
+def sizing_for(config: str, plan: Any, *, tp: int, dtype: str | None) -> Any:
+    """The sizing report of a loaded ``plan`` for the model of ``config`` (a model type or config.json)."""
+    from hpgen.planner.model.load import load_config, meta_model
+
+    return _sized(meta_model(load_config(config)), plan, tp, dtype)

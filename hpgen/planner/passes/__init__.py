@@ -1,0 +1,6 @@
+"""What runs on a draft plan after either planner, each pass returning a new draft.
+
+- ``hpgen.planner.passes.crosscheck``: blocks of transformers' plan the source contradicts fall back;
+- ``hpgen.planner.passes.summed_reductions``: parallel-residual blocks whose two branches are reduced once;
+- ``hpgen.planner.passes.modeling_files``: boundaries in several modeling files, each class named by file.
+"""
