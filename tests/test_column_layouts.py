@@ -6,7 +6,16 @@ import pytest
 
 from hpgen.placement import Placement
 from hpgen.planner.flow.values import ShapeUse, Val
-from hpgen.planner.derive.column_layouts import PLAIN, ColumnLayout, UnequalBlocks, grouped, layout_of, packed, query_blocks, replicated
+from hpgen.planner.derive.column_layouts import (
+    PLAIN,
+    ColumnLayout,
+    UnequalBlocks,
+    grouped,
+    layout_of,
+    packed,
+    query_blocks,
+    replicated,
+)
 
 
 def use(method: str, *sizes: object) -> ShapeUse:

@@ -282,3 +282,54 @@ def test_each_planner_subpackage_names_its_modules():
             name for name in _planner_groups() if name.startswith(package + ".")  # a nested subpackage, mentioned
         } - {name.rpartition(".")[2] for name in _planner_groups() if name.startswith(package + ".")}
         assert listed == modules, (package, sorted(listed ^ modules))
+
+
+# The planner's subpackages from the bottom up: each imports only itself and those before it.
+PLANNER_ORDER = (
+    "hpgen.planner.model",
+    "hpgen.planner.flow",
+    "hpgen.planner.derive",
+    "hpgen.planner.translate",
+    "hpgen.planner.passes",
+    "hpgen.planner.entry",
+)
+
+
+def _planner_rank(module: str) -> int:
+    return next(i for i, package in enumerate(PLANNER_ORDER) if module == package or module.startswith(package + "."))
+
+
+def test_the_planner_subpackages_import_only_those_below_them():
+    """The map lists the subpackages in this order, and no module imports one of a subpackage after its own."""
+    listed = [package for package, _ in _planner_map()]
+    assert set(PLANNER_ORDER) <= set(listed)
+    assert [_planner_rank(p) for p in listed] == sorted(_planner_rank(p) for p in listed)
+    wrong = sorted(
+        f"{module} imports {target}"
+        for module, targets in GRAPH.items()
+        if module.startswith("hpgen.planner.")
+        for target in targets
+        if target.startswith("hpgen.planner.") and _planner_rank(target) > _planner_rank(module)
+    )
+    assert not wrong, wrong
+
+
+def _planner_imports_with_annotations(module: str) -> set[str]:
+    """The planner modules ``module`` imports, those under ``if TYPE_CHECKING:`` included."""
+    tree = ast.parse(MODULES[module].read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hpgen.planner"):
+            for name in (f"{node.module}.{alias.name}" for alias in node.names):
+                target = name if name in MODULES else node.module
+                while target not in MODULES:
+                    target = target.rpartition(".")[0]
+                if target != module:
+                    found.add(target)
+    return found
+
+
+def test_no_import_cycle_among_planner_modules_even_through_annotations():
+    """A cycle that only type annotations close is still two modules that cannot be read one after the other."""
+    graph = {m: _planner_imports_with_annotations(m) for m in MODULES if m.startswith("hpgen.planner")}
+    assert not _strongly_connected(graph), [sorted(c) for c in _strongly_connected(graph)]

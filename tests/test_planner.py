@@ -520,9 +520,10 @@ def test_a_gathered_column_must_write_one_value_per_head_of_a_plain_layout() -> 
     from hpgen.planner.derive.placed import Contradicted
     from hpgen.planner.derive.gathered import check_gathered
     from hpgen.planner.derive.column_layouts import PLAIN, grouped, packed
+    from hpgen.planner.derive.heads.counts import Heads
 
     modules = {"a.v": nn.Linear(64, 32), "a.dt": nn.Linear(32, 2), "a.mix": nn.Linear(32, 3)}
-    heads = (4, 2, 16)
+    heads = Heads(query=4, kv=2, head_dim=16)
     check_gathered({"a.dt": {"a.v"}}, modules, {"a.v": PLAIN}, heads, 2, "a")  # one per key/value head
     with pytest.raises(Contradicted, match="not one per head"):
         check_gathered({"a.mix": {"a.v"}}, modules, {"a.v": PLAIN}, heads, 2, "a")
@@ -1148,7 +1149,7 @@ def test_output_names_come_from_records_not_from_a_tensor_method_with_keywords()
     # Inkling2's short convolution ends ``return hidden_states.to(dtype=input_dtype)``: one tensor, named
     # ``output``; a ``dtype`` output would make the generated forward assign ``outputs.dtype``
     from hpgen.index import parse_source
-    from hpgen.planner.translate.signatures import return_names
+    from hpgen.planner.translate.forwards import return_names
 
     source = (
         "class Conv:\n    def forward(self, x):\n        return x.to(dtype=x.dtype)\n\n"

@@ -10,20 +10,20 @@ every module, each once:
 - ``hpgen.planner.model`` (the model read): ``load``, ``modules``;
 - ``hpgen.planner.flow`` (which layer feeds which, by an abstract run of the ``forward``
   bodies; a map of its own): ``runner``, ``statements``, ``expressions``, ``functions``,
-  ``values``, ``constants``, ``module_level``, ``caller_nones``;
+  ``values``, ``constants``, ``module_level``, ``caller_nones``, ``protocols``;
 - ``hpgen.planner.derive`` (a plan derived from the modeling source: the layer loop, the
   column -> row groups, each column's layout, the boundaries): ``derivation``,
-  ``derive_context``, ``placed``, ``projection_groups``, ``column_layouts``, ``reshapes``,
+  ``derive_context``, ``placed``, ``projection_groups``, ``column_decision``, ``column_layouts``, ``reshapes``,
   ``gathered``, ``latent``, ``linear_mixers``, ``split_rows``, ``vocab``, ``group_blocks``;
 - ``hpgen.planner.derive.heads`` (attention heads: counts, shares over ``--tp``, parts,
-  per-head inputs and parameters): ``rules``, ``attr_names``, ``shares``, ``uneven``,
+  per-head inputs and parameters): ``rules``, ``counts``, ``attr_names``, ``shares``, ``uneven``,
   ``parts``, ``input_dims``, ``input_cuts``, ``maps``, ``per_head_params``;
 - ``hpgen.planner.derive.channels`` (channel-parallel state-space mixers): ``state_space``,
   ``state_leaves``;
 - ``hpgen.planner.translate`` (transformers' ``base_model_tp_plan`` / ``base_model_ep_plan``
   translated into boundaries, and the steps both planners write a plan with): ``translator``,
   ``plan_context``, ``styles``, ``corrections``, ``style_blocks``, ``axis_checks``,
-  ``sequence_parallel``, ``signatures``, ``boundary_record``, ``document``, ``draft``,
+  ``sequence_parallel``, ``forwards``, ``signatures``, ``boundary_record``, ``document``, ``draft``,
   ``derived_plan``;
 - ``hpgen.planner.passes`` (what runs after either planner): ``crosscheck``,
   ``summed_reductions``, ``modeling_files``;

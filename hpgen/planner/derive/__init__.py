@@ -6,6 +6,7 @@ The steps, in the order :func:`hpgen.planner.derive.derivation.derive` calls the
 - ``hpgen.planner.derive.derive_context``: what every step reads (the model, its files, ``--tp``, cached dataflows);
 - ``hpgen.planner.derive.placed``: what a derivation decides (the entries it asks for, the notes, the refusals);
 - ``hpgen.planner.derive.projection_groups``: column -> row groups, and what lies between their projections;
+- ``hpgen.planner.derive.column_decision``: each column's layout decided in one function, every override and check in order;
 - ``hpgen.planner.derive.column_layouts``: a column's typed layout and the reshape that tells it;
 - ``hpgen.planner.derive.reshapes``: each column's layout read from its first reshape, the attributes to divide;
 - ``hpgen.planner.derive.gathered``: columns that read another column's output whole;

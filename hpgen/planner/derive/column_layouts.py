@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from hpgen.placement import REPLICATE, Placement, block_placement, replicated_shard, shard, strided_shard
+from hpgen.planner.derive.heads.counts import Heads
 from hpgen.planner.flow import ShapeUse, Val
 
 __all__ = [
@@ -154,7 +155,7 @@ class UnequalBlocks(ValueError):
     """The reshape packs blocks that no column layout cuts into whole heads per rank (the message says which)."""
 
 
-def layout_of(use: ShapeUse, n: int, heads: tuple[int, int, int] | None) -> ColumnLayout | None:
+def layout_of(use: ShapeUse, n: int, heads: Heads | None) -> ColumnLayout | None:
     """What the first reshape after a projection of ``n`` features says about its layout: None where it
     says nothing; :class:`UnequalBlocks` where it packs blocks no layout cuts."""
     if use.method in ("split", "tensor_split"):

@@ -48,11 +48,11 @@ function of a module of its own, handed what it reads (a read-only
 the values of the step before it, and returning its own:
 :func:`~hpgen.planner.derive.projection_groups.find_groups` (1: the groups, each a
 :class:`~hpgen.planner.derive.projection_groups.Group`, and what lies between their projections);
-:mod:`~hpgen.planner.derive.heads.rules` (a :class:`~hpgen.planner.derive.heads.rules.HeadRules` per layer) and
-:mod:`~hpgen.planner.derive.reshapes` (2: the heads, each column's
-:class:`~hpgen.planner.derive.column_layouts.ColumnLayout`, attributes to divide;
-:mod:`~hpgen.planner.derive.heads.input_cuts`, per-head inputs made outside the attention;
-:mod:`~hpgen.planner.derive.heads.parts`, heads split into parts), together a
+:mod:`~hpgen.planner.derive.heads.rules` (a :class:`~hpgen.planner.derive.heads.rules.HeadRules` per layer);
+:func:`~hpgen.planner.derive.column_decision.decide_columns` (2: the heads and each column's
+:class:`~hpgen.planner.derive.column_layouts.ColumnLayout`, every override and check of it in one
+place); :mod:`~hpgen.planner.derive.heads.input_cuts` (per-head inputs made outside the attention)
+and :mod:`~hpgen.planner.derive.reshapes` (the attributes to divide), together a
 :class:`~hpgen.planner.derive.group_blocks.GroupLayout`;
 :func:`~hpgen.planner.derive.group_blocks.boundaries` (3 and 4: the boundaries and their
 parameters). This module records the entries and the attributes to divide.
@@ -69,22 +69,30 @@ from typing import Any
 from hpgen.placement import REPLICATE
 from hpgen.plan_entries import LocalCount
 from hpgen.planner.derive.channels.state_space import channel_attrs, find_channel_mixer
+from hpgen.planner.derive.column_decision import decide_columns
+from hpgen.planner.derive.column_layouts import PLAIN
 from hpgen.planner.derive.derive_context import DeriveContext
+from hpgen.planner.derive.gathered import gathered_columns
 from hpgen.planner.derive.group_blocks import GroupLayout, boundaries
-from hpgen.planner.derive.placed import Contradicted, Derivation, HeadCut, NoQueryHead, Note, Placed, Refused
-from hpgen.planner.flow import leaf_kind, module_names
-from hpgen.planner.derive.gathered import check_gathered, gathered_columns
-from hpgen.planner.derive.projection_groups import Group, check_mid, depths, direct_params, find_groups, first_marker, sources
 from hpgen.planner.derive.heads.input_cuts import head_inputs
-from hpgen.planner.derive.heads.parts import head_parts
 from hpgen.planner.derive.heads.rules import HeadRules, per_head_input
+from hpgen.planner.derive.heads.uneven import UnevenHeads, groups_count, rank_values
 from hpgen.planner.derive.latent import LatentRefused, check_broadcast, replicated_closure
-from hpgen.planner.derive.column_layouts import PLAIN, ColumnLayout
-from hpgen.planner.model.modules import attr_value, generic, is_linear, is_nn_linear, lca, positive_int, relative
-from hpgen.planner.derive.reshapes import column_layout, divided_attrs, sharded_counts
+from hpgen.planner.derive.placed import Contradicted, Derivation, HeadCut, Kind, NoQueryHead, Note, Placed, Refused
+from hpgen.planner.derive.projection_groups import (
+    Group,
+    check_mid,
+    depths,
+    direct_params,
+    find_groups,
+    first_marker,
+    sources,
+)
+from hpgen.planner.derive.reshapes import divided_attrs, sharded_counts
 from hpgen.planner.derive.split_rows import place_split_rows, reshapes_weight
-from hpgen.planner.derive.heads.uneven import UnevenHeads, groups_count, rank_values, uneven_layouts
 from hpgen.planner.derive.vocab import place_vocabulary
+from hpgen.planner.flow import leaf_kind, module_names
+from hpgen.planner.model.modules import attr_value, generic, is_linear, is_nn_linear, lca, positive_int, relative
 
 __all__ = ["Derivation", "Note", "Placed", "decoder_layers", "derive"]
 
@@ -207,7 +215,7 @@ def _channel_mixers(ctx: DeriveContext, layer: str, result: Derivation) -> set[s
             result.note(piece.fqn, True, piece.why)
         for module, attrs in divide.items():
             owner = result.placed.get(module) or result.placed.setdefault(
-                module, Placed(module, "attrs", why="sizes of the sharded channels")
+                module, Placed(module, Kind.ATTRS, why="sizes of the sharded channels")
             )
             owner.divide |= attrs
     return {f for f, m in ctx.modules.items() if is_linear(m) and any(f.startswith(r + ".") for r in taken)}
@@ -236,7 +244,7 @@ def _place_group(
         check_mid(modules, rules, fqn, group)
     raw = sorted({p for row in rows for p in sources(flow, row, linears, rules.per_head).raw})
     sharded = cols | mids
-    # a column reading another column's output whole (Doge's dt_proj): gathered on entry, checked with the heads
+    # a column reading another column's output whole (Doge's dt_proj): gathered on entry, its layout decided with the others
     gathered = gathered_columns(flow, cols, linears, modules, rules.per_head, first_marker(flow))
     for consumer, origins in flow.edges.items():
         if origins & sharded and consumer not in rows and consumer not in mids and consumer not in gathered:
@@ -248,8 +256,8 @@ def _place_group(
     if flow.result.item(0).whole() & sharded:
         raise Refused("the layer returns a value computed from the sharded projections")
     if group.latent:
-        replicated = replicated_closure(flow, group.latent, sharded)
-        check_broadcast(flow, replicated, rules.head_counts(cols, rows), layer)
+        closure = replicated_closure(flow, group.latent, sharded)
+        check_broadcast(flow, closure, rules.head_counts(cols, rows), layer)
     side = sorted(
         {
             m
@@ -258,40 +266,13 @@ def _place_group(
             if per_head_input(m) and not rules.switched_off(m)
         }
     )
-    heads = rules.query_kv_heads(cols, rows, layer) if attention else None
-    # heads split into parts that work together (differential attention): a strided cut of every part
-    parts = head_parts(ctx, group, heads)
-    replicated = {c for c, layout in (parts.layouts if parts else {}).items() if layout.replicated}
-    shares = None  # the heads' shares where they do not divide over --tp: each rank takes whole heads
-    if attention and heads is not None and parts is None:
-        try:
-            shares = rules.shares(heads, lca(cols | rows))
-        except NoQueryHead:
-            raise
-        except Refused:
-            shares = None  # key/value heads fewer than the ranks that do not divide them: the checks below say why
-    if shares is None:
-        rules.check_runtime_heads(cols - replicated, layer)
+    columns = decide_columns(ctx, rules, group, gathered, attention)  # the one owner of each column's layout
+    heads, parts, layouts, replicated = columns.heads, columns.parts, columns.layouts, columns.replicated
     cut: dict[str, HeadCut] = {}
     if side and heads:
         common = lca(cols | rows)
         common = common if common == layer or common.startswith(layer + ".") else layer
-        cut = head_inputs(rules, ctx.flow(common), common, rows, heads[0])
-    layouts: dict[str, ColumnLayout]
-    if parts is not None:
-        layouts = dict(parts.layouts)  # the parts rule checked the heads against --tp itself
-    else:
-        plain = sorted(cols - set(gathered))
-        layouts = {col: column_layout(modules, group, col, heads, attention) for col in plain}
-        layouts.update({col: PLAIN for col in gathered})  # its outputs are whole values, one per head
-    check_gathered(gathered, modules, layouts, heads if attention else None, ctx.tp, layer)
-    uneven = None
-    if attention and heads is not None and parts is None:
-        if shares is None:
-            rules.check_heads(cols, layouts, heads, layer)
-        else:
-            uneven = uneven_layouts(modules, cols, rows, layouts, shares, layer)
-            layouts = uneven.columns
+        cut = head_inputs(rules, ctx.flow(common), common, rows, heads.query)
     counts = sharded_counts(modules, cols - replicated, rows, layouts, heads)
     direct = direct_params(ctx.model, modules, group, raw, layouts, heads, parts.k if parts else None)
     # reshapes of the parameters sharded with the heads (dt_bias.view(1, 1, num_heads, head_dim)) size shards too
@@ -308,9 +289,9 @@ def _place_group(
     what = "attention" if attention else "MLP"
     ranked: dict[str, dict[str, LocalCount]] = {}
     row = PLAIN
-    if uneven is not None:
-        ranked = _rank_attrs(modules, group, uneven, direct, cut, divide)
-        divide, row = {}, uneven.row
+    if columns.uneven is not None:
+        ranked = _rank_attrs(modules, group, columns.uneven, direct, cut, divide)
+        divide, row = {}, columns.uneven.row
     layout = GroupLayout(what, heads, parts, layouts, frozenset(gathered), direct, cut, row)
     return boundaries(ctx, rules, group, layout), divide, ranked
 
@@ -374,16 +355,16 @@ def _record(
     for piece in pieces:
         result.placed[piece.fqn] = piece
         # a gathered leaf needs its input whole: the cross-check drops a transformers plan that shards it otherwise
-        result.note(piece.fqn, True, piece.why, needs_whole=piece.fqn if piece.kind == "gather_leaf" else "")
+        result.note(piece.fqn, True, piece.why, needs_whole=piece.fqn if piece.kind is Kind.GATHER_LEAF else "")
     for module, attrs in divide.items():
         owner = result.placed.get(module)
         if owner is None:
-            owner = result.placed[module] = Placed(module, "attrs", why="sizes of the sharded heads")
+            owner = result.placed[module] = Placed(module, Kind.ATTRS, why="sizes of the sharded heads")
         owner.divide |= attrs
     for module, values in ranked.items():
         owner = result.placed.get(module)
         if owner is None:
-            owner = result.placed[module] = Placed(module, "attrs", why="sizes of the sharded heads")
+            owner = result.placed[module] = Placed(module, Kind.ATTRS, why="sizes of the sharded heads")
         owner.local_attrs.update(values)
 
 

@@ -18,7 +18,7 @@ from hpgen.planner.flow import Flow, run_module
 from hpgen.planner.flow.caller_nones import caller_nones
 
 if TYPE_CHECKING:
-    from hpgen.planner.derive.heads.parts import TracedCall
+    from hpgen.planner.derive.heads.input_dims import TracedCall
 
 __all__ = ["DeriveContext"]
 

@@ -18,12 +18,13 @@ from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
 from typing import Any
 
-from hpgen.planner.derive.placed import Contradicted
-from hpgen.planner.flow import Flow
-from hpgen.planner.derive.projection_groups import sources
 from hpgen.planner.derive.column_layouts import PLAIN, ColumnLayout
-from hpgen.planner.model.modules import in_features, is_nn_linear, out_features, relative
+from hpgen.planner.derive.heads.counts import Heads
+from hpgen.planner.derive.placed import Contradicted
+from hpgen.planner.derive.projection_groups import sources
 from hpgen.planner.derive.split_rows import reshapes_weight
+from hpgen.planner.flow import Flow
+from hpgen.planner.model.modules import in_features, is_nn_linear, out_features, relative
 
 __all__ = ["check_gathered", "gathered_columns"]
 
@@ -63,7 +64,7 @@ def check_gathered(
     gathered: Mapping[str, set[str]],
     modules: Mapping[str, Any],
     layouts: Mapping[str, ColumnLayout],
-    heads: tuple[int, int, int] | None,
+    heads: Heads | None,
     tp: int | None,
     layer: str,
 ) -> None:
@@ -77,7 +78,7 @@ def check_gathered(
         n = out_features(modules[col])
         name = relative(col, layer)
         reads = ", ".join(relative(f, layer) for f in sorted(fed))
-        if heads is None or n not in heads[:2]:
+        if heads is None or n not in (heads.query, heads.kv):
             raise Contradicted(
                 f"{name} reads the output of {reads} whole and writes {n} values, not one per head: "
                 "it needs the sharded value whole",

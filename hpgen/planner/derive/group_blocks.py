@@ -10,22 +10,25 @@ their block; replicated layers the sharded body runs through get their gradients
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from hpgen.placement import REPLICATE, Placement, shard
+from hpgen.planner.derive.column_layouts import PLAIN, ColumnLayout
 from hpgen.planner.derive.derive_context import DeriveContext
-from hpgen.planner.derive.placed import HeadCut, Placed, Refused
-from hpgen.planner.flow import leaf_kind, top_level_class
-from hpgen.planner.derive.projection_groups import Group
+from hpgen.planner.derive.heads.counts import Heads
 from hpgen.planner.derive.heads.input_cuts import cut_heads
 from hpgen.planner.derive.heads.parts import Parts
 from hpgen.planner.derive.heads.rules import HeadRules
 from hpgen.planner.derive.latent import fed_columns, pre_chain, replicated_closure
-from hpgen.planner.derive.column_layouts import PLAIN, ColumnLayout
+from hpgen.planner.derive.placed import HeadCut, Kind, Placed, Refused
+from hpgen.planner.derive.projection_groups import Group
+from hpgen.planner.flow import leaf_kind, top_level_class
+from hpgen.planner.flow.runner import function_def
 from hpgen.planner.model.load import defined_in
-from hpgen.planner.model.modules import is_conv1d, is_nn_linear, join, lca, relative, returns_addressable
+from hpgen.planner.model.modules import is_conv1d, is_nn_linear, join, lca, relative
 
 __all__ = ["GroupLayout", "boundaries"]
 
@@ -35,7 +38,7 @@ class GroupLayout:
     """How a group is sharded, as step 2 decides it: what :func:`boundaries` places."""
 
     what: str  # "attention" or "MLP", for the notes
-    heads: tuple[int, int, int] | None  # (query heads, key/value heads, head_dim) of an attention
+    heads: Heads | None  # (query heads, key/value heads, head_dim) of an attention
     parts: Parts | None  # the heads split into parts working together (differential attention)
     layouts: Mapping[str, ColumnLayout]  # column -> its layout
     gathered: frozenset[str]  # columns reading another column's output whole, gathered on entry
@@ -81,15 +84,15 @@ def boundaries(ctx: DeriveContext, rules: HeadRules, group: Group, layout: Group
             why += f"; the latent down-projection {names} (shared by the heads) replicated in the block"
         if layout.parts is not None:
             why += f"; {layout.parts.why}"
-        placed = Placed(common, "block", inputs=block.inputs, why=why)
+        placed = Placed(common, Kind.BLOCK, inputs=block.inputs, why=why)
         pre[common] = block.pre
-        cut_heads(placed, head_inputs, layout.heads[0] if layout.heads else None)
+        cut_heads(placed, head_inputs, layout.heads.query if layout.heads else None)
         _params(modules, placed, cols - gathered, rows, layouts, layout.row)
         pieces.append(placed)
         for col in sorted(gathered):  # its own wrapped nn.Linear: the input is gathered on entry
             leaf = Placed(
                 col,
-                "gather_leaf",
+                Kind.GATHER_LEAF,
                 why=f"{what}: column-parallel over its outputs, one per head; its input, a sharded column's "
                 "output, is gathered whole on entry (all-gather; reduce-scatter in backward)",
             )
@@ -110,7 +113,7 @@ def boundaries(ctx: DeriveContext, rules: HeadRules, group: Group, layout: Group
             pre[column] = inputs.pre
             placed = Placed(
                 column,
-                "col_block",
+                Kind.COL_BLOCK,
                 inputs=inputs.inputs,
                 why=f"{what}: column-parallel projections; "
                 "the output stays sharded for the row-parallel projection after it",
@@ -131,13 +134,13 @@ def boundaries(ctx: DeriveContext, rules: HeadRules, group: Group, layout: Group
             for col in sorted(cols):
                 if not is_nn_linear(modules[col]):
                     raise Refused(f"{relative(col, layer)} would be a boundary of its own but is not an nn.Linear")
-                placed = Placed(col, "col_leaf", why=f"{what}: column-parallel nn.Linear (output stays sharded)")
+                placed = Placed(col, Kind.COL_LEAF, why=f"{what}: column-parallel nn.Linear (output stays sharded)")
                 _params(modules, placed, {col}, set(), layouts)
                 pieces.append(placed)
         for row in sorted(rows):
             if not is_nn_linear(modules[row]):
                 raise Refused(f"{relative(row, layer)} would be a boundary of its own but is not an nn.Linear")
-            placed = Placed(row, "row_leaf", why=f"{what}: row-parallel nn.Linear (input arrives sharded)")
+            placed = Placed(row, Kind.ROW_LEAF, why=f"{what}: row-parallel nn.Linear (input arrives sharded)")
             _params(modules, placed, set(), {row}, layouts, layout.row)
             pieces.append(placed)
         if head_inputs:  # the attention around the leaves still gets its per-head input cut
@@ -146,11 +149,11 @@ def boundaries(ctx: DeriveContext, rules: HeadRules, group: Group, layout: Group
                     f"{relative(common, layer) or 'the layer'} takes a per-head input to cut, but its class is "
                     "not a top-level class of the lowered file, which is where hpgen lower rewrites classes"
                 )
-            placed = Placed(common, "heads", why=f"{what}: the body between the sharded projections")
-            cut_heads(placed, head_inputs, layout.heads[0] if layout.heads else None)
+            placed = Placed(common, Kind.HEADS, why=f"{what}: the body between the sharded projections")
+            cut_heads(placed, head_inputs, layout.heads.query if layout.heads else None)
             pieces.append(placed)
     for name, placement in direct.items():
-        owner = next((p for p in pieces if p.kind in ("block", "col_block") and name.startswith(p.fqn + ".")), None)
+        owner = next((p for p in pieces if p.kind.holds_group and name.startswith(p.fqn + ".")), None)
         if owner is None:
             raise Refused(f"{relative(name, layer)} is read directly outside the block of its projections")
         if placement != REPLICATE:
@@ -158,7 +161,7 @@ def boundaries(ctx: DeriveContext, rules: HeadRules, group: Group, layout: Group
         else:
             owner.grad_reduce.add(relative(name, owner.fqn))
     for piece in pieces:  # replicated layers the sharded body runs through: their gradients are partial
-        if piece.kind in ("block", "col_block"):
+        if piece.kind.holds_group:
             for leaf in pre.get(piece.fqn, frozenset()) | mids:
                 if not leaf.startswith(piece.fqn + "."):
                     continue
@@ -263,3 +266,34 @@ def _clean(
     if not full and any(o[3:] in inputs for o in outputs if o.startswith("in:")):
         return None
     return _Body(tuple(sorted(inputs)), frozenset(pre))
+
+
+def returns_addressable(cls: type) -> bool:
+    """Whether every ``return`` of the class's ``forward`` gives a value or a tuple (not a list display): a plan
+    addresses a block's output as a value or the first item of a tuple."""
+    function = function_def(cls, "forward")
+    if function is None:
+        return False
+    for node in ast.walk(function):
+        if isinstance(node, ast.Return) and node.value is not None:
+            value = node.value
+            if isinstance(value, (ast.List, ast.ListComp)) or (
+                isinstance(value, ast.BinOp) and any(isinstance(v, ast.List) for v in (value.left, value.right))
+            ):
+                return False
+            if isinstance(value, ast.Name) and _assigned_list(function, value.id):
+                return False  # ``outputs = (out,) ...; return outputs``: the plan would move the whole tuple
+    return True
+
+
+def _assigned_list(function: ast.FunctionDef, name: str) -> bool:
+    """Whether ``name`` is ever bound to a list or tuple display (or a concatenation of them)."""
+    displays = (ast.List, ast.ListComp, ast.Tuple)
+    for node in ast.walk(function):
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            value = node.value
+            if isinstance(value, displays) or (
+                isinstance(value, ast.BinOp) and any(isinstance(v, displays) for v in (value.left, value.right))
+            ):
+                return True
+    return False

@@ -16,14 +16,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hpgen.placement import REPLICATE, Placement, shard, strided_shard
+from hpgen.planner.derive.column_layouts import ColumnLayout
 from hpgen.planner.derive.derive_context import DeriveContext
-from hpgen.planner.derive.placed import Refused
-from hpgen.planner.flow import Flow
+from hpgen.planner.derive.heads.counts import Heads
 from hpgen.planner.derive.heads.per_head_params import head_matrix_placement, view_sizes
 from hpgen.planner.derive.heads.rules import HeadRules, normalized_heads
 from hpgen.planner.derive.latent import pre_projections, replicated_closure
-from hpgen.planner.derive.column_layouts import ColumnLayout
 from hpgen.planner.derive.linear_mixers import absent, conv_placement, per_head_placement, single_column_conv
+from hpgen.planner.derive.placed import Refused
+from hpgen.planner.flow import Flow
 from hpgen.planner.model.modules import in_features, out_features, positive_int, relative
 
 __all__ = ["Group", "Sources", "check_mid", "depths", "direct_params", "find_groups", "first_marker", "sources"]
@@ -128,7 +129,7 @@ def check_mid(modules: Mapping[str, Any], rules: HeadRules, fqn: str, group: Gro
     )
 
 
-def _parts_placement(param: Any, heads: tuple[int, int, int], k: int, name: str) -> Placement:
+def _parts_placement(param: Any, heads: Heads, k: int, name: str) -> Placement:
     """A parameter read between the projections of an attention whose heads are split into ``k`` parts:
     a scalar or one head's worth (DiffLlama's lambdas) replicated, one value per query head ``SS(0,k)``."""
     q, _, head_dim = heads
@@ -149,7 +150,7 @@ def direct_params(
     group: Group,
     raw: list[str],
     layouts: Mapping[str, ColumnLayout],
-    heads: tuple[int, int, int] | None,
+    heads: Heads | None,
     parts: int | None,
 ) -> dict[str, Placement]:
     """Parameters the code between the projections reads itself, and their placement.
@@ -163,7 +164,7 @@ def direct_params(
     (:mod:`hpgen.planner.derive.heads.parts`), None where they are not.
     """
     found: dict[str, Placement] = {}
-    head_dim = heads[2] if heads is not None else None
+    head_dim = heads.head_dim if heads is not None else None
     cols, layer = group.cols, group.layer
     plain = {c: out_features(modules[c]) for c in cols if layouts[c].plain}
     widths, col_widths = set(plain.values()), list(plain.values())
@@ -181,14 +182,14 @@ def direct_params(
         special = (
             conv_placement(model, name, param, col_widths, shapes)
             or single_column_conv(model, name, param, group.flow, plain)
-            or per_head_placement(param, heads[0] if heads is not None else None)
+            or per_head_placement(param, heads.query if heads is not None else None)
             or _head_matrix(model, group.flow, name, param, contiguous, heads)
         )
         if parts is not None and heads is not None:  # heads in parts: a per-head vector takes every part's chunk
             found[name] = _parts_placement(param, heads, parts, relative(name, layer))
         elif special is not None:
             found[name] = special  # a depthwise conv over the columns, or one value per head (A_log)
-        elif param.dim() == 1 and (param.numel() in widths or (heads is not None and param.numel() == heads[0])):
+        elif param.dim() == 1 and (param.numel() in widths or (heads is not None and param.numel() == heads.query)):
             found[name] = shard(0)  # one value per feature of a column, or one per query head (GPT-OSS sinks)
         elif param.numel() == 1 or (param.dim() == 1 and param.numel() == head_dim):
             found[name] = REPLICATE
@@ -201,7 +202,7 @@ def direct_params(
 
 
 def _head_matrix(
-    model: Any, flow: Flow, name: str, param: Any, contiguous: Mapping[str, int], heads: tuple[int, int, int] | None
+    model: Any, flow: Flow, name: str, param: Any, contiguous: Mapping[str, int], heads: Heads | None
 ) -> Placement | None:
     """A 2-D parameter per head, shared by the heads, or over a column's channels (:mod:`hpgen.planner.derive.heads.per_head_params`).
 
@@ -211,7 +212,7 @@ def _head_matrix(
     """
     if heads is None or param.dim() != 2:
         return None
-    sizes = {heads[2]}
+    sizes = {heads.head_dim}
     for col, width in contiguous.items():
         sizes |= view_sizes(flow, frozenset({col}), width)
     origin = f"param:{name}"
@@ -221,7 +222,7 @@ def _head_matrix(
         if origin in found
     ]
     common = set.intersection(*[m for m in mixed if m]) if any(mixed) else set()
-    return head_matrix_placement(model, name, param, heads[:2], sizes, {contiguous[c] for c in common})
+    return head_matrix_placement(model, name, param, (heads.query, heads.kv), sizes, {contiguous[c] for c in common})
 
 
 @dataclass

@@ -14,19 +14,28 @@ from collections.abc import Collection, Mapping
 from collections.abc import Set as AbstractSet
 from typing import Any
 
-from hpgen.planner.derive.placed import Refused
-from hpgen.planner.flow import SIZE, Flow
-from hpgen.planner.derive.projection_groups import Group
+from hpgen.planner.derive.column_layouts import (
+    PLAIN,
+    ColumnLayout,
+    UnequalBlocks,
+    arg_reads,
+    dim_of,
+    last_dim,
+    layout_of,
+)
 from hpgen.planner.derive.heads.attr_names import HEADS_ATTRS, KV_HEADS_ATTRS
+from hpgen.planner.derive.heads.counts import Heads
 from hpgen.planner.derive.heads.rules import is_head_dim_name
-from hpgen.planner.derive.column_layouts import PLAIN, ColumnLayout, UnequalBlocks, arg_reads, dim_of, last_dim, layout_of
+from hpgen.planner.derive.placed import Refused
+from hpgen.planner.derive.projection_groups import Group
+from hpgen.planner.flow import SIZE, Flow
 from hpgen.planner.model.modules import attr_value, in_features, out_features, relative
 
 __all__ = ["column_layout", "divided_attrs", "linear_origins", "sharded_counts"]
 
 
 def column_layout(
-    modules: Mapping[str, Any], group: Group, col: str, heads: tuple[int, int, int] | None, attention: bool
+    modules: Mapping[str, Any], group: Group, col: str, heads: Heads | None, attention: bool
 ) -> ColumnLayout:
     """The layout of one column projection of ``group``, read from the first reshape of its output."""
     flow, layer = group.flow, group.layer
@@ -41,7 +50,7 @@ def column_layout(
     except UnequalBlocks as reason:
         raise Refused(f"{relative(col, layer)}: {reason} (the reshape at line {first.line})") from None
     if layout is None:
-        if attention and heads is not None and n not in (heads[0] * heads[2], heads[1] * heads[2]):
+        if attention and heads is not None and n not in (heads.query_features, heads.kv_features):
             raise Refused(
                 f"{relative(col, layer)} packs several projections ({n} features) and hpgen cannot tell their "
                 f"layout from the reshape at line {first.line}"
@@ -55,7 +64,7 @@ def sharded_counts(
     cols: Collection[str],
     rows: Collection[str],
     layouts: Mapping[str, ColumnLayout],
-    heads: tuple[int, int, int] | None,
+    heads: Heads | None,
 ) -> set[int]:
     """The sizes a shard changes: the columns' widths and blocks, the rows' input, the head counts."""
     counts: set[int] = set()

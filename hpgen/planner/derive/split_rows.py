@@ -25,9 +25,9 @@ import textwrap
 from collections.abc import Mapping
 from typing import Any
 
-from hpgen.planner.derive.placed import Derivation, Placed
-from hpgen.planner.model.modules import generic, in_features, is_nn_linear, out_features
 from hpgen.placement import REPLICATE, shard
+from hpgen.planner.derive.placed import Derivation, Kind, Placed
+from hpgen.planner.model.modules import generic, in_features, is_nn_linear, out_features
 
 __all__ = ["place_split_rows", "reshapes_weight"]
 
@@ -76,7 +76,7 @@ def place_split_rows(
             continue
         piece = Placed(
             fqn,
-            "split_row_leaf",
+            Kind.SPLIT_ROW_LEAF,
             why="row-parallel nn.Linear on its replicated input, split on entry (its columns stay replicated: "
             + _reason(result, fqn)
             + ")",

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hpgen.placement import Placement, shard
-from hpgen.planner.derive.placed import Derivation, Placed
+from hpgen.planner.derive.placed import Derivation, Kind, Placed
 from hpgen.planner.model.modules import is_nn_linear
 
 __all__ = ["place_vocabulary"]
@@ -101,7 +101,7 @@ class _Vocabulary:
                 self.result.note(emb_fqn, False, f"its weight is also {other}'s, which would compute with a shard")
         if ok_emb and emb_fqn:
             self.result.placed[emb_fqn] = Placed(
-                emb_fqn, "embedding", {"weight": shard(0)}, why="vocab-parallel embedding"
+                emb_fqn, Kind.EMBEDDING, {"weight": shard(0)}, why="vocab-parallel embedding"
             )
             self.result.note(emb_fqn, True, "vocab-parallel embedding: rows S(0), the partial lookups all-reduced")
             self._aliases(emb_fqn, "weight", shard(0))
@@ -109,7 +109,7 @@ class _Vocabulary:
         if placed_tables:
             self._other_tables(embedding.num_embeddings, raw)
         if ok_head and head_fqn:
-            placed = Placed(head_fqn, "lm_head", {"weight": shard(0)}, why="column-parallel output projection")
+            placed = Placed(head_fqn, Kind.LM_HEAD, {"weight": shard(0)}, why="column-parallel output projection")
             if head.bias is not None:
                 placed.params["bias"] = shard(0)
                 self._aliases(head_fqn, "bias", shard(0))
@@ -138,7 +138,7 @@ class _Vocabulary:
                 if not n.startswith(fqn + ".")
             ):
                 continue  # tied to something else
-            self.result.placed[fqn] = Placed(fqn, "embedding", {"weight": shard(0)}, why="vocab-parallel table")
+            self.result.placed[fqn] = Placed(fqn, Kind.EMBEDDING, {"weight": shard(0)}, why="vocab-parallel table")
             self.result.note(
                 fqn,
                 True,
@@ -180,12 +180,12 @@ class _Vocabulary:
                     continue
                 if isinstance(module, nn.Embedding) and attr == "weight":
                     self.result.placed[name] = Placed(
-                        name, "embedding", {"weight": placement}, why="vocab-parallel embedding"
+                        name, Kind.EMBEDDING, {"weight": placement}, why="vocab-parallel embedding"
                     )
                     self.result.note(name, True, f"vocab-parallel embedding (its weight is {owner}.{leaf})")
                 else:
                     self.result.placed[name] = Placed(
-                        name, "alias", {attr: placement}, why=f"the same Parameter as {owner}.{leaf}"
+                        name, Kind.ALIAS, {attr: placement}, why=f"the same Parameter as {owner}.{leaf}"
                     )
 
 

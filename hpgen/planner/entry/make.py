@@ -143,9 +143,9 @@ def _completed(model: Any, plan: DraftPlan, *, tp: int | None, name: str) -> Dra
     contradicts are dropped (:mod:`hpgen.planner.passes.crosscheck`).
     """
     from hpgen.errors import HpgenError as _Error
-    from hpgen.planner.passes.crosscheck import drop_contradicted, drop_feature_statistics, drop_regathered
     from hpgen.planner.derive.derivation import derive
-    from hpgen.planner.derive.placed import Derivation
+    from hpgen.planner.derive.placed import Derivation, Kind
+    from hpgen.planner.passes.crosscheck import drop_contradicted, drop_feature_statistics, drop_regathered
     from hpgen.planner.translate.derived_plan import derived_plan
 
     plan = drop_feature_statistics(model, plan)  # block instances reducing a sharded value's features
@@ -155,8 +155,7 @@ def _completed(model: Any, plan: DraftPlan, *, tp: int | None, name: str) -> Dra
         return plan.with_comments(completion_skipped=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
     plan = drop_contradicted(plan, derivation)  # blocks of transformers' plan that the source contradicts
     plan, regathered = drop_regathered(plan, derivation)  # ... or shards otherwise than the derived blocks do
-    loaded = plan.validated()
-    taken = [fqn for fqn, _ in model.named_modules() if fqn and loaded.entry_for(fqn) is not None]
+    taken = [fqn for fqn, _ in model.named_modules() if fqn and plan.entry_for(fqn) is not None]
     # what the cross-checks kept replicated is not completed back either
     kept = {key: text for key, text in plan.comments.get("replaced", {}).items() if key not in regathered}
     taken += [fqn for fqn, _ in model.named_modules() if fqn and _matches_any(fqn, kept)]
@@ -165,20 +164,20 @@ def _completed(model: Any, plan: DraftPlan, *, tp: int | None, name: str) -> Dra
         # whole blocks only (a module returning its row's output alone): what transformers' authors
         # left replicated around a residual or a grouped projection stays as they left it
         # or a state-space mixer's pair, or a row on its split replicated input (self-contained: R in, R out)
-        if placed.kind not in ("block", "col_gather", "split_row", "split_row_leaf"):
+        if not placed.kind.self_contained:
             continue
         if any(fqn == t or t.startswith(fqn + ".") or fqn.startswith(t + ".") for t in taken):
             continue
         mixer = fqn.rpartition(".")[0]
-        if placed.kind != "block" and any(t.startswith(mixer + ".") for t in taken):
+        if placed.kind is not Kind.BLOCK and any(t.startswith(mixer + ".") for t in taken):
             continue  # a mixer's gathered pair goes in whole or not at all (Lara keeps in_proj_* replicated)
         extra.placed[fqn] = placed
     for fqn, placed in derivation.placed.items():
         inside = any(fqn == b or fqn.startswith(b + ".") for b in extra.placed)
         # sizes, a mixer's reduced x_proj, a gathered column (Doge's dt_proj)
-        if placed.kind in ("attrs", "reduce_leaf", "gather_leaf") and inside:
+        if placed.kind.completes_with_its_block and inside:
             extra.placed[fqn] = placed
-    if not any(p.kind != "attrs" for p in extra.placed.values()):
+    if not any(p.kind is not Kind.ATTRS for p in extra.placed.values()):
         return plan
     try:
         addition = derived_plan(model, extra, tp=tp, name=name)
@@ -207,9 +206,9 @@ def _regathered_sp(model: Any, plan: DraftPlan, *, tp: int | None, name: str) ->
     them; where the derived blocks do not fit, the dropped blocks stay replicated.
     """
     from hpgen.errors import HpgenError as _Error
-    from hpgen.planner.passes.crosscheck import drop_regathered
     from hpgen.planner.derive.derivation import derive
     from hpgen.planner.derive.placed import Derivation
+    from hpgen.planner.passes.crosscheck import drop_regathered
     from hpgen.planner.translate.derived_plan import derived_plan
 
     try:

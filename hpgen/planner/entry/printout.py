@@ -26,9 +26,9 @@ def plan_with_report(
     dtype: str | None,
 ) -> tuple[str, list[str]]:
     """The plan's JSON text and the messages for stderr (notes with ``notes``, the sizing report with ``tp``)."""
-    from hpgen.planner.translate.document import dumps_plan
-    from hpgen.planner.model.load import load_config, meta_model
     from hpgen.planner.entry.make import plan_model
+    from hpgen.planner.model.load import load_config, meta_model
+    from hpgen.planner.translate.document import dumps_plan
 
     model = meta_model(load_config(target))
     plan = plan_model(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, name=target, summed=summed)

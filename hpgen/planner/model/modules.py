@@ -1,9 +1,8 @@
 """Small questions about modules and names the planner asks: is it a linear layer, which way its weight
-points, where two module paths meet, and whether a ``forward`` returns something a plan can address."""
+points, where two module paths meet, what a name is relative to another."""
 
 from __future__ import annotations
 
-import ast
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -26,40 +25,7 @@ __all__ = [
     "positive_int",
     "prefixes",
     "relative",
-    "returns_addressable",
 ]
-
-
-def returns_addressable(cls: type) -> bool:
-    """Whether every ``return`` of the class's ``forward`` gives a value or a tuple (not a list display)."""
-    from hpgen.planner.flow.runner import function_def
-
-    function = function_def(cls, "forward")
-    if function is None:
-        return False
-    for node in ast.walk(function):
-        if isinstance(node, ast.Return) and node.value is not None:
-            value = node.value
-            if isinstance(value, (ast.List, ast.ListComp)) or (
-                isinstance(value, ast.BinOp) and any(isinstance(v, ast.List) for v in (value.left, value.right))
-            ):
-                return False
-            if isinstance(value, ast.Name) and _assigned_list(function, value.id):
-                return False  # ``outputs = (out,) ...; return outputs``: the plan would move the whole tuple
-    return True
-
-
-def _assigned_list(function: ast.FunctionDef, name: str) -> bool:
-    """Whether ``name`` is ever bound to a list or tuple display (or a concatenation of them)."""
-    displays = (ast.List, ast.ListComp, ast.Tuple)
-    for node in ast.walk(function):
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
-            value = node.value
-            if isinstance(value, displays) or (
-                isinstance(value, ast.BinOp) and any(isinstance(v, displays) for v in (value.left, value.right))
-            ):
-                return True
-    return False
 
 
 def is_linear(module: Any) -> bool:

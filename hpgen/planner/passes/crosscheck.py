@@ -23,8 +23,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hpgen.planner.translate.draft import DraftEntry, DraftPlan
 from hpgen.planner.derive.placed import Derivation
+from hpgen.planner.translate.draft import DraftEntry, DraftPlan
 
 __all__ = ["drop_contradicted", "drop_feature_statistics", "drop_regathered"]
 
@@ -91,18 +91,18 @@ def drop_feature_statistics(model: Any, plan: DraftPlan) -> DraftPlan:
     the gate column-parallel each rank would use its own shard's statistics. Those instances
     stay replicated; a ``*`` key whose other instances still shard is written per instance.
     """
-    from hpgen.planner.translate.corrections import feature_statistics
     from hpgen.planner.model.load import index_source, source_file
+    from hpgen.planner.translate.corrections import feature_statistics
 
-    loaded = plan.validated()
     trees: dict[str, Any] = {}
     why: dict[str, str] = {}  # concrete FQN -> reason
     members: dict[str, list[str]] = {}
     for fqn, module in model.named_modules():
-        entry = loaded.entry_for(fqn) if fqn else None
-        if entry is None or not entry.is_boundary:
+        found = plan.entry_for(fqn) if fqn else None
+        if found is None or not found[1].is_boundary:
             continue
-        members.setdefault(entry.key, []).append(fqn)
+        key, entry = found
+        members.setdefault(key, []).append(fqn)
         columns = {
             name.rpartition(".")[0]
             for name, layout in entry.params.items()

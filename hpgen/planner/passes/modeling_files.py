@@ -31,12 +31,11 @@ def name_files(model: Any, plan: DraftPlan) -> DraftPlan:
     boundaries live in several modeling files; otherwise ``plan`` unchanged."""
     from torch import nn
 
-    loaded = plan.validated()
     by_key: dict[str, list[nn.Module]] = {}
     for fqn, module in model.named_modules():
-        entry = loaded.entry_for(fqn) if fqn else None
-        if entry is not None and entry.is_boundary and not entry.skip_source_lowering:
-            by_key.setdefault(entry.key, []).append(module)
+        found = plan.entry_for(fqn) if fqn else None
+        if found is not None and found[1].is_boundary:  # the planner writes no skip_source_lowering
+            by_key.setdefault(found[0], []).append(module)
     named = plan.boundary_classes
     wrapped = {key for key, name in named.items() if name in ("nn.Linear", "nn.Embedding", "nn.Identity")}
     files: dict[str, str] = {}  # module name -> file, of the source classes that get a generated forward

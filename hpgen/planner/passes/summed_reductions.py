@@ -32,12 +32,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hpgen.placement import PARTIAL_SUM, REPLICATE
-from hpgen.plan import Plan, fqn_matches
+from hpgen.plan import fqn_matches
 from hpgen.plan_entries import Layout, SummedReduction
-from hpgen.planner.translate.draft import DraftEntry, DraftPlan
 from hpgen.planner.flow.constants import Constants, self_path
 from hpgen.planner.flow.runner import function_def
 from hpgen.planner.flow.values import UNKNOWN
+from hpgen.planner.translate.draft import DraftEntry, DraftPlan
 
 __all__ = ["SummedBlock", "add_summed_reductions", "find_summed_block"]
 
@@ -284,34 +284,33 @@ def _paired_norms(reader: _Reader, first: str, second: str) -> tuple[str, str] |
 # --------------------------------------------------------------------------- the plan
 
 
-def _reducing_branch(plan: Plan, fqn: str) -> tuple[str, str, str] | None:
+def _reducing_branch(plan: DraftPlan, fqn: str) -> tuple[str, str, str] | None:
     """(key, output, axis) when ``fqn`` is a boundary reducing one partial output itself."""
-    entry = plan.entry_for(fqn)
-    if entry is None or entry.summed_reduction is not None:
+    match = plan.entry_for(fqn)
+    if match is None or match[1].summed_reduction is not None:
         return None
-    mesh = plan.mesh_dim_names
+    key, entry = match
     found = []
     for name in entry.output_names:
-        src, dst = entry.output_layouts(name, mesh)
-        for axis in mesh:
+        src, dst = entry.output_layouts(name)
+        for axis in plan.mesh:
             if src.on(axis) == PARTIAL_SUM and not dst.on(axis).is_partial:
-                found.append((entry.key, name, axis))
+                found.append((key, name, axis))
     return found[0] if len(found) == 1 else None
 
 
 def add_summed_reductions(model: Any, plan: DraftPlan) -> DraftPlan:
     """``plan`` with every parallel-residual block of ``model`` reducing its branches once."""
-    loaded = plan.validated()
     found: dict[str, tuple[SummedBlock, dict[str, tuple[str, str, str]]]] = {}
     for fqn, module in model.named_modules():
         branches = {}
         for name, _ in module.named_children():
-            branch = _reducing_branch(loaded, f"{fqn}.{name}" if fqn else name)
+            branch = _reducing_branch(plan, f"{fqn}.{name}" if fqn else name)
             if branch is not None:
                 branches[name] = branch
         if len(branches) < 2 or len({axis for _, _, axis in branches.values()}) != 1:
             continue
-        inputs = {name: _single_input(loaded, key) for name, (key, _, _) in branches.items()}
+        inputs = {name: _single_input(plan, key) for name, (key, _, _) in branches.items()}
         try:
             block = find_summed_block(module, tuple(branches), {k: v for k, v in inputs.items() if v})
         except Exception:  # noqa: BLE001 - the summed reduction is an optimisation: a block it cannot read keeps two
@@ -346,8 +345,9 @@ def add_summed_reductions(model: Any, plan: DraftPlan) -> DraftPlan:
     return result.with_comments(summed_reduction=notes)
 
 
-def _single_input(plan: Plan, key: str) -> str | None:
-    names = plan.entries[key].input_names
+def _single_input(plan: DraftPlan, key: str) -> str | None:
+    entry = plan.entries[key]
+    names = tuple(sorted({*entry.in_src, *entry.in_dst}))
     return names[0] if len(names) == 1 else None
 
 

@@ -7,7 +7,8 @@
 - ``hpgen.planner.translate.style_blocks``: the boundaries the styles imply, and the parameters inside them;
 - ``hpgen.planner.translate.axis_checks``: the mesh axes divide heads, experts and vocabulary rows;
 - ``hpgen.planner.translate.sequence_parallel``: ``--sp``, the stream sharded on the sequence between blocks;
-- ``hpgen.planner.translate.signatures``: each class's ``forward``, a boundary's inputs and outputs;
+- ``hpgen.planner.translate.forwards``: each class's ``forward`` read from its modeling file (parameters, returns);
+- ``hpgen.planner.translate.signatures``: a translated boundary's inputs and outputs, by its kind and style;
 - ``hpgen.planner.translate.boundary_record``: the record of one boundary the steps fill in;
 - ``hpgen.planner.translate.document``: the plan written out, grouped into ``*`` keys;
 - ``hpgen.planner.translate.draft``: the plan while it is written (typed entries, one document at the end);

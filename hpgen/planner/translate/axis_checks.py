@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 from hpgen.errors import HpgenError
 from hpgen.placement import replicated_shard, shard
 from hpgen.plan_entries import LocalCount
-from hpgen.planner.translate.boundary_record import Boundary
 from hpgen.planner.derive.heads.shares import HeadShares, head_shares
+from hpgen.planner.translate.boundary_record import Boundary
 
 if TYPE_CHECKING:
     from hpgen.planner.translate.plan_context import PlanContext

@@ -24,7 +24,7 @@ from hpgen.planner.model.modules import generic
 from hpgen.planner.translate.styles import Rule, StyleRules
 
 if TYPE_CHECKING:
-    from hpgen.planner.translate.signatures import Forwards
+    from hpgen.planner.translate.forwards import Forwards
 
 __all__ = ["chunked_attributes", "correct_packed_chunks"]
 

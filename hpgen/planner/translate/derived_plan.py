@@ -5,10 +5,10 @@
 (:func:`~hpgen.planner.translate.sequence_parallel.sequence_parallel`), grouping of the layers into ``*``
 keys, ``boundary_classes`` where static resolution needs them, and the check that the
 document loads (:mod:`~hpgen.planner.translate.document`), with the inputs and outputs read from
-each class's ``forward`` (:class:`~hpgen.planner.translate.signatures.Forwards`). What differs is
+each class's ``forward`` (:class:`~hpgen.planner.translate.forwards.Forwards`). What differs is
 where the boundaries come from (the derivation, not the styles: the styles' rules, size
 checks and corrections are not called), and the kinds a derivation has that transformers'
-plans never produce, with their transitions on ``tp`` (:data:`LEAF_TRANSITIONS`):
+plans never produce, with their transitions on ``tp`` (:class:`~hpgen.planner.derive.placed.Kind`):
 
 - ``col_block``: a module holding only column-parallel projections, whose output stays
   sharded (``S(-1) -> S(-1)``) for the row-parallel ``nn.Linear`` after it;
@@ -38,67 +38,36 @@ from typing import Any
 from hpgen.errors import HpgenError
 from hpgen.placement import PARTIAL_SUM, REPLICATE, Placement, shard
 from hpgen.plan_entries import Injection, Layout
-from hpgen.planner.translate.boundary_record import Boundary, Transition, add_boundary
 from hpgen.planner.derive.derivation import Derivation, Placed
+from hpgen.planner.derive.placed import BATCH_MAJOR, Kind
+from hpgen.planner.model.modules import generic
+from hpgen.planner.translate.boundary_record import Boundary, Transition, add_boundary
 from hpgen.planner.translate.document import Grouped, grouped, plan_draft
 from hpgen.planner.translate.draft import DraftPlan, injection
-from hpgen.planner.derive.placed import BATCH_MAJOR
-from hpgen.planner.model.modules import generic
+from hpgen.planner.translate.forwards import Forwards
 from hpgen.planner.translate.plan_context import PlanContext
 from hpgen.planner.translate.sequence_parallel import sequence_parallel
-from hpgen.planner.translate.signatures import Forwards
 from hpgen.planner.translate.translator import check_axis_sizes
 
-__all__ = ["LEAF_TRANSITIONS", "derived_plan"]
+__all__ = ["derived_plan"]
 
 BATCH_MAJOR_HEADS = "hpgen.runtime.local_heads.batch_major_heads"
 
-_KINDS = {
-    "block": "block",
-    "col_block": "block",
-    "col_leaf": "linear",
-    "row_leaf": "linear",
-    "reduce_leaf": "linear",
-    "gather_leaf": "linear",
-    "col_gather": "linear",
-    "split_row": "linear",
-    "split_row_leaf": "linear",
-    "lm_head": "linear",
-    "embedding": "embedding",
-    "attrs": "attrs",
-    "alias": "attrs",
-    "heads": "block",
-}
-
-# On the one axis of a derived plan: replicated, the last dim sharded, the sequence sharded (--sp), partial
+# On the one axis of a derived plan: replicated, the sequence sharded (--sp), the last dim sharded, partial
 _R = Layout.same(("tp",), REPLICATE)
-_LAST = Layout.same(("tp",), shard(-1))
 _SEQ = Layout.same(("tp",), shard(1))
+_LAST = Layout.same(("tp",), shard(-1))
 _PARTIAL = Layout.same(("tp",), PARTIAL_SUM)
-
-# A wrapped leaf's kind -> its input's and its output's transition (an embedding takes no input transition)
-LEAF_TRANSITIONS: dict[str, tuple[Transition | None, Transition]] = {
-    "lm_head": ((_R, _R), (_LAST, _R)),
-    "col_gather": ((_R, _R), (_LAST, _R)),
-    "gather_leaf": ((_LAST, _R), (_LAST, _LAST)),  # a sharded column's output gathered; one output per local head
-    "split_row": ((_R, _LAST), (_PARTIAL, _R)),
-    "split_row_leaf": ((_R, _LAST), (_PARTIAL, _R)),  # a replicated input, split on entry (no communication)
-    "embedding": (None, (_PARTIAL, _R)),
-    "col_leaf": ((_R, _R), (_LAST, _LAST)),
-    "row_leaf": ((_LAST, _LAST), (_PARTIAL, _R)),
-    "reduce_leaf": ((_LAST, _LAST), (_PARTIAL, _R)),
-}
 
 
 def derived_plan(model: Any, derivation: Derivation, *, tp: int | None, sp: bool = False, name: str) -> DraftPlan:
     """The plan of ``derivation`` for ``model``, as a draft for the passes after it (:mod:`hpgen.planner.entry.make`)."""
-    if sp and any(p.kind == "split_row_leaf" for p in derivation.placed.values()):
+    if sp and any(p.kind is Kind.SPLIT_ROW_LEAF for p in derivation.placed.values()):
         # a split row reduces to the replicated stream, which --sp keeps sequence-sharded: left replicated
-        kept = {fqn: p for fqn, p in derivation.placed.items() if p.kind != "split_row_leaf"}
+        kept = {fqn: p for fqn, p in derivation.placed.items() if p.kind is not Kind.SPLIT_ROW_LEAF}
         derivation = type(derivation)(placed=kept, notes=list(derivation.notes))
     if sp:
-        leaf_kinds = ("col_block", "col_leaf", "row_leaf", "col_gather", "split_row")
-        leaves = sorted(p.fqn for p in derivation.placed.values() if p.kind in leaf_kinds)
+        leaves = sorted(p.fqn for p in derivation.placed.values() if p.kind.sharded_outside_a_block)
         if leaves:
             raise HpgenError(
                 f"{name}: --sp needs every sharded group in a block of its own; the derived plan shards "
@@ -128,17 +97,17 @@ def _placed_boundaries(context: PlanContext, placed: dict[str, Placed]) -> dict[
     """
     boundaries: dict[str, Boundary] = {}
     for fqn, entry in placed.items():
-        add_boundary(context, boundaries, fqn, _KINDS[entry.kind]).axes.add("tp")
+        add_boundary(context, boundaries, fqn, entry.kind.boundary).axes.add("tp")
     for fqn, entry in placed.items():
         boundary = boundaries[fqn]
         boundary.params = {param: Layout.same(("tp",), layout) for param, layout in entry.params.items()}
         boundary.deferred = set(entry.deferred)
         boundary.tp_divide_attrs = set(entry.divide)
         boundary.local_attrs = dict(entry.local_attrs)
-        if entry.kind == "reduce_leaf":
+        if entry.kind is Kind.REDUCE_LEAF:
             boundary.out_grad_partial = ("output",)
     for fqn, entry in placed.items():
-        if entry.kind in ("block", "col_block"):
+        if entry.kind.holds_group:
             boundaries[fqn].grad_reduce.update(entry.grad_reduce)
     return boundaries
 
@@ -146,16 +115,16 @@ def _placed_boundaries(context: PlanContext, placed: dict[str, Placed]) -> dict[
 def _set_io(context: PlanContext, placed: Placed, boundary: Boundary) -> None:
     """The transitions of one derived boundary, by its kind."""
     kind = placed.kind
-    if kind in ("attrs", "alias"):
+    if kind.boundary == "attrs":
         return
-    if kind in LEAF_TRANSITIONS:
-        into, out = LEAF_TRANSITIONS[kind]
-        boundary.wrapped_as = "nn.Embedding" if kind == "embedding" else "nn.Linear"
+    if kind.leaf_transitions is not None:
+        into, out = kind.leaf_transitions
+        boundary.wrapped_as = "nn.Embedding" if kind is Kind.EMBEDDING else "nn.Linear"
         if into is not None:
             boundary.inputs["input"] = into
         boundary.outputs["output"] = out
         return
-    if kind == "heads":  # only the per-head inputs move; the leaves inside do the rest
+    if kind is Kind.HEADS:  # only the per-head inputs move; the leaves inside do the rest
         for name, cut in sorted(placed.head_inputs.items()):
             boundary.inputs[name] = (_R, Layout.same(("tp",), cut) if isinstance(cut, Placement) else _R)
         return
@@ -175,7 +144,7 @@ def _set_io(context: PlanContext, placed: Placed, boundary: Boundary) -> None:
             boundary.inputs[name] = (_R, Layout.same(("tp",), cut))
     names = forwards.outputs(boundary.module, boundary.fqn)
     boundary.out_names = names if len(names) > 1 else None
-    if kind == "col_block":
+    if kind is Kind.COL_BLOCK:
         boundary.outputs[names[0]] = (_LAST, _LAST)
         return
     if boundary.sp_input:

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from hpgen.errors import HpgenError
 from hpgen.plan_entries import Injection
+from hpgen.planner.model.modules import generic
 from hpgen.planner.translate.boundary_record import Boundary
 from hpgen.planner.translate.draft import DraftEntry, DraftPlan, injection
-from hpgen.planner.model.modules import generic
 from hpgen.planner.translate.styles import EXPERTS_PARALLEL
 
 if TYPE_CHECKING:

@@ -21,8 +21,11 @@ from typing import Any
 
 from hpgen.plan import PLAN_FORMAT, PLAN_FORMAT_2, Plan, plan_from_dict
 from hpgen.plan_entries import LAYOUT_KEYS, FunctionRef, Injection, Layout, LocalCount, SummedReduction
+from hpgen.plan_names import fqn_matches
 
 __all__ = ["DraftEntry", "DraftPlan", "injection"]
+
+_NO_AXES = Layout(())  # a layout naming no axis: replicated on each
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,20 @@ class DraftEntry:
             if summed.paired_input is not None:
                 entry["summed_reduction"]["paired_input"] = summed.paired_input
         return entry
+
+    @property
+    def is_boundary(self) -> bool:
+        """A boundary (it moves a value in or out), not only parameters and sizes: as the plan loads it."""
+        return any(getattr(self, part) for part in LAYOUT_KEYS) or self.summed_reduction is not None
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        """Declared outputs in return order: ``out_names``, or the single out key."""
+        return self.out_names if self.out_names is not None else tuple(sorted({*self.out_src, *self.out_dst}))
+
+    def output_layouts(self, name: str) -> tuple[Layout, Layout]:
+        """(body's layout, caller's layout) of output ``name``; an axis a layout does not name is replicated."""
+        return self.out_src.get(name, _NO_AXES), self.out_dst.get(name, _NO_AXES)
 
     def signature(self) -> str:
         """The entry's document as canonical text: equal entries, equal text."""
@@ -143,6 +160,14 @@ class DraftPlan:
             ):
                 return PLAN_FORMAT_2
         return PLAN_FORMAT
+
+    def entry_for(self, fqn: str) -> tuple[str, DraftEntry] | None:
+        """The key and entry whose key matches a concrete module FQN (at most one in a draft that loads), as
+        :meth:`hpgen.plan_entries.Plan.entry_for` finds it in the loaded plan: the passes ask the draft itself."""
+        for key, entry in self.entries.items():
+            if fqn_matches(key, fqn):
+                return key, entry
+        return None
 
     def validated(self, name: str | None = None) -> Plan:
         """The draft loaded as a plan; raises :class:`~hpgen.errors.HpgenError` where it would not load."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch import nn
 
-    from hpgen.planner.translate.signatures import Forwards
+    from hpgen.planner.translate.forwards import Forwards
 
 __all__ = ["PlanContext"]
 

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 from hpgen.errors import HpgenError
 from hpgen.placement import REPLICATE, shard
 from hpgen.plan_entries import Layout
-from hpgen.planner.translate.boundary_record import Boundary, add_boundary
 from hpgen.planner.model.load import defined_in
-from hpgen.planner.translate.signatures import self_calls
+from hpgen.planner.translate.boundary_record import Boundary, add_boundary
+from hpgen.planner.translate.forwards import self_calls
 
 if TYPE_CHECKING:
     from hpgen.planner.translate.plan_context import PlanContext

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 from hpgen.errors import HpgenError
 from hpgen.placement import REPLICATE
 from hpgen.plan_entries import Layout
-from hpgen.planner.translate.boundary_record import Boundary, add_boundary, enclosing
 from hpgen.planner.model.modules import relative
+from hpgen.planner.translate.boundary_record import Boundary, add_boundary, enclosing
 from hpgen.planner.translate.styles import (
     COLWISE,
     EMBEDDING_LEAVES,

@@ -83,14 +83,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from hpgen.errors import HpgenError
-from hpgen.planner.translate.style_blocks import find_boundaries, implicit_grad_reduce, place_params
 from hpgen.planner.translate.axis_checks import check_sizes
 from hpgen.planner.translate.corrections import correct_packed_chunks
 from hpgen.planner.translate.document import expert_injections, grouped, plan_draft
 from hpgen.planner.translate.draft import DraftPlan
+from hpgen.planner.translate.forwards import Forwards
 from hpgen.planner.translate.plan_context import PlanContext
 from hpgen.planner.translate.sequence_parallel import sequence_parallel
-from hpgen.planner.translate.signatures import Forwards, set_translated_io
+from hpgen.planner.translate.signatures import set_translated_io
+from hpgen.planner.translate.style_blocks import find_boundaries, implicit_grad_reduce, place_params
 from hpgen.planner.translate.styles import ep_axis_name, style_rules
 
 if TYPE_CHECKING:

@@ -34,11 +34,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from hpgen.planner.derive.column_layouts import flat_dims
 from hpgen.planner.derive.derive_context import DeriveContext
 from hpgen.planner.derive.placed import Refused
 from hpgen.planner.flow import Flow, leaf_kind
 from hpgen.planner.flow.runner import class_nodes, forward_owner, function_def, is_norm
-from hpgen.planner.derive.column_layouts import flat_dims
 from hpgen.planner.model.modules import relative
 
 __all__ = ["channel_groups", "check_state_leaf", "follows_channels", "state_leaves"]

@@ -39,12 +39,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hpgen.placement import REPLICATE, Placement, shard, strided_shard
-from hpgen.planner.derive.derive_context import DeriveContext
-from hpgen.planner.derive.placed import Placed, Refused
-from hpgen.planner.flow import Flow, leaf_kind
-from hpgen.planner.derive.column_layouts import UnequalBlocks, arg_reads, flat_dims, layout_of, packed
-from hpgen.planner.model.modules import attr_value, in_features, is_nn_linear, join, out_features, relative
 from hpgen.planner.derive.channels.state_leaves import check_state_leaf, follows_channels, state_leaves
+from hpgen.planner.derive.column_layouts import UnequalBlocks, arg_reads, flat_dims, layout_of, packed
+from hpgen.planner.derive.derive_context import DeriveContext
+from hpgen.planner.derive.placed import Kind, Placed, Refused
+from hpgen.planner.flow import Flow, leaf_kind
+from hpgen.planner.model.modules import attr_value, in_features, is_nn_linear, join, out_features, relative
 
 __all__ = ["ChannelMixer", "channel_attrs", "find_channel_mixer"]
 
@@ -135,7 +135,7 @@ def _gathered(
     for col in cols:
         piece = Placed(
             col,
-            "col_gather",
+            Kind.COL_GATHER,
             why=f"state-space mixer: column-parallel, its output gathered for the replicated scan ({reason})",
         )
         piece.params["weight"] = shard(0)
@@ -143,7 +143,7 @@ def _gathered(
             piece.params["bias"] = shard(0)
         mixer.reduced.append(piece)
     mixer.reduced.append(
-        _row(out, modules[out], "split_row", "state-space mixer: row-parallel on this rank's split of the scan's output")
+        _row(out, modules[out], Kind.SPLIT_ROW, "state-space mixer: row-parallel on this rank's split of the scan's output")
     )
     return mixer
 
@@ -175,7 +175,7 @@ def _channel_parallel(
     if leaves:
         opened = ", ".join(relative(leaf, fqn) for leaf in leaves)
         why += f" (the recurrence {opened} read from its source: per channel and per head only)"
-    block = Placed(fqn, "block", inputs=(first,), why=why)
+    block = Placed(fqn, Kind.BLOCK, inputs=(first,), why=why)
     mixer = ChannelMixer(fqn, channels, block, linears=set(linears))
     for col in cols:
         block.params[join(relative(col, fqn), "weight")] = _column_placement(ctx, flow, col, layer, channels)
@@ -191,7 +191,7 @@ def _channel_parallel(
     )
     for row in reduced:
         why = "state-space mixer: row-parallel projection of the channels, reduced"
-        mixer.reduced.append(_row(row, modules[row], "reduce_leaf", why))
+        mixer.reduced.append(_row(row, modules[row], Kind.REDUCE_LEAF, why))
         handled.add(row)
     # every other parameter follows the channels (first dim C, or heads of C // heads channels each)
     # or lies on the reduced path
@@ -368,7 +368,7 @@ def _fed_only_by(flow: Flow, fqn: str, rows: set[str]) -> bool:
     return bool(layers) and layers <= rows
 
 
-def _row(fqn: str, module: Any, kind: str, why: str) -> Placed:
+def _row(fqn: str, module: Any, kind: Kind, why: str) -> Placed:
     """A row-parallel ``nn.Linear`` of a mixer: weight ``S(1)``, its bias added once after the reduction."""
     piece = Placed(fqn, kind, why=why)
     piece.params["weight"] = shard(1)

@@ -21,7 +21,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["HeadLayout", "head_layouts", "meta_forward", "probe_sizes"]
+__all__ = ["HeadLayout", "TracedCall", "head_layouts", "meta_forward", "probe_sizes"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,19 @@ class HeadLayout:
     kind: str
     dim: int = 0
     shape: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class TracedCall:
+    """One split, join or ``repeat_interleave`` a module's ``forward`` made in a meta-device run
+    (:func:`hpgen.planner.derive.heads.parts.traced_calls`)."""
+
+    module: str  # FQN of the module whose forward made the call (the nearest frame with a module ``self``)
+    line: int
+    op: str
+    shapes: tuple[tuple[int, ...], ...]  # the tensor operands' shapes
+    dim: int | None  # normalised (non-negative), None when not known
+    parts: int | None  # equal parts a split makes; None for unequal parts or a join
 
 
 def probe_sizes(heads: int) -> tuple[int, int]:

@@ -28,9 +28,9 @@ import ast
 from collections.abc import Mapping
 from typing import Any
 
+from hpgen.planner.derive.heads.per_head_params import view_sizes
 from hpgen.planner.flow import Flow
 from hpgen.planner.flow.runner import function_def
-from hpgen.planner.derive.heads.per_head_params import view_sizes
 from hpgen.planner.model.modules import is_linear, out_features
 
 __all__ = ["per_head_map"]

@@ -33,31 +33,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hpgen.placement import shard, strided_shard
+from hpgen.planner.derive.column_layouts import ColumnLayout, dim_of, packed, replicated
 from hpgen.planner.derive.derive_context import DeriveContext
+from hpgen.planner.derive.heads.counts import Heads
+from hpgen.planner.derive.heads.input_dims import TracedCall, meta_forward, probe_sizes
 from hpgen.planner.derive.placed import Refused
 from hpgen.planner.derive.projection_groups import Group
-from hpgen.planner.derive.heads.input_dims import meta_forward, probe_sizes
-from hpgen.planner.derive.column_layouts import ColumnLayout, dim_of, packed, replicated
 from hpgen.planner.model.modules import in_features, lca, out_features, relative
 
-__all__ = ["Parts", "TracedCall", "head_parts", "traced_calls"]
+__all__ = ["Parts", "head_parts", "traced_calls"]
 
 SPLITS = ("chunk", "split", "tensor_split")
 JOINS = ("cat", "concat", "concatenate")
 TRACED = (*SPLITS, *JOINS, "repeat_interleave")
 SIZE_KEYWORDS = ("chunks", "split_size", "split_size_or_sections", "sections", "indices_or_sections", "repeats")
-
-
-@dataclass(frozen=True)
-class TracedCall:
-    """One split, join or ``repeat_interleave`` a module's ``forward`` made in a meta-device run."""
-
-    module: str  # FQN of the module whose forward made the call (the nearest frame with a module ``self``)
-    line: int
-    op: str
-    shapes: tuple[tuple[int, ...], ...]  # the tensor operands' shapes
-    dim: int | None  # normalised (non-negative), None when not known
-    parts: int | None  # equal parts a split makes; None for unequal parts or a join
 
 
 @dataclass
@@ -71,7 +60,7 @@ class Parts:
     why: str = ""
 
 
-def head_parts(ctx: DeriveContext, group: Group, heads: tuple[int, int, int] | None) -> Parts | None:
+def head_parts(ctx: DeriveContext, group: Group, heads: Heads | None) -> Parts | None:
     """The parts of an attention group whose code splits its heads, or None when it splits none."""
     flow, cols, rows, layer = group.flow, group.cols, group.rows, group.layer
     if heads is None or not any(_may_split_heads(use, cols) for use in flow.shapes):
@@ -123,7 +112,7 @@ def head_parts(ctx: DeriveContext, group: Group, heads: tuple[int, int, int] | N
 
 
 def _parts_layouts(
-    ctx: DeriveContext, group: Group, heads: tuple[int, int, int], k: int, lines: set[tuple[str, int]], at: str
+    ctx: DeriveContext, group: Group, heads: Heads, k: int, lines: set[tuple[str, int]], at: str
 ) -> Parts:
     q, kv, head_dim = heads
     modules, cols, rows, layer = ctx.modules, group.cols, group.rows, group.layer

@@ -21,11 +21,11 @@ import ast
 from collections.abc import Iterable
 from typing import Any
 
+from hpgen.placement import REPLICATE, Placement, shard
+from hpgen.planner.derive.column_layouts import last_dim
+from hpgen.planner.derive.heads.attr_names import HEAD_DIM_ATTRS, HEADS_ATTRS, KV_HEADS_ATTRS
 from hpgen.planner.flow import Flow
 from hpgen.planner.flow.runner import function_def
-from hpgen.planner.derive.heads.attr_names import HEAD_DIM_ATTRS, HEADS_ATTRS, KV_HEADS_ATTRS
-from hpgen.planner.derive.column_layouts import last_dim
-from hpgen.placement import REPLICATE, Placement, shard
 
 __all__ = ["head_matrix_placement", "param_use", "per_head_view", "view_sizes"]
 

@@ -13,13 +13,14 @@ from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from typing import Any
 
-from hpgen.planner.derive.placed import NoQueryHead, Refused
-from hpgen.planner.flow import Flow
-from hpgen.planner.derive.heads.maps import per_head_map
+from hpgen.planner.derive.column_layouts import ColumnLayout
 from hpgen.planner.derive.heads.attr_names import HEAD_DIM_ATTRS, HEADS_ATTRS, KV_HEADS_ATTRS
+from hpgen.planner.derive.heads.counts import Heads
+from hpgen.planner.derive.heads.maps import per_head_map
 from hpgen.planner.derive.heads.per_head_params import param_use, per_head_view
 from hpgen.planner.derive.heads.shares import HeadShares, NoHeadForRank, head_shares
-from hpgen.planner.derive.column_layouts import ColumnLayout
+from hpgen.planner.derive.placed import NoQueryHead, Refused
+from hpgen.planner.flow import Flow
 from hpgen.planner.model.modules import between, is_linear, lca, out_features, positive_int, prefixes, relative
 from hpgen.shards import row_heads
 
@@ -194,7 +195,7 @@ class HeadRules:
         hidden, heads = (positive_int(self.config(a)) for a in ("hidden_size", "num_attention_heads"))
         return hidden // heads if hidden and heads else None
 
-    def query_kv_heads(self, cols: AbstractSet[str], rows: AbstractSet[str], layer: str) -> tuple[int, int, int] | None:
+    def query_kv_heads(self, cols: AbstractSet[str], rows: AbstractSet[str], layer: str) -> Heads | None:
         """(query heads, key/value heads, head_dim) of an attention group."""
         head_dim = self.head_dim(cols)
         if not head_dim:
@@ -210,7 +211,7 @@ class HeadRules:
             kv = positive_int(self.config("num_key_value_heads")) or heads
         if not heads:
             raise Refused("cannot tell the number of attention heads")
-        return heads, kv, head_dim
+        return Heads(heads, kv, head_dim)
 
     def _attr(self, path: str, names: Iterable[str]) -> int | None:
         module = self.modules.get(path)
@@ -221,7 +222,7 @@ class HeadRules:
         return None
 
     def check_heads(
-        self, cols: Iterable[str], layouts: Mapping[str, ColumnLayout], heads: tuple[int, int, int], layer: str
+        self, cols: Iterable[str], layouts: Mapping[str, ColumnLayout], heads: Heads, layer: str
     ) -> None:
         """Refuse columns that do not hold whole heads, or whose heads (or groups) do not divide over ``--tp``."""
         q, kv, head_dim = heads
@@ -249,7 +250,7 @@ class HeadRules:
         if tp is not None and (q % tp or (kv % tp and not multi_query)):
             raise Refused(f"{q} query and {kv} key/value heads do not divide over --tp {tp}")
 
-    def shares(self, heads: tuple[int, int, int], where: str) -> HeadShares | None:
+    def shares(self, heads: Heads, where: str) -> HeadShares | None:
         """The heads' shares over ``--tp`` where they do not divide (None where they do, or without ``--tp``).
 
         Raises :class:`NoQueryHead` where a rank would hold no query head (the plan refuses that ``--tp`` when no

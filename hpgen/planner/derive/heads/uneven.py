@@ -19,9 +19,9 @@ from dataclasses import dataclass, replace
 from hpgen.conv1d import is_conv1d
 from hpgen.plan_entries import LocalCount
 
-from hpgen.planner.derive.placed import Refused
-from hpgen.planner.derive.heads.shares import HeadShares
 from hpgen.planner.derive.column_layouts import PLAIN, ColumnLayout, Packing, query_blocks, replicated
+from hpgen.planner.derive.heads.shares import HeadShares
+from hpgen.planner.derive.placed import Refused
 from hpgen.planner.model.modules import in_features, out_features, relative
 from hpgen.shards import ShardLayout
 
