@@ -248,7 +248,7 @@ def test_falcon_attention_is_sharded_by_heads_and_summed_with_the_mlp(family: st
 
 def test_falcon_keeps_its_attention_whole_where_alibi_reads_its_heads() -> None:
     """ALiBi (read by heads, not sharded) keeps the attention whole, and no summed reduction is written; multi-query
-    Falcon (``[Q heads | K | V]``) is sharded and summed (tests/test_planner_uneven_heads.py)."""
+    Falcon (``[Q heads | K | V]``) is sharded and summed (tests/planner/derive/heads/test_uneven.py)."""
     from tests.derived_configs import tiny
 
     from hpgen.planner.model.load import meta_model

@@ -14,9 +14,9 @@ path on the default config). The types are chosen to cover the planner's paths:
 - ``--sp`` and ``--tp 4`` (more ranks than key/value heads: replicated-sharded layouts) for each.
 
 After an intended change to what the planner writes, update the expected records and
-review their diff like any other code change (tests/planner_snapshot/README.md):
+review their diff like any other code change (tests/planner/snapshot/README.md):
 
-    HPGEN_UPDATE_PLANNER_SNAPSHOT=1 python -m pytest tests/test_planner_snapshot.py
+    HPGEN_UPDATE_PLANNER_SNAPSHOT=1 python -m pytest tests/planner/test_snapshot.py
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-EXPECTED = Path(__file__).resolve().parent / "planner_snapshot"
+EXPECTED = Path(__file__).resolve().parent / "snapshot"
 MODEL_TYPES = (
     "llama",
     "qwen3_moe",
@@ -73,7 +73,7 @@ def test_the_planner_writes_what_it_wrote(model_type):
     made_with = VERSION.read_text().strip()
     assert text == expected.read_text(), (
         f"{model_type}: the planner's output changed (snapshot made with transformers {made_with}, "
-        f"installed {transformers.__version__}); see tests/planner_snapshot/README.md"
+        f"installed {transformers.__version__}); see tests/planner/snapshot/README.md"
     )
 
 

@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from hpgen.cli import cli
+from tests.planner.plan_helpers import derived, entry
 
 
 def _plan(tmp_path, config, *args):
@@ -140,8 +141,8 @@ def test_multi_query_falcon_7b_shards_its_query_heads_and_reduces_once_a_layer(t
 def test_falcon_attention_is_sharded_whatever_its_heads(options, heads, tp, qkv):
     from transformers import FalconConfig
 
-    from hpgen.planner.model.load import meta_model
     from hpgen.planner.entry.make import plan_model
+    from hpgen.planner.model.load import meta_model
 
     config = FalconConfig(hidden_size=16 * heads, num_attention_heads=heads, num_hidden_layers=1, vocab_size=64, **options)
     plan = plan_model(meta_model(config), tp=tp)
@@ -155,8 +156,8 @@ def test_a_fused_projection_transformers_plan_shards_whole_is_derived_from_the_s
     """GPT-NeoX's query_key_value is colwise in transformers' plan; only the source says it is per-head [q k v]."""
     from transformers import GPTNeoXConfig
 
-    from hpgen.planner.model.load import meta_model
     from hpgen.planner.entry.make import plan_model
+    from hpgen.planner.model.load import meta_model
 
     config = GPTNeoXConfig(hidden_size=96, num_attention_heads=6, num_hidden_layers=1, intermediate_size=64, vocab_size=64)
     plan = plan_model(meta_model(config), tp=4)
@@ -170,9 +171,19 @@ def test_the_derivation_refuses_a_tp_that_leaves_a_rank_without_a_query_head():
     from transformers import FalconConfig
 
     from hpgen.errors import HpgenError
-    from hpgen.planner.model.load import meta_model
     from hpgen.planner.entry.make import plan_model
+    from hpgen.planner.model.load import meta_model
 
     config = FalconConfig(hidden_size=48, num_attention_heads=3, num_hidden_layers=1, vocab_size=64)
     with pytest.raises(HpgenError, match="--tp 4 leaves a rank with no query head: num_attention_heads=3"):
         plan_model(meta_model(config), tp=4, name="falcon")
+
+
+def test_heads_that_do_not_divide_are_cut_whole_by_the_derivation() -> None:
+    plan = derived("opt", tp=3)  # 4 heads of 16 on 3 ranks: 2, 1, 1
+    attention = entry(plan, "model.decoder.layers.*.self_attn")
+    assert attention["params"]["q_proj.weight"] == attention["params"]["v_proj.bias"] == {"tp": "S(0,16)"}
+    assert attention["params"]["out_proj.weight"] == {"tp": "S(1,16)"}
+    # each rank's num_heads, counted from its shard of out_proj's input in heads of 16
+    assert attention["local_attrs"] == {"num_heads": {"of": "out_proj.weight", "dim": 1, "unit": 16}}
+    assert "tp_divide_attrs" not in attention and plan["format"] == "hpgen.plan/2"
