@@ -41,7 +41,7 @@ from hpgen.plan_entries import Injection, Layout
 from hpgen.planner.derive.derivation import Derivation, Placed
 from hpgen.planner.derive.placed import BATCH_MAJOR, Kind
 from hpgen.planner.model.modules import generic
-from hpgen.planner.translate.boundary_record import Boundary, Transition, add_boundary
+from hpgen.planner.translate.boundary_record import Boundary, add_boundary
 from hpgen.planner.translate.document import Grouped, grouped, plan_draft
 from hpgen.planner.translate.draft import DraftPlan, injection
 from hpgen.planner.translate.forwards import Forwards
