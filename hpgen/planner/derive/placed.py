@@ -129,6 +129,9 @@ class Placed:
     global_heads: int | None = None  # the query heads, for a batch_major head input's local compute
     why: str = ""
 
+    def __post_init__(self) -> None:
+        self.kind = Kind(self.kind)  # its text (``"block"``) names the same kind
+
 
 @dataclass(frozen=True)
 class Note:
