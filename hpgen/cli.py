@@ -337,6 +337,12 @@ def explain_command(
     metavar="NAME",
     help="Put the experts on an axis of their own (mesh NAME x tp); without it they share tp.",
 )
+@click.option(
+    "--attn-dp",
+    is_flag=True,
+    help="With --ep: attention and dense layers data-parallel over the expert ranks, tokens gathered into the experts "
+    "(with --tp: attention tensor-parallel inside each data-parallel group, mesh ep x tp).",
+)
 @click.option("--from-source", is_flag=True, help="Derive the plan from the modeling source even where transformers has one.")
 @click.option(
     "--no-summed-reduction",
@@ -353,6 +359,7 @@ def plan_command(
     sp: bool,
     ep: int | None,
     ep_axis: str | None,
+    attn_dp: bool,
     from_source: bool,
     no_summed: bool,
     show_notes: bool,
@@ -381,6 +388,7 @@ def plan_command(
                 summed=not no_summed,
                 notes=show_notes,
                 dtype=dtype,
+                attn_dp=attn_dp,
             )
         for message in messages:
             click.echo(message, err=True)

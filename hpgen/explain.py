@@ -61,8 +61,8 @@ def sizes_note(op: Op, made: dict[tuple[str, object], set[str]], *, features: bo
     makers = made.get((op.axis, dim))
     if makers:
         return (
-            f"recorded by the {' or '.join(sorted(makers))} of {op.axis} dim {dim} earlier in the same model "
-            "forward, no exchange (exchanged when none ran before it)"
+            f"recorded by the {' or '.join(sorted(makers))} of {op.axis} dim {dim} of a tensor of the same other "
+            "dims earlier in the same model forward, no exchange (exchanged when none did)"
         )
     return (
         "exchanged: one all-gather of an int64 per rank before each call (a host synchronisation on CUDA; "

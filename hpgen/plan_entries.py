@@ -199,6 +199,9 @@ class Entry:
     params: Mapping[str, Layout]
     deferred_bias_params: tuple[str, ...] = ()
     grad_reduce_params: tuple[str, ...] = ()
+    # (parameter, axes) where the plan names the axes its gradient is summed over; the others
+    # of grad_reduce_params sum over every axis the body is sharded on
+    grad_reduce_axes: tuple[tuple[str, tuple[str, ...]], ...] = ()
     # outputs whose caller computes on shards with them (Mamba's reduced x_proj output feeding the
     # channel-sharded scan): their gradient arrives partial, so the output's collective reduces it too
     out_grad_partial: tuple[str, ...] = ()

@@ -118,6 +118,26 @@ class PlanReader:
                 raise self.fail(_path_join(where, index), f"{item!r} is listed twice")
         return tuple(names)
 
+    def grad_reduce(self, value: object, where: str) -> tuple[tuple[str, ...], tuple[tuple[str, tuple[str, ...]], ...]]:
+        """``grad_reduce_params``: a list of parameter paths (summed over every axis the body is
+        sharded on), or an object of parameter path -> the axes to sum over."""
+        if not isinstance(value, dict):
+            return self.name_list(value, where, is_param_path, "a parameter path"), ()
+        axes = []
+        for name, over in value.items():
+            name_where = _path_join(where, name)
+            self.expect_name(name, name_where, is_param_path, "a parameter path")
+            listed = self.name_list(over, name_where, what="an axis name (an identifier)")
+            if not listed:
+                raise self.fail(name_where, "names no axis to sum over")
+            for index, axis in enumerate(listed):
+                if axis not in self.mesh:
+                    raise self.fail(
+                        _path_join(name_where, index), f"unknown axis {axis!r} (mesh_dim_names: {', '.join(self.mesh)})"
+                    )
+            axes.append((name, listed))
+        return tuple(name for name, _ in axes), tuple(sorted(axes))
+
     def check_keys(self, obj: dict[str, object], allowed: set[str], where: str, what: str) -> None:
         for key in sorted(obj):
             if key not in allowed:
@@ -312,8 +332,11 @@ class PlanReader:
         params = self.layouts(doc.get("params", {}), params_where, is_param_path, "a parameter path", params=True)
         lists = {
             part: self.name_list(doc.get(part, []), _path_join(where, part), is_param_path, "a parameter path")
-            for part in ("deferred_bias_params", "grad_reduce_params")
+            for part in ("deferred_bias_params",)
         }
+        lists["grad_reduce_params"], grad_reduce_axes = self.grad_reduce(
+            doc.get("grad_reduce_params", []), _path_join(where, "grad_reduce_params")
+        )
         partial_where = _path_join(where, "out_grad_partial")
         partial = self.name_list(doc.get("out_grad_partial", []), partial_where)
         declared = out_names if out_names is not None else tuple(sorted({*layouts["out_src"], *layouts["out_dst"]}))
@@ -360,6 +383,7 @@ class PlanReader:
             params=params,
             deferred_bias_params=tuple(sorted(lists["deferred_bias_params"])),
             grad_reduce_params=tuple(sorted(lists["grad_reduce_params"])),
+            grad_reduce_axes=grad_reduce_axes,
             out_grad_partial=tuple(sorted(partial)),
             in_grad_partial=tuple(sorted(in_partial)),
             summed_reduction=summed,

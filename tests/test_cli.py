@@ -415,3 +415,24 @@ def test_the_generator_never_imports_torch(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_plan_attn_dp_needs_ep_and_no_sp(tmp_path):
+    out = tmp_path / "plan.json"
+    for flags in (["--attn-dp"], ["--ep", "2", "--tp", "2", "--sp", "--attn-dp"]):
+        result = run("plan", "qwen3_moe", *flags, "-o", out)
+        assert result.exit_code == 2 and not out.exists()
+        assert "--attn-dp: give --ep N (and --tp M for attention tensor-parallel inside each group; not --sp)" in result.output
+        assert "Traceback" not in result.output
+
+
+def test_plan_attn_dp_with_tp_puts_attention_on_a_second_axis(tmp_path):
+    out = tmp_path / "plan.json"
+    result = run("plan", "qwen3_moe", "--ep", "2", "--tp", "2", "--attn-dp", "-o", out)
+    assert result.exit_code == 0, result.output
+    plan = json.loads(out.read_text())
+    assert plan["mesh_dim_names"] == ["ep", "tp"]
+    attention = plan["param_plan"]["model.layers.*.self_attn"]
+    assert attention["params"]["q_proj.weight"] == {"tp": "S(0)"}
+    assert plan["param_plan"]["model.layers.*"]["grad_reduce_params"]["self_attn.q_proj.weight"] == ["ep"]
+    assert "model.embed_tokens" not in plan["param_plan"] and "lm_head" not in plan["param_plan"]

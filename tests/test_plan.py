@@ -290,3 +290,16 @@ def test_local_count_values_per_rank():
 )
 def test_plan_2_refusals(document, message):
     assert message in error_of(document)
+
+
+def test_grad_reduce_params_may_name_the_axes_of_each_sum():
+    two = {"mesh_dim_names": ["dp", "tp"], "param_plan": {"m": {"grad_reduce_params": {"q_norm.weight": ["dp"], "w": ["dp", "tp"]}}}}
+    entry = plan_from_dict(two).entries["m"]
+    assert entry.grad_reduce_params == ("q_norm.weight", "w")
+    assert entry.grad_reduce_axes == (("q_norm.weight", ("dp",)), ("w", ("dp", "tp")))
+    # the list form keeps its meaning: every axis the body is sharded on
+    assert plan_from_dict(minimal(grad_reduce_params=["w"])).entries["model.layers.*.mlp"].grad_reduce_axes == ()
+    two["param_plan"]["m"]["grad_reduce_params"] = {"w": ["ep"]}
+    assert "grad_reduce_params.w[0]: unknown axis 'ep' (mesh_dim_names: dp, tp)" in error_of(two)
+    two["param_plan"]["m"]["grad_reduce_params"] = {"w": []}
+    assert "grad_reduce_params.w: names no axis to sum over" in error_of(two)

@@ -25,7 +25,7 @@ docstring says what each of its modules does. docs/runtime.md has the same table
   ``agreement``, ``targets``, ``counterparts``, ``params``, ``attrs``, ``groups``, ``hooks``,
   ``summed``, ``kernels``, ``stubs``, ``inputs``, ``tuners``, ``adapters``, ``wrapped``;
 - ``hpgen.runtime.forward`` (what generated forwards call): ``collectives``,
-  ``traced_collectives``, ``handback``, ``devices``, ``boundary``, ``ops``, ``wrappers``,
+  ``traced_collectives``, ``shard_records``, ``handback``, ``devices``, ``boundary``, ``ops``, ``wrappers``,
   ``streams``, ``sampling``;
 - ``hpgen.runtime.checkpoint`` (checkpoints and state dicts: read, presented to DCP and
   FSDP2, written): ``loading``, ``checkpoint_files``, ``file_maps``, ``conversions``,

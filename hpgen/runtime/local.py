@@ -14,10 +14,13 @@ once, after sharding, for set-up that needs the local shards.
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
-__all__ = ["experts_parallel", "local_experts"]
+__all__ = ["batch_parallel", "experts_parallel", "local_experts"]
 
 
 def local_experts(module: nn.Module, axis: str) -> tuple[int, int]:
@@ -83,3 +86,46 @@ def experts_parallel(
 
 
 experts_parallel.prepare = _prepare  # type: ignore[attr-defined]
+
+
+def batch_parallel(module: nn.Module, *args: Any, axis: str = "ep", **kwargs: Any) -> Any:
+    """The module's body on this rank's share of a batch split over ``axis`` (data-parallel
+    attention: the decoder stack on each rank's sequences, the experts on everyone's tokens).
+
+    A rank whose share is empty (3 sequences on 4 ranks, one sequence in ``generate`` on 2)
+    must still join the experts' collectives of every layer, but transformers' attention
+    cannot run on zero sequences (its ``view(..., -1, head_dim)``). So it runs one
+    placeholder sequence instead: each tensor argument of zero rows becomes one row (ones
+    for ``attention_mask``, zeros otherwise), and the placeholder's rows are dropped from
+    the outputs (``last_hidden_state``, ``hidden_states``, ``attentions``). Nothing of the
+    placeholder reaches another rank's tokens: the experts treat each token alone and the
+    scatter after them returns each rank its own rows; a cache keeps its row from step to
+    step, as it keeps the real ones. Its gradient is zero.
+    """
+    bound = inspect.signature(module._forward_impl).bind(*args, **kwargs)
+    first = next((v for v in bound.arguments.values() if isinstance(v, Tensor)), None)
+    if first is None or first.dim() == 0 or first.size(0) > 0:
+        return module._forward_impl(*args, **kwargs)
+    for name, value in bound.arguments.items():
+        if isinstance(value, Tensor) and value.dim() > 0 and value.size(0) == 0:
+            fill = torch.ones if name == "attention_mask" else torch.zeros
+            bound.arguments[name] = fill((1, *value.shape[1:]), dtype=value.dtype, device=value.device)
+    return _without_placeholder(module._forward_impl(*bound.args, **bound.kwargs))
+
+
+def _without_placeholder(outputs: Any) -> Any:
+    """``outputs`` with the placeholder's row dropped from each per-sequence tensor (and tuple of them)."""
+
+    def drop(value: Any) -> Any:
+        if isinstance(value, Tensor) and value.dim() > 0 and value.size(0) == 1:
+            return value[:0]
+        if type(value) is tuple and value and all(isinstance(v, Tensor) for v in value):
+            return tuple(drop(v) for v in value)
+        return value
+
+    if isinstance(outputs, dict):  # a ModelOutput: update in place, keeping its class
+        for key in ("last_hidden_state", "hidden_states", "attentions"):
+            if outputs.get(key) is not None:
+                outputs[key] = drop(outputs[key])
+        return outputs
+    return drop(outputs)

@@ -9,6 +9,8 @@ One job a module, in the order a check runs:
 - :mod:`~hpgen.verify.run`: many cases in one spawn (:func:`~hpgen.verify.run.verify_many`);
 - :mod:`~hpgen.verify.compare`: one rank's comparison with the unsharded model (logits,
   gradients, greedy generation; train mode's agreement across ranks);
+- :mod:`~hpgen.verify.hang`: where each rank waits (the collective it last entered and the
+  module that entered it), named when a collective never completes;
 - :mod:`~hpgen.verify.localize`: the first boundary whose output or input gradient departs;
 - :mod:`~hpgen.verify.report`: the verdict as text or JSON, with what the plan declares
   there and what ``hpgen plan`` would declare.

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hpgen.verify.hang import CollectiveWatch
 from hpgen.verify.localize import Difference, Recorder, first_difference, returned_as_declared, tolerance
 from hpgen.verify.prepare import Prepared
 
@@ -152,7 +153,24 @@ def _run_case(case: Prepared, mesh: Any, outcome: Outcome) -> None:
     except Exception as error:  # noqa: BLE001
         outcome.raised = Raised("parallelize", "", "", _short(error))
         return
+    axes = {mesh.get_group(name): name for name in mesh.mesh_dim_names}
+    with CollectiveWatch(model, axes):  # a collective that never completes is named per rank
+        _checks(model, reference, reference_recorder, plan, mesh, ids, ref_logits, projection, layouts, outcome)
 
+
+def _checks(
+    model: nn.Module,
+    reference: nn.Module,
+    reference_recorder: Recorder,
+    plan: Any,
+    mesh: Any,
+    ids: torch.Tensor,
+    ref_logits: torch.Tensor,
+    projection: torch.Tensor,
+    layouts: dict[str, dict[str, str]],
+    outcome: Outcome,
+) -> None:
+    """The parallelized model against the unsharded one: logits, gradients, generation, train mode."""
     recorder = Recorder(model, plan, params=True)
     try:
         logits = model(input_ids=ids).logits

@@ -31,11 +31,22 @@ from typing import Any
 
 import multiprocessing as mp  # torch.multiprocessing's contexts are these; torch is imported in the ranks
 
-__all__ = ["PRELOAD", "RankFailed", "run_distributed", "start_server"]
+__all__ = ["PRELOAD", "RankFailed", "note_where", "run_distributed", "start_server"]
 
 # what every rank imports anyway; the forkserver imports it once, before its first fork (a
 # module that fails to import there is imported by the rank that needs it instead)
 PRELOAD = ("torch", "torch.distributed", "transformers.modeling_utils", "hpgen.runtime")
+
+_WHERE_BYTES = 512
+_where: Any = None  # in a rank: its slot of shared memory, read by the parent (see note_where)
+
+
+def note_where(text: str) -> None:
+    """In a rank of :func:`run_distributed`: keep ``text`` (where this rank is, e.g. the
+    collective it last entered) in a slot the parent reads when the rank never reports, so
+    that a hung collective is named per rank. A no-op outside a rank; costs one small copy."""
+    if _where is not None:
+        _where.value = text.encode("utf-8", "replace")[: _WHERE_BYTES - 1]
 
 
 class RankFailed(RuntimeError):
@@ -63,8 +74,8 @@ def run_distributed(
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results by rank.
 
     ``fn`` must be a module-level function (see the module docstring). ``timeout`` (seconds)
-    bounds the whole run, process start-up included, and is also the process group's
-    collective timeout. With ``backend="nccl"`` rank ``r`` uses ``cuda:r``; ``backend=None``
+    bounds the whole run from the ranks' start (their start-up included; the forkserver's own,
+    once a process, not), and is also the process group's collective timeout. With ``backend="nccl"`` rank ``r`` uses ``cuda:r``; ``backend=None``
     calls ``init_process_group`` without one, as a user may (torch picks the machine's default).
     """
     try:
@@ -76,12 +87,13 @@ def run_distributed(
     with tempfile.TemporaryDirectory(prefix="hpgen-dist-") as tmp:
         init_method = "file://" + os.path.join(tmp, "store")
         processes, receivers, pipes = [], [], {}
+        wheres = [context.Array("c", _WHERE_BYTES, lock=False) for _ in range(world_size)]
         try:
             for rank in range(world_size):
                 receiver, sender = context.Pipe(duplex=False)
                 process = context.Process(
                     target=_rank_main,
-                    args=(rank, world_size, backend, init_method, timeout, fn, args, sender),
+                    args=(rank, world_size, backend, init_method, timeout, fn, args, sender, wheres[rank]),
                     name=f"rank{rank}",
                     daemon=True,
                 )
@@ -90,7 +102,8 @@ def run_distributed(
                 processes.append(process)
                 receivers.append(receiver)
                 pipes[rank] = receiver
-            return _collect(processes, pipes, deadline, timeout)
+            deadline = time.monotonic() + timeout  # (from the ranks' start: not the forkserver's own, once)
+            return _collect(processes, pipes, deadline, timeout, wheres)
         finally:
             for process in processes:
                 process.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
@@ -127,7 +140,7 @@ def _context() -> Any:
 
 
 def _collect(
-    processes: list[Any], pipes: dict[int, Connection], deadline: float, timeout: float
+    processes: list[Any], pipes: dict[int, Connection], deadline: float, timeout: float, wheres: list[Any]
 ) -> list[Any]:
     """Read every rank's report; raise as soon as one rank failed (the caller kills the rest)."""
     world_size = len(processes)
@@ -136,7 +149,7 @@ def _collect(
         ready = wait(list(pipes.values()), timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
             raise RankFailed(
-                {rank: f"did not finish within {timeout:g}s (a hung collective?)" for rank in sorted(pipes)},
+                {rank: f"did not finish within {timeout:g}s{_where_text(wheres[rank])}" for rank in sorted(pipes)},
                 world_size,
             )
         failures = {}
@@ -148,7 +161,9 @@ def _collect(
                 status, value = pickle.loads(pipe.recv_bytes())
             except EOFError:
                 processes[rank].join(timeout=1.0)
-                status, value = "error", f"exited with code {processes[rank].exitcode} without reporting"
+                status, value = "error", (
+                    f"exited with code {processes[rank].exitcode} without reporting{_where_text(wheres[rank])}"
+                )
             if status == "ok":
                 results[rank] = value
             else:
@@ -161,6 +176,12 @@ def _collect(
     return [results[rank] for rank in range(world_size)]
 
 
+def _where_text(where: Any) -> str:
+    """What a rank last noted (:func:`note_where`), or a guess where it noted nothing."""
+    text = bytes(where.value).decode("utf-8", "replace")
+    return f": {text}" if text else " (a hung collective?)"
+
+
 def _rank_main(
     rank: int,
     world_size: int,
@@ -170,11 +191,14 @@ def _rank_main(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     pipe: Connection,
+    where: Any,
 ) -> None:
     """Body of one rank: join the group, run ``fn``, report, leave the group."""
     import torch  # preloaded by the forkserver
     import torch.distributed as dist
 
+    global _where
+    _where = where
     torch.set_num_threads(1)
     try:
         if backend == "nccl":

@@ -349,10 +349,27 @@ def _fail_on_rank_one(rank: int, world_size: int) -> None:
     dist.barrier()  # rank 0 waits for a peer that never comes
 
 
+class _Reduce(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ax = AxisCollectives(dist.group.WORLD, "ep")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ax.all_reduce(x)
+
+
 def _hang(rank: int, world_size: int) -> None:
+    """Rank 0 waits in a collective its peer never joins (rank 1 never reaches it)."""
     import time
 
-    time.sleep(600)
+    from hpgen.verify.hang import CollectiveWatch
+
+    if rank == 1:
+        time.sleep(600)
+    model = torch.nn.Sequential()
+    model.add_module("block", _Reduce())
+    with CollectiveWatch(model, {dist.group.WORLD: "ep"}):
+        model(torch.ones(2))
 
 
 def test_a_failing_rank_is_reported_without_hanging():
@@ -361,9 +378,13 @@ def test_a_failing_rank_is_reported_without_hanging():
     assert "_fail_on_rank_one" in str(info.value)  # the rank's traceback
 
 
-def test_a_hung_rank_times_out():
-    with pytest.raises(RankFailed, match="did not finish within 3s"):
-        run_distributed(_hang, timeout=3)
+def test_a_hung_rank_times_out_naming_the_collective_and_the_module_that_entered_it():
+    with pytest.raises(RankFailed) as info:
+        run_distributed(_hang, timeout=5)
+    assert info.value.failures == {
+        0: "did not finish within 5s: in all_reduce on ep (forward), entered by block",
+        1: "did not finish within 5s (a hung collective?)",
+    }
 
 
 def _what_the_rank_started_with(rank: int, world_size: int) -> tuple[list[str], int]:

@@ -160,6 +160,25 @@ def _scenarios() -> dict[str, tuple[str, str, dict[str, Any], dict[str, Any], li
             {},
             ["model.layers.0.input_layernorm", "shards its body on no axis", "Declare the layout", '"in_dst"'],
         ),
+        "grad_reduce_over_a_shard": (
+            "llama",
+            "llama_tp",
+            _with(tp, "model.layers.*.self_attn", grad_reduce_params=["q_proj.weight"]),
+            {},
+            [
+                "model.layers.0.self_attn.q_proj.weight: grad_reduce_params sums its gradient over 'tp' "
+                "(its body is sharded on)",
+                "param_plan['model.layers.*.self_attn'].params['q_proj.weight'] shards it there (S(0))",
+                "leave it out of grad_reduce_params",
+            ],
+        ),
+        "grad_reduce_named_axis_over_a_shard": (
+            "llama",
+            "llama_tp",
+            _with(tp, "model.layers.*.self_attn", grad_reduce_params={"o_proj.weight": ["tp"]}),
+            {},
+            ["self_attn.o_proj.weight: grad_reduce_params sums its gradient over 'tp' (it names)", "(S(1))"],
+        ),
         "divide_attr": (
             "llama",
             "llama_tp",

@@ -24,6 +24,7 @@ def plan_with_report(
     summed: bool = True,
     notes: bool,
     dtype: str | None,
+    attn_dp: bool = False,
 ) -> tuple[str, list[str]]:
     """The plan's JSON text and the messages for stderr (notes with ``notes``, the sizing report with ``tp``)."""
     from hpgen.planner.entry.make import plan_model
@@ -31,7 +32,16 @@ def plan_with_report(
     from hpgen.planner.translate.document import dumps_plan
 
     model = meta_model(load_config(target))
-    plan = plan_model(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, name=target, summed=summed)
+    if attn_dp and (ep is None or sp):
+        raise HpgenError("--attn-dp: give --ep N (and --tp M for attention tensor-parallel inside each group; not --sp)")
+    if attn_dp:
+        from hpgen.planner.passes.data_parallel_attention import data_parallel_attention
+
+        expert_plan = plan_model(model, ep=ep, ep_axis=ep_axis, from_source=from_source, name=target, summed=summed)
+        tp_plan = None if tp is None else plan_model(model, tp=tp, from_source=from_source, name=target, summed=summed)
+        plan = data_parallel_attention(model, expert_plan, target, tp_plan)
+    else:
+        plan = plan_model(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, name=target, summed=summed)
     comments = plan.get("comments", {})
     messages = [f"{target}: {comments.get('plan_source', 'plan')}"]
     if comments.get("derived_because"):  # transformers' plan shards a fused projection the heads do not divide

@@ -41,21 +41,31 @@ shortcut its peers did not would wait in a collective they never run):
 1. ``total=``: the caller knows the gathered dim's full size (a column-parallel
    ``lm_head`` knows its ``out_features``);
 2. inside a forward of a parallelized model (:func:`scope_shard_sizes`), the op of this
-   axis that last made a shard on the same dim in that forward (the ``split`` of the
-   sequence at the first decoder layer, a ``reduce_scatter``) left its sizes behind, and
-   the gathers after it use them. Every rank runs the same ops in the same order, so
-   every rank finds the same record; a shard whose size is not the recorded one is an
-   error, never a silent misread;
+   axis that last made a shard on the same dim of a tensor of the same other dims (and kind
+   of values: floating point or not) in that forward (the ``split`` of the sequence at the
+   first decoder layer, a ``reduce_scatter``)
+   left its sizes behind, and the gathers after it use them. Every rank runs the same ops
+   in the same order, so every rank finds the same record; a shard whose size is not the
+   recorded one is an error, never a silent misread;
 3. otherwise one small all-gather exchanges the sizes (a host synchronisation on CUDA;
    under ``torch.compile`` it needs ``torch._dynamo.config.capture_scalar_outputs``).
 
-The backward reuses the forward's sizes and exchanges nothing.
+A scatter (``reduce_scatter``, ``split``, an ``all_to_all``'s new shard) of a dim that a
+gather of the same forward made whole returns what each rank gave that gather (12 and 6
+tokens gathered into the experts come back 12 and 6, not 9 and 9); otherwise it cuts like
+``torch.tensor_split``. The records are kept per tensor shape, not per dim
+(:mod:`~hpgen.runtime.forward.shard_records`), and a rank may hold nothing (zero tokens)
+and still joins every collective. The backward reuses the forward's sizes and exchanges
+nothing.
 
 Under ``torch.compile`` (``torch.compiler.is_compiling()``) every op is written with
 torch's functional collectives (``torch.ops._c10d_functional``), which Dynamo traces and
 Inductor schedules, and the autograd node (one ``torch.autograd.Function``) is traced
 too, so a parallelized model compiles whole with ``fullgraph=True``, forward and
 backward. Eager calls keep the in-place ``torch.distributed`` collectives.
+
+Every op also takes a tuple or list of tensors (nested or not, the rotary ``(cos, sin)``):
+each element moves as a tensor would, and the result has the input's type.
 
 Results are fresh contiguous tensors; inputs are never modified. An axis of size one (or
 with no process group) returns its input itself from every op, with no autograd node, and
@@ -65,6 +75,7 @@ may live on any device the group's backend accepts (CPU with gloo, CUDA with NCC
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
@@ -77,6 +88,7 @@ from torch.autograd.function import once_differentiable
 from hpgen.shards import split_sizes
 
 from .handback import call
+from .shard_records import ShardRecords
 from .traced_collectives import TRACED as _TRACED
 from .traced_collectives import fc_all_gather as _fc_all_gather
 from .traced_collectives import received_shapes as _received_shapes
@@ -151,6 +163,19 @@ def _check(op: str, backward: str, reduce: str = "sum") -> None:
         )
 
 
+def _each_in_sequences(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Let an op take a tuple or list (nested or not) of tensors, as the rotary ``(cos, sin)``:
+    each element moves as a tensor would, in order, and the result has the input's type."""
+
+    @functools.wraps(method)
+    def each(self: AxisCollectives, x: Any, *args: Any, **kwargs: Any) -> Any:
+        if type(x) in (tuple, list):
+            return type(x)(each(self, v, *args, **kwargs) for v in x)
+        return method(self, x, *args, **kwargs)
+
+    return each
+
+
 def _norm_dim(dim: int, ndim: int) -> int:
     if not -ndim <= dim < ndim:
         raise IndexError(f"dim {dim} is out of range for a tensor of {ndim} dims")
@@ -197,9 +222,9 @@ class AxisCollectives:
         if self.size < 1 or self.rank < 0:
             raise ValueError(f"axis {name!r}: this process is not a member of the group given for it")
         self.backend = "" if group is None else str(dist.get_backend(group))
-        # dim -> every rank's size of the shard last made on that dim; None outside a
-        # model forward (see ShardScope), where nothing is recorded and nothing is used
-        self._known: dict[int, tuple[Size, ...]] | None = None
+        # the shard sizes this axis's ops saw in the current model forward, per tensor shape;
+        # None outside a model forward (see ShardScope), where nothing is recorded or used
+        self._known: ShardRecords | None = None
 
     def __repr__(self) -> str:
         return f"AxisCollectives({self.name!r}, rank={self.rank}, size={self.size})"
@@ -209,6 +234,7 @@ class AxisCollectives:
 
     # ---- the ops (placements as docs/plan-format.md defines them) -----------------------
 
+    @_each_in_sequences
     def all_reduce(self, x: Tensor | None, op: str = "sum", *, backward: str = "identity") -> Tensor | None:
         """``P(op) -> R``: reduce the ranks' partial values. ``op``: sum, avg, max or min."""
         _check("all_reduce", backward, op)
@@ -221,6 +247,7 @@ class AxisCollectives:
             return out
         return self._run(x, _Move("all_reduce", None, None, op), backward)
 
+    @_each_in_sequences
     def all_gather(
         self, x: Tensor | None, dim: int, *, backward: str = "reduce_scatter", total: Size | None = None
     ) -> Tensor | None:
@@ -235,23 +262,26 @@ class AxisCollectives:
         sizes = self._shard_sizes(x, d, total, "all_gather")
         return self._run(x, _Move("all_gather", _Shard(d, sizes), None), backward)
 
+    @_each_in_sequences
     def reduce_scatter(self, x: Tensor | None, dim: int, *, backward: str = "all_gather") -> Tensor | None:
         """``P(sum) -> S(dim)``: sum the ranks' partial values, keep this rank's chunk of ``dim``."""
         _check("reduce_scatter", backward)
         if x is None or self.size == 1:
             return x
         d = _norm_dim(dim, x.dim())
-        dst = self._made(d, x.size(d))
+        dst = self._made(x, d)
         return self._run(x, _Move("reduce_scatter", None, dst), backward)
 
+    @_each_in_sequences
     def split(self, x: Tensor | None, dim: int, *, backward: str = "all_gather") -> Tensor | None:
         """``R -> S(dim)``: keep this rank's chunk of ``dim``; no communication."""
         _check("split", backward)
         if x is None or self.size == 1:
             return x
         d = _norm_dim(dim, x.dim())
-        return self._run(x, _Move("split", None, self._made(d, x.size(d))), backward)
+        return self._run(x, _Move("split", None, self._made(x, d)), backward)
 
+    @_each_in_sequences
     def all_to_all(
         self,
         x: Tensor | None,
@@ -272,9 +302,10 @@ class AxisCollectives:
         if src == dst:
             raise ValueError(f"all_to_all needs two different dims, got src_dim={src_dim}, dst_dim={dst_dim}")
         src_shard = _Shard(src, self._shard_sizes(x, src, total, "all_to_all"))
-        move = _Move("all_to_all", src_shard, self._made(dst, x.size(dst)))
+        move = _Move("all_to_all", src_shard, self._made(x, dst))
         return self._run(x, move, backward)
 
+    @_each_in_sequences
     def copy(self, x: Tensor | None, *, backward: str = "all_reduce") -> Tensor | None:
         """``R -> R`` into a region sharded on this axis: identity forward; by default the
         gradient, partial inside the region, is all-reduced (Megatron's ``f``)."""
@@ -308,21 +339,45 @@ class AxisCollectives:
 
     # ---- shard sizes ------------------------------------------------------------------
 
-    def _made(self, dim: int, n: Size) -> _Shard:
-        """The shard an op makes of a dim of ``n``, recorded for the gathers after it."""
-        shard = _Shard(dim, split_sizes(n, self.size))
+    def shard_like(self, x: Tensor, like: Tensor, dim: int) -> None:
+        """Let a gather of ``x`` on ``dim`` take the sizes recorded for ``like``, a tensor
+        sharded on ``dim`` alike whose other dims differ (two norms' outputs concatenated on
+        their features: ``[b, s_i, 2h]`` from ``[b, s_i, h]``).
+
+        Records are kept per tensor shape, so without this the gather of ``x`` finds none and
+        exchanges sizes (a graph break under ``torch.compile``). Every rank calls it alike:
+        the lookup depends on ``like``'s other dims and ``x``'s shape, the same on every rank.
+        """
+        if self._known is None or self.size == 1:
+            return
+        d = _norm_dim(dim, like.dim())
+        sizes = self._known.for_gather(like, d)
+        if sizes is not None:
+            self._known.add(x, _norm_dim(dim, x.dim()), sizes, gathered=False)
+
+    def _made(self, x: Tensor, dim: int) -> _Shard:
+        """The shard a scatter makes of ``x``'s whole ``dim``, recorded for the gathers after it:
+        what a gather of the same forward took on that dim, if one took that total, else
+        ``torch.tensor_split``'s sizes."""
+        n = x.size(dim)
+        sizes = self._known.for_scatter(dim, n) if self._known is not None else None
+        shard = _Shard(dim, split_sizes(n, self.size) if sizes is None else sizes)
         if self._known is not None:
-            self._known[dim] = shard.sizes
+            self._known.add(x, dim, shard.sizes, gathered=False)
         return shard
 
     def _shard_sizes(self, x: Tensor, dim: int, total: Size | None, what: str) -> tuple[Size, ...]:
         """Every rank's size of ``x`` along ``dim``: from ``total``, a record, or an exchange."""
+        known = self._known.for_gather(x, dim) if self._known is not None and total is None else None
         if total is not None:
             sizes, origin = split_sizes(total, self.size), f"total={total}"
-        elif self._known is not None and dim in self._known:
-            sizes, origin = self._known[dim], "the shard last made on that dim in this forward"
+        elif known is not None:
+            sizes, origin = known, "the shard last made on that dim in this forward"
         else:
-            return self._exchange_sizes(x.size(dim), x.device)
+            sizes = self._exchange_sizes(x.size(dim), x.device)
+            if self._known is not None:  # what each rank gave: the conjugate scatter returns it
+                self._known.add(x, dim, sizes, gathered=True)
+            return sizes
         mine = x.size(dim)
         if _tracing():
             torch._check(mine == sizes[self.rank])  # (Dynamo takes no message built from locals)
@@ -403,7 +458,7 @@ class ShardScope:
 
     def enter(self, module: nn.Module, args: Any) -> None:
         for ax in self.axes:
-            ax._known = {}
+            ax._known = ShardRecords()
 
     def exit(self, module: nn.Module, args: Any, output: Any) -> None:
         for ax in self.axes:
@@ -442,6 +497,8 @@ def _all_reduce(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
 def _all_gather(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
     d, sizes = move.src
     most = max(sizes)
+    if most == 0:  # every rank holds nothing (known alike on every rank): nothing to send
+        return x.new_empty(x.shape)
     even = min(sizes) == most
     local = _pad_to(x, d, most).contiguous()  # uneven: every rank sends the largest shard size
     if even and math.prod(x.shape[:d]) == 1:  # the rank blocks, in order, are the result
@@ -460,6 +517,8 @@ def _all_gather(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
 def _reduce_scatter(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
     d, sizes = move.dst
     most = max(sizes)
+    if most == 0:  # an empty dim (known alike on every rank): nothing to reduce
+        return x.new_zeros(x.shape)
     even = min(sizes) == most
     if even:  # rank i's chunk is block i of [k, ..., m, ...]
         blocks = x.unflatten(d, (ax.size, most)).movedim(d, 0).contiguous()

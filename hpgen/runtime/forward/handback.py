@@ -19,6 +19,9 @@ the reference count it had before. The worker needs no GIL for a drop that leave
 object alive, so the wait cannot deadlock; it is bounded all the same, and a backend that
 keeps references for longer is not waited for again. CUDA tensors are not waited for: NCCL's
 work is released by its watchdog once the GPU is done, and waiting would stall the stream.
+
+Being the one door, :func:`call` also tells a watcher set with :func:`watch_collectives`
+of each collective as it starts (``hpgen verify`` names where a rank waits that way).
 """
 
 from __future__ import annotations
@@ -35,16 +38,32 @@ from torch import Tensor
 
 from hpgen.runtime.forward.devices import collective_device
 
-__all__ = ["all_gather_object", "broadcast_object", "call"]
+__all__ = ["all_gather_object", "broadcast_object", "call", "watch_collectives"]
 
 _BUDGET_S = 1.0  # a worker drops its references microseconds after the data moved, unless descheduled
 _YIELDS = 50  # then sleep in small steps rather than spin
 _waiting = hasattr(Tensor, "_use_count")  # off for good once the budget runs out
 
 
+# Told of each collective as it starts: hpgen verify keeps the last one per rank, to say
+# where a rank waits when a collective never completes (see watch_collectives).
+_watch: Callable[[str, Any], None] | None = None
+
+
+def watch_collectives(watch: Callable[[str, Any], None] | None) -> None:
+    """Call ``watch(name, group)`` as each collective :func:`call` runs starts (``name``: the
+    ``torch.distributed`` function's, ``group``: the ``group=`` it was given, ``None`` for the
+    default group), or stop with ``None``. For tools such as ``hpgen verify`` that name where
+    a rank waits when a collective never completes; otherwise one ``None`` check a call."""
+    global _watch
+    _watch = watch
+
+
 def call(collective: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``collective(*args, **kwargs)`` (a synchronous ``torch.distributed`` call), returning
     once the backend holds no reference to the CPU tensors in ``args`` (or in lists there)."""
+    if _watch is not None:
+        _watch(getattr(collective, "__name__", "a collective"), kwargs.get("group"))
     tensors = [t for t in _tensors(args) if t.device.type == "cpu"] if _waiting else []
     counts = [t._use_count() for t in tensors]
     result = collective(*args, **kwargs)

@@ -23,6 +23,7 @@ whatever tensor is registered when the body runs. Apply both after ``parallelize
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -35,7 +36,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hpgen.conv1d import is_conv1d
-from hpgen.plan import Plan, body_is_sharded
+from hpgen.placement import REPLICATE
+from hpgen.plan import Layout, Plan, body_is_sharded
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.collectives import AxisCollectives
 from hpgen.runtime.forward.handback import call
@@ -253,12 +255,16 @@ def survey_grad_reduce(
 ) -> list[GradReduce]:
     """Each Parameter whose gradient a rank holds only part of, with what to sum it over.
 
-    ``grad_reduce_params`` sum over every axis the boundary's body is sharded on;
-    ``RS(d,r)`` parameters over the ``r`` ranks of the axis holding the same chunk (their
-    replica group, :mod:`hpgen.runtime.install.groups`); the replicated blocks of a ``B``
-    parameter over their holders, those rows only.
+    ``grad_reduce_params`` sum over the axes the plan names for them, or else over every
+    axis the boundary's body is sharded on; a sum over an axis on which the plan shards the
+    parameter is refused (the ranks hold gradients of different slices). ``RS(d,r)``
+    parameters over the ``r`` ranks of the axis holding the same chunk (their replica group,
+    :mod:`hpgen.runtime.install.groups`); the replicated blocks of a ``B`` parameter over
+    their holders, those rows only.
     """
+    matched = list(matched)
     found: dict[int, GradReduce] = {}
+    layouts = _param_layouts(matched)
 
     def record(item: Matched, name: str) -> GradReduce:
         param = item.module.get_parameter(name)
@@ -271,7 +277,9 @@ def survey_grad_reduce(
 
     for item in matched:
         entry = item.entry
-        if entry.grad_reduce_params:
+        named = dict(entry.grad_reduce_axes)
+        sharded: list[str] = []
+        if any(name not in named for name in entry.grad_reduce_params):
             sharded = [axis for axis in plan.mesh_dim_names if body_is_sharded(entry, axis)]
             if not sharded:
                 raise ParallelizeError(
@@ -281,9 +289,11 @@ def survey_grad_reduce(
                     '"in_src": {"<input>": {"tp": "S(1)"}}, "in_dst": {"<input>": {"tp": "S(1)"}} '
                     "(<input> is its forward's parameter: 'input' for nn.LayerNorm)"
                 )
-            for name in entry.grad_reduce_params:
-                reduce = record(item, name)
-                reduce.axes += [axis for axis in sharded if axis not in reduce.axes]
+        for name in entry.grad_reduce_params:
+            reduce = record(item, name)
+            over = named.get(name) or sharded
+            _refuse_sum_over_shards(item, name, over, layouts.get(id(reduce.param)), bool(named.get(name)))
+            reduce.axes += [axis for axis in over if axis not in reduce.axes]
         for name, layout in entry.params.items():
             replicated = {a: layout.on(a).replicas for a in plan.mesh_dim_names if layout.on(a).kind == "RS"}
             if replicated:
@@ -295,6 +305,39 @@ def survey_grad_reduce(
                     reduce = record(item, name)
                     reduce.regions += [region for region in regions if region not in reduce.regions]
     return list(found.values())
+
+
+def _param_layouts(matched: Iterable[Matched]) -> dict[int, tuple[str, Layout]]:
+    """id(Parameter) -> (where the plan lays it out, its layout), from every entry's ``params``."""
+    found: dict[int, tuple[str, Layout]] = {}
+    for item in matched:
+        for name, layout in item.entry.params.items():
+            try:
+                param = item.module.get_parameter(name)
+            except AttributeError:
+                continue  # check_param_names reports it
+            found[id(param)] = (f"param_plan[{item.key!r}].params[{name!r}]", layout)
+    return found
+
+
+def _refuse_sum_over_shards(
+    item: Matched, name: str, axes: Sequence[str], layout: tuple[str, Layout] | None, named: bool
+) -> None:
+    """A gradient summed over an axis on which its parameter is sharded adds different slices: refused."""
+    if layout is None:
+        return
+    where, placements = layout
+    bad = [axis for axis in axes if placements.on(axis) != REPLICATE]
+    if not bad:
+        return
+    keep = [axis for axis in axes if axis not in bad]
+    how = "it names" if named else "its body is sharded on"
+    fix = f'"grad_reduce_params": {json.dumps({name: keep})}' if keep else "leave it out of grad_reduce_params"
+    raise ParallelizeError(
+        f"{item.fqn}.{name}: grad_reduce_params sums its gradient over {', '.join(map(repr, bad))} ({how}), "
+        f"but {where} shards it there ({placements.on(bad[0])}), so the ranks hold gradients of different slices; "
+        f"sum over the other axes only: {fix}"
+    )
 
 
 class FollowReducedParameters:

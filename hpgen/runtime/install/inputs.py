@@ -10,7 +10,9 @@ on the first :data:`CHECKED_FORWARDS` forwards a digest of every tensor argument
 shapes, dtypes and contents: one all-gather of four integers per axis). When the digests
 differ, every rank of the axis raises the same ``RuntimeError`` naming the ranks and the
 inputs that differ. ``parallelize(..., check_inputs=False)`` turns it off (for a model
-whose inputs are meant to differ across the ranks, as under context parallelism).
+whose inputs are meant to differ across the ranks, as under context parallelism), and
+``check_inputs=("tp",)`` keeps it on only the axes named (the ranks of the other axes
+serve requests of their own, as under data-parallel attention).
 """
 
 from __future__ import annotations
@@ -107,5 +109,5 @@ def _message(model: str, axis: str, ranks: Sequence[int], every: Sequence[Mappin
         f"to {model}.forward:\n" + "\n".join(lines) + "\nEvery rank of a tensor-parallel group computes part of the "
         "same batch, so each must be given the same one: shard the data over the data-parallel ranks only (e.g. "
         "DistributedSampler(dataset, num_replicas=<dp size>, rank=<dp rank>), not over the whole world). Inputs meant "
-        "to differ across these ranks: parallelize(..., check_inputs=False)."
+        "to differ across these ranks: parallelize(..., check_inputs=False), or check_inputs=(<the other axes>,)."
     )

@@ -96,7 +96,7 @@ def parallelize(
     mesh: DeviceMesh,
     *,
     generated: Iterable[types.ModuleType] = (),
-    check_inputs: bool = True,
+    check_inputs: bool | Iterable[str] = True,
 ) -> nn.Module:
     """Shard ``model``'s planned parameters and bind its boundaries' collectives; return ``model``.
 
@@ -117,8 +117,14 @@ def parallelize(
     applies to ``get_base_model()``, through peft's ``base_layer`` indirection, and the
     adapters are sharded like their base layers (:mod:`hpgen.runtime.install.adapters`), as they
     are when peft comes after ``parallelize``.
+
+    ``check_inputs``: the axes whose ranks must be fed the same inputs, checked on the
+    first forwards (:mod:`hpgen.runtime.install.inputs`); ``True`` for every axis,
+    ``False`` for none, or the names of some (``("tp",)`` where the ranks of ``ep`` serve
+    requests of their own under data-parallel attention).
     """
     plan = _as_plan(plan)
+    checked = _checked_axes(check_inputs, plan)
     peft_model = None
     base = peft_base_model(model)
     if base is not None:
@@ -153,8 +159,9 @@ def parallelize(
         listed = getattr(model, "_ddp_params_and_buffers_to_ignore", ())
         model._ddp_params_and_buffers_to_ignore = KeptFromDDP(groups, listed)
         model.register_forward_pre_hook(DataParallelCheck(groups))
-    if check_inputs and groups:
-        model.register_forward_pre_hook(InputCheck(groups, device), with_kwargs=True)
+    checked_groups = [(axis, group) for axis, group in groups if axis in checked]
+    if checked_groups:
+        model.register_forward_pre_hook(InputCheck(checked_groups, device), with_kwargs=True)
     # state_dict() as DTensors, load_state_dict of DTensors or full tensors, save_pretrained unsharded
     recorder = install_state_dict_hooks(model, survey.shards, mesh, axes, plan.mesh_dim_names)
     # peft's adapters, there now (sharded here) or added later (adopted when first seen)
@@ -176,6 +183,22 @@ _PARALLELIZED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 def parallelized_models() -> list[nn.Module]:
     """Every model ``parallelize`` has made that is still alive (``clip_grad_norm_`` finds parameters' layouts)."""
     return list(_PARALLELIZED)
+
+
+def _checked_axes(check_inputs: bool | Iterable[str], plan: Plan) -> tuple[str, ...]:
+    """The plan axes whose inputs are checked to agree (``check_inputs`` of :func:`parallelize`)."""
+    if isinstance(check_inputs, bool):
+        return tuple(plan.mesh_dim_names) if check_inputs else ()
+    if isinstance(check_inputs, str):
+        check_inputs = (check_inputs,)
+    names = tuple(check_inputs)
+    unknown = [name for name in names if name not in plan.mesh_dim_names]
+    if unknown:
+        raise ParallelizeError(
+            f"check_inputs names {', '.join(map(repr, unknown))}, not an axis of the plan "
+            f"({', '.join(plan.mesh_dim_names)})"
+        )
+    return names
 
 
 def _as_plan(plan: PlanLike) -> Plan:

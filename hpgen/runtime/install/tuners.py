@@ -74,6 +74,7 @@ def resolve_tuner_names(matched: Iterable[Matched]) -> list[Matched]:
             deferred_bias_params=tuple(rename[name] for name in entry.deferred_bias_params),
             grad_reduce_params=tuple(rename[name] for name in entry.grad_reduce_params),
             local_attrs=tuple((attr, _renamed_count(count, rename)) for attr, count in entry.local_attrs),
+            grad_reduce_axes=tuple((rename[name], axes) for name, axes in entry.grad_reduce_axes),
         )
         resolved.append(dataclasses.replace(item, entry=entry))
     return resolved
