@@ -26,9 +26,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from coverage import TABLE, architectures
-
-HEADS_BEGIN, HEADS_END = "<!-- heads: begin -->", "<!-- heads: end -->"
+from coverage import HEADS_BEGIN, HEADS_END, TABLE, architectures, with_section
 SIZES = (2, 4, 8)
 
 
@@ -130,14 +128,6 @@ def section() -> str:
     return "\n".join(lines) + "\n"
 
 
-def with_section(page: str, text: str) -> str:
-    """``page`` with its heads section replaced by ``text`` (appended when it has none)."""
-    if HEADS_BEGIN in page and HEADS_END in page:
-        before, rest = page.split(HEADS_BEGIN, 1)
-        return before + text + rest.split(HEADS_END, 1)[1].lstrip("\n")
-    return page.rstrip("\n") + "\n\n" + text
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--print", action="store_true", help="print the section instead of rewriting the page")
@@ -151,7 +141,7 @@ def main() -> None:
     if args.print:
         print(text)
     else:
-        args.table.write_text(with_section(args.table.read_text(), text))
+        args.table.write_text(with_section(args.table.read_text(), text, HEADS_BEGIN, HEADS_END))
 
 
 if __name__ == "__main__":

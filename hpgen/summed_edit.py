@@ -12,7 +12,10 @@ A branch's value is a name assigned from ``self.<branch>(...)`` (the first item 
 call's result is unpacked) or from a one-argument call of one of the block's modules on
 such a value or call (``self.post_attention_dropout(attn_output)``). The planner has checked that what lies
 between a branch and the sum is linear; here the site is only located, and it must be
-the only one.
+the only one. The planner reads the body on the path the instance takes; of its ``if`` tests,
+those on a branch module itself (``if self.shared_experts is not None:``, Ernie-4.5-MoE's
+guard around both the call and the sum) are decided here too: the plan names the branch,
+so the block holds it.
 """
 
 from __future__ import annotations
@@ -120,6 +123,20 @@ def _positions(values: _BranchValues, terms: list[cst.BaseExpression]) -> tuple[
     return first, second
 
 
+def _branch_test(test: cst.BaseExpression, values: _BranchValues) -> bool | None:
+    """``self.<branch> is not None``: True, ``is None``: False; None for any other test."""
+    if not isinstance(test, cst.Comparison) or len(test.comparisons) != 1:
+        return None
+    (comparison,) = test.comparisons
+    if not (isinstance(comparison.comparator, cst.Name) and comparison.comparator.value == "None"):
+        return None
+    if _self_path(test.left, values.self_name) not in values.branches:
+        return None
+    if isinstance(comparison.operator, cst.IsNot):
+        return True
+    return False if isinstance(comparison.operator, cst.Is) else None
+
+
 class _FindSites(cst.CSTVisitor):
     """The sums of the two branches' values in one statement, with the names as they stand there."""
 
@@ -158,6 +175,14 @@ def _walk(statements: list[cst.BaseStatement], values: _BranchValues, sites: lis
                 values.assign(small)
         elif isinstance(statement, (cst.FunctionDef, cst.ClassDef)):
             continue
+        elif isinstance(statement, cst.If) and _branch_test(statement.test, values) is not None:
+            # the path the instance takes, alone (the planner reads no other)
+            if _branch_test(statement.test, values):
+                _walk(_body(statement.body), values, sites)
+            elif isinstance(statement.orelse, cst.If):  # elif
+                _walk([statement.orelse], values, sites)
+            elif statement.orelse is not None:
+                _walk(_body(statement.orelse.body), values, sites)
         elif isinstance(statement, cst.If):
             paths = []
             branch: cst.BaseSuite | cst.If | cst.Else | None = statement

@@ -1,10 +1,12 @@
 """The pre-commit hooks of .pre-commit-hooks.yaml, and the configs docs/cli.md shows, run by pre-commit itself.
 
 A temporary git repository uses this repository as its hook source through
-``pre-commit try-repo`` (which installs hpgen into a fresh hook environment, without
-torch, from a commit: what a ``rev: <commit sha>`` config does), commits a stale
-generated file, and shows the hooks failing and then passing. The documented
-``repo: local`` config runs the hpgen installed in the environment.
+docs/cli.md's ``rev: <commit sha>`` config, filled in (pre-commit installs hpgen into a
+hook environment of its own, without torch, from that commit; uncommitted changes are
+committed in a shadow clone first, as ``pre-commit try-repo`` does), commits a stale
+generated file, and shows the hooks failing and then passing. The three runs share one
+pre-commit home, so the hook environment is built once (``try-repo`` would build it for
+each run). The documented ``repo: local`` config runs the hpgen installed in the environment.
 """
 
 import os
@@ -27,9 +29,33 @@ def git(repo: Path, *args: str) -> None:
     subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True)
 
 
-def pre_commit(repo: Path, hook: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+def git_output(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def hook_source(folder: Path) -> tuple[str, str]:
+    """This repository and its HEAD commit; with uncommitted changes to tracked files, a shadow clone
+    (under ``folder``) and a commit of the working tree there, as ``pre-commit try-repo`` makes."""
+    head = git_output(ROOT, "rev-parse", "HEAD")
+    changed = git_output(ROOT, "diff", "--name-only", "--no-renames", "HEAD").splitlines()
+    if not changed:
+        return str(ROOT), head
+    shadow = folder / "shadow"
+    git(folder, "clone", "-q", str(ROOT), str(shadow))
+    git(shadow, "checkout", "-q", head)
+    for name in changed:
+        if (ROOT / name).exists():
+            shutil.copy(ROOT / name, shadow / name)
+        else:
+            (shadow / name).unlink()
+    git(shadow, "add", "-A")
+    git(shadow, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--no-verify", "-m", "uncommitted changes")
+    return str(shadow), git_output(shadow, "rev-parse", "HEAD")
+
+
+def pre_commit(repo: Path, hook: str, env: dict[str, str], config: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pre_commit", "try-repo", str(ROOT), hook, "--all-files", "--verbose"],
+        [sys.executable, "-m", "pre_commit", "run", "--config", str(config), hook, "--all-files", "--verbose"],
         cwd=repo,
         env=env,
         capture_output=True,
@@ -55,31 +81,33 @@ def stale_project(tmp_path: Path) -> Path:
     return repo
 
 
-@pytest.fixture(scope="module")
-def hook_home(tmp_path_factory):
-    """One pre-commit cache for the module, so the hook environment is built once."""
-    return tmp_path_factory.mktemp("pre-commit-home")
-
-
-def test_hooks_fail_on_a_stale_file_and_pass_after_regeneration(tmp_path, hook_home):
+def test_hooks_fail_on_a_stale_file_and_pass_after_regeneration(tmp_path):
     repo = stale_project(tmp_path)
-    env = {**os.environ, "PRE_COMMIT_HOME": str(hook_home), "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+    # docs/cli.md's config of the repository's own hooks, filled in, with its read-only alternative too
+    (remote,) = [config for config in _documented_configs() if "repo: local" not in config]
+    source, rev = hook_source(tmp_path)
+    filled = remote.replace("<this repository's URL>", source).replace("<commit sha>", rev)
+    filled = filled.replace("# - id: hpgen-check  # read-only alternative", "- id: hpgen-check")
+    config = tmp_path / "pre-commit-config.yaml"  # outside the project's repository, which it would change
+    config.write_text(filled)
+    # one pre-commit home for the three runs: the hook environment is built once
+    env = {**os.environ, "PRE_COMMIT_HOME": str(tmp_path / "home"), "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
            "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
     git(repo, "init", "-q")
     git(repo, "add", ".")
     subprocess.run(["git", "commit", "-qm", "stale"], cwd=repo, env=env, check=True)
 
-    check = pre_commit(repo, "hpgen-check", env)
+    check = pre_commit(repo, "hpgen-check", env, config)
     assert check.returncode == 1, check.stdout + check.stderr
     assert "hpgen check" in check.stdout and "Failed" in check.stdout
     assert "would regenerate gen/modeling_tiny_tp.py" in check.stdout
 
-    lower = pre_commit(repo, "hpgen-lower", env)
+    lower = pre_commit(repo, "hpgen-lower", env, config)
     assert lower.returncode == 1, lower.stdout + lower.stderr
     assert "files were modified by this hook" in lower.stdout
     assert "wrote gen/modeling_tiny_tp.py" in lower.stdout
 
-    again = pre_commit(repo, "hpgen-check", env)
+    again = pre_commit(repo, "hpgen-check", env, config)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "Passed" in again.stdout
 
@@ -147,7 +175,7 @@ def test_the_hook_fails_when_it_creates_a_file(tmp_path: Path) -> None:
 
 def test_the_documented_remote_hooks_name_hooks_the_repository_has(tmp_path: Path) -> None:
     """The ``rev: <commit sha>`` config is valid once filled in, and names hooks of .pre-commit-hooks.yaml
-    (``pre-commit try-repo`` above runs those hooks from a commit, as that config does)."""
+    (the first test above runs those hooks from a commit through such a config)."""
     import yaml
 
     (remote,) = [config for config in _documented_configs() if "repo: local" not in config]

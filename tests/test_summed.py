@@ -235,6 +235,46 @@ def test_a_sum_written_in_place_becomes_one_reduced_assignment() -> None:
     assert "        return feed_forward_hidden_states + residual\n" in generated
 
 
+def test_a_test_on_a_branch_module_takes_the_path_the_instance_takes() -> None:
+    """``if self.mlp is not None:`` around a branch's call, ``if self.attn is None:`` before the sum: the plan
+    names both branches, so the block holds them and the lowering follows the path the planner read (it
+    found no sum: after an ``if`` without ``else`` the call's value was unknown)."""
+    text = SOURCE.read_text().replace(
+        "        feed_forward_hidden_states = self.mlp(hidden_states)\n"
+        "        return attn_output + feed_forward_hidden_states + residual\n",
+        "        if self.mlp is not None:\n"
+        "            feed_forward_hidden_states = self.mlp(hidden_states)\n"
+        "        if self.attn is None:\n"
+        "            return feed_forward_hidden_states + residual\n"
+        "        else:\n"
+        "            return attn_output + feed_forward_hidden_states + residual\n",
+    )
+    generated = lower(text, load_plan(PLAN), source_name=SOURCE.name)
+    assert "            return feed_forward_hidden_states + residual\n" in generated
+    assert "            return self._hp_tp.all_reduce(attn_output + feed_forward_hidden_states) + residual\n" in generated
+    assert generated.count("# hpgen summed reduction:") == 1
+
+
+def test_ernie_moe_shared_experts_guarded_by_their_none_test_are_summed_under_sp() -> None:
+    """Ernie-4.5-MoE calls and adds its shared experts under ``if self.shared_experts is not None:``; with
+    ``--sp`` the planner sums them with the routed experts, and the lowering places that one sum."""
+    from hpgen.planner.load import meta_model, model_and_config
+    from hpgen.planner.make import plan_model
+    from hpgen.verify.shrink import tiny_config
+
+    _, config = model_and_config(tiny_config("ernie4_5_moe"))
+    plan = plan_model(meta_model(config), tp=2, name="ernie4_5_moe", sp=True)
+    (key,) = [k for k, entry in plan["param_plan"].items() if "summed_reduction" in entry]
+    assert plan["param_plan"][key]["summed_reduction"] == {"branches": ["experts", "shared_experts"]}
+    path = transformers_modeling_file("ernie4_5_moe")
+    text = lower(path.read_text(), plan_from_dict(plan), source_name=path.name)
+    assert "final_hidden_states = self._hp_tp.all_reduce(final_hidden_states + shared_output)" in text
+    _assert_only_the_sum_changed(
+        _function(ast.parse(path.read_text()), "Ernie4_5_MoeSparseMoeBlock", "forward"),
+        _function(ast.parse(text), "Ernie4_5_MoeSparseMoeBlock", "_forward_impl"),
+    )
+
+
 @pytest.mark.parametrize("family", ["falcon_nda", "falcon_mha"])
 def test_falcon_attention_is_sharded_by_heads_and_summed_with_the_mlp(family: str) -> None:
     """The rotary configs' dead ALiBi branch (the model passes ``alibi=None``) no longer blocks dividing the

@@ -12,6 +12,7 @@ torch and transformers are imported inside the functions that need them.
 from __future__ import annotations
 
 import inspect
+from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -156,10 +157,16 @@ def defined_in(cls: type, source: Path) -> bool:
 
 
 def index_source(source: Path) -> tuple[ParsedSource, ModuleIndex]:
+    """``source`` parsed and indexed; read-only for the callers: the same text is parsed once a process
+    (each plan reads its modeling file again, and parsing is most of a small model's planning)."""
+    return _indexed(source.name, source.read_text(encoding="utf-8"))
+
+
+@lru_cache(maxsize=16)
+def _indexed(name: str, text: str) -> tuple[ParsedSource, ModuleIndex]:
     from hpgen.index import index_module, parse_source
 
-    text = source.read_text(encoding="utf-8")
-    parsed = parse_source(text, name=source.name)
+    parsed = parse_source(text, name=name)
     return parsed, index_module(parsed)
 
 

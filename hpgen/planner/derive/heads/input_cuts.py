@@ -45,7 +45,7 @@ def head_inputs(rules: HeadRules, inner: Flow, common: str, rows: Iterable[str],
         return {}
     listed = ", ".join(repr(n) for n in names)
     try:
-        layouts = head_layouts(rules.model, {common: tuple(names)}, query_heads)
+        layouts = head_layouts(rules.model, {common: tuple(names)}, query_heads, recorded=rules.meta_arguments)
     except RuntimeError as error:
         raise Refused(
             f"the attention adds {listed}, made outside it, and hpgen cannot tell its head dim: {error}"

@@ -56,42 +56,33 @@ def probe_sizes(heads: int) -> tuple[int, int]:
     return batch, length
 
 
-def head_layouts(model: Any, wanted: dict[str, tuple[str, ...]], heads: int) -> dict[tuple[str, str], HeadLayout]:
+def head_layouts(
+    model: Any, wanted: dict[str, tuple[str, ...]], heads: int, *, recorded: dict[Any, Any] | None = None
+) -> dict[tuple[str, str], HeadLayout]:
     """``(module FQN, argument) -> HeadLayout`` for the ``wanted`` arguments, from one meta-device forward.
 
-    Raises ``RuntimeError`` (with the cause) when the model cannot run on the meta device or
-    a wanted module is not called.
+    ``recorded``, kept by the caller for one model (a derivation asks once per decoder layer),
+    holds what each forward saw: the model runs once per probe size and class of the wanted
+    modules, every module of those classes recorded, instead of once per layer. Raises
+    ``RuntimeError`` (with the cause) when the model cannot run on the meta device or a wanted
+    module is not called.
     """
-    import torch
-
     batch, length = probe_sizes(heads)
-    seen: dict[tuple[str, str], Any] = {}
-    handles = []
-    for fqn, names in wanted.items():
-        module = model.get_submodule(fqn)
-        signature = inspect.signature(type(module).forward)
-
-        def hook(module: Any, args: tuple, kwargs: dict, fqn: str = fqn, names: tuple = names, sig: Any = signature) -> None:
-            try:
-                bound = sig.bind(module, *args, **kwargs).arguments
-            except TypeError:
-                return
-            for name in names:
-                value = bound.get(name, bound.get("kwargs", {}).get(name) if isinstance(bound.get("kwargs"), dict) else None)
-                seen.setdefault((fqn, name), tuple(value.shape) if isinstance(value, torch.Tensor) else None)
-
-        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        meta_forward(model, batch, length)
-    finally:
-        for handle in handles:
-            handle.remove()
+    classes = frozenset(type(model.get_submodule(fqn)) for fqn in wanted)
+    key = (batch, length, classes)
+    recorded = {} if recorded is None else recorded
+    if key not in recorded:
+        recorded[key] = _record_arguments(model, classes, batch, length)
+    arguments = recorded[key]
+    if isinstance(arguments, str):  # the forward failed: the same error for every layer
+        raise RuntimeError(arguments)
     found: dict[tuple[str, str], HeadLayout] = {}
     for fqn, names in wanted.items():
         for name in names:
-            if (fqn, name) not in seen:
+            if fqn not in arguments:
                 raise RuntimeError(f"{fqn} was not called with {name} in a forward on the meta device")
-            shape = seen[(fqn, name)]
+            given, extra = arguments[fqn]
+            shape = given.get(name, extra.get(name))
             if shape is None:
                 found[(fqn, name)] = HeadLayout("none")
             elif heads in shape and shape.count(heads) == 1:
@@ -103,6 +94,42 @@ def head_layouts(model: Any, wanted: dict[str, tuple[str, ...]], heads: int) -> 
             else:
                 found[(fqn, name)] = HeadLayout("none", shape=shape)
     return found
+
+
+def _record_arguments(model: Any, classes: frozenset[type], batch: int, length: int) -> dict[str, Any] | str:
+    """Module FQN -> (its arguments' shapes, its ``**kwargs``' shapes; ``None`` where not a tensor) at its
+    first call in one meta forward, for every module of ``classes``; the error text where the model cannot run."""
+    import torch
+
+    def shape(value: Any) -> tuple[int, ...] | None:
+        return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+    seen: dict[str, Any] = {}
+    handles = []
+    for fqn, module in model.named_modules(remove_duplicate=False):  # a shared module: each of its names
+        if type(module) not in classes:
+            continue
+        signature = inspect.signature(type(module).forward)
+
+        def hook(module: Any, args: tuple, kwargs: dict, fqn: str = fqn, sig: Any = signature) -> None:
+            if fqn in seen:
+                return
+            try:
+                bound = sig.bind(module, *args, **kwargs).arguments
+            except TypeError:
+                return
+            extra = bound.get("kwargs") if isinstance(bound.get("kwargs"), dict) else {}
+            seen[fqn] = ({n: shape(v) for n, v in bound.items()}, {n: shape(v) for n, v in extra.items()})
+
+        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        meta_forward(model, batch, length)
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
 
 
 def meta_forward(model: Any, batch: int, length: int) -> None:

@@ -65,6 +65,12 @@ class HeadRules:
         """The rules inside the decoder layer whose flow is ``flow``."""
         return HeadRules(self.model, self.modules, self.tp, self.config, flow, self._cache)
 
+    @property
+    def meta_arguments(self) -> dict[Any, Any]:
+        """The arguments meta-device forwards of the model gave its modules, kept for the derivation
+        (:func:`hpgen.planner.head_inputs.head_layouts`): one forward serves every decoder layer."""
+        return self._cache.setdefault("meta_arguments", {})
+
     def head_counts(self, cols: AbstractSet[str], rows: AbstractSet[str]) -> dict[str, int]:
         """Head counts the modules between the projections hold (``num_heads``...), by attribute name."""
         counts: dict[str, int] = {}
