@@ -42,8 +42,8 @@ def _plan_document() -> dict:
 
 
 def _planned(family: str, **options: object) -> dict:
-    from hpgen.planner.model.load import load_config, meta_model
     from hpgen.planner.entry.make import plan_model
+    from hpgen.planner.model.load import load_config, meta_model
     from tests.derived_configs import CONFIGS, tiny
 
     config = tiny(family) if family in CONFIGS else load_config(family)
@@ -126,8 +126,8 @@ def test_sequence_parallel_blocks_reduce_scatter_once() -> None:
 
 
 def test_a_sequential_residual_block_and_the_option_off_keep_two_reductions() -> None:
-    from hpgen.planner.model.load import meta_model
     from hpgen.planner.entry.make import plan_model
+    from hpgen.planner.model.load import meta_model
     from tests.derived_configs import tiny
 
     config = tiny("stablelm")
@@ -258,8 +258,8 @@ def test_a_test_on_a_branch_module_takes_the_path_the_instance_takes() -> None:
 def test_ernie_moe_shared_experts_guarded_by_their_none_test_are_summed_under_sp() -> None:
     """Ernie-4.5-MoE calls and adds its shared experts under ``if self.shared_experts is not None:``; with
     ``--sp`` the planner sums them with the routed experts, and the lowering places that one sum."""
-    from hpgen.planner.load import meta_model, model_and_config
-    from hpgen.planner.make import plan_model
+    from hpgen.planner.entry.make import plan_model
+    from hpgen.planner.model.load import meta_model, model_and_config
     from hpgen.verify.shrink import tiny_config
 
     _, config = model_and_config(tiny_config("ernie4_5_moe"))
@@ -291,8 +291,8 @@ def test_falcon_keeps_its_attention_whole_where_alibi_reads_its_heads() -> None:
     Falcon (``[Q heads | K | V]``) is sharded and summed (tests/planner/derive/heads/test_uneven.py)."""
     from tests.derived_configs import tiny
 
-    from hpgen.planner.model.load import meta_model
     from hpgen.planner.entry.make import plan_model
+    from hpgen.planner.model.load import meta_model
 
     config = tiny("falcon_mha")
     config.alibi = True

@@ -68,7 +68,7 @@ class HeadRules:
     @property
     def meta_arguments(self) -> dict[Any, Any]:
         """The arguments meta-device forwards of the model gave its modules, kept for the derivation
-        (:func:`hpgen.planner.head_inputs.head_layouts`): one forward serves every decoder layer."""
+        (:func:`hpgen.planner.derive.heads.input_dims.head_layouts`): one forward serves every decoder layer."""
         return self._cache.setdefault("meta_arguments", {})
 
     def head_counts(self, cols: AbstractSet[str], rows: AbstractSet[str]) -> dict[str, int]:
