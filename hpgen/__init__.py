@@ -11,8 +11,8 @@ docs/architecture.md draws it):
   ``plan_names`` the name checks and FQN patterns), ``placement``, ``classify``,
   ``shards`` (shard arithmetic, ``ShardLayout``), ``header``,
   ``stubs`` (kernel-stub detection), ``conv1d`` (transformers' ``Conv1D``), ``errors``,
-  ``durable``: plain data every layer
-  shares; no torch at import time, no libcst;
+  ``durable``, ``context_coverage`` (the ``cp`` axis's names and what context
+  parallelism does not cover): plain data every layer shares; no torch at import time, no libcst;
 - generator (core): ``index``, ``resolve``, ``emit``, ``lower``, ``write``, ``targets``,
   ``explain``, ``generate``, ``summed_edit``, ``param_dims``, ``entry_names``: libcst in,
   files out;

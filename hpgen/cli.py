@@ -331,6 +331,11 @@ def explain_command(
 @click.argument("model")
 @click.option("--tp", type=click.IntRange(min=1), help="Tensor-parallel size the plan must divide (heads).")
 @click.option("--sp", is_flag=True, help="Keep the residual stream sequence-sharded between decoder layers.")
+@click.option(
+    "--cp",
+    type=click.IntRange(min=1),
+    help="Context parallelism: cut the sequence over this many ranks of a 'cp' axis (outside tp).",
+)
 @click.option("--ep", type=click.IntRange(min=1), help="Shard the experts by expert over this many ranks.")
 @click.option(
     "--ep-axis",
@@ -357,6 +362,7 @@ def plan_command(
     model: str,
     tp: int | None,
     sp: bool,
+    cp: int | None,
     ep: int | None,
     ep_axis: str | None,
     attn_dp: bool,
@@ -388,6 +394,7 @@ def plan_command(
                 summed=not no_summed,
                 notes=show_notes,
                 dtype=dtype,
+                cp=cp,
                 attn_dp=attn_dp,
             )
         for message in messages:

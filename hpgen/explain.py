@@ -7,6 +7,7 @@ from typing import Any
 import libcst as cst
 
 from hpgen.classify import DEFAULT_BACKWARD, Contract, Op, is_identity_contract, value_ops
+from hpgen.context_coverage import CONTEXT_AXIS, GATHERED_KV_ATTENTION, HEAD_TAIL, gathered_kv_ops
 from hpgen.lower import Analysis
 from hpgen.plan import Plan
 from hpgen.summed_edit import SummedSiteError, rewrite_summed
@@ -73,6 +74,8 @@ def sizes_note(op: Op, made: dict[tuple[str, object], set[str]], *, features: bo
 def _why(op: Op) -> str:
     if op.kind == "copy":
         return "the body is sharded on this axis, so the gradient of this replicated input is partial"
+    if op.axis == CONTEXT_AXIS and op.kind in ("split", "all_gather"):
+        return f"{op.axis} {op.src} -> {op.dst} lowers to {op.kind}, in the {HEAD_TAIL}"
     return f"{op.axis} {op.src} -> {op.dst} lowers to {op.kind}"
 
 
@@ -83,8 +86,17 @@ def _undeclared(contract: Contract) -> list[dict[str, Any]]:
     return [{"value": name, "axes": list(contract.undeclared_axes)} for name in names]
 
 
-def _contract_record(contract: Contract, class_name: str, made: dict[tuple[str, object], set[str]]) -> dict[str, Any]:
+def _contract_record(
+    contract: Contract, class_name: str, made: dict[tuple[str, object], set[str]], plan: Plan
+) -> dict[str, Any]:
     ops = [op for value in (*contract.inputs, *contract.outputs) for op in value.active]
+    counts = contract.collectives_per_call()
+    body_ops: list[dict[str, Any]] = []
+    if contract.region_target == GATHERED_KV_ATTENTION:  # the cp attention's gathers, inside the body
+        injection = plan.injection_for(contract.keys[0])
+        axis = injection.local_compute_fn.kwargs_dict().get("axis", "cp") if injection is not None else "cp"
+        body_ops = gathered_kv_ops(str(axis))
+        counts = {**counts, "all_gather": counts.get("all_gather", 0) + 2}
     return {
         "class": class_name,
         "fqns": list(contract.keys),
@@ -93,7 +105,8 @@ def _contract_record(contract: Contract, class_name: str, made: dict[tuple[str, 
         "reasons": list(contract.reasons),
         "region": contract.region_target,
         "ops": [_op_record(op, sizes_note(op, made)) for op in ops],
-        "collectives_per_call": contract.collectives_per_call(),
+        "body_ops": body_ops,
+        "collectives_per_call": counts,
         "undeclared_inputs": _undeclared(contract),
         "summed": None,
     }
@@ -193,7 +206,7 @@ def explain(analysis: Analysis) -> dict[str, Any]:
     nodes = {node.name.value: node for node in analysis.parsed.module.body if isinstance(node, cst.ClassDef)}
     for name, lowering in analysis.classes.items():
         for contract, subclass in zip(lowering.contracts, [name, *lowering.subclass_names]):
-            record = _contract_record(contract, subclass, made)
+            record = _contract_record(contract, subclass, made, analysis.plan)
             record["summed"] = _summed_record(contract, nodes.get(name))
             classes.append(record)
         if lowering.identity_keys:
@@ -206,6 +219,7 @@ def explain(analysis: Analysis) -> dict[str, Any]:
                     "reasons": [],
                     "region": None,
                     "ops": [],
+                    "body_ops": [],
                     "collectives_per_call": {},
                     "undeclared_inputs": [],
                     "summed": None,
@@ -268,6 +282,9 @@ def explain_text(report: dict[str, Any]) -> str:
         for reason in record["reasons"]:
             lines.append(f"  generic because {reason}")
         lines += _op_lines(record["ops"])
+        if record.get("body_ops"):
+            lines.append("  inside the body (the local compute function):")
+            lines += _op_lines(record["body_ops"])
         summed = record.get("summed")
         if summed:
             lines.append(f"  summed reduction of {' + '.join(summed['branches'])}, once (the one edit in the body):")

@@ -137,3 +137,13 @@ def test_the_readme_walk_through_runs_as_written(tmp_path: Path) -> None:
     found = re.findall(r"rank (\d): largest difference to the unsharded logits ([\d.e+-]+), ([\d.e+-]+)", done.stdout)
     assert sorted(rank for rank, _, _ in found) == ["0", "1"], done.stdout[-2000:]
     assert all(float(a) < 1e-4 and float(b) < 1e-4 for _, a, b in found), found
+
+
+def test_long_context_trains_like_one_process_under_cp() -> None:
+    out = _ranks_run("long_context.py", 2)
+    steps = re.findall(r"step \d+: loss ([\d.]+)  \(unsharded model on one process: ([\d.]+)\)", out)
+    assert len(steps) == 3, out
+    for mine, reference in steps:
+        assert abs(float(mine) - float(reference)) <= 1e-4 * max(1.0, abs(float(reference))), out
+    assert float(steps[-1][0]) < float(steps[0][0])  # it trains
+    assert "greedy tokens after a cp prefill match" in out, out

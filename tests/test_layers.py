@@ -17,7 +17,7 @@ import hpgen
 PACKAGE = Path(hpgen.__file__).parent
 
 # The core: plain data every layer shares (no torch at import time, no libcst).
-CORE = {"placement", "plan", "plan_entries", "plan_names", "plan_reader", "classify", "shards", "header", "stubs", "errors", "durable", "conv1d"}
+CORE = {"placement", "plan", "plan_entries", "plan_names", "plan_reader", "classify", "shards", "header", "stubs", "errors", "durable", "conv1d", "context_coverage"}
 # The generator: reads sources with libcst and writes generated files.
 GENERATOR = {"index", "resolve", "emit", "lower", "write", "targets", "explain", "generate", "summed_edit", "param_dims", "entry_names"}
 
@@ -189,6 +189,8 @@ NAMED_FROM_OUTSIDE = {
     "defaults": "generated files import it",
     "local": "plans name its functions (local_compute_fn)",
     "local_heads": "plans name its functions (local_compute_fn)",
+    "context_attention": "plans name its gathered_kv_attention (local_compute_fn)",
+    "context_logits": "users call its shard_logits (docs/context-parallel.md)",
     "errors": "users catch its ParallelizeError",
     "folder_swap": "users call its recover (docs/checkpoints.md)",
     "shard_layout": "torch.save of a state dict holding an SS parameter records its PackedShard",

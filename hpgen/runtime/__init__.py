@@ -11,22 +11,24 @@ model's gradient norm, and clipping by it) are loaded on first use so that gener
 ``hpgen.runtime.defaults``, do not pay for them.
 
 Module map. The top level keeps only the modules that something outside hpgen names by
-path: generated files import ``defaults``; plans name functions in ``local`` and
-``local_heads``; users catch ``errors.ParallelizeError`` (which every group raises) and
-call ``folder_swap.recover``; ``torch.save`` of a state dict holding an ``SS`` parameter
+path: generated files import ``defaults``; plans name functions in ``local``,
+``local_heads`` and ``context_attention``; users call ``context_logits.shard_logits`` and
+``folder_swap.recover`` and catch ``errors.ParallelizeError`` (which every group raises); ``torch.save`` of a state dict holding an ``SS`` parameter
 records ``shard_layout.PackedShard``; users train with ``trainer.Trainer`` (transformers'
 ``Trainer`` for parallelized models). Everything else is in a subpackage by role, whose
 docstring says what each of its modules does. docs/runtime.md has the same table;
 ``tests/test_layers.py`` checks that both name every module, each in exactly one group:
 
 - ``hpgen.runtime`` (named from outside hpgen): ``defaults``, ``local``, ``local_heads``,
-  ``errors``, ``folder_swap``, ``shard_layout``, ``trainer``;
+  ``context_attention``, ``context_logits``, ``errors``, ``folder_swap``, ``shard_layout``,
+  ``trainer``;
 - ``hpgen.runtime.install`` (survey and install: what ``parallelize`` runs): ``parallelize``,
   ``agreement``, ``targets``, ``counterparts``, ``params``, ``attrs``, ``groups``, ``hooks``,
-  ``summed``, ``kernels``, ``stubs``, ``inputs``, ``tuners``, ``adapters``, ``wrapped``;
+  ``summed``, ``kernels``, ``stubs``, ``inputs``, ``tuners``, ``adapters``, ``wrapped``,
+  ``context_checks``;
 - ``hpgen.runtime.forward`` (what generated forwards call): ``collectives``,
-  ``traced_collectives``, ``shard_records``, ``handback``, ``devices``, ``boundary``, ``ops``, ``wrappers``,
-  ``streams``, ``sampling``;
+  ``traced_collectives``, ``shard_records``, ``handback``, ``devices``, ``boundary``, ``ops``,
+  ``wrappers``, ``streams``, ``sampling``, ``context_axis``;
 - ``hpgen.runtime.checkpoint`` (checkpoints and state dicts: read, presented to DCP and
   FSDP2, written): ``loading``, ``checkpoint_files``, ``file_maps``, ``conversions``,
   ``state_dict``, ``fsdp_state``, ``dcp_files``, ``saving``;

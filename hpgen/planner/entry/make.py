@@ -36,6 +36,7 @@ def make_plan(
     ep_axis: str | None = None,
     from_source: bool = False,
     summed: bool = True,
+    cp: int | None = None,
 ) -> dict[str, Any]:
     """The frozen plan for a model type or config.json (see :func:`plan_model`)."""
     from hpgen.planner.model.load import load_config, meta_model
@@ -49,6 +50,7 @@ def make_plan(
         from_source=from_source,
         name=target,
         summed=summed,
+        cp=cp,
     )
 
 
@@ -73,18 +75,27 @@ def plan_model(
     ep_axis: str | None = None,
     name: str | None = None,
     summed: bool = True,
+    cp: int | None = None,
 ) -> dict[str, Any]:
     """The frozen plan for ``model`` (an instance, normally on the meta device); ``ep_axis`` as for
     :func:`hpgen.planner.translate.translator.translated_plan` (transformers' plans only). A plan whose boundaries live
     in several modeling files names each class by file (:func:`hpgen.planner.passes.modeling_files.name_files`).
-    ``summed``: parallel-residual blocks reduce their two branches once (:mod:`hpgen.planner.passes.summed_reductions`)."""
+    ``summed``: parallel-residual blocks reduce their two branches once (:mod:`hpgen.planner.passes.summed_reductions`).
+    ``cp``: the sequence cut over a ``cp`` axis outside the tensor-parallel one (:mod:`hpgen.planner.passes.context_parallel`);
+    without ``tp``, ``sp`` or ``ep`` the plan is context-parallel alone."""
     from hpgen.planner.passes.modeling_files import name_files
     from hpgen.planner.passes.summed_reductions import add_summed_reductions
 
     name = name or type(model).__name__
-    plan = _plan_model(model, tp=tp, ep=ep, sp=sp, from_source=from_source, ep_axis=ep_axis, name=name)
-    if summed:
-        plan = add_summed_reductions(model, plan)
+    plan = None
+    if cp is None or tp is not None or sp or ep is not None:
+        plan = _plan_model(model, tp=tp, ep=ep, sp=sp, from_source=from_source, ep_axis=ep_axis, name=name)
+        if summed:
+            plan = add_summed_reductions(model, plan)
+    if cp is not None:
+        from hpgen.planner.passes.context_parallel import context_parallel
+
+        plan = context_parallel(model, plan, cp=cp, name=name)
     return name_files(model, plan).document()  # the one place the plan becomes a document
 
 

@@ -24,6 +24,7 @@ def plan_with_report(
     summed: bool = True,
     notes: bool,
     dtype: str | None,
+    cp: int | None = None,
     attn_dp: bool = False,
 ) -> tuple[str, list[str]]:
     """The plan's JSON text and the messages for stderr (notes with ``notes``, the sizing report with ``tp``)."""
@@ -34,6 +35,8 @@ def plan_with_report(
     model = meta_model(load_config(target))
     if attn_dp and (ep is None or sp):
         raise HpgenError("--attn-dp: give --ep N (and --tp M for attention tensor-parallel inside each group; not --sp)")
+    if attn_dp and cp is not None:
+        raise HpgenError("--attn-dp: not with --cp (attention cannot be data-parallel and context-parallel at once)")
     if attn_dp:
         from hpgen.planner.passes.data_parallel_attention import data_parallel_attention
 
@@ -41,9 +44,13 @@ def plan_with_report(
         tp_plan = None if tp is None else plan_model(model, tp=tp, from_source=from_source, name=target, summed=summed)
         plan = data_parallel_attention(model, expert_plan, target, tp_plan)
     else:
-        plan = plan_model(model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, name=target, summed=summed)
+        plan = plan_model(
+            model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, name=target, summed=summed, cp=cp
+        )
     comments = plan.get("comments", {})
-    messages = [f"{target}: {comments.get('plan_source', 'plan')}"]
+    messages = [f"{target}: {comments.get('plan_source', 'context parallel')}"]
+    if comments.get("context_parallel"):
+        messages.append(f"  {comments['context_parallel']}")
     if comments.get("derived_because"):  # transformers' plan shards a fused projection the heads do not divide
         messages.append(f"  not transformers' plan: {comments['derived_because']}")
     if comments.get("modeling_files"):  # one `hpgen lower` per file; parallelize(..., generated=[...]) takes them

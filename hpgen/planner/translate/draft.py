@@ -40,6 +40,9 @@ class DraftEntry:
     params: Mapping[str, Layout] = field(default_factory=dict)
     deferred_bias_params: tuple[str, ...] = ()
     grad_reduce_params: tuple[str, ...] = ()
+    # the axes each of grad_reduce_params sums over, where the plan names them (then for every
+    # one of them); empty: each sums over every axis the body is sharded on
+    grad_reduce_axes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     divide_attrs: Mapping[str, int] = field(default_factory=dict)
     tp_divide_attrs: tuple[str, ...] = ()
     local_attrs: Mapping[str, LocalCount] = field(default_factory=dict)  # attribute -> its count on each rank
@@ -58,9 +61,12 @@ class DraftEntry:
             entry["out_names"] = list(self.out_names)
         if self.params:
             entry["params"] = {name: layout.document() for name, layout in self.params.items()}
-        for part in ("deferred_bias_params", "grad_reduce_params"):
-            if getattr(self, part):
-                entry[part] = list(getattr(self, part))
+        if self.deferred_bias_params:
+            entry["deferred_bias_params"] = list(self.deferred_bias_params)
+        if self.grad_reduce_axes:
+            entry["grad_reduce_params"] = {name: list(self.grad_reduce_axes[name]) for name in self.grad_reduce_params}
+        elif self.grad_reduce_params:
+            entry["grad_reduce_params"] = list(self.grad_reduce_params)
         if self.divide_attrs:
             entry["divide_attrs"] = dict(self.divide_attrs)
         for part in ("tp_divide_attrs", "out_grad_partial", "in_grad_partial"):

@@ -10,5 +10,6 @@
 - ``hpgen.runtime.forward.wrappers``: ``nn.Embedding``, ``nn.Linear``, ``nn.Identity`` and any other
   module outside the lowered file, as boundaries;
 - ``hpgen.runtime.forward.streams``: which random numbers each rank's random ops draw;
-- ``hpgen.runtime.forward.sampling``: ``generate`` giving the same tokens on every rank.
+- ``hpgen.runtime.forward.sampling``: ``generate`` giving the same tokens on every rank;
+- ``hpgen.runtime.forward.context_axis``: the ``cp`` axis, its head-tail sequence shards and their collectives.
 """

@@ -249,17 +249,27 @@ class AxisCollectives:
 
     @_each_in_sequences
     def all_gather(
-        self, x: Tensor | None, dim: int, *, backward: str = "reduce_scatter", total: Size | None = None
+        self,
+        x: Tensor | None,
+        dim: int,
+        *,
+        backward: str = "reduce_scatter",
+        total: Size | None = None,
+        sizes: tuple[Size, ...] | None = None,
     ) -> Tensor | None:
         """``S(dim) -> R``: concatenate the ranks' shards along ``dim``, whatever their sizes.
 
-        ``total``: the full size of ``dim``, when the caller knows it (no size exchange).
+        ``total``: the full size of ``dim``, when the caller knows it (no size exchange);
+        ``sizes``: every rank's size of ``dim``, for shards not cut like ``tensor_split``.
         """
         _check("all_gather", backward)
         if x is None or self.size == 1:
             return x
         d = _norm_dim(dim, x.dim())
-        sizes = self._shard_sizes(x, d, total, "all_gather")
+        if sizes is None:
+            sizes = self._shard_sizes(x, d, total, "all_gather")
+        else:
+            sizes = self._given_sizes(x, d, sizes, "all_gather")
         return self._run(x, _Move("all_gather", _Shard(d, sizes), None), backward)
 
     @_each_in_sequences
@@ -273,13 +283,25 @@ class AxisCollectives:
         return self._run(x, _Move("reduce_scatter", None, dst), backward)
 
     @_each_in_sequences
-    def split(self, x: Tensor | None, dim: int, *, backward: str = "all_gather") -> Tensor | None:
-        """``R -> S(dim)``: keep this rank's chunk of ``dim``; no communication."""
+    def split(
+        self, x: Tensor | None, dim: int, *, backward: str = "all_gather", sizes: tuple[Size, ...] | None = None
+    ) -> Tensor | None:
+        """``R -> S(dim)``: keep this rank's chunk of ``dim``; no communication.
+
+        ``sizes``: every rank's size of ``dim`` in rank order, summing to the whole (by
+        default ``tensor_split``'s); rank ``i`` keeps the ``i``-th run of them.
+        """
         _check("split", backward)
         if x is None or self.size == 1:
             return x
         d = _norm_dim(dim, x.dim())
-        return self._run(x, _Move("split", None, self._made(x, d)), backward)
+        if sizes is None:
+            dst = self._made(x, d)
+        else:
+            if len(sizes) != self.size or (not _tracing() and sum(sizes) != x.size(d)):
+                raise ValueError(f"axis {self.name!r}: split sizes {tuple(sizes)} do not cut {x.size(d)} over {self.size} ranks")
+            dst = _Shard(d, tuple(sizes))
+        return self._run(x, _Move("split", None, dst), backward)
 
     @_each_in_sequences
     def all_to_all(
@@ -337,6 +359,9 @@ class AxisCollectives:
             return kwargs
         return {name: value if name in skip else self.copy_if_grad(value) for name, value in kwargs.items()}
 
+    def end_forward(self) -> None:
+        """The model's forward returned: forget what it recorded beyond the shard sizes."""
+
     # ---- shard sizes ------------------------------------------------------------------
 
     def shard_like(self, x: Tensor, like: Tensor, dim: int) -> None:
@@ -388,6 +413,20 @@ class AxisCollectives:
                 "with this axis's split or reduce_scatter first"
             )
         return sizes
+
+    def _given_sizes(self, x: Tensor, dim: int, sizes: tuple[Size, ...], what: str) -> tuple[Size, ...]:
+        """``sizes`` (every rank's size of ``dim``), checked against this rank's shard."""
+        if len(sizes) != self.size:
+            raise ValueError(f"axis {self.name!r}: {what}: {len(sizes)} sizes for {self.size} ranks")
+        mine = x.size(dim)
+        if _tracing():
+            torch._check(mine == sizes[self.rank])
+        elif mine != sizes[self.rank]:
+            raise RuntimeError(
+                f"axis {self.name!r}: {what} on dim {dim}: rank {self.rank} holds {mine}, but the sizes given "
+                f"give it {sizes[self.rank]} (sizes {tuple(sizes)})"
+            )
+        return tuple(sizes)
 
     def _exchange_sizes(self, n: Size, device: torch.device) -> tuple[Size, ...]:
         """Every rank's ``n``, by one all-gather of one int64 per rank (a host sync on CUDA).
@@ -463,6 +502,7 @@ class ShardScope:
     def exit(self, module: nn.Module, args: Any, output: Any) -> None:
         for ax in self.axes:
             ax._known = None
+            ax.end_forward()
 
     def __deepcopy__(self, memo: dict) -> ShardScope:
         return self  # holds process-group handles, shared by copies of a model

@@ -56,6 +56,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
+from hpgen.context_coverage import CONTEXT_AXIS
 from hpgen.errors import HpgenError, did_you_mean
 from hpgen.plan import Plan, load_plan, plan_from_dict
 from hpgen.runtime.checkpoint.saving import bind_save_pretrained
@@ -66,7 +67,9 @@ from hpgen.runtime.forward.devices import collective_device
 from hpgen.runtime.forward.sampling import bind_generate
 from hpgen.runtime.forward.streams import install_streams
 from hpgen.runtime.install.adapters import survey_adapters, watch_adapters
+from hpgen.runtime.forward.context_axis import ContextAxis
 from hpgen.runtime.install.agreement import check_ranks_agree, raise_together
+from hpgen.runtime.install.context_checks import install_context, survey_context
 from hpgen.runtime.install.attrs import survey_attrs
 from hpgen.runtime.install.counterparts import GeneratedModule, generated_modules
 from hpgen.runtime.install.hooks import (
@@ -141,6 +144,7 @@ def parallelize(
     # First, before any rank can refuse alone: ranks given different programs would hang or be wrong.
     check_ranks_agree(model, plan, mesh, on_mesh)
     try:
+        survey_context(model, axes)
         survey = _survey(model, plan, mesh, axes, generated_modules(model, generated))
     except ParallelizeError as error:
         raise_together(error, mesh, on_mesh)
@@ -168,6 +172,7 @@ def parallelize(
     model._hp_adapters = watch_adapters(model, survey.adapter_slots, axes, recorder)
     bind_save_pretrained(model)
     scope_shard_sizes(model, axes.values())  # gathers reuse the sizes of shards made in the same forward
+    install_context(model, axes, plan)  # cp: decode steps after a cp prefill run replicated; the loss on each rank's tokens
     model._hp_parallelized = True
     model._hp_mesh = mesh  # the ranks holding the model: clip_grad_norm_ sums its norm over them
     _PARALLELIZED.add(model)
@@ -222,7 +227,10 @@ def mesh_axes(plan: Plan, mesh: DeviceMesh, off: tuple[str, ...] = ()) -> dict[s
             f"{', '.join(names) or 'none'}); build it with init_device_mesh(..., mesh_dim_names=...)"
         )
     return {
-        axis: AxisCollectives(mesh.get_group(axis) if axis in names else None, axis) for axis in plan.mesh_dim_names
+        axis: (ContextAxis if axis == CONTEXT_AXIS else AxisCollectives)(
+            mesh.get_group(axis) if axis in names else None, axis
+        )
+        for axis in plan.mesh_dim_names
     }
 
 

@@ -1,0 +1,154 @@
+"""A cp model's logits and loss: the loss on each rank's own tokens, the logits gathered or left sharded.
+
+Plans of ``hpgen plan --cp N`` gather the sequence at the final norm, so the language-model
+head and the loss would see the whole sequence on every rank, and the loss would save the
+whole ``[tokens, vocabulary]`` logits for backward on each of them: for long contexts the
+largest tensor of the step. Instead, on a forward of the whole sequence (a training step,
+or a forward without ``logits_to_keep``), :func:`install_logits` has the head run on this
+rank's tokens (its weight's gradient summed over cp) (the head-tail shard of :mod:`hpgen.runtime.forward.context_axis`) and the
+model's ``loss_function`` compute the loss of those tokens: their labels are the whole
+sequence's, shifted before they are cut (a chunk's last token predicts the first token of
+the next chunk, wherever that chunk lives), each rank's loss is its tokens' sum over the
+whole batch's count of labels, and the ranks' losses are summed. The loss and its
+gradients are the unsharded model's; what a rank saves is its share of the logits.
+
+The logits the model returns are gathered along the sequence (the unsharded model's), or,
+after :func:`shard_logits`, left as this rank's tokens in the order it holds them
+(:func:`local_positions` gives their positions): the gather of ``[tokens, vocabulary]`` on
+every rank is then skipped too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from hpgen.runtime.errors import ParallelizeError
+
+__all__ = ["install_logits", "local_positions", "shard_logits"]
+
+
+class _LogitsState:
+    """What the hooks of one cp model share during a forward."""
+
+    def __init__(self, axis: Any) -> None:
+        self.axis = axis
+        self.local = False  # this forward runs the head and the loss on this rank's tokens
+        self.sharded = False  # the user asked for sequence-sharded logits (shard_logits)
+        self.n = 0  # the whole sequence's length in this forward
+
+    def __deepcopy__(self, memo: dict) -> _LogitsState:
+        return self
+
+
+class _LocalLoss:
+    """The model's ``loss_function``, on this rank's logits and its tokens' shifted labels, summed over cp."""
+
+    def __init__(self, loss: Any, state: _LogitsState) -> None:
+        self.loss = loss
+        self.state = state
+
+    def __call__(
+        self,
+        logits: Tensor,
+        labels: Tensor | None,
+        vocab_size: int,
+        num_items_in_batch: Tensor | int | None = None,
+        ignore_index: int = -100,
+        shift_labels: Tensor | None = None,
+        **kwargs: Any,
+    ) -> Tensor:
+        state = self.state
+        if not state.local:
+            return self.loss(
+                logits, labels, vocab_size, num_items_in_batch=num_items_in_batch, ignore_index=ignore_index,
+                shift_labels=shift_labels, **kwargs,
+            )
+        if shift_labels is None:
+            shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        if num_items_in_batch is None:  # the unsharded loss is the mean over every label of the batch
+            num_items_in_batch = (shift_labels != ignore_index).sum()
+        layout = state.axis.layout(state.n, shift_labels.device)
+        mine = shift_labels.index_select(-1, layout.local).contiguous()
+        loss = self.loss(
+            logits, None, vocab_size, num_items_in_batch=num_items_in_batch, ignore_index=ignore_index,
+            shift_labels=mine, **kwargs,
+        )
+        return state.axis.all_reduce(loss, "sum", backward="identity")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["loss"], name)
+
+
+def install_logits(model: nn.Module, axis: Any, plan: Any) -> None:
+    """The head on this rank's tokens and the loss on them, for ``model`` on the ``cp`` ``axis``.
+
+    Only a plain ``nn.Linear`` head the plan leaves alone takes this rank's tokens (its
+    weight's gradient, from a share of the tokens, summed over cp in backward); a model
+    whose head the plan shards (``cp x tp``), or without a ``loss_function``, keeps the
+    gathered sequence for its head and loss.
+    """
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if type(head) is not nn.Linear or not hasattr(model, "loss_function"):
+        return
+    fqn = next(name for name, module in model.named_modules() if module is head)
+    if plan.entry_for(fqn) is not None:
+        return
+    state = _LogitsState(axis)
+    model._hp_cp_logits = state
+    model.loss_function = _LocalLoss(model.loss_function, state)
+    whole_head = head.forward
+
+    def local_head(hidden: Tensor) -> Tensor:
+        if not state.local or hidden.size(1) != state.n:
+            return whole_head(hidden)
+        bias = None if head.bias is None else axis.copy(head.bias)
+        return nn.functional.linear(axis.split(hidden, 1), axis.copy(head.weight), bias)
+
+    def begin(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        keep = kwargs.get("logits_to_keep", 0)
+        whole = isinstance(keep, int) and keep == 0 and isinstance(ids, Tensor) and ids.dim() >= 2
+        state.local = bool(axis.active and whole and not torch.compiler.is_compiling())
+        state.n = ids.size(1) if state.local else 0
+
+    def end(module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> Any:
+        if not state.local:
+            return output
+        state.local = False
+        logits = getattr(output, "logits", None)
+        if logits is not None and not state.sharded:
+            output.logits = axis.all_gather(logits, 1, total=state.n)
+        return output
+
+    head.forward = local_head
+    model.register_forward_pre_hook(begin, with_kwargs=True)
+    model.register_forward_hook(end, with_kwargs=True, always_call=True)
+
+
+def _state(model: nn.Module) -> _LogitsState:
+    base = getattr(model, "get_base_model", None)
+    found = getattr(model, "_hp_cp_logits", None) or getattr(base() if callable(base) else None, "_hp_cp_logits", None)
+    if found is None:
+        raise ParallelizeError(
+            f"{type(model).__name__}: no context-parallel logits to shard: parallelize it on a mesh with a 'cp' axis first"
+        )
+    return found
+
+
+def shard_logits(model: nn.Module, sharded: bool = True) -> None:
+    """Return logits sequence-sharded from ``model``'s forwards over the whole sequence
+    (``sharded=False``: gathered again, the default): this rank's tokens, in the order of
+    :func:`local_positions`. For long contexts the gathered ``[tokens, vocabulary]`` logits
+    are the largest tensor of a step; the loss is the unsharded model's either way."""
+    _state(model).sharded = sharded
+
+
+def local_positions(model: nn.Module, n: int, device: torch.device | str = "cpu") -> Tensor:
+    """The sequence positions of this rank's tokens, in the order its sharded logits hold them."""
+    return _state(model).axis.layout(n, torch.device(device)).local
