@@ -141,7 +141,7 @@ def test_the_tiny_copy_keeps_the_users_options(tmp_path: Path) -> None:
 def test_larger_axes_scale_the_heads(tmp_path: Path) -> None:
     # Mistral's 8 key/value heads on --tp 16 are replicated RS(0,2): the tiny copy runs on 2 x 2 ranks,
     # 8 query heads and 2 key/value heads; --ranks 8 doubles them
-    from hpgen.planner.make import make_plan
+    from hpgen.planner.entry.make import make_plan
     from hpgen.verify.prepare import prepare
 
     plan = make_plan("mistral", tp=16)

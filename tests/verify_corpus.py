@@ -19,7 +19,7 @@ from typing import Any
 @cache
 def written_plan(model_type: str, **flags: Any) -> dict[str, Any]:
     """What ``hpgen plan MODEL_TYPE --tp 2 [--sp] [--ep 2]`` writes (the full default config)."""
-    from hpgen.planner.make import make_plan
+    from hpgen.planner.entry.make import make_plan
 
     return make_plan(model_type, tp=2, **flags)
 
