@@ -660,12 +660,6 @@ COMPOSITE = {"fuyu"}
 
 # Sequence-parallel failures whose cause was found by reading the model's forward.
 SP_NOTES: dict[str, str] = {
-    "cpmant": "a regression since undeclared arguments of a sharded body get `copy_if_grad`: under --sp the decoder "
-    "layer's body is sequence-sharded, so its undeclared `position_bias` (computed once from "
-    "`relative_attention_bias`, requiring grad) gets a copy whose backward all-reduces, while the attention inside "
-    "declares it R -> S(1) (its heads), whose backward already gathers the whole gradient: the gradient reaches "
-    "`relative_attention_bias` twice (1.98 times the reference). With the layer's copy removed from the generated "
-    "file, it matches to 5e-5, as under TP.",
     "llama4_text": "Llama4TextMoe returns its output flattened to [tokens, hidden]; the plan gathers and splits "
     "the MoE block on dim 1, which is the sequence only in [batch, sequence, hidden].",
     "llama4": "as llama4_text (the same text model).",
