@@ -35,8 +35,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hpgen.lower import lower
 from hpgen.plan import plan_from_dict
-from hpgen.planner.load import meta_model
-from hpgen.planner.make import plan_model
+from hpgen.planner.model.load import meta_model
+from hpgen.planner.entry.make import plan_model
 from hpgen.runtime import parallelize
 
 CONFIG = dict(

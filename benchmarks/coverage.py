@@ -14,7 +14,7 @@ with or without a ``base_model_tp_plan``:
 1. **plan**: a tiny config of the architecture (:func:`hpgen.verify.shrink.tiny_config`, which
    ``hpgen verify`` uses too, with its ``CONFIG_FIXES`` for the few whose config needs one more
    change to be valid), the model on the meta device, and
-   :func:`hpgen.planner.make.plan_model` with ``tp=2`` (and ``sp=True`` with ``--sp``, ``ep=2`` with
+   :func:`hpgen.planner.entry.make.plan_model` with ``tp=2`` (and ``sp=True`` with ``--sp``, ``ep=2`` with
    ``--ep``: whole experts per rank, for the models that have an expert plan):
    transformers' plan where it shards the decoder layers, otherwise the plan derived from the
    modeling source (the ``plan source`` column);
@@ -121,7 +121,7 @@ class Row:
     grads_ok: bool | None = None
     param_share: float | None = None  # the largest rank's parameter bytes / the unsharded model's
     layers_sharded: bool | None = None  # some parameter inside the decoder layers is sharded
-    plan_source: str = ""  # "transformers' plan" or "derived from the source" (hpgen.planner.make)
+    plan_source: str = ""  # "transformers' plan" or "derived from the source" (hpgen.planner.entry.make)
     replicated: str = ""  # what a derived plan left replicated in the layers, and why (its first notes)
     reason: str = ""
     seconds: float = 0.0  # planning and lowering in the parent process
@@ -162,8 +162,8 @@ def prepare(model_type: str, directory: Path, *, variant: str = "tp") -> tuple[R
     from hpgen.generate import infer_package
     from hpgen.lower import lower
     from hpgen.plan import plan_from_dict
-    from hpgen.planner.load import meta_model, model_and_config
-    from hpgen.planner.make import plan_model, plan_source
+    from hpgen.planner.model.load import meta_model, model_and_config
+    from hpgen.planner.entry.make import plan_model, plan_source
 
     row = Row(model_type)
     started = time.monotonic()
@@ -323,7 +323,7 @@ def _parity_rank(
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hpgen.planner.load import model_and_config
+    from hpgen.planner.model.load import model_and_config
     from hpgen.runtime import parallelize
     from tests.support.models import expected_shard, import_file, param_layouts, perturb_, tolerance
 
@@ -429,7 +429,7 @@ def _train_rank(
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hpgen.planner.load import model_and_config
+    from hpgen.planner.model.load import model_and_config
     from hpgen.runtime import parallelize
     from tests.support.models import import_file, perturb_
 
@@ -660,12 +660,6 @@ COMPOSITE = {"fuyu"}
 
 # Sequence-parallel failures whose cause was found by reading the model's forward.
 SP_NOTES: dict[str, str] = {
-    "cpmant": "a regression since undeclared arguments of a sharded body get `copy_if_grad`: under --sp the decoder "
-    "layer's body is sequence-sharded, so its undeclared `position_bias` (computed once from "
-    "`relative_attention_bias`, requiring grad) gets a copy whose backward all-reduces, while the attention inside "
-    "declares it R -> S(1) (its heads), whose backward already gathers the whole gradient: the gradient reaches "
-    "`relative_attention_bias` twice (1.98 times the reference). With the layer's copy removed from the generated "
-    "file, it matches to 5e-5, as under TP.",
     "llama4_text": "Llama4TextMoe returns its output flattened to [tokens, hidden]; the plan gathers and splits "
     "the MoE block on dim 1, which is the sequence only in [batch, sequence, hidden].",
     "llama4": "as llama4_text (the same text model).",
@@ -682,7 +676,7 @@ def render(variants: dict[str, dict[str, Row]], architectures_found: list[str]) 
     """The markdown page: counts, one row per architecture, failures grouped, notes."""
     import transformers
 
-    from hpgen.planner.make import DERIVED, TRANSFORMERS
+    from hpgen.planner.entry.make import DERIVED, TRANSFORMERS
 
     rows, sp_rows, ep_rows = variants["tp"], variants.get("sp", {}), variants.get("ep", {})
     ordered = [rows[name] for name in architectures_found if name in rows]

@@ -8,7 +8,7 @@ default config transformers gives it (its text config for a composite model): it
 key/value head counts, and which of ``--tp`` 2, 4 and 8 they do not divide (query heads not a
 multiple of the size, or key/value heads neither a multiple nor a divisor of it). For each
 such (type, size), ``hpgen plan --tp N`` on the default config on the meta device
-(:func:`hpgen.planner.make.plan_model`; no weights): whether it writes a plan, the query
+(:func:`hpgen.planner.entry.make.plan_model`; no weights): whether it writes a plan, the query
 heads its sizing report gives each rank (none where the attention stays whole on every rank,
 or is sharded in per-projection entries the report does not read heads from), the largest
 rank's share of the parameters, or the first line of its refusal. The section sits
@@ -62,9 +62,9 @@ def planned(model_type: str, size: int) -> str:
     """What ``hpgen plan --tp size`` does with the default config: heads per rank, or its refusal."""
     from transformers import CONFIG_MAPPING
 
-    from hpgen.planner.load import meta_model
-    from hpgen.planner.make import plan_model
-    from hpgen.planner.report import size_report
+    from hpgen.planner.model.load import meta_model
+    from hpgen.planner.entry.make import plan_model
+    from hpgen.planner.entry.sizing_report import size_report
 
     try:
         model = meta_model(CONFIG_MAPPING[model_type]())

@@ -54,9 +54,9 @@ LAYOUTS = ("dp-attn+ep", "ep", "tp+ep")
 
 def plan_for(layout: str, ranks: int) -> tuple[dict[str, Any], str]:
     """The plan document and its one axis."""
-    from hpgen.planner.attn_dp import data_parallel_attention
-    from hpgen.planner.load import meta_model
-    from hpgen.planner.make import plan_model
+    from hpgen.planner.passes.data_parallel_attention import data_parallel_attention
+    from hpgen.planner.model.load import meta_model
+    from hpgen.planner.entry.make import plan_model
 
     meta = meta_model(transformers.Qwen3MoeConfig(**CONFIG))
     if layout == "tp+ep":

@@ -164,7 +164,7 @@ def lower_all(options: Options, reference: nn.Module) -> None:
     from hpgen.generate import infer_package
     from hpgen.lower import lower
     from hpgen.plan import plan_from_dict
-    from hpgen.planner.make import plan_model
+    from hpgen.planner.entry.make import plan_model
 
     world = dist.get_world_size()
     with torch.device("meta"):

@@ -23,7 +23,7 @@ do not count), except the write, in wall time since it waits on fsync.
 Files are lowered with ``package`` set, as ``hpgen lower -o`` does for an output outside the
 source's package.
 
-Plans come from ``hpgen plan`` (:func:`hpgen.planner.translator.translated_plan`, tensor parallel, no
+Plans come from ``hpgen plan`` (:func:`hpgen.planner.translate.translator.translated_plan`, tensor parallel, no
 divisibility check): every model type whose config has a ``base_model_tp_plan`` and for
 which it makes a plan, lowered from the file its model class comes from (one row per file;
 the first model type wins). The others are listed with the reason.
@@ -110,8 +110,8 @@ def collect_cases(model_types: list[str] | None) -> tuple[list[Case], dict[str, 
     Several model types can share a file (``exaone`` and ``llama`` build ``LlamaForCausalLM``);
     the row is named after the type whose name the file carries, else the first one.
     """
-    from hpgen.planner.load import load_config, meta_model, model_class_for
-    from hpgen.planner.translator import translated_plan
+    from hpgen.planner.model.load import load_config, meta_model, model_class_for
+    from hpgen.planner.translate.translator import translated_plan
 
     by_source: dict[Path, list[Case]] = defaultdict(list)
     skipped = {}

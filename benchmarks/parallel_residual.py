@@ -84,7 +84,7 @@ def build_reference(model_type: str) -> nn.Module:
 
 def layer_plan(model_type: str, *, summed: bool) -> dict[str, Any]:
     """``hpgen plan``'s plan for the reference's config, its decoder layers' entries only."""
-    from hpgen.planner.make import plan_model
+    from hpgen.planner.entry.make import plan_model
 
     reference = build_reference(model_type)
     with torch.device("meta"):

@@ -6,9 +6,9 @@
 
 For each model type with a causal-LM class (:func:`benchmarks.coverage.architectures`),
 the tiny config of ``coverage.py`` on the meta device is planned with
-:func:`hpgen.planner.make.plan_model` under the variants of :data:`VARIANTS` (``--ep``
+:func:`hpgen.planner.entry.make.plan_model` under the variants of :data:`VARIANTS` (``--ep``
 ones only where the config has an expert plan), and the default config once through
-``hpgen plan``'s own path (:func:`hpgen.planner.cli.plan_with_report`, ``--tp 2
+``hpgen plan``'s own path (:func:`hpgen.planner.entry.printout.plan_with_report`, ``--tp 2
 --explain``). One JSON line per (model type, variant) holds the plan's JSON text, the
 ``--explain`` notes, the sizing report's text, or the error message. Two runs on the same
 transformers, with the same ``PYTHONHASHSEED`` (so that output depending on set order, as a
@@ -63,11 +63,11 @@ def _notes(plan: dict[str, Any]) -> list[str]:
 def records(model_type: str) -> list[dict[str, Any]]:
     """The snapshot records of one model type."""
     from benchmarks.coverage import _has_expert_plan, tiny_config
-    from hpgen.planner.cli import plan_with_report
-    from hpgen.planner.document import dumps_plan
-    from hpgen.planner.load import meta_model, model_and_config
-    from hpgen.planner.make import plan_model
-    from hpgen.planner.report import size_report
+    from hpgen.planner.entry.printout import plan_with_report
+    from hpgen.planner.translate.document import dumps_plan
+    from hpgen.planner.model.load import meta_model, model_and_config
+    from hpgen.planner.entry.make import plan_model
+    from hpgen.planner.entry.sizing_report import size_report
 
     found = []
     try:

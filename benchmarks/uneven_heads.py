@@ -3,7 +3,7 @@
     python benchmarks/uneven_heads.py
 
 For each model (its published config values, written here) and tp size, the plan ``hpgen
-plan`` writes and its sizing report (:func:`hpgen.planner.report.size_report`, on the meta
+plan`` writes and its sizing report (:func:`hpgen.planner.entry.sizing_report.size_report`, on the meta
 device): the parameter bytes of every rank in bf16 and the largest as a share of the model,
 the query heads each rank holds, and the slowest rank's share of the attention's FLOPs
 against the even ``1 / tp``: of the score and value products (one per query head) and of
@@ -85,9 +85,9 @@ def _projection_share(model: Any, plan: dict[str, Any], tp: int) -> tuple[float,
 def main() -> None:
     import transformers
 
-    from hpgen.planner.load import meta_model
-    from hpgen.planner.make import plan_model
-    from hpgen.planner.report import size_report
+    from hpgen.planner.model.load import meta_model
+    from hpgen.planner.entry.make import plan_model
+    from hpgen.planner.entry.sizing_report import size_report
 
     warnings.simplefilter("ignore")
     transformers.logging.set_verbosity_error()

@@ -5,7 +5,7 @@
 Runs on CPUs with gloo, or on GPUs with NCCL when CUDA is available. Nothing is
 downloaded: the model is a small Llama built from a config. Every rank:
 
-1. writes the plan ``hpgen plan --cp 2`` writes (:func:`hpgen.planner.make.plan_model`),
+1. writes the plan ``hpgen plan --cp 2`` writes (:func:`hpgen.planner.entry.make.plan_model`),
    lowers the installed ``modeling_llama.py`` with it and imports the generated file;
 2. builds the unsharded model (the reference) and the generated one with its weights,
    and calls ``parallelize`` on a ``cp`` mesh: every rank is given the whole batch, each
@@ -30,8 +30,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hpgen.lower import lower
 from hpgen.plan import plan_from_dict
-from hpgen.planner.load import meta_model
-from hpgen.planner.make import plan_model
+from hpgen.planner.model.load import meta_model
+from hpgen.planner.entry.make import plan_model
 from hpgen.runtime import parallelize
 
 CONFIG = dict(

@@ -35,8 +35,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hpgen.lower import lower
 from hpgen.plan import plan_from_dict
-from hpgen.planner.load import meta_model
-from hpgen.planner.translator import translated_plan
+from hpgen.planner.model.load import meta_model
+from hpgen.planner.translate.translator import translated_plan
 from hpgen.runtime import parallelize
 
 CONFIG = dict(

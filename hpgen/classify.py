@@ -197,6 +197,9 @@ class Contract:
     undeclared: tuple[str, ...] = ()
     undeclared_kwargs: str | None = None  # the **kwargs parameter, whose undeclared values get the same
     undeclared_axes: tuple[str, ...] = ()
+    # undeclared parameters (and ``**kwargs``, so written) the body only hands to child boundaries, which
+    # own their gradients: no copy here (a second all-reduce would count the gradient again)
+    handed_on: tuple[str, ...] = ()
     summed: SummedOps | None = None  # the one edit inside the body (a parallel-residual block)
 
     @property
@@ -331,8 +334,14 @@ def is_identity_contract(plan: Plan, key: str, *, known_inputs: tuple[str, ...] 
     return all(op.is_identity for value in (*inputs, *outputs) for op in value.ops)
 
 
-def classify_contract(plan: Plan, keys: tuple[str, ...], forward: ForwardInfo | None) -> Contract:
-    """Classify the contract shared by the entry ``keys`` against the class's ``forward``."""
+def classify_contract(
+    plan: Plan, keys: tuple[str, ...], forward: ForwardInfo | None, *, owned: frozenset[str] = frozenset()
+) -> Contract:
+    """Classify the contract shared by the entry ``keys`` against the class's ``forward``.
+
+    ``owned``: the ``forward`` parameters whose gradients child boundaries own (the generator's
+    ``owned_by_children``); undeclared, they get no copy.
+    """
     key = keys[0]
     entry = plan.entries[key]
     inputs, outputs = value_ops(plan, key)
@@ -351,7 +360,7 @@ def classify_contract(plan: Plan, keys: tuple[str, ...], forward: ForwardInfo | 
         addressed = [ValueOps(v.name, v.ops, _output_address(forward, entry.output_names, v.name)) for v in outputs]
     outputs = tuple(addressed) if addressed else outputs
     reasons += gate_failures
-    undeclared, undeclared_kwargs, undeclared_axes = undeclared_inputs(plan, key, forward)
+    undeclared, undeclared_kwargs, undeclared_axes, handed_on = undeclared_inputs(plan, key, forward, owned)
     if region_target is not None:
         form = "region"
     else:
@@ -370,34 +379,40 @@ def classify_contract(plan: Plan, keys: tuple[str, ...], forward: ForwardInfo | 
         undeclared,
         undeclared_kwargs,
         undeclared_axes,
+        handed_on,
         summed=summed_ops(plan, key),
     )
 
 
 def undeclared_inputs(
-    plan: Plan, key: str, forward: ForwardInfo | None
-) -> tuple[tuple[str, ...], str | None, tuple[str, ...]]:
-    """The ``forward`` parameters entry ``key`` does not declare, its ``**kwargs`` name, and the
-    axes its body is sharded on.
+    plan: Plan, key: str, forward: ForwardInfo | None, owned: frozenset[str] = frozenset()
+) -> tuple[tuple[str, ...], str | None, tuple[str, ...], tuple[str, ...]]:
+    """The ``forward`` parameters entry ``key`` does not declare and must copy, its ``**kwargs`` name (when
+    its values must be copied), the axes its body is sharded on, and the undeclared parameters of ``owned``.
 
     An undeclared value is ``R`` on every axis (docs/plan-format.md). Entering a body sharded on an
     axis, a tensor (or tuple/list of tensors) that requires grad gets ``copy`` there, as a
     declared ``R`` input would: each rank's backward sees only its shard's part of the
     gradient. Whether it requires grad is known only at run time, so the generated code
-    calls ``copy_if_grad``, which passes everything else on untouched.
+    calls ``copy_if_grad``, which passes everything else on untouched. A parameter of ``owned``
+    reaches no computation of the body itself: the child boundaries it is handed to give back its
+    whole gradient, so it gets no copy (an all-reduce of a whole gradient would multiply it).
     """
     entry = plan.entries[key]
     axes = tuple(axis for axis in plan.mesh_dim_names if body_is_sharded(entry, axis))
     if forward is None or not axes:
-        return (), None, ()
+        return (), None, (), ()
     declared = set(entry.input_names)
-    names = tuple(
+    undeclared = [
         parameter.name
         for parameter in forward.parameters[1:]  # self
         if parameter.kind not in ("var_positional", "var_keyword") and parameter.name not in declared
-    )
+    ]
     kwargs = next((p.name for p in forward.parameters if p.kind == "var_keyword"), None)
-    return names, kwargs, axes
+    handed_on = tuple(name for name in undeclared if name in owned) + ((f"**{kwargs}",) if kwargs in owned else ())
+    names = tuple(name for name in undeclared if name not in owned)
+    copied_kwargs = kwargs if kwargs is not None and kwargs not in owned else None
+    return names, copied_kwargs, axes, handed_on
 
 
 def _gate_failures(forward: ForwardInfo, inputs: tuple[ValueOps, ...], outputs: tuple[ValueOps, ...]) -> list[str]:

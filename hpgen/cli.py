@@ -310,7 +310,7 @@ def explain_command(
         report = explain(analyze(text, loaded, source_name=source))
         sizing = None
         if config is not None:
-            from hpgen.planner.cli import sizing_for
+            from hpgen.planner.entry.printout import sizing_for
 
             with plan_extra("hpgen explain --config"):
                 sizing = sizing_for(config, loaded, tp=tp or 2, dtype=dtype)
@@ -381,7 +381,7 @@ def plan_command(
     """
 
     def run() -> int:
-        from hpgen.planner.cli import plan_with_report
+        from hpgen.planner.entry.printout import plan_with_report
 
         with plan_extra("hpgen plan"):
             text, messages = plan_with_report(

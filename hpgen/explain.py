@@ -81,9 +81,12 @@ def _why(op: Op) -> str:
 
 def _undeclared(contract: Contract) -> list[dict[str, Any]]:
     """``forward`` arguments the plan does not declare, of a body sharded on some axis: ``R`` there,
-    copied in (gradient all-reduced) when they require grad, passed on untouched otherwise."""
+    copied in (gradient all-reduced) when they require grad, passed on untouched otherwise; or
+    (``handed_on``) only handed to child boundaries, which own their gradients, so not copied."""
     names = [*contract.undeclared, *([f"**{contract.undeclared_kwargs}"] if contract.undeclared_kwargs else [])]
-    return [{"value": name, "axes": list(contract.undeclared_axes)} for name in names]
+    return [{"value": name, "axes": list(contract.undeclared_axes), "handed_on": False} for name in names] + [
+        {"value": name, "axes": list(contract.undeclared_axes), "handed_on": True} for name in contract.handed_on
+    ]
 
 
 def _contract_record(
@@ -301,6 +304,12 @@ def explain_text(report: dict[str, Any]) -> str:
                 lines += _op_lines([summed["shared"]])
         for value in record["undeclared_inputs"]:
             axes = ", ".join(value["axes"])
+            if value["handed_on"]:
+                lines.append(
+                    f"  {value['value']}: not declared in the plan: R on {axes}, handed on to child boundaries only "
+                    "(or never read), which give back its whole gradient: not copied"
+                )
+                continue
             lines.append(
                 f"  {value['value']}: not declared in the plan: R on {axes}, copied into the sharded body (its "
                 "gradient all-reduced) when it is a tensor, or a tuple/list of tensors, that requires grad; "

@@ -47,6 +47,17 @@ class ReturnShape:
 
 
 @dataclass(frozen=True)
+class ChildArgument:
+    """One read of a ``forward`` parameter that hands it, whole, to a child module:
+    ``self.<attr>(..., value, ...)`` at ``position`` (counted after ``self``), ``self.<attr>(name=value)``
+    by ``keyword``, or ``self.<attr>(**value)`` (both None: the ``**kwargs`` mapping passed on)."""
+
+    attr: str
+    position: int | None = None
+    keyword: str | None = None
+
+
+@dataclass(frozen=True)
 class ForwardInfo:
     """The ``forward`` of one class as the classifier and emitters need it."""
 
@@ -58,6 +69,9 @@ class ForwardInfo:
     is_async: bool
     one_line: bool  # ``def forward(self, x): return x``
     falls_off_end: bool  # the last statement is not a return/raise: an implicit ``None``
+    # Parameters whose every read in the body hands them, whole, to a child module call (none: an unread
+    # parameter); parameters the body reads otherwise, or rebinds, are not here.
+    handed_on: tuple[tuple[str, tuple[ChildArgument, ...]], ...] = ()
 
     @property
     def parameter_names(self) -> tuple[str, ...]:
@@ -360,7 +374,68 @@ def _index_forward(node: cst.FunctionDef, ast_node: ast.FunctionDef | ast.AsyncF
         is_async=node.asynchronous is not None,
         one_line=isinstance(node.body, cst.SimpleStatementSuite),
         falls_off_end=not isinstance(last, (ast.Return, ast.Raise)),
+        handed_on=_handed_on(ast_node, [parameter.name for parameter in parameters[1:]]) if ast_node is not None else (),
     )
+
+
+# Calls that can read a local variable without naming it.
+_LOCALS_READERS = {"locals", "vars", "eval", "exec"}
+
+
+def _handed_on(
+    node: ast.FunctionDef | ast.AsyncFunctionDef, names: list[str]
+) -> tuple[tuple[str, tuple[ChildArgument, ...]], ...]:
+    """For each parameter of ``names`` that the body reads only as a whole argument of ``self.<attr>(...)``
+    calls, those reads (see :attr:`ForwardInfo.handed_on`).
+
+    Every occurrence of the name in the body counts, nested scopes included, so a name a lambda or an
+    inner function shadows, or that the body rebinds or deletes, is not handed on: the check errs
+    towards "the body reads it".
+    """
+    uses: dict[str, list[ChildArgument]] = {name: [] for name in names}
+    other: set[str] = set()
+    handed: dict[int, ChildArgument] = {}  # id of a Name node -> the child argument it is
+    for statement in node.body:
+        for found in ast.walk(statement):
+            if isinstance(found, ast.Name) and found.id in _LOCALS_READERS:
+                return ()
+            if not isinstance(found, ast.Call):
+                continue
+            func = found.func
+            if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self"):
+                continue
+            for position, argument in enumerate(found.args):
+                if isinstance(argument, ast.Starred):
+                    break  # later positions are unknown
+                if isinstance(argument, ast.Name):
+                    handed[id(argument)] = ChildArgument(func.attr, position=position)
+            for keyword in found.keywords:
+                if isinstance(keyword.value, ast.Name):
+                    handed[id(keyword.value)] = ChildArgument(func.attr, keyword=keyword.arg)
+    for statement in node.body:
+        for found in ast.walk(statement):
+            if isinstance(found, ast.Name) and found.id in uses:
+                child = handed.get(id(found))
+                if child is None or not isinstance(found.ctx, ast.Load):
+                    other.add(found.id)
+                else:
+                    uses[found.id].append(child)
+            elif _bound_name(found) in uses:
+                other.add(_bound_name(found))  # rebound: by a nested scope's parameter, an import, a def...
+    return tuple((name, tuple(found)) for name, found in uses.items() if name not in other)
+
+
+def _bound_name(node: ast.AST) -> str | None:
+    """The name a node binds other than by assignment to an ``ast.Name``, if any."""
+    if isinstance(node, ast.arg):
+        return node.arg
+    if isinstance(node, ast.alias):
+        return node.asname or node.name.split(".")[0]
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name
+    if isinstance(node, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)):
+        return node.name
+    return None
 
 
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)

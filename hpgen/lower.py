@@ -22,7 +22,7 @@ from hpgen.index import RUNTIME_IMPORT_TEXT as RUNTIME_IMPORT
 from hpgen.index import ClassInfo, ModuleIndex, ParsedSource, index_module, parse_source
 from hpgen.param_dims import check_param_dims
 from hpgen.plan import Plan, contract_signature, is_dotted_path
-from hpgen.resolve import ResolvedClass, resolve_boundaries
+from hpgen.resolve import ResolvedClass, owned_by_children, resolve_boundaries
 from hpgen.summed_edit import SummedSiteError
 
 MODES = ("default", "toggle")
@@ -86,12 +86,14 @@ def analyze(source_text: str, plan: Plan, *, source_name: str = "<source>") -> A
     classes = {}
     for name, info in index.classes.items():
         if name in keys_by_class:
-            classes[name] = _lower_class(plan, index, info, sorted(keys_by_class[name]), source_name)
+            classes[name] = _lower_class(plan, index, resolved, info, sorted(keys_by_class[name]), source_name)
     skipped = tuple(key for key, entry in plan.entries.items() if entry.skip_source_lowering)
     return Analysis(parsed, index, plan, classes, external, skipped, elsewhere)
 
 
-def _lower_class(plan: Plan, index: ModuleIndex, info: ClassInfo, keys: list[str], source_name: str) -> ClassLowering:
+def _lower_class(
+    plan: Plan, index: ModuleIndex, resolved: dict[str, ResolvedClass], info: ClassInfo, keys: list[str], source_name: str
+) -> ClassLowering:
     identity = tuple(key for key in keys if is_identity_contract(plan, key))
     moving = [key for key in keys if key not in identity]
     if not moving:
@@ -103,7 +105,12 @@ def _lower_class(plan: Plan, index: ModuleIndex, info: ClassInfo, keys: list[str
         groups[contract_signature(plan, key)].append(key)
     # The most common contract lives in the class; ties go to the first signature.
     ordered = sorted(groups.items(), key=lambda item: (-len(item[1]), item[0]))
-    contracts = [classify_contract(plan, tuple(group), forward) for _, group in ordered]
+    # The arguments child boundaries own, for every key of a contract (its forward is one for all of them).
+    owned = [
+        frozenset.intersection(*(owned_by_children(plan, index, resolved, key, forward) for key in group))
+        for _, group in ordered
+    ]
+    contracts = [classify_contract(plan, tuple(group), forward, owned=mine) for (_, group), mine in zip(ordered, owned)]
     differing = [contract for contract in contracts if contract.summed != contracts[0].summed]
     if differing:
         first, other = contracts[0].keys[0], differing[0].keys[0]

@@ -11,6 +11,10 @@ class by its qualified name, ``transformers.models.qwen2.modeling_qwen2.Qwen2Att
 Lowering a file takes the keys whose module is that file (the last module segment is the
 file's stem) and leaves the others to the lowering of their own file (``elsewhere``).
 Names under ``torch``/``nn`` are torch's classes, which no file lowers.
+
+``owned_by_children`` uses the resolved boundaries the other way round: which ``forward``
+arguments of a boundary its body only hands to child boundaries, whose own contracts then
+own those arguments' gradients (docs/plan-format.md, undeclared inputs).
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ from pathlib import PurePath
 
 from hpgen.classify import is_identity_contract
 from hpgen.errors import HpgenError, did_you_mean
-from hpgen.index import ClassInfo, ModuleIndex
-from hpgen.plan import Plan
+from hpgen.index import ChildArgument, ClassInfo, ForwardInfo, ModuleIndex
+from hpgen.plan import Plan, fqn_matches
 
 # Classes not defined in the source that the runtime wraps with a wrapper of their own (others: the generic one).
 WRAPPED_EXTERNAL = ("Embedding", "Linear", "Identity")
@@ -45,6 +49,55 @@ def resolve_boundaries(plan: Plan, index: ModuleIndex, *, source_name: str) -> d
         for key, entry in plan.entries.items()
         if entry.is_boundary and not entry.skip_source_lowering
     }
+
+
+def owned_by_children(
+    plan: Plan, index: ModuleIndex, resolved: dict[str, ResolvedClass], key: str, forward: ForwardInfo | None
+) -> frozenset[str]:
+    """The ``forward`` parameters of boundary ``key`` that its body reads only by handing them, whole,
+    to child boundaries that own their gradients (a parameter it never reads counts too).
+
+    A child owns an argument when its entry declares that input (its transition's backward gives the
+    whole gradient) or when hpgen rewrites the child (its own ``forward`` copies what it leaves undeclared,
+    by this same rule). Where the body is replaced (an injection), nothing is owned.
+    """
+    if forward is None or plan.injection_for(key) is not None:
+        return frozenset()
+    return frozenset(
+        name
+        for name, reads in forward.handed_on
+        if all(_child_owns(plan, index, resolved, key, read) for read in reads)
+    )
+
+
+def _child_owns(
+    plan: Plan, index: ModuleIndex, resolved: dict[str, ResolvedClass], key: str, read: ChildArgument
+) -> bool:
+    """Whether the child boundary ``self.<read.attr>`` of ``key`` owns the gradient of the argument ``read``."""
+    fqn = f"{key}.{read.attr}"
+    child_key = next((candidate for candidate in resolved if fqn_matches(candidate, fqn)), None)
+    if child_key is None or resolved[child_key].external and not resolved[child_key].elsewhere:
+        return False  # no boundary there, or one the runtime wraps: left as it was (copied)
+    parameter = read.keyword
+    if read.position is not None:  # the child's named parameter at that position (one in *args gets no copy there)
+        forward = _forward_of(index, resolved[child_key])
+        positional = [p for p in forward.parameters[1:] if p.kind in ("positional_only", "positional")] if forward else []
+        if read.position >= len(positional):
+            return False
+        parameter = positional[read.position].name
+    if not is_identity_contract(plan, child_key):
+        return True  # rewritten: its forward moves its declared inputs and copies its undeclared ones
+    # An identity contract keeps the class as it is: it owns only the inputs its entry declares.
+    return parameter is not None and parameter in plan.entries[child_key].input_names
+
+
+def _forward_of(index: ModuleIndex, found: ResolvedClass) -> ForwardInfo | None:
+    """The ``forward`` a class of this file runs: its own, else the first of its bases in the file."""
+    info = index.class_named(found.name) if not found.external else None
+    for current in index.lineage(info) if info is not None else ():
+        if current.forward is not None:
+            return current.forward
+    return None
 
 
 def resolve_key(plan: Plan, index: ModuleIndex, key: str, *, source_name: str) -> ResolvedClass:

@@ -1,4 +1,4 @@
-"""A column projection's layout, read from the reshape after it (hpgen.planner.layouts), and the placement it gives."""
+"""A column projection's layout, read from the reshape after it (hpgen.planner.derive.column_layouts), and the placement it gives."""
 
 from __future__ import annotations
 
@@ -6,7 +6,16 @@ import pytest
 
 from hpgen.placement import Placement
 from hpgen.planner.flow.values import ShapeUse, Val
-from hpgen.planner.layouts import PLAIN, ColumnLayout, UnequalBlocks, grouped, layout_of, packed, query_blocks, replicated
+from hpgen.planner.derive.column_layouts import (
+    PLAIN,
+    ColumnLayout,
+    UnequalBlocks,
+    grouped,
+    layout_of,
+    packed,
+    query_blocks,
+    replicated,
+)
 
 
 def use(method: str, *sizes: object) -> ShapeUse:

@@ -190,7 +190,7 @@ def _under(key: str, path: str) -> bool:
 
 def _config(plan: Any, model: str | None, plan_name: str) -> Any:
     """The config given (model type, config.json, checkpoint folder), else the plan's class's default."""
-    from hpgen.planner.load import load_config
+    from hpgen.planner.model.load import load_config
 
     if model is not None:
         return load_config(model)
@@ -213,7 +213,7 @@ def _model_class(plan: Any, config: Any, plan_name: str) -> type:
     """The plan's ``model_class`` where transformers builds it from ``config``, else the config's causal LM."""
     import transformers
 
-    from hpgen.planner.load import model_and_config
+    from hpgen.planner.model.load import model_and_config
 
     found = getattr(transformers, plan.model_class, None) if plan.model_class else None
     if isinstance(found, type) and isinstance(config, getattr(found, "config_class", ())):

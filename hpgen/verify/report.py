@@ -220,8 +220,8 @@ def planner_plan(verdict: Verdict) -> dict[str, Any] | None:
     by tokens (an input ``S(1)``), ``--ep`` on an ``ep`` axis or where it injects an experts region
     (then the nearer of the two); None where the planner cannot plan the model."""
     from hpgen.plan import plan_from_dict
-    from hpgen.planner.load import meta_model
-    from hpgen.planner.make import plan_model
+    from hpgen.planner.model.load import meta_model
+    from hpgen.planner.entry.make import plan_model
 
     case = verdict.case
     sizes = dict(case.mesh)

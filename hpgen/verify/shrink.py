@@ -228,7 +228,7 @@ def tiny_config(model: str | Any, shape: dict[str, Any] | None = None) -> Any:
     """
     from transformers import AutoConfig
 
-    from hpgen.planner.load import model_and_config
+    from hpgen.planner.model.load import model_and_config
 
     model_type = model if isinstance(model, str) else model.model_type
     default = AutoConfig.for_model(model_type)

@@ -97,14 +97,26 @@ def test_explain_text_and_json():
     assert attention["form"] == "tp_collective"
     assert attention["collectives_per_call"] == {"all_reduce": 1}
     assert [op["op"] for op in attention["ops"]] == ["copy", "all_reduce"]
-    # forward arguments the plan does not declare are R on the sharded body's axes: copied when they need grad
+    # forward arguments the plan does not declare are R on the sharded body's axes: copied when they need grad,
+    # but for those the body only hands to child boundaries (here **kwargs, which it never reads)
     assert attention["undeclared_inputs"] == [
-        {"value": name, "axes": ["tp"]} for name in ("position_embeddings", "attention_mask", "**kwargs")
+        {"value": "position_embeddings", "axes": ["tp"], "handed_on": False},
+        {"value": "attention_mask", "axes": ["tp"], "handed_on": False},
+        {"value": "**kwargs", "axes": ["tp"], "handed_on": True},
     ]
+    explained = run("explain", SOURCE, PLAN).stdout
     assert (
         "  attention_mask: not declared in the plan: R on tp, copied into the sharded body (its gradient all-reduced)"
-        in run("explain", SOURCE, PLAN).stdout
+        in explained
     )
+    assert "  **kwargs: not declared in the plan: R on tp, handed on to child boundaries only" in explained
+    # under sequence parallelism the decoder layer hands both to its attention, which owns their gradients
+    classes = json.loads(run("explain", SOURCE, FIXTURES / "plan_tp_sp.json", "--json").stdout)["classes"]
+    layer = next(record for record in classes if record["class"] == "TinyDecoderLayer")
+    assert [(value["value"], value["handed_on"]) for value in layer["undeclared_inputs"]] == [
+        ("position_embeddings", True),
+        ("attention_mask", True),
+    ]
     wrapped = {record["fqn"]: record for record in report["wrapped"]}
     assert set(wrapped) == {"lm_head", "model.embed_tokens"}
     assert wrapped["model.embed_tokens"]["runs"].startswith("vocab-parallel lookup: ids outside this rank's rows")

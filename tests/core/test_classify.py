@@ -5,7 +5,7 @@ import textwrap
 import pytest
 
 from hpgen.classify import classify_contract, transition, value_ops
-from hpgen.index import index_module, parse_source
+from hpgen.index import ChildArgument, index_module, parse_source
 from hpgen.placement import Placement
 from hpgen.plan import plan_from_dict
 
@@ -187,3 +187,91 @@ def test_an_output_consumed_on_shards_reduces_its_gradient_too():
     assert [op.comment() for op in outputs[0].ops] == [
         "output: tp P(sum) -> R ==> all_reduce(sum) (backward all_reduce)"
     ]
+
+
+HANDED_ON_SOURCE = '''
+from torch import nn
+
+
+class Attn(nn.Module):
+    def forward(self, x, mask=None):
+        return x + mask
+
+
+class Norm(nn.Module):
+    def forward(self, x, bias, gain):
+        return x * gain + bias
+
+
+class Plain(nn.Module):
+    def forward(self, x, extra):
+        return x * extra
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = Attn()
+        self.norm = Norm()
+        self.plain = Plain()
+
+    def forward(self, x, mask, bias, gain, extra, shared, scaled, **kwargs):
+        h = self.attn(x, mask=mask)
+        h = self.norm(h, bias, gain)
+        h = h + self.plain(h, extra) + self.attn(h, scaled)
+        scaled = None
+        return h * shared + self.attn(h, shared)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Block() for _ in range(2)])
+'''
+
+
+def test_undeclared_arguments_handed_to_child_boundaries_get_no_copy():
+    """A sequence-sharded block's undeclared arguments: the ones its body only hands to child boundaries
+    that own their gradients get no copy (a second all-reduce would double the gradient, cpmant's
+    position_bias under --sp); the ones it reads itself, or hands to a module without an entry, keep it."""
+    from hpgen.lower import analyze, lower
+
+    plan = plan_from_dict(
+        {
+            "mesh_dim_names": ["tp"],
+            "model_class": "Model",
+            "param_plan": {
+                "layers.*": {"in_src": {"x": {"tp": "R"}}, "in_dst": {"x": {"tp": "S(1)"}}},
+                # rewritten (it gathers the sequence): owns mask, declared or not
+                "layers.*.attn": {"in_src": {"x": {"tp": "S(1)"}}, "in_dst": {"x": {"tp": "R"}}},
+                # an identity contract (bias a per-position one, sharded with the sequence): the class is not
+                # rewritten, so it owns only what its entry declares (bias, not gain)
+                "layers.*.norm": {
+                    "in_src": {"x": {"tp": "S(1)"}, "bias": {"tp": "S(1)"}},
+                    "in_dst": {"x": {"tp": "S(1)"}, "bias": {"tp": "S(1)"}},
+                },
+            },
+        }
+    )
+    block = analyze(textwrap.dedent(HANDED_ON_SOURCE), plan).classes["Block"].contracts[0]
+    # gain: an identity child that does not declare it; extra: a module without an entry; shared: the body
+    # reads it too; scaled: the body rebinds the name
+    assert block.undeclared == ("gain", "extra", "shared", "scaled")
+    assert block.undeclared_kwargs is None and block.handed_on == ("mask", "bias", "**kwargs")
+    text = lower(textwrap.dedent(HANDED_ON_SOURCE), plan)
+    forward = text[text.index("class Block"):text.index("class Model")]
+    copied = [line.strip().split(" = ")[0] for line in forward.splitlines() if "copy_if_grad" in line]
+    assert copied == ["gain", "extra", "shared", "scaled"]
+    # what counts as handing on: a whole argument at a known position, by keyword, or as **mapping
+    index = index_module(parse_source(textwrap.dedent('''
+        class A:
+            def forward(self, a, b, c, d, e, **kw):
+                f = lambda c: self.m(c)
+                return self.m(a, *d, b, key=e, **kw) + f(1)
+    ''')))
+    # b: after *d, at no known position; c: a lambda's own parameter shadows it; d: unpacked
+    assert dict(index.classes["A"].forward.handed_on) == {
+        "a": (ChildArgument("m", position=0),),
+        "e": (ChildArgument("m", keyword="key"),),
+        "kw": (ChildArgument("m"),),
+    }

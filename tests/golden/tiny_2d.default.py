@@ -2,7 +2,7 @@
 # source: modeling_tiny.py sha256=4cd788e828682abeab8d4b9d2e32cb00c9d90325f29d48c556cf0bebecb075a0
 # plan: tiny_2d.json sha256=b4d7e2e8df7f49f10b71576ba5984cebd74ba33ed8c9720895d423002d8d4209
 # options: mode=default package=-
-# body: sha256=e922a1f830bd1c581b2d8c1359a2e79233c17fe39833fb0ee3ac5f2e27977497
+# body: sha256=9c3102e7d144a434fd604cc6d7ac405e920f311ee68f614e676ee14d15a21469
 
 # A small modeling file in the style of transformers' modeling_llama.py, with no
 # dependency beyond torch: the bundled example that hpgen's README and tests lower.
@@ -140,7 +140,6 @@ class TinyAttention(nn.Module):
         # undeclared inputs: tp R into the sharded body ==> copy if it requires grad (backward all_reduce)
         position_embeddings = self._hp_tp.copy_if_grad(position_embeddings)
         attention_mask = self._hp_tp.copy_if_grad(attention_mask)
-        kwargs = self._hp_tp.copy_if_grad_kwargs(kwargs)
         outputs = self._forward_impl(hidden_states, position_embeddings, attention_mask, **kwargs)
         # attn_output: sp R -> S(1) ==> split(dim=1)
         outputs = (self._hp_sp.split(outputs[0], dim=1), *outputs[1:])

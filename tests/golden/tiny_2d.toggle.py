@@ -2,7 +2,7 @@
 # source: modeling_tiny.py sha256=4cd788e828682abeab8d4b9d2e32cb00c9d90325f29d48c556cf0bebecb075a0
 # plan: tiny_2d.json sha256=b4d7e2e8df7f49f10b71576ba5984cebd74ba33ed8c9720895d423002d8d4209
 # options: mode=toggle package=-
-# body: sha256=4923d1e0b25c4f60f3326476f12cfd6c8cdedcf629a4797fcab97bbca21f3a93
+# body: sha256=16c8a27e09603efe4f7373c0c2206644915c3e84917015e30efb55921a0fa4e0
 
 # A small modeling file in the style of transformers' modeling_llama.py, with no
 # dependency beyond torch: the bundled example that hpgen's README and tests lower.
@@ -145,7 +145,6 @@ class TinyAttention(nn.Module):
             # undeclared inputs: tp R into the sharded body ==> copy if it requires grad (backward all_reduce)
             position_embeddings = self._hp_tp.copy_if_grad(position_embeddings)
             attention_mask = self._hp_tp.copy_if_grad(attention_mask)
-            kwargs = self._hp_tp.copy_if_grad_kwargs(kwargs)
         outputs = self._forward_impl(hidden_states, position_embeddings, attention_mask, **kwargs)
         if self.sp_enable:
             # attn_output: sp R -> S(1) ==> split(dim=1)

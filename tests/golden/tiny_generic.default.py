@@ -2,7 +2,7 @@
 # source: modeling_tiny.py sha256=4cd788e828682abeab8d4b9d2e32cb00c9d90325f29d48c556cf0bebecb075a0
 # plan: tiny_generic.json sha256=8df95cb996544fab7a6be7838f4eb7107a23827e84ff3e01f9a58aec9cd827be
 # options: mode=default package=-
-# body: sha256=e87f7da0c05d501659ac928ece7749b37b86a7bafc6a839b58d79de00bfacb8c
+# body: sha256=83387c7a5872cb36806e12e13a872db20e235cf6b6424eeeffc57b04025f685f
 
 # A small modeling file in the style of transformers' modeling_llama.py, with no
 # dependency beyond torch: the bundled example that hpgen's README and tests lower.
@@ -137,7 +137,6 @@ class TinyAttention(nn.Module):
         # undeclared inputs: tp R into the sharded body ==> copy if it requires grad (backward all_reduce)
         position_embeddings = self._hp_tp.copy_if_grad(position_embeddings)
         attention_mask = self._hp_tp.copy_if_grad(attention_mask)
-        kwargs = self._hp_tp.copy_if_grad_kwargs(kwargs)
         outputs = self._forward_impl(hidden_states, position_embeddings, attention_mask, **kwargs)
         # attn_output: tp P(sum) -> R ==> all_reduce(sum)
         outputs = (self._hp_tp.all_reduce(outputs[0]), *outputs[1:])

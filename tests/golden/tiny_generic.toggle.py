@@ -2,7 +2,7 @@
 # source: modeling_tiny.py sha256=4cd788e828682abeab8d4b9d2e32cb00c9d90325f29d48c556cf0bebecb075a0
 # plan: tiny_generic.json sha256=8df95cb996544fab7a6be7838f4eb7107a23827e84ff3e01f9a58aec9cd827be
 # options: mode=toggle package=-
-# body: sha256=eaa9725b3f9157fa50f7d25386ad7aa1bf0d9749833be4cf88ceeffcf98c17e8
+# body: sha256=c86ddc3d1d03fc8fe3effa027b5dec476803a672348531d53be6b62934967570
 
 # A small modeling file in the style of transformers' modeling_llama.py, with no
 # dependency beyond torch: the bundled example that hpgen's README and tests lower.
@@ -140,7 +140,6 @@ class TinyAttention(nn.Module):
             # undeclared inputs: tp R into the sharded body ==> copy if it requires grad (backward all_reduce)
             position_embeddings = self._hp_tp.copy_if_grad(position_embeddings)
             attention_mask = self._hp_tp.copy_if_grad(attention_mask)
-            kwargs = self._hp_tp.copy_if_grad_kwargs(kwargs)
         outputs = self._forward_impl(hidden_states, position_embeddings, attention_mask, **kwargs)
         if self.tp_enable:
             # attn_output: tp P(sum) -> R ==> all_reduce(sum)

@@ -2,7 +2,7 @@
 # source: modeling_tiny.py sha256=4cd788e828682abeab8d4b9d2e32cb00c9d90325f29d48c556cf0bebecb075a0
 # plan: tiny_region.json sha256=de49722ee8ab1fbb836b2c52005dd4dcb7048353515005e29b499f9a9e3de768
 # options: mode=default package=-
-# body: sha256=cc302ca90ca30fd4e1b2db0c1dffb366ebf244df47851697b3f95e1e2e0078f6
+# body: sha256=ba49a0e3d1ea1975609b1045d2a875432d227825860423b7e2175ddbee50a71f
 
 # A small modeling file in the style of transformers' modeling_llama.py, with no
 # dependency beyond torch: the bundled example that hpgen's README and tests lower.
@@ -137,7 +137,6 @@ class TinyAttention(nn.Module):
         # undeclared inputs: tp R into the sharded body ==> copy if it requires grad (backward all_reduce)
         position_embeddings = self._hp_tp.copy_if_grad(position_embeddings)
         attention_mask = self._hp_tp.copy_if_grad(attention_mask)
-        kwargs = self._hp_tp.copy_if_grad_kwargs(kwargs)
         outputs = self._forward_impl(hidden_states, position_embeddings, attention_mask, **kwargs)
         # attn_output: tp P(sum) -> R ==> all_reduce(sum)
         outputs = (self._hp_tp.all_reduce(outputs[0]), *outputs[1:])

@@ -2,7 +2,7 @@
 # source: modeling_tiny.py sha256=4cd788e828682abeab8d4b9d2e32cb00c9d90325f29d48c556cf0bebecb075a0
 # plan: tiny_region.json sha256=de49722ee8ab1fbb836b2c52005dd4dcb7048353515005e29b499f9a9e3de768
 # options: mode=toggle package=-
-# body: sha256=230f06571c60780a2d341e7644631d6ccb8242020f5b434649405f1dcb2a6c6f
+# body: sha256=23657ef8615c411d3208542404b80f56b56600190bff1f2465662557a231a4f7
 
 # A small modeling file in the style of transformers' modeling_llama.py, with no
 # dependency beyond torch: the bundled example that hpgen's README and tests lower.
@@ -140,7 +140,6 @@ class TinyAttention(nn.Module):
             # undeclared inputs: tp R into the sharded body ==> copy if it requires grad (backward all_reduce)
             position_embeddings = self._hp_tp.copy_if_grad(position_embeddings)
             attention_mask = self._hp_tp.copy_if_grad(attention_mask)
-            kwargs = self._hp_tp.copy_if_grad_kwargs(kwargs)
         outputs = self._forward_impl(hidden_states, position_embeddings, attention_mask, **kwargs)
         if self.tp_enable:
             # attn_output: tp P(sum) -> R ==> all_reduce(sum)

@@ -2,7 +2,7 @@
 # source: modeling_tiny.py sha256=4cd788e828682abeab8d4b9d2e32cb00c9d90325f29d48c556cf0bebecb075a0
 # plan: plan_tp.json sha256=49b1cecdf6fcb9a3e33a7157b4b51545eafbc04aeaae862f19ffc799cc755642
 # options: mode=default package=-
-# body: sha256=766e493f88490135c07ecee4a8b8a0447e09d0d8af043e933c95391ca69187e4
+# body: sha256=c0f207668958860f71e941903541f1a0ddaa585e593e9afab7acc00d58a3743d
 
 # A small modeling file in the style of transformers' modeling_llama.py, with no
 # dependency beyond torch: the bundled example that hpgen's README and tests lower.
@@ -137,7 +137,6 @@ class TinyAttention(nn.Module):
         # undeclared inputs: tp R into the sharded body ==> copy if it requires grad (backward all_reduce)
         position_embeddings = self._hp_tp.copy_if_grad(position_embeddings)
         attention_mask = self._hp_tp.copy_if_grad(attention_mask)
-        kwargs = self._hp_tp.copy_if_grad_kwargs(kwargs)
         outputs = self._forward_impl(hidden_states, position_embeddings, attention_mask, **kwargs)
         # attn_output: tp P(sum) -> R ==> all_reduce(sum)
         outputs = (self._hp_tp.all_reduce(outputs[0]), *outputs[1:])

@@ -2,7 +2,7 @@
 # source: modeling_tiny.py sha256=4cd788e828682abeab8d4b9d2e32cb00c9d90325f29d48c556cf0bebecb075a0
 # plan: plan_tp.json sha256=49b1cecdf6fcb9a3e33a7157b4b51545eafbc04aeaae862f19ffc799cc755642
 # options: mode=toggle package=-
-# body: sha256=e5997ac68f669288256c5549e569508d140e5bc1f1054f52fe3e82c765015a94
+# body: sha256=7e1bfae8bcc3afa89e50297df6ec17b72c3a243d344931727b8d1647f130ccec
 
 # A small modeling file in the style of transformers' modeling_llama.py, with no
 # dependency beyond torch: the bundled example that hpgen's README and tests lower.
@@ -140,7 +140,6 @@ class TinyAttention(nn.Module):
             # undeclared inputs: tp R into the sharded body ==> copy if it requires grad (backward all_reduce)
             position_embeddings = self._hp_tp.copy_if_grad(position_embeddings)
             attention_mask = self._hp_tp.copy_if_grad(attention_mask)
-            kwargs = self._hp_tp.copy_if_grad_kwargs(kwargs)
         outputs = self._forward_impl(hidden_states, position_embeddings, attention_mask, **kwargs)
         if self.tp_enable:
             # attn_output: tp P(sum) -> R ==> all_reduce(sum)

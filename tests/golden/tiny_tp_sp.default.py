@@ -2,7 +2,7 @@
 # source: modeling_tiny.py sha256=4cd788e828682abeab8d4b9d2e32cb00c9d90325f29d48c556cf0bebecb075a0
 # plan: plan_tp_sp.json sha256=60e20d92e20d74f5d64ac6ef56ecededebbc5474bb08db0b29fa230a418b9bf6
 # options: mode=default package=-
-# body: sha256=775b3abcfbfe5b5eb4e30690b4e52428a2552e8ce4329b259ccfae81c644aa8b
+# body: sha256=92564cfd299e630abf82483f4417304c6994bdc8feb29aaa709fcec73144c245
 
 # A small modeling file in the style of transformers' modeling_llama.py, with no
 # dependency beyond torch: the bundled example that hpgen's README and tests lower.
@@ -137,7 +137,6 @@ class TinyAttention(nn.Module):
         # undeclared inputs: tp R into the sharded body ==> copy if it requires grad (backward all_reduce)
         position_embeddings = self._hp_tp.copy_if_grad(position_embeddings)
         attention_mask = self._hp_tp.copy_if_grad(attention_mask)
-        kwargs = self._hp_tp.copy_if_grad_kwargs(kwargs)
         outputs = self._forward_impl(hidden_states, position_embeddings, attention_mask, **kwargs)
         # attn_output: tp P(sum) -> S(1) ==> reduce_scatter(dim=1)
         outputs = (self._hp_tp.reduce_scatter(outputs[0], dim=1), *outputs[1:])
@@ -197,9 +196,6 @@ class TinyDecoderLayer(nn.Module):
         # hpgen tp_collective: param_plan["model.layers.0"]
         # hidden_states: tp R -> S(1) ==> split(dim=1)
         hidden_states = self._hp_tp.split(hidden_states, dim=1)
-        # undeclared inputs: tp R into the sharded body ==> copy if it requires grad (backward all_reduce)
-        position_embeddings = self._hp_tp.copy_if_grad(position_embeddings)
-        attention_mask = self._hp_tp.copy_if_grad(attention_mask)
         outputs = self._forward_impl(hidden_states, position_embeddings, attention_mask)
         return outputs
 
@@ -214,9 +210,6 @@ class TinyDecoderLayer_hp1(TinyDecoderLayer):
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None):
         # hpgen tp_collective: param_plan["model.layers.1"]
-        # undeclared inputs: tp R into the sharded body ==> copy if it requires grad (backward all_reduce)
-        position_embeddings = self._hp_tp.copy_if_grad(position_embeddings)
-        attention_mask = self._hp_tp.copy_if_grad(attention_mask)
         outputs = self._forward_impl(hidden_states, position_embeddings, attention_mask)
         # output: tp S(1) -> R ==> all_gather(dim=1) (backward split)
         outputs = self._hp_tp.all_gather(outputs, dim=1, backward="split")

@@ -2,7 +2,7 @@
 # source: modeling_tiny.py sha256=4cd788e828682abeab8d4b9d2e32cb00c9d90325f29d48c556cf0bebecb075a0
 # plan: plan_tp_sp.json sha256=60e20d92e20d74f5d64ac6ef56ecededebbc5474bb08db0b29fa230a418b9bf6
 # options: mode=toggle package=-
-# body: sha256=0d494839e988dc66def7b43189d53f2ce449d9f2d979f0574411b03e2edacdc7
+# body: sha256=d17628c3dbf1157219b72f1055a7cc91bddbb51a5807cf447f55ec3b4ed9b634
 
 # A small modeling file in the style of transformers' modeling_llama.py, with no
 # dependency beyond torch: the bundled example that hpgen's README and tests lower.
@@ -140,7 +140,6 @@ class TinyAttention(nn.Module):
             # undeclared inputs: tp R into the sharded body ==> copy if it requires grad (backward all_reduce)
             position_embeddings = self._hp_tp.copy_if_grad(position_embeddings)
             attention_mask = self._hp_tp.copy_if_grad(attention_mask)
-            kwargs = self._hp_tp.copy_if_grad_kwargs(kwargs)
         outputs = self._forward_impl(hidden_states, position_embeddings, attention_mask, **kwargs)
         if self.tp_enable:
             # attn_output: tp P(sum) -> S(1) ==> reduce_scatter(dim=1)
@@ -206,10 +205,6 @@ class TinyDecoderLayer(nn.Module):
         if self.tp_enable:
             # hidden_states: tp R -> S(1) ==> split(dim=1)
             hidden_states = self._hp_tp.split(hidden_states, dim=1)
-        if self.tp_enable:
-            # undeclared inputs: tp R into the sharded body ==> copy if it requires grad (backward all_reduce)
-            position_embeddings = self._hp_tp.copy_if_grad(position_embeddings)
-            attention_mask = self._hp_tp.copy_if_grad(attention_mask)
         outputs = self._forward_impl(hidden_states, position_embeddings, attention_mask)
         return outputs
 
@@ -225,10 +220,6 @@ class TinyDecoderLayer_hp1(TinyDecoderLayer):
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None):
         # hpgen tp_collective (toggle): param_plan["model.layers.1"]
-        if self.tp_enable:
-            # undeclared inputs: tp R into the sharded body ==> copy if it requires grad (backward all_reduce)
-            position_embeddings = self._hp_tp.copy_if_grad(position_embeddings)
-            attention_mask = self._hp_tp.copy_if_grad(attention_mask)
         outputs = self._forward_impl(hidden_states, position_embeddings, attention_mask)
         if self.tp_enable:
             # output: tp S(1) -> R ==> all_gather(dim=1) (backward split)

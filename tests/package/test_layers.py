@@ -168,22 +168,10 @@ def _shortest_cycle(graph: dict[str, set[str]], component: set[str]) -> list[str
     raise AssertionError(f"{sorted(component)} is no cycle")
 
 
-# Packages being reorganized on another branch (planner37): a cycle wholly inside one, or a
-# file name of one, is not held yet. Empty once that branch lands, and the checks
-# then hold the whole package.
-BEING_REORGANIZED = ("hpgen.planner",)
-
-
-def _inside(module: str, package: str) -> bool:
-    return module == package or module.startswith(package + ".")
-
-
 def _cycles(graph: dict[str, set[str]]) -> list[str]:
     """Each cycle of ``graph`` as ``a -> b -> a``, with all the modules of its strongly connected component."""
     found = []
     for component in _strongly_connected(graph):
-        if any(all(_inside(m, p) for m in component) for p in BEING_REORGANIZED):
-            continue
         found.append(f"{' -> '.join(_shortest_cycle(graph, component))} (modules: {', '.join(sorted(component))})")
     return found
 
@@ -192,10 +180,6 @@ def test_no_import_cycle_even_through_annotations():
     """No hpgen module reaches itself through its imports, counting every kind: at module level,
     inside functions, and under ``if TYPE_CHECKING:`` (an import for annotations only does not
     run, but it still means neither module can be read, moved or tested without the other).
-
-    Until the planner's own cycles are gone (on another branch), cycles wholly inside
-    ``hpgen.planner`` are left out (``BEING_REORGANIZED``); every other module is held,
-    the planner's imports of the rest included.
     """
     cycles = _cycles(EVERY_IMPORT)
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
@@ -217,12 +201,8 @@ def _shared_names(modules: Iterable[str]) -> dict[str, list[str]]:
 
 
 def test_each_file_name_has_one_meaning():
-    """No two modules (or packages) of hpgen share a name, so a name says which one is meant.
-
-    The planner's names are held once its reorganization lands (``BEING_REORGANIZED``).
-    """
-    held = [m for m in MODULES if not any(_inside(m, p) for p in BEING_REORGANIZED)]
-    shared = {name: found for name, found in _shared_names(held).items() if name not in SHARED_NAMES}
+    """No two modules (or packages) of hpgen share a name, so a name says which one is meant."""
+    shared = {name: found for name, found in _shared_names(MODULES).items() if name not in SHARED_NAMES}
     assert not shared, shared
 
 
@@ -231,8 +211,6 @@ def test_the_checks_can_fail():
     assert _strongly_connected({"a": {"b"}, "b": {"a"}, "c": set()}) == [{"a", "b"}]
     loop = {"x.a": {"x.b"}, "x.b": {"x.c", "x.a"}, "x.c": {"x.a"}, "x.d": set()}
     assert _cycles(loop) == ["x.a -> x.b -> x.a (modules: x.a, x.b, x.c)"]
-    across = {"hpgen.planner.a": {"hpgen.plan"}, "hpgen.plan": {"hpgen.planner.a"}}  # held even now
-    assert _cycles(across) == ["hpgen.plan -> hpgen.planner.a -> hpgen.plan (modules: hpgen.plan, hpgen.planner.a)"]
     assert layer("hpgen.runtime.forward.collectives") == "runtime" and "planner" not in ALLOWED["runtime"]
 
 
@@ -336,17 +314,99 @@ def test_each_runtime_group_names_its_modules():
         assert listed == groups[package], (package, sorted(listed ^ groups[package]))
 
 
-def _package_modules(package: Path) -> set[str]:
-    return {path.stem for path in package.glob("*.py") if path.stem != "__init__"} | {
-        path.parent.name for path in package.glob("*/__init__.py")
-    }
+PLANNER = PACKAGE / "planner"
 
 
-def test_the_planner_maps_name_every_module_and_nothing_else():
-    """The planner's package docstring names each of its modules, the flow package's each of its own."""
-    for package in ("hpgen.planner", "hpgen.planner.flow"):
-        init = MODULES[package]  # read, not imported: the flow imports the planner's loader
-        docstring = ast.get_docstring(ast.parse(init.read_text())) or ""
-        listed = set(re.findall(rf"{re.escape(package)}\.([a-z_]+)", docstring))
-        modules = _package_modules(init.parent)
-        assert listed == modules, (package, sorted(listed - modules), sorted(modules - listed))
+def _planner_groups() -> dict[str, set[str]]:
+    """The planner's subpackages as the tree has them, each with its modules (the package itself holds none)."""
+    groups = {}
+    for init in sorted(PLANNER.rglob("__init__.py")):
+        package = module_name(init)
+        groups[package] = {path.stem for path in init.parent.glob("*.py") if path.stem != "__init__"}
+    return groups
+
+
+def _planner_map() -> list[tuple[str, list[str]]]:
+    """(package, modules) per bullet of the map in ``hpgen/planner/__init__.py``: ``- ``pkg`` (role): ``m``, ...;``."""
+    text = (ast.get_docstring(ast.parse((PLANNER / "__init__.py").read_text())) or "").split("Module map", 1)[1]
+    block = text[text.index("\n- ") :].split("\n\n", 1)[0]
+    found = []
+    for bullet in (" ".join(b.split()) for b in re.split(r"\n- ", block)[1:]):
+        match = re.match(r"``([\w.]+)`` \((.*?)\): (.*)", bullet)
+        assert match, f"a bullet of the planner's map is not ``package`` (role): ``module``, ...: {bullet!r}"
+        found.append((match.group(1), re.findall(r"``(\w+)``", match.group(3))))
+    return found
+
+
+def test_the_planner_map_puts_every_module_in_exactly_one_subpackage():
+    """The package docstring's map names each subpackage as the tree has it, and each of its modules once."""
+    groups = _planner_groups()
+    assert groups.pop("hpgen.planner") == set(), "the planner's modules live in its subpackages"
+    listed = _planner_map()
+    for package, modules in listed:
+        assert len(modules) == len(set(modules)), (package, modules)
+    assert len({p for p, _ in listed}) == len(listed)
+    assert {package: set(modules) for package, modules in listed} == groups
+
+
+def test_each_planner_subpackage_names_its_modules():
+    """Each subpackage's docstring names every one of its modules, and no other."""
+    for package, modules in _planner_groups().items():
+        if package == "hpgen.planner":
+            continue
+        docstring = ast.get_docstring(ast.parse(MODULES[package].read_text())) or ""
+        listed = set(re.findall(rf"{re.escape(package)}\.([a-z_]+)", docstring)) - {
+            name for name in _planner_groups() if name.startswith(package + ".")  # a nested subpackage, mentioned
+        } - {name.rpartition(".")[2] for name in _planner_groups() if name.startswith(package + ".")}
+        assert listed == modules, (package, sorted(listed ^ modules))
+
+
+# The planner's subpackages from the bottom up: each imports only itself and those before it.
+PLANNER_ORDER = (
+    "hpgen.planner.model",
+    "hpgen.planner.flow",
+    "hpgen.planner.derive",
+    "hpgen.planner.translate",
+    "hpgen.planner.passes",
+    "hpgen.planner.entry",
+)
+
+
+def _planner_rank(module: str) -> int:
+    return next(i for i, package in enumerate(PLANNER_ORDER) if module == package or module.startswith(package + "."))
+
+
+def test_the_planner_subpackages_import_only_those_below_them():
+    """The map lists the subpackages in this order, and no module imports one of a subpackage after its own."""
+    listed = [package for package, _ in _planner_map()]
+    assert set(PLANNER_ORDER) <= set(listed)
+    assert [_planner_rank(p) for p in listed] == sorted(_planner_rank(p) for p in listed)
+    wrong = sorted(
+        f"{module} imports {target}"
+        for module, targets in GRAPH.items()
+        if module.startswith("hpgen.planner.")
+        for target in targets
+        if target.startswith("hpgen.planner.") and _planner_rank(target) > _planner_rank(module)
+    )
+    assert not wrong, wrong
+
+
+def _planner_imports_with_annotations(module: str) -> set[str]:
+    """The planner modules ``module`` imports, those under ``if TYPE_CHECKING:`` included."""
+    tree = ast.parse(MODULES[module].read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hpgen.planner"):
+            for name in (f"{node.module}.{alias.name}" for alias in node.names):
+                target = name if name in MODULES else node.module
+                while target not in MODULES:
+                    target = target.rpartition(".")[0]
+                if target != module:
+                    found.add(target)
+    return found
+
+
+def test_no_import_cycle_among_planner_modules_even_through_annotations():
+    """A cycle that only type annotations close is still two modules that cannot be read one after the other."""
+    graph = {m: _planner_imports_with_annotations(m) for m in MODULES if m.startswith("hpgen.planner")}
+    assert not _strongly_connected(graph), [sorted(c) for c in _strongly_connected(graph)]

@@ -61,8 +61,8 @@ def bigcode_plan(config: Any) -> dict[str, Any]:
     """``hpgen.plan/2`` for multi-query GPTBigCode at tp 2: ``c_attn`` (weight and bias) as blocks of the query
     heads cut whole and the one key and value head replicated; the attention splits its output by
     ``embed_dim`` and ``kv_dim``, so ``embed_dim`` is this rank's query features (``local_attrs``)."""
-    from hpgen.planner.load import meta_model
-    from hpgen.planner.make import plan_model
+    from hpgen.planner.model.load import meta_model
+    from hpgen.planner.entry.make import plan_model
 
     plan = plan_model(meta_model(config), tp=2, name="gpt_bigcode")
     plan.pop("comments", None)
@@ -175,7 +175,7 @@ def lowered(config: Any, plan: dict[str, Any], path: str) -> str:
     from hpgen.generate import infer_package
     from hpgen.lower import lower
     from hpgen.plan import plan_from_dict
-    from hpgen.planner.load import model_class_for
+    from hpgen.planner.model.load import model_class_for
 
     source = Path(inspect.getsourcefile(model_class_for(config)) or "")
     text = lower(source.read_text(), plan_from_dict(copy.deepcopy(plan)), source_name=source.name, package=infer_package(source))
@@ -214,7 +214,7 @@ class AllReduceCounter:
 
 def reference_of(config: Any) -> torch.nn.Module:
     """The unsharded transformers model of ``config``, its weights perturbed from :data:`SEED`, in eval mode."""
-    from hpgen.planner.load import model_class_for
+    from hpgen.planner.model.load import model_class_for
 
     torch.manual_seed(SEED)
     reference = model_class_for(config)(config)

@@ -74,7 +74,7 @@ def family_config(family: str, overrides: dict[str, Any]) -> Any:
 
 def _reference(family: str, config: Any, seed: int) -> nn.Module:
     if family in DERIVED:
-        from hpgen.planner.load import model_class_for
+        from hpgen.planner.model.load import model_class_for
 
         torch.manual_seed(seed)
         model = model_class_for(config)(config)

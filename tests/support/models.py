@@ -134,8 +134,8 @@ FAMILIES = {
 def generated_plan(family: str, config: Mapping[str, Any] | None = None, **flags: Any) -> dict[str, Any]:
     """What ``hpgen plan`` writes for the tiny config of ``family`` (with ``config`` overrides),
     for ``flags`` ``tp=``, ``ep=``, ``ep_axis=``, ``sp=``."""
-    from hpgen.planner.load import meta_model
-    from hpgen.planner.translator import translated_plan
+    from hpgen.planner.model.load import meta_model
+    from hpgen.planner.translate.translator import translated_plan
 
     return translated_plan(meta_model(make_config(family, **(config or {}))), name=family, **flags)
 

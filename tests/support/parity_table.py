@@ -58,8 +58,8 @@ def hpgen_plan(family: str, **options: Any) -> Callable[[], dict[str, Any]]:
     """What ``hpgen plan`` writes for the family's tiny config (``tp=2``, ``sp=True``, ...)."""
 
     def make() -> dict[str, Any]:
-        from hpgen.planner.load import meta_model
-        from hpgen.planner.translator import translated_plan
+        from hpgen.planner.model.load import meta_model
+        from hpgen.planner.translate.translator import translated_plan
 
         return translated_plan(meta_model(make_config(family)), **options)
 
@@ -71,8 +71,8 @@ def hpgen_plan_completed(family: str, **options: Any) -> Callable[[], dict[str, 
     """What ``hpgen plan`` writes: transformers' plan, completed from the source where it leaves blocks replicated."""
 
     def make() -> dict[str, Any]:
-        from hpgen.planner.load import meta_model
-        from hpgen.planner.make import plan_model
+        from hpgen.planner.model.load import meta_model
+        from hpgen.planner.entry.make import plan_model
 
         return plan_model(meta_model(make_config(family)), name=family, **options)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.verify_corpus import CORRECT, WRONG, written_plan
+from tests.support.verify_corpus import CORRECT, CORRECT_TINY, WRONG, tiny_written_plan, written_plan
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,6 +32,10 @@ def verdicts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         prepare(written_plan(model_type, **dict(flags)), folder / name, model=model_type, name=name)
         for name, (model_type, flags) in CORRECT.items()
     ]
+    cases += [
+        prepare(tiny_written_plan(model_type, **dict(flags)), folder / name, model=model_type, name=name)
+        for name, (model_type, flags) in CORRECT_TINY.items()
+    ]
     found = {}
     for verdict in verify_many(cases, progress=False):
         located = None if verdict.exact else finding(verdict, planner_plan(verdict))
@@ -39,7 +43,7 @@ def verdicts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return found
 
 
-@pytest.mark.parametrize("name", sorted(CORRECT))
+@pytest.mark.parametrize("name", sorted({**CORRECT, **CORRECT_TINY}))
 def test_written_plans_are_exact(verdicts: dict[str, Any], name: str) -> None:
     verdict, located = verdicts[name]
     assert verdict.exact, located["message"] if located else verdict
@@ -141,7 +145,7 @@ def test_the_tiny_copy_keeps_the_users_options(tmp_path: Path) -> None:
 def test_larger_axes_scale_the_heads(tmp_path: Path) -> None:
     # Mistral's 8 key/value heads on --tp 16 are replicated RS(0,2): the tiny copy runs on 2 x 2 ranks,
     # 8 query heads and 2 key/value heads; --ranks 8 doubles them
-    from hpgen.planner.make import make_plan
+    from hpgen.planner.entry.make import make_plan
     from hpgen.verify.prepare import prepare
 
     plan = make_plan("mistral", tp=16)

@@ -34,7 +34,9 @@ leaves, binding arguments, finding a method's source), and the body of one funct
 :mod:`~hpgen.planner.flow.expressions` and :mod:`~hpgen.planner.flow.constants` (the
 values of branch tests); :mod:`~hpgen.planner.flow.module_level` says which class statements
 are read and which the lowering rewrites; :mod:`~hpgen.planner.flow.functions` follows the
-file's tuple-returning functions item by item and in-place tensor methods;
+file's tuple-returning functions item by item and in-place tensor methods, and
+:mod:`~hpgen.planner.flow.protocols` types what a frame asks of its run and a call of a
+frame;
 :mod:`~hpgen.planner.flow.caller_nones` says which arguments a decoder layer's caller
 passes as None, so that a branch on one is read the way the instance takes it.
 """

@@ -11,10 +11,11 @@ from __future__ import annotations
 import ast
 import inspect
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hpgen.planner.flow.constants import self_path
 from hpgen.planner.flow.functions import in_place, tuple_function
+from hpgen.planner.flow.protocols import Interpreter
 from hpgen.stubs import returns_none
 from hpgen.planner.flow.values import (
     EMPTY,
@@ -29,9 +30,6 @@ from hpgen.planner.flow.values import (
     size_of,
     union,
 )
-
-if TYPE_CHECKING:
-    from hpgen.planner.flow.runner import Runner
 
 __all__ = ["Expressions"]
 
@@ -52,7 +50,7 @@ ALLOCATIONS = frozenset({"zeros", "ones", "empty", "full"})
 class Expressions:
     """The expressions of a :class:`~hpgen.planner.flow.statements.Frame`."""
 
-    runner: Runner
+    runner: Interpreter
     fqn: str
     module: Any
     env: dict[str, Val]

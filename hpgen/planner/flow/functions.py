@@ -16,18 +16,16 @@ import inspect
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from hpgen.planner.flow.constants import self_path
+from hpgen.planner.flow.protocols import Body
 from hpgen.planner.flow.values import MAX_DEPTH, Val, union
 
-if TYPE_CHECKING:
-    from hpgen.planner.flow.statements import Frame
 
 __all__ = ["in_place", "tuple_function"]
 
 
-def in_place(frame: Frame, target: ast.expr, operands: list[Val]) -> None:
+def in_place(frame: Body, target: ast.expr, operands: list[Val]) -> None:
     """Record an in-place method on ``target``: the variable at its root now depends on ``operands``."""
     while isinstance(target, (ast.Subscript, ast.Attribute)) and not self_path(target):
         target = target.value
@@ -35,7 +33,7 @@ def in_place(frame: Frame, target: ast.expr, operands: list[Val]) -> None:
         frame.env[target.id] = union((frame.env[target.id], *operands))
 
 
-def tuple_function(frame: Frame, name: str, args: list[Val], kwargs: Mapping[str, Val]) -> Val | None:
+def tuple_function(frame: Body, name: str, args: list[Val], kwargs: Mapping[str, Val]) -> Val | None:
     """The tuple a call of the file's function ``name`` returns, item by item; None when it is not one."""
     try:
         path = inspect.getsourcefile(type(frame.module))
@@ -56,7 +54,7 @@ def tuple_function(frame: Frame, name: str, args: list[Val], kwargs: Mapping[str
     shapes = len(frame.runner.flow.shapes)
     frame.runner.stack.append(("", name))
     try:
-        # a frame of the caller's class: statements.Frame, not imported, since it imports this module
+        # a frame of the caller's class (statements.Frame, which imports this module)
         inner = type(frame)(frame.runner, frame.fqn, frame.module, env, frame.depth + 1)
         inner.block(function.body)
         value = inner.returned()

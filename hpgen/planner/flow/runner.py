@@ -19,7 +19,7 @@ from typing import Any
 from hpgen.planner.flow.module_level import module_level
 from hpgen.planner.flow.statements import Frame
 from hpgen.planner.flow.values import EMPTY, MAX_DEPTH, Flow, Val, union
-from hpgen.planner.load import defined_in
+from hpgen.planner.model.load import defined_in
 
 __all__ = ["Runner", "function_def", "is_norm", "leaf_kind", "module_names", "run_module"]
 

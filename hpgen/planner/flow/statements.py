@@ -8,14 +8,12 @@ so that values carried round the loop reach their uses; returns accumulate.
 from __future__ import annotations
 
 import ast
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hpgen.planner.flow.constants import Constants, same_const
 from hpgen.planner.flow.expressions import Expressions
+from hpgen.planner.flow.protocols import Interpreter
 from hpgen.planner.flow.values import EMPTY, UNKNOWN, Val, as_items, loop_element, merge, union
-
-if TYPE_CHECKING:
-    from hpgen.planner.flow.runner import Runner
 
 __all__ = ["Frame"]
 
@@ -23,7 +21,7 @@ __all__ = ["Frame"]
 class Frame(Expressions, Constants):
     """One interpreted function body: its environment, constants and returns."""
 
-    def __init__(self, runner: Runner, fqn: str, module: Any, env: dict[str, Val], depth: int) -> None:
+    def __init__(self, runner: Interpreter, fqn: str, module: Any, env: dict[str, Val], depth: int) -> None:
         self.runner = runner
         self.fqn = fqn
         self.module = module

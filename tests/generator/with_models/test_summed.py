@@ -42,8 +42,8 @@ def _plan_document() -> dict:
 
 
 def _planned(family: str, **options: object) -> dict:
-    from hpgen.planner.load import load_config, meta_model
-    from hpgen.planner.make import plan_model
+    from hpgen.planner.entry.make import plan_model
+    from hpgen.planner.model.load import load_config, meta_model
     from tests.support.derived_configs import CONFIGS, tiny
 
     config = tiny(family) if family in CONFIGS else load_config(family)
@@ -126,8 +126,8 @@ def test_sequence_parallel_blocks_reduce_scatter_once() -> None:
 
 
 def test_a_sequential_residual_block_and_the_option_off_keep_two_reductions() -> None:
-    from hpgen.planner.load import meta_model
-    from hpgen.planner.make import plan_model
+    from hpgen.planner.entry.make import plan_model
+    from hpgen.planner.model.load import meta_model
     from tests.support.derived_configs import tiny
 
     config = tiny("stablelm")
@@ -206,7 +206,7 @@ def test_the_planner_reads_the_block_from_its_source(tmp_path: Path, change: tup
     import importlib.util
     import sys
 
-    from hpgen.planner.summed import find_summed_block
+    from hpgen.planner.passes.summed_reductions import find_summed_block
 
     text = SOURCE.read_text()
     if change:
@@ -258,8 +258,8 @@ def test_a_test_on_a_branch_module_takes_the_path_the_instance_takes() -> None:
 def test_ernie_moe_shared_experts_guarded_by_their_none_test_are_summed_under_sp() -> None:
     """Ernie-4.5-MoE calls and adds its shared experts under ``if self.shared_experts is not None:``; with
     ``--sp`` the planner sums them with the routed experts, and the lowering places that one sum."""
-    from hpgen.planner.load import meta_model, model_and_config
-    from hpgen.planner.make import plan_model
+    from hpgen.planner.entry.make import plan_model
+    from hpgen.planner.model.load import meta_model, model_and_config
     from hpgen.verify.shrink import tiny_config
 
     _, config = model_and_config(tiny_config("ernie4_5_moe"))
@@ -288,11 +288,11 @@ def test_falcon_attention_is_sharded_by_heads_and_summed_with_the_mlp(family: st
 
 def test_falcon_keeps_its_attention_whole_where_alibi_reads_its_heads() -> None:
     """ALiBi (read by heads, not sharded) keeps the attention whole, and no summed reduction is written; multi-query
-    Falcon (``[Q heads | K | V]``) is sharded and summed (tests/test_planner_uneven_heads.py)."""
+    Falcon (``[Q heads | K | V]``) is sharded and summed (tests/planner/derive/heads/test_uneven.py)."""
     from tests.support.derived_configs import tiny
 
-    from hpgen.planner.load import meta_model
-    from hpgen.planner.make import plan_model
+    from hpgen.planner.entry.make import plan_model
+    from hpgen.planner.model.load import meta_model
 
     config = tiny("falcon_mha")
     config.alibi = True
@@ -341,9 +341,9 @@ def test_a_call_in_a_branch_the_instance_rules_out_does_not_count() -> None:
 def test_summed_reductions_leave_the_draft_they_are_given_as_it_was() -> None:
     # the passes after the translator return new drafts: the translated draft (gptj's block
     # sums attn + mlp) is still the plan without the summed reduction after the pass
-    from hpgen.planner.load import load_config, meta_model
-    from hpgen.planner.summed import add_summed_reductions
-    from hpgen.planner.translator import translated_draft
+    from hpgen.planner.model.load import load_config, meta_model
+    from hpgen.planner.passes.summed_reductions import add_summed_reductions
+    from hpgen.planner.translate.translator import translated_draft
 
     model = meta_model(load_config("gptj"))
     draft = translated_draft(model, tp=2, name="gptj")

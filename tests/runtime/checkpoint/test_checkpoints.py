@@ -842,8 +842,8 @@ def results4(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     dict's DTensors are copies laid out DTensor's way there."""
     import json
 
-    from hpgen.planner.load import load_config, meta_model
-    from hpgen.planner.translator import translated_plan
+    from hpgen.planner.model.load import load_config, meta_model
+    from hpgen.planner.translate.translator import translated_plan
 
     root = tmp_path_factory.mktemp("checkpoints4")
     _write_checkpoint("llama", root / "llama", 5, max_shard_size="100KB")

@@ -32,8 +32,8 @@ def _lowered(case: str, directory: Path) -> tuple[dict, str]:
     from hpgen.generate import infer_package
     from hpgen.lower import lower
     from hpgen.plan import plan_from_dict
-    from hpgen.planner.load import meta_model, model_class_for
-    from hpgen.planner.make import plan_model
+    from hpgen.planner.model.load import meta_model, model_class_for
+    from hpgen.planner.entry.make import plan_model
 
     config = tiny("gpt_neox")
     plan = plan_model(meta_model(config), tp=2, sp=CASES[case], from_source=True, name="gpt_neox")
@@ -84,7 +84,7 @@ def _collectives(graphs: list[Any]) -> dict[str, int]:
 def _run(case: str, plan: dict, generated: str, mesh: Any) -> dict[str, Any]:
     import torch
 
-    from hpgen.planner.load import model_class_for
+    from hpgen.planner.model.load import model_class_for
     from hpgen.runtime import parallelize
     from tests.support.models import expected_shard, import_file, param_layouts, perturb_, tolerance
 

@@ -25,8 +25,8 @@ FAMILIES = ("llama", "qwen3")
 
 
 def _plan(family: str, **flags: Any) -> dict[str, Any]:
-    from hpgen.planner.load import meta_model
-    from hpgen.planner.make import plan_model
+    from hpgen.planner.model.load import meta_model
+    from hpgen.planner.entry.make import plan_model
 
     return plan_model(meta_model(make_config(family)), name=family, **flags)
 

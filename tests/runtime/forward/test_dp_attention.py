@@ -41,9 +41,9 @@ FAMILY = "qwen3_moe"
 def dp_attention_plan(mode: str) -> dict[str, Any]:
     """What ``hpgen plan --ep 2 --attn-dp`` writes for the tiny config (``mode`` ``global``), or that
     plan made to serve (``serving``): each rank's own batch is its shard, given back as it is."""
-    from hpgen.planner.attn_dp import data_parallel_attention
-    from hpgen.planner.load import meta_model
-    from hpgen.planner.make import plan_model
+    from hpgen.planner.passes.data_parallel_attention import data_parallel_attention
+    from hpgen.planner.model.load import meta_model
+    from hpgen.planner.entry.make import plan_model
 
     model = meta_model(make_config(FAMILY))
     plan = data_parallel_attention(model, plan_model(model, ep=2), FAMILY)
@@ -59,9 +59,9 @@ def attention_tp_plan() -> dict[str, Any]:
     ``ep``, with ``hpgen plan --tp 2``'s attention entry on ``tp`` (heads split inside each data-parallel
     group). The layers' gradient sums name ``ep`` alone, so ``q_proj`` (rows sharded on ``tp``) is summed
     over ``ep`` only, and ``q_norm`` over both."""
-    from hpgen.planner.attn_dp import data_parallel_attention
-    from hpgen.planner.load import meta_model
-    from hpgen.planner.make import plan_model
+    from hpgen.planner.passes.data_parallel_attention import data_parallel_attention
+    from hpgen.planner.model.load import meta_model
+    from hpgen.planner.entry.make import plan_model
 
     model = meta_model(make_config(FAMILY))
     plan = data_parallel_attention(model, plan_model(model, ep=2), FAMILY, plan_model(model, tp=2))

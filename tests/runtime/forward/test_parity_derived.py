@@ -21,11 +21,11 @@ and gradients, greedy generation with the cache (prefill, then decode steps that
 convolution's weight directly and the channel states allocated at ``lru_width``) gives the
 reference's tokens, from a 1-token and from a 5-token prompt; and Doge's dynamic-mask attention,
 whose ``dt_proj`` reads every value head and writes one mask value per key/value head:
-column-parallel over those outputs, its input gathered on entry (:mod:`hpgen.planner.gathered`),
+column-parallel over those outputs, its input gathered on entry (:mod:`hpgen.planner.derive.gathered`),
 with a keep window shorter than the sequence so that the top-k over the keys runs on each rank's
 heads (also with ``--sp``, and generated greedily through the cache, whose keys outgrow the window).
 Each compares the logits and every parameter's gradient (this rank's slice) and checks the
-sizing report of :mod:`hpgen.planner.report` against the run: each rank's parameter bytes
+sizing report of :mod:`hpgen.planner.entry.sizing_report` against the run: each rank's parameter bytes
 counted from its real parameters, and the collectives counted as they are called (each
 call of ``torch.distributed.all_reduce`` and of the single-tensor all-gather /
 reduce-scatter the runtime uses) over a forward and a backward of one sequence.
@@ -95,8 +95,8 @@ def _plan_and_generated(case: str, directory: Path) -> tuple[dict, str]:
     from hpgen.generate import infer_package
     from hpgen.lower import lower
     from hpgen.plan import plan_from_dict
-    from hpgen.planner.load import meta_model, model_class_for
-    from hpgen.planner.make import plan_model
+    from hpgen.planner.model.load import meta_model, model_class_for
+    from hpgen.planner.entry.make import plan_model
 
     family = _family(case)
     options = _options(case)
@@ -174,7 +174,7 @@ class _CollectiveCounter:
 def _run(case: str, plan: dict, generated: str, mesh: Any, counter: _CollectiveCounter) -> dict:
     import torch
 
-    from hpgen.planner.load import model_class_for
+    from hpgen.planner.model.load import model_class_for
     from hpgen.runtime import parallelize
     from tests.support.models import expected_shard, import_file, param_layouts, perturb_, tolerance
 
@@ -334,8 +334,8 @@ def test_each_rank_holds_at_most_two_thirds_of_the_parameters(results: tuple[dic
 # all-gather, which never runs (the bias has no gradient), so its counts are one gather high there.
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "mpt"])
 def test_the_sizing_report_matches_the_run(results: tuple[dict, list[dict]], family: str) -> None:
-    from hpgen.planner.load import meta_model
-    from hpgen.planner.report import size_report
+    from hpgen.planner.model.load import meta_model
+    from hpgen.planner.entry.sizing_report import size_report
 
     cases, ranks = results
     report = size_report(meta_model(tiny(family)), cases[family][0], tp=2, dtype="float32")

@@ -2,7 +2,7 @@
 
 tests/runtime/forward/test_parity_heads.py proves the runtime on hand-written ``hpgen.plan/2``
 plans; these prove the planner's own: the plan is made by
-:func:`hpgen.planner.make.plan_model` from the config on the meta device, exactly as ``hpgen
+:func:`hpgen.planner.entry.make.plan_model` from the config on the meta device, exactly as ``hpgen
 plan --tp N`` writes it, lowered, parallelized and compared (logits, every gradient, greedy
 generation with the cache; :mod:`tests.support.heads_cases`). Two spawns:
 
@@ -28,8 +28,8 @@ LAYERS = 2  # the tiny configs' decoder layers
 
 
 def _planned(config: Any, tp: int, *, from_source: bool = False) -> dict[str, Any]:
-    from hpgen.planner.load import meta_model
-    from hpgen.planner.make import plan_model
+    from hpgen.planner.model.load import meta_model
+    from hpgen.planner.entry.make import plan_model
 
     return plan_model(meta_model(config), tp=tp, from_source=from_source)
 

@@ -78,8 +78,8 @@ def _lowered(family: str, directory: Path, *, sp: bool = False) -> tuple[dict, s
     from hpgen.generate import infer_package
     from hpgen.lower import lower
     from hpgen.plan import plan_from_dict
-    from hpgen.planner.load import meta_model, model_class_for
-    from hpgen.planner.make import plan_model
+    from hpgen.planner.model.load import meta_model, model_class_for
+    from hpgen.planner.entry.make import plan_model
 
     config = _config(family)
     plan = plan_model(meta_model(config), tp=2, sp=sp, name=family)
@@ -92,7 +92,7 @@ def _lowered(family: str, directory: Path, *, sp: bool = False) -> tuple[dict, s
 
 def _models(family: str, plan: dict, generated: str, mesh: Any, **config: Any) -> tuple[Any, Any]:
     """The unsharded model and the parallelized one, same weights; then this rank's own seed."""
-    from hpgen.planner.load import model_class_for
+    from hpgen.planner.model.load import model_class_for
     from hpgen.runtime import parallelize
     from tests.support.models import import_file, perturb_
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-import hpgen.planner.modules
+import hpgen.planner.model.modules
 import hpgen.runtime.install.params
 from hpgen.conv1d import is_conv1d
 
@@ -29,7 +29,7 @@ def test_a_conv1d_is_one_with_its_own_forward_and_its_weight_nx_by_nf() -> None:
 
 
 def test_both_layers_ask_the_one_test() -> None:
-    assert hpgen.planner.modules.is_conv1d is is_conv1d
+    assert hpgen.planner.model.modules.is_conv1d is is_conv1d
     assert hpgen.runtime.install.params.is_conv1d is is_conv1d
 
 

@@ -40,8 +40,8 @@ def test_parallelize_refuses_a_stub_bound_to_a_fused_kernel(tmp_path: Path, mesh
     from hpgen.generate import infer_package
     from hpgen.lower import lower
     from hpgen.plan import plan_from_dict
-    from hpgen.planner.load import meta_model, model_class_for
-    from hpgen.planner.make import plan_model
+    from hpgen.planner.model.load import meta_model, model_class_for
+    from hpgen.planner.entry.make import plan_model
     from hpgen.runtime import parallelize
     from hpgen.runtime.errors import ParallelizeError
     from tests.support.models import import_file
@@ -63,8 +63,8 @@ def test_parallelize_refuses_a_stub_bound_to_a_fused_kernel(tmp_path: Path, mesh
 def test_the_planner_does_not_take_a_bound_kernel_for_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers.models.mamba import modeling_mamba
 
-    from hpgen.planner.load import meta_model
-    from hpgen.planner.make import plan_model
+    from hpgen.planner.model.load import meta_model
+    from hpgen.planner.entry.make import plan_model
 
     monkeypatch.setattr(modeling_mamba, "mamba_inner_fn", _kernel_bound(modeling_mamba.mamba_inner_fn))
     plan = plan_model(meta_model(tiny("mamba")), tp=2, from_source=True, name="mamba")

@@ -32,8 +32,8 @@ def _gpt2(directory: Path) -> tuple[dict[str, Any], str]:
     from hpgen.generate import infer_package
     from hpgen.lower import lower
     from hpgen.plan import plan_from_dict
-    from hpgen.planner.load import meta_model, model_class_for
-    from hpgen.planner.make import plan_model
+    from hpgen.planner.model.load import meta_model, model_class_for
+    from hpgen.planner.entry.make import plan_model
     from tests.support.derived_configs import tiny
 
     plan = plan_model(meta_model(tiny("gpt2")), tp=2, from_source=True, name="gpt2")

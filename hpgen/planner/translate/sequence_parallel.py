@@ -1,0 +1,143 @@
+"""Sequence-parallel rules (``--sp``): Megatron-style sequence parallelism on the ``tp`` axis.
+
+Every decoder layer is listed by index (the first splits ``R -> S(1)`` at its input),
+blocks gather ``S(1) -> R`` and reduce-scatter ``P(sum) -> S(1)``, a child of a layer
+that mixes positions without being sharded (an MoE block around its experts, a recurrent
+mixer) gathers and splits, norms on the shards get ``grad_reduce_params``, and the final
+norm gathers at its output (when it is a class of the modeling file; otherwise the last
+layer does), before the causal LM slices ``logits_to_keep`` and calls ``lm_head``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from hpgen.errors import HpgenError
+from hpgen.placement import REPLICATE, shard
+from hpgen.plan_entries import Layout
+from hpgen.planner.model.load import defined_in
+from hpgen.planner.translate.boundary_record import Boundary, add_boundary
+from hpgen.planner.translate.forwards import self_calls
+
+if TYPE_CHECKING:
+    from hpgen.planner.translate.plan_context import PlanContext
+
+__all__ = ["has_params", "is_norm", "is_per_token", "sequence_parallel"]
+
+# the tp axis: the residual stream replicated, sequence-sharded (dim 1), gathered
+_R = Layout.same(("tp",), REPLICATE)
+_SEQ = Layout.same(("tp",), shard(1))
+
+
+def sequence_parallel(context: PlanContext, boundaries: dict[str, Boundary]) -> None:
+    """Residual stream sharded on dim 1 between decoder layers (Megatron sequence parallel): adds the
+    decoder layers, the children that gather, and the final norm to ``boundaries`` as ``sp`` boundaries."""
+    forwards = context.forwards
+    layers_path, layers = _decoder_layers(context, boundaries)
+    count = len(layers)
+    final_norm = _final_norm(context, layers_path)
+    for index, (fqn, layer) in enumerate(layers):
+        boundary = add_boundary(context, boundaries, fqn, "sp")
+        first = index == 0
+        last_gathers = index == count - 1 and final_norm is None
+        boundary.inputs[forwards.first_input(layer, fqn)] = (_R if first else _SEQ, _SEQ)
+        names = forwards.outputs(layer, fqn)
+        boundary.out_names = names if len(names) > 1 else None
+        boundary.outputs[names[0]] = (_SEQ, _R if last_gathers else _SEQ)
+        boundary.axes.add("tp")
+        for child_name, child in layer.named_children():
+            child_fqn = f"{fqn}.{child_name}"
+            inner = [b for key, b in boundaries.items() if key == child_fqn or key.startswith(child_fqn + ".")]
+            own = child_fqn in boundaries and boundaries[child_fqn].kind in ("block", "experts")
+            if own:
+                boundaries[child_fqn].sp_input = True
+            elif inner or (has_params(child) and not is_per_token(child)):
+                wrapper = add_boundary(context, boundaries, child_fqn, "sp")
+                wrapper.inputs[forwards.first_input(child, child_fqn)] = (_SEQ, _R)
+                child_names = forwards.outputs(child, child_fqn)
+                wrapper.out_names = child_names if len(child_names) > 1 else None
+                wrapper.outputs[child_names[0]] = (_R, _SEQ)
+            elif has_params(child):
+                for param_name, _ in child.named_parameters():
+                    boundary.grad_reduce.add(f"{child_name}.{param_name}")
+        for param_name, _ in layer.named_parameters(recurse=False):
+            boundary.grad_reduce.add(param_name)
+    if final_norm is not None:
+        fqn, norm = final_norm
+        boundary = add_boundary(context, boundaries, fqn, "sp")
+        boundary.inputs[forwards.first_input(norm, fqn)] = (_SEQ, _SEQ)
+        names = forwards.outputs(norm, fqn)
+        boundary.out_names = names if len(names) > 1 else None
+        boundary.outputs[names[0]] = (_SEQ, _R)
+        boundary.grad_reduce.update(name for name, _ in norm.named_parameters())
+        boundary.axes.add("tp")
+
+
+def _decoder_layers(context: PlanContext, boundaries: Mapping[str, Boundary]) -> tuple[str, list[tuple[str, Any]]]:
+    """The ``nn.ModuleList`` holding the most boundaries: the decoder layers."""
+    import torch.nn as nn
+
+    best: tuple[int, str] | None = None
+    for fqn, module in context.modules.items():
+        if not isinstance(module, nn.ModuleList):
+            continue
+        held = sum(1 for key in boundaries if key.startswith(fqn + "."))
+        if held and (best is None or held > best[0]):
+            best = (held, fqn)
+    if best is None:
+        raise HpgenError(
+            f"{context.name}: --sp: no decoder layer holds a sharded block (the plan shards "
+            f"{', '.join(sorted(boundaries)) or 'nothing'}), so there is no all-reduce to split"
+        )
+    path = best[1]
+    outside = [
+        key for key, b in boundaries.items() if b.kind in ("block", "experts") and not key.startswith(path + ".")
+    ]
+    if outside:
+        raise HpgenError(
+            f"{context.name}: --sp: the sharded blocks {', '.join(outside)} are outside the decoder layers {path}"
+        )
+    return path, [(f"{path}.{name}", layer) for name, layer in context.modules[path].named_children()]
+
+
+def _final_norm(context: PlanContext, layers_path: str) -> tuple[str, Any] | None:
+    """The norm after the decoder layers, when it can gather the sequence at its output.
+
+    It must be a class of the modeling file with a ``forward`` of its own, and the
+    model's ``forward`` must call it once: a norm also applied before the layers
+    (NanoChat) would gather a stream that is not sharded yet. Otherwise the last
+    decoder layer gathers.
+    """
+    forwards = context.forwards
+    parent_path = layers_path.rpartition(".")[0]
+    parent = context.modules[parent_path]
+    after = False
+    for name, child in parent.named_children():
+        fqn = f"{parent_path}.{name}" if parent_path else name
+        if fqn == layers_path:
+            after = True
+            continue
+        if after and is_norm(child):
+            info = forwards.index.class_named(type(child).__name__)
+            if info is None or info.forward is None or not defined_in(type(child), forwards.source):
+                return None
+            if self_calls(forwards.parsed, forwards.owner(parent, parent_path).name, name) != 1:
+                return None
+            return fqn, child
+    return None
+
+
+def is_norm(module: Any) -> bool:
+    return "norm" in type(module).__name__.lower()
+
+
+def is_per_token(module: Any) -> bool:
+    """A layer that computes each position on its own (a norm, a linear map): it runs on sequence shards."""
+    import torch.nn as nn
+
+    return is_norm(module) or isinstance(module, nn.Linear)
+
+
+def has_params(module: Any) -> bool:
+    return any(True for _ in module.parameters())
