@@ -27,8 +27,8 @@ def written_plan(model_type: str, **flags: Any) -> dict[str, Any]:
 @cache
 def tiny_written_plan(model_type: str, **flags: Any) -> dict[str, Any]:
     """What ``hpgen plan`` writes for the tiny config ``hpgen verify`` shrinks to (``tiny_config``)."""
-    from hpgen.planner.load import meta_model, model_and_config
-    from hpgen.planner.make import plan_model
+    from hpgen.planner.entry.make import plan_model
+    from hpgen.planner.model.load import meta_model, model_and_config
     from hpgen.verify.shrink import tiny_config
 
     _, config = model_and_config(tiny_config(model_type))
