@@ -24,6 +24,8 @@ body with two changes, both made where the body already hands values over:
 The body's attention implementation (sdpa or eager) then runs this rank's queries over all
 keys. A forward that continues a filled cache (a decode step) runs replicated on every
 rank (:meth:`~hpgen.runtime.forward.context_axis.ContextAxis.replicate`), the body as it is.
+Under activation checkpointing a layer's body reruns in backward, after the forward ended:
+its layout then comes from the ranks' token counts.
 """
 
 from __future__ import annotations
@@ -232,6 +234,8 @@ def gathered_kv_attention(module: nn.Module, *args: Any, axis: str = "cp", **kwa
     if not ax.active:
         return module._forward_impl(*args, **kwargs)
     layout = ax.current
+    if layout is None and torch._C._current_graph_task_id() != -1:
+        layout = _recomputed_layout(ax, _first_tensor(args, kwargs))
     if layout is None:
         raise RuntimeError(
             f"{type(module).__name__}: context parallelism on {axis!r}: no sequence was cut in this forward "
@@ -271,6 +275,17 @@ def gathered_kv_attention(module: nn.Module, *args: Any, axis: str = "cp", **kwa
         return module._forward_impl(*bound.args, **bound.kwargs)
     finally:
         config._hp_route = None
+
+
+def _recomputed_layout(ax: Any, hidden_states: Tensor) -> Any:
+    """The layout of the sequence whose forward this backward recomputes (activation checkpointing).
+
+    Torch's checkpoint (reentrant or not) reruns a layer during backward, after the model's
+    forward ended and the axis forgot the sequence it cut. The ranks' token counts (one
+    exchange; every rank recomputes the same layers in the same order) give its length, so
+    the layout is the forward's own, never one remembered from another forward.
+    """
+    return ax.held_layout(hidden_states, 1)
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> Tensor:

@@ -4,8 +4,9 @@ One rank function runs every case of a spawn: each case builds the unsharded tra
 model and the generated one with the same weights, parallelizes the generated one on its
 mesh (``cp``, or ``cp x tp``), and runs the same inputs through both: training forwards
 and backwards (logits, loss, every gradient), a left-padded batch, packed documents
-(``position_ids`` restarting at 0), a user's 4-D mask, and greedy generation after a cp
-prefill. The numbers come back to the parent, which asserts.
+(``position_ids`` restarting at 0), a user's 4-D mask, greedy generation after a cp
+prefill, and training steps under activation checkpointing. The numbers come back to the
+parent, which asserts.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class CpCase:
     generate: bool = False  # greedy tokens after a cp prefill
     compiled: bool = False  # loss and gradients through torch.compile(fullgraph=True, backend="aot_eager")
     sharded_logits: bool = False  # a training step with shard_logits: each rank's tokens' logits
+    checkpointed: bool = False  # training steps under gradient_checkpointing_enable() (defaults, then reentrant)
     config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -260,6 +262,21 @@ def run_cp_cases(rank: int, world_size: int, cases: list[CpCase]) -> dict[str, C
             reference = dict(ref.named_parameters())
             worst = max((p.grad - reference[n].grad).abs().max().item() for n, p in model.named_parameters())
             result.checks["compiled gradients"] = (worst, max(tolerance(p.grad) for p in reference.values()))
+        if case.checkpointed:  # the layers rerun in backward, after the forward ended; the reference runs without
+            for label, kwargs in (("checkpointed", None), ("checkpointed reentrant", {"use_reentrant": True})):
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+                ids = torch.randint(0, config.vocab_size, (2, 13), generator=generator)
+                _compare_step(case, ref, model, layouts, mesh, label, result, input_ids=ids, labels=ids)
+                model.gradient_checkpointing_disable()
+            attention = model.model.layers[0].self_attn  # called alone after those backwards: still refused
+            cos = sin = torch.ones(2, 5, attention.head_dim)
+            try:
+                attention(torch.randn(2, 5, config.hidden_size), (cos, sin), None)
+                refused = ""
+            except RuntimeError as error:
+                refused = str(error)
+            missed = "no sequence was cut in this forward" not in refused
+            result.checks["attention alone refused"] = (float(missed), 0.0)
         if case.generate:
             ref.eval()
             model.eval()

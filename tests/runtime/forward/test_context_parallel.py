@@ -6,7 +6,8 @@ files lowered under them. Two spawns: 2 ranks (``cp`` 2) and 4 ranks (``cp`` 4, 
 logits, loss and every gradient in train mode (13 tokens: uneven head-tail shards; the
 2-rank cases also 16), and the 2-rank cases also a left-padded batch, packed documents by
 ``position_ids``, a user's 4-D mask, greedy generation after a cp prefill, a
-``torch.compile(fullgraph=True)`` step (Llama), a DCP round trip and the refusals.
+``torch.compile(fullgraph=True)`` step and steps under ``gradient_checkpointing_enable()``
+(Llama), a DCP round trip and the refusals.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, CpResu
         cases.append(
             CpCase(
                 **spec, padded=True, packed=True, mask4d=True, generate=True, compiled=family == "llama",
-                sharded_logits=True, config=tied,
+                sharded_logits=True, checkpointed=family == "llama", config=tied,
             )
         )
     refused = {
@@ -97,6 +98,8 @@ def test_cp2_matches_the_unsharded_model(two_ranks: list[dict[str, CpResult]], f
     result = two_ranks[0][f"{family}_cp2"]
     assert {"left-padded logits", "packed logits", "4-D mask logits", "sharded logits logits"} <= set(result.checks)
     assert family != "llama" or {"compiled logits", "compiled gradients"} <= set(result.checks)
+    checkpointed = {"checkpointed loss", "checkpointed reentrant loss", "attention alone refused"}
+    assert family != "llama" or checkpointed <= set(result.checks)
     assert len(result.tokens[0]) == 6
 
 
