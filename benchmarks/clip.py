@@ -215,7 +215,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke and "RANK" not in os.environ:
         sys.path.insert(0, str(ROOT))
-        from tests.dist import run_distributed
+        from tests.support.dist import run_distributed
 
         with tempfile.TemporaryDirectory(prefix="hpgen_clip_bench_") as folder:
             results = run_distributed(run, 2, 2, folder, timeout=600)[0]

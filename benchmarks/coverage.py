@@ -239,7 +239,7 @@ def compare(cases: list[Case], timeout: float, variant: str = "tp") -> dict[str,
     one case. A run that still fails as a whole (a rank stuck in a collective the other
     left) is retried one case per spawn.
     """
-    from tests.dist import RankFailed, run_distributed
+    from tests.support.dist import RankFailed, run_distributed
 
     try:
         ranks = run_distributed(_rank_cases, cases, SEED, variant, timeout=timeout * len(cases))
@@ -325,7 +325,7 @@ def _parity_rank(
 
     from hpgen.planner.model.load import model_and_config
     from hpgen.runtime import parallelize
-    from tests.runtime.models import expected_shard, import_file, param_layouts, perturb_, tolerance
+    from tests.support.models import expected_shard, import_file, param_layouts, perturb_, tolerance
 
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
@@ -431,7 +431,7 @@ def _train_rank(
 
     from hpgen.planner.model.load import model_and_config
     from hpgen.runtime import parallelize
-    from tests.runtime.models import import_file, perturb_
+    from tests.support.models import import_file, perturb_
 
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()

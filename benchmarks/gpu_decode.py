@@ -257,7 +257,7 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def run_benchmark(rank: int, world: int, options: Options) -> dict[str, Any] | None:
-    """The body of each rank (torchrun or ``tests.dist.run_distributed``); rank 0 returns the results."""
+    """The body of each rank (torchrun or ``tests.support.dist.run_distributed``); rank 0 returns the results."""
     from torch.distributed.device_mesh import init_device_mesh
 
     device = torch.device("cpu") if options.smoke else torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
@@ -398,7 +398,7 @@ def main() -> None:
     torch._dynamo.config.cache_size_limit = 64
     if args.cpu_smoke and "RANK" not in os.environ:  # not under torchrun: spawn the 2 ranks here
         sys.path.insert(0, str(ROOT))
-        from tests.dist import run_distributed
+        from tests.support.dist import run_distributed
 
         with tempfile.TemporaryDirectory(prefix="hpgen_gpu_bench_") as folder:
             results = run_distributed(run_benchmark, smoke_options(folder, args.model), timeout=600)[0]

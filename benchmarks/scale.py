@@ -1,6 +1,6 @@
 """How lowering time grows with the size of the modeling file.
 
-Builds the synthetic files of tests/test_hardening_scale.py (the fixture's classes
+Builds the synthetic files of tests/generator/with_models/test_hardening_scale.py (the fixture's classes
 repeated under new names, every tenth copy planned) at several sizes and prints, per
 size: lines, seconds to lower, seconds per 1,000 lines, and the seconds libcst alone
 takes to parse the same text. Each figure is the best of ``--repeat`` runs, in CPU
@@ -36,7 +36,7 @@ def main() -> None:
 
     from hpgen.lower import lower
     from hpgen.plan import plan_from_dict
-    from tests.test_hardening_scale import synthetic_modeling_file
+    from tests.generator.with_models.test_hardening_scale import synthetic_modeling_file
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[2500, 5000, 10000, 20000])

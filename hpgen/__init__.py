@@ -4,7 +4,7 @@ The generator pipeline reads as the package: ``plan`` (load, validate) → ``ind
 (libcst) → ``classify`` (transitions, forms) → ``emit`` (templates) → ``write``
 (report, atomic files).
 
-Layers, each importing only those below it (``tests/test_layers.py`` holds the rule;
+Layers, each importing only those below it (``tests/package/test_layers.py`` holds the rule;
 docs/architecture.md draws it):
 
 - core: ``plan`` (loading; ``plan_reader`` validates, ``plan_entries`` is the data,

@@ -430,7 +430,7 @@ def verify_command(plan: str, model: str | None, source: str | None, ranks: int 
 
     def run() -> int:
         with plan_extra("hpgen verify"):
-            from hpgen.verify.cli import verify_command as body
+            from hpgen.verify.command import verify_command as body
 
             return body(plan, model, source, ranks, as_json)
 

@@ -12,7 +12,7 @@ from hpgen.lower import Analysis
 from hpgen.plan import Plan
 from hpgen.summed_edit import SummedSiteError, rewrite_summed
 
-# Inputs the runtime's wrappers know (hpgen.runtime.install.targets.KNOWN_INPUTS, kept apart
+# Inputs the runtime's wrappers know (hpgen.runtime.install.module_installs.KNOWN_INPUTS, kept apart
 # because the generator never imports the runtime).
 _KNOWN_INPUTS = {"Linear": ("input",), "Embedding": (), "Identity": ()}
 

@@ -7,7 +7,7 @@ which the file's own stub always does. Its decorator
 installed package's kernel (``mamba_ssm``) instead where there is one. Where the stub
 itself runs, a call of it has no value, so ``if fused_output is not None: return
 fused_output`` adds nothing to what the module returns; where a kernel runs, it is an
-ordinary call that mixes its operands (and :mod:`hpgen.runtime.install.stubs` refuses to
+ordinary call that mixes its operands (and :mod:`hpgen.runtime.install.replaced_stubs` refuses to
 parallelize it). In the core, with no torch and no libcst: the planner's derivation and the
 runtime's check both import it.
 """

@@ -1,4 +1,9 @@
-"""Shared paths and helpers for the generator tests."""
+"""Shared paths, and the ``fast`` marker by folder.
+
+The tree mirrors the package (core, generator, planner, runtime/{install, forward,
+checkpoint, training}, verify, cli), with package/ for the package as a whole, scripts/
+for examples/ and benchmarks/, and support/ for the helpers the tests share.
+"""
 
 from __future__ import annotations
 
@@ -26,30 +31,24 @@ def tiny_source() -> str:
     return (FIXTURES / "modeling_tiny.py").read_text()
 
 
-# The generator-only test modules: they import neither torch nor transformers and start no
-# process, so ``python -m pytest -m fast`` runs them in seconds, in an install without the
-# runtime too (tests/test_messages.py imports them with torch and transformers blocked).
-# A new module is not fast until it is listed here.
-FAST_MODULES = (
-    "test_classify",
-    "test_column_layouts",
-    "test_docs",
-    "test_golden",
-    "test_hardening_injection",
-    "test_hardening_writes",
-    "test_index",
-    "test_layers",
-    "test_packaging",
-    "test_placement",
-    "test_plan",
-    "test_shards",
-    "test_source_styles",
-)
+# The folders of generator-only tests: they import neither torch nor transformers and start
+# no process, so ``python -m pytest -m fast`` runs them in seconds, in an install without the
+# runtime too (tests/cli/test_messages.py imports them with torch and transformers blocked).
+# A test is fast when its file sits directly in one of these folders (not in a subfolder:
+# tests/generator/with_models/ runs what the generator writes).
+FAST_FOLDERS = ("core", "generator", "package")
+
+TESTS = Path(__file__).resolve().parent
+
+
+def fast_modules() -> list[str]:
+    """The dotted names of the test modules in :data:`FAST_FOLDERS`."""
+    return sorted(f"tests.{folder}.{path.stem}" for folder in FAST_FOLDERS for path in (TESTS / folder).glob("test_*.py"))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark the tests of :data:`FAST_MODULES` ``fast``."""
+    """Mark ``fast`` the tests whose file sits directly in one of :data:`FAST_FOLDERS`."""
     for item in items:
-        module = getattr(item, "module", None)
-        if module is not None and module.__name__.rpartition(".")[2] in FAST_MODULES:
+        folder = item.path.parent
+        if folder.parent == TESTS and folder.name in FAST_FOLDERS:
             item.add_marker(pytest.mark.fast)

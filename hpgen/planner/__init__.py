@@ -4,7 +4,7 @@ torch and transformers are imported only inside the functions that build or read
 
 Module map. The planner is in subpackages by role, listed from the bottom up: each imports
 only those above it in this list (and the core and the generator), which
-``tests/test_layers.py`` checks, with that this map and each subpackage's docstring name
+``tests/package/test_layers.py`` checks, with that this map and each subpackage's docstring name
 every module, each once:
 
 - ``hpgen.planner.model`` (the model read): ``load``, ``modules``;

@@ -17,26 +17,27 @@ path: generated files import ``defaults``; plans name functions in ``local``,
 records ``shard_layout.PackedShard``; users train with ``trainer.Trainer`` (transformers'
 ``Trainer`` for parallelized models). Everything else is in a subpackage by role, whose
 docstring says what each of its modules does. docs/runtime.md has the same table;
-``tests/test_layers.py`` checks that both name every module, each in exactly one group:
+``tests/package/test_layers.py`` checks that both name every module, each in exactly one group:
 
 - ``hpgen.runtime`` (named from outside hpgen): ``defaults``, ``local``, ``local_heads``,
   ``context_attention``, ``context_logits``, ``errors``, ``folder_swap``, ``shard_layout``,
   ``trainer``;
 - ``hpgen.runtime.install`` (survey and install: what ``parallelize`` runs): ``parallelize``,
-  ``agreement``, ``targets``, ``counterparts``, ``params``, ``attrs``, ``groups``, ``hooks``,
-  ``summed``, ``kernels``, ``stubs``, ``inputs``, ``tuners``, ``adapters``, ``wrapped``,
-  ``context_checks``;
+  ``pretrained``, ``agreement``, ``module_installs``, ``counterparts``, ``params``, ``attrs``,
+  ``groups``, ``hooks``, ``summed``, ``kernels``, ``replaced_stubs``, ``inputs``, ``tuners``,
+  ``adapters``, ``wrapped``, ``context_checks``;
 - ``hpgen.runtime.forward`` (what generated forwards call): ``collectives``,
-  ``traced_collectives``, ``shard_records``, ``handback``, ``devices``, ``boundary``, ``ops``,
-  ``wrappers``, ``streams``, ``sampling``, ``context_axis``;
+  ``traced_collectives``, ``moves``, ``shard_records``, ``handback``, ``devices``, ``boundary``,
+  ``ops``, ``wrappers``, ``streams``, ``sampling``, ``context_axis``;
 - ``hpgen.runtime.checkpoint`` (checkpoints and state dicts: read, presented to DCP and
-  FSDP2, written): ``loading``, ``checkpoint_files``, ``file_maps``, ``conversions``,
-  ``state_dict``, ``fsdp_state``, ``dcp_files``, ``saving``;
+  FSDP2, written): ``loading``, ``registrations``, ``checkpoint_files``, ``file_maps``,
+  ``conversions``, ``state_dict``, ``sharded_param``, ``fsdp_state``, ``dcp_files``, ``saving``;
 - ``hpgen.runtime.training`` (what training loops call beside the optimizer): ``clipping``.
 
-The subpackages import the top level and each other, except that ``forward`` imports
-neither ``install`` nor ``checkpoint``: what generated forwards run needs no install or
-checkpoint code.
+The subpackages import the top level and each other in one direction: ``install``
+imports ``checkpoint`` (``parallelize`` installs the state-dict hooks, ``from_pretrained``
+reads the checkpoint into the shards), never the reverse, and ``forward`` imports neither:
+what generated forwards run needs no install or checkpoint code.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ _LAZY = {
     "clip_grad_norm_": "hpgen.runtime.training.clipping",
     "grad_norm": "hpgen.runtime.training.clipping",
     "parallelize": "hpgen.runtime.install.parallelize",
-    "from_pretrained": "hpgen.runtime.checkpoint.loading",
+    "from_pretrained": "hpgen.runtime.install.pretrained",
     "reseed_random_streams": "hpgen.runtime.forward.streams",
     "save_pretrained": "hpgen.runtime.checkpoint.saving",
     "full_state_dict": "hpgen.runtime.checkpoint.saving",

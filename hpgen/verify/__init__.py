@@ -13,7 +13,9 @@ One job a module, in the order a check runs:
   module that entered it), named when a collective never completes;
 - :mod:`~hpgen.verify.localize`: the first boundary whose output or input gradient departs;
 - :mod:`~hpgen.verify.report`: the verdict as text or JSON, with what the plan declares
-  there and what ``hpgen plan`` would declare.
+  there and what ``hpgen plan`` would declare;
+- :mod:`~hpgen.verify.command`: ``hpgen verify``'s command body (prepare, run on ranks,
+  report; progress on stderr), kept apart from :mod:`hpgen.cli`.
 
 The runtime never imports this package; it imports the planner and the runtime. torch and
 transformers are imported by the modules that run models, not by this package itself.

@@ -1,6 +1,6 @@
 """Run a function on several real processes joined in a ``torch.distributed`` group, on the CPU.
 
-``hpgen verify`` runs its checks this way, and so do hpgen's own tests (``tests/dist.py``).
+``hpgen verify`` runs its checks this way, and so do hpgen's own tests (``tests/support/dist.py``).
 Each rank is a fresh process forked from a ``forkserver`` that has already imported torch,
 transformers' model base classes and hpgen's runtime (:data:`PRELOAD`; a plain ``spawn``
 where the platform has no forkserver), so a run does not pay those imports, about five

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.derived_configs import tiny
+from tests.support.derived_configs import tiny
 
 
 def placements(placed) -> dict[str, str]:

@@ -22,7 +22,7 @@ import functools
 import itertools
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -31,12 +31,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement as DPlacement
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from hpgen.runtime.checkpoint.sharded_param import ShardedParam
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.shard_layout import PackedShard
 from hpgen.shards import chunk_bounds, split_sizes
 
-if TYPE_CHECKING:
-    from hpgen.runtime.checkpoint.state_dict import ShardedParam
 
 __all__ = ["composed_dtensor", "composed_form", "fsdp_shard_dim", "fsdp_value", "is_fsdp_shard"]
 

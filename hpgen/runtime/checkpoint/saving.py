@@ -1,7 +1,7 @@
 """``save_pretrained`` of a parallelized model: the unsharded transformers checkpoint, one writer, crash-safe.
 
 Every rank takes part in rebuilding each sharded parameter's full tensor
-(:func:`hpgen.runtime.checkpoint.state_dict.gather_full`, one tensor in flight); the writer (rank 0,
+(:func:`hpgen.runtime.checkpoint.sharded_param.gather_full`, one tensor in flight); the writer (rank 0,
 when ``is_main_process`` there, as transformers decides) keeps them on the CPU and writes
 the checkpoint with transformers' own ``save_pretrained`` (config, generation config,
 safetensors shards, tied weights dropped, conversions reverted to the checkpoint layout
@@ -30,7 +30,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hpgen.runtime.checkpoint.conversions import model_conversions
-from hpgen.runtime.checkpoint.state_dict import gather_full, local_state_dict, sharded_params
+from hpgen.runtime.checkpoint.sharded_param import gather_full
+from hpgen.runtime.checkpoint.state_dict import local_state_dict, sharded_params
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.folder_swap import replacing
 from hpgen.runtime.forward.handback import all_gather_object, broadcast_object

@@ -19,9 +19,10 @@ split on more than 2 ranks, where ``tensor_split`` and ``chunk`` differ), the en
 copy laid out DTensor's way, made with a gather over the plan's axes: ``state_dict()``
 is then collective for that parameter (every rank calls it, as DCP does).
 
-:func:`gather_full` rebuilds the full tensor of a parameter from its shards (collective on
-the plan's axes); ``save_pretrained`` uses it. ``with local_state_dict():`` turns the
-post-hook off and gives the plain local shards.
+Each record is a :class:`~hpgen.runtime.checkpoint.sharded_param.ShardedParam`, whose
+:func:`~hpgen.runtime.checkpoint.sharded_param.gather_full` rebuilds the full tensor of a
+parameter from its shards (collective on the plan's axes); ``save_pretrained`` uses it.
+``with local_state_dict():`` turns the post-hook off and gives the plain local shards.
 
 Under FSDP2 (``fully_shard`` on ``dp`` after ``parallelize``) a parameter is FSDP2's
 ``dp`` DTensor of the local shard; :mod:`hpgen.runtime.checkpoint.fsdp_state` presents it over
@@ -34,28 +35,23 @@ import contextlib
 import contextvars
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from hpgen.runtime.checkpoint.fsdp_state import composed_dtensor, dp_piece, fsdp_value, is_fsdp_shard
+from hpgen.runtime.checkpoint.sharded_param import ShardedParam, gather_full, layout_text
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.collectives import AxisCollectives
-from hpgen.runtime.forward.handback import call
-from hpgen.runtime.install.params import ParamShard
-from hpgen.runtime.shard_layout import DTensorForm, PackedShard, dtensor_form
+from hpgen.runtime.shard_layout import PackedShard, dtensor_form
 from hpgen.shards import ShardLayout
 
 __all__ = [
     "PackedShard",
     "ShardRecorder",
-    "ShardedParam",
-    "gather_full",
     "install_state_dict_hooks",
     "load_optimizer_state_dict",
     "local_state_dict",
@@ -76,70 +72,6 @@ def local_state_dict() -> Iterator[None]:
         yield
     finally:
         _LOCAL.reset(token)
-
-
-@dataclass(frozen=True, eq=False)
-class ShardedParam:
-    """A sharded parameter as the state dict sees it: full shape, layout, DTensor form."""
-
-    name: str  # one FQN, for messages
-    shard_layout: ShardLayout  # the full shape, and (placement, rank, size) per plan axis in mesh order
-    axes: tuple[str, ...]
-    mesh: DeviceMesh | None  # the DTensor form's mesh: the plan's axes, RS axes unflattened (None: no form)
-    groups: tuple[Any, ...]  # each axis's process group
-    form: DTensorForm
-    gathered: bool = False  # state_dict() gives the full tensor (peft's adapters), not a DTensor
-
-    @property
-    def global_shape(self) -> tuple[int, ...]:
-        return self.shard_layout.shape
-
-    @property
-    def local_shape(self) -> tuple[int, ...]:
-        return self.shard_layout.local_shape
-
-    def __deepcopy__(self, memo: dict) -> ShardedParam:
-        return self  # immutable, holds process groups: shared by copies of a model
-
-    def to_dtensor(self, local: Tensor) -> DTensor:
-        """``local`` (this rank's chunk) as a DTensor over the plan's axes.
-
-        A view when the DTensor form is exact; otherwise (``tensor_split`` and ``chunk``
-        differ) a copy laid out DTensor's way, which takes a gather over the plan's axes:
-        then every rank must call ``state_dict()`` together, as DCP does.
-        """
-        form = self.form
-        if form.placements is None:
-            raise ParallelizeError(f"state_dict(): {self.name} ({_layout_text(self)}): {form.problem}")
-        shape = torch.Size(self.global_shape)
-        stride = torch.empty(self.global_shape, device="meta").stride()
-        if not form.exact:
-            full = gather_full(local.detach(), self)
-            local = distribute_tensor(full, self.mesh, form.chunked, src_data_rank=None).to_local()
-            return DTensor.from_local(local, self.mesh, form.chunked, run_check=False, shape=shape, stride=stride)
-        dtensor = DTensor.from_local(local, self.mesh, form.placements, run_check=False, shape=shape, stride=stride)
-        if form.packed:
-            dtensor.__class__ = PackedShard
-        return dtensor
-
-    def to_local(self, value: Any) -> Any:
-        """What ``load_state_dict`` should copy into the local parameter for ``value``."""
-        if isinstance(value, DTensor):
-            if (
-                self.form.exact
-                and tuple(value.shape) == self.global_shape
-                and value.device_mesh == self.mesh
-                and tuple(value.placements) == self.form.placements
-            ):
-                return value.to_local()
-            value = value.full_tensor()  # another layout: collective over its mesh
-        if isinstance(value, Tensor) and tuple(value.shape) == self.global_shape != self.local_shape:
-            return self.shard_layout.local_slice(value)
-        return value  # the local shape already, or a size load_state_dict reports
-
-
-def _layout_text(param: ShardedParam) -> str:
-    return ", ".join(f"{axis} {p} over {size}" for axis, (p, _, size) in zip(param.axes, param.shard_layout.shares))
 
 
 # --------------------------------------------------------------------------- hooks
@@ -201,7 +133,7 @@ def _size_mismatch(key: str, value: Any, record: ShardedParam) -> str:
     return (
         f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from checkpoint, the "
         f"parameter's full shape is {record.global_shape} (this rank holds {record.local_shape} of it: "
-        f"{_layout_text(record)})"
+        f"{layout_text(record)})"
     )
 
 
@@ -227,21 +159,20 @@ def _into_fsdp(param: DTensor, value: Any) -> Any:
 
 def install_state_dict_hooks(
     model: nn.Module,
-    shards: Iterable[ParamShard],
+    sharded: Iterable[tuple[Sequence[tuple[nn.Module, str]], str, ShardLayout]],
     mesh: DeviceMesh,
     axes: Mapping[str, AxisCollectives],
     names: Sequence[str],
 ) -> ShardRecorder:
     """Record each sharded parameter's layout on its owners and register the hooks (see the module docstring).
 
-    ``shards`` are :func:`~hpgen.runtime.install.params.survey_params`'s records, read before
-    :func:`~hpgen.runtime.install.params.shard_params` (their ``param`` has the full shape);
-    ``names`` the plan's axes in mesh order. Returns the recorder, which records
-    parameters made later (peft's adapters) the same way.
+    ``sharded``: each planned parameter's (module, attribute) owners, one of its names (for
+    messages) and this rank's shard of it; ``names`` the plan's axes in mesh order. Returns
+    the recorder, which records parameters made later (peft's adapters) the same way.
     """
     recorder = ShardRecorder(mesh, axes, names)
-    for shard in shards:
-        recorder.record(shard.owners, shard.names[0], shard.shard_layout)
+    for owners, name, shard_layout in sharded:
+        recorder.record(owners, name, shard_layout)
     recorder.hook_loading(model)
     return recorder
 
@@ -401,54 +332,3 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
             converted[name] = value
         local["state"][fqn] = converted
     set_optimizer_state_dict(model, optimizer, local)
-
-
-# --------------------------------------------------------------------------- gathering
-
-
-def gather_full(local: Tensor, param: ShardedParam) -> Tensor:
-    """The full tensor of ``param`` from every rank's ``local`` shard (all ranks of the plan's axes call it).
-
-    Undoes the axes in reverse mesh order: on each, an all-gather of the (padded) pieces,
-    each put back where :meth:`ShardLayout.pieces` says it came from (one range for ``S``,
-    one per block for ``SS``; of the ``r`` equal pieces of an ``RS(d,r)`` chunk, the first).
-    """
-    layout = param.shard_layout
-    tensor = local.contiguous()
-    for axis in reversed(range(len(layout.shares))):
-        placement, _, size = layout.shares[axis]
-        if placement.is_replicate or size == 1:
-            continue
-        try:
-            dim = layout.split_dim(axis)
-            ranges = layout.pieces(axis)
-        except ValueError as error:
-            raise ParallelizeError(f"{param.name}: cannot gather: {error}") from None
-        sizes = [sum(stop - start for start, stop in runs) for runs in ranges]
-        pieces = _all_gather_uneven(tensor, dim, sizes, param.groups[axis])
-        shape = list(tensor.shape)
-        shape[dim] = layout.prefix(axis).local_shape[dim]
-        tensor = tensor.new_empty(shape)
-        placed: set[tuple[tuple[int, int], ...]] = set()
-        for piece, runs in zip(pieces, ranges):
-            if tuple(runs) in placed:
-                continue  # a replica of a piece already in place (RS)
-            placed.add(tuple(runs))
-            position = 0
-            for start, stop in runs:
-                tensor.narrow(dim, start, stop - start).copy_(piece.narrow(dim, position, stop - start))
-                position += stop - start
-    return tensor
-
-
-def _all_gather_uneven(tensor: Tensor, dim: int, sizes: Sequence[int], group: Any) -> list[Tensor]:
-    """Every rank's ``tensor`` (``sizes[r]`` long on ``dim``), padded to the longest for the collective."""
-    longest = max(sizes)
-    padded = tensor
-    if tensor.size(dim) < longest:
-        shape = list(tensor.shape)
-        shape[dim] = longest - tensor.size(dim)
-        padded = torch.cat([tensor, tensor.new_zeros(shape)], dim)
-    gathered = [torch.empty_like(padded) for _ in sizes]
-    call(dist.all_gather, gathered, padded.contiguous(), group=group)
-    return [piece.narrow(dim, 0, n) for piece, n in zip(gathered, sizes)]

@@ -78,7 +78,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -88,10 +88,13 @@ from torch.autograd.function import once_differentiable
 from hpgen.shards import split_sizes
 
 from .handback import call
+from .moves import Move as _Move
+from .moves import Sharded as _Shard
+from .moves import Size
+from .moves import received_shapes as _received_shapes
 from .shard_records import ShardRecords
 from .traced_collectives import TRACED as _TRACED
 from .traced_collectives import fc_all_gather as _fc_all_gather
-from .traced_collectives import received_shapes as _received_shapes
 
 __all__ = ["IDENTITY_AXIS", "REDUCE_OPS", "AxisCollectives", "ShardScope", "scope_shard_sizes"]
 
@@ -101,33 +104,6 @@ REDUCE_OPS = ("sum", "avg", "max", "min")
 # too, and torch 2.13 renamed the single-tensor collectives that older releases also have.
 _all_gather_single = getattr(dist, "all_gather_single", getattr(dist, "all_gather_into_tensor", None))
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", getattr(dist, "reduce_scatter_tensor", None))
-
-Size = Any  # an int, or a torch.SymInt while torch.compile traces
-
-
-class _Shard(NamedTuple):
-    """A layout sharded on ``dim`` (non-negative): rank ``i`` holds ``sizes[i]`` of it."""
-
-    dim: int
-    sizes: tuple[Size, ...]
-
-
-class _Move(NamedTuple):
-    """One transition on one axis: collective ``op`` from layout ``src`` to ``dst``.
-
-    ``None`` stands for a whole (replicated or partial) layout. ``reduce`` is the
-    reduction of ``all_reduce``; gradients always add.
-    """
-
-    op: str
-    src: _Shard | None
-    dst: _Shard | None
-    reduce: str = "sum"
-
-    def reversed(self, op: str) -> _Move:
-        """The transition the gradient makes: ``op`` from this move's ``dst`` to its ``src``."""
-        return _Move(op, self.dst, self.src)
-
 
 # Whether each op's input and output are sharded. A backward op is valid for a forward op
 # when its kind is the forward's reversed, so this table states every conjugate pair.

@@ -2,26 +2,22 @@
 
 Under Dynamo every op takes torch's functional collectives, which return new tensors and
 which Dynamo and Inductor understand; a module of its own because it is the second of the
-two forms (the eager form stays beside the autograd node), sharing only the shard moves.
+two forms (the eager form stays beside the autograd node), sharing only the moves (:mod:`hpgen.runtime.forward.moves`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from .collectives import AxisCollectives, _Move
+from .moves import Axis, Move, Size, received_shapes
 
-__all__ = ["TRACED", "fc_all_gather", "received_shapes"]
-
-Size = Any  # an int, or a torch.SymInt while torch.compile traces
+__all__ = ["TRACED", "fc_all_gather"]
 
 # Looked up softly, as in collectives: torch 2.13 renamed the single-tensor collectives.
 fc_all_gather = getattr(funcol, "all_gather_single", getattr(funcol, "all_gather_tensor", None))
@@ -32,17 +28,6 @@ _fc_reduce_scatter = getattr(funcol, "reduce_scatter_single", getattr(funcol, "r
 # Dynamo and Inductor understand. Written without branches on sizes, which may be symbolic:
 # the uneven path (pad every shard to the largest, cut each block back) also serves even
 # shards, where the padding and the cuts are empty.
-
-
-def received_shapes(ax: AxisCollectives, x: Tensor, move: _Move) -> list[list[Size]]:
-    """What rank ``i`` sends this rank in an all-to-all: its shard of src, our chunk of dst."""
-    (src, src_sizes), (dst, dst_sizes) = move.src, move.dst
-    shapes = []
-    for n in src_sizes:
-        shape = list(x.shape)
-        shape[src], shape[dst] = n, dst_sizes[ax.rank]
-        shapes.append(shape)
-    return shapes
 
 
 def _padded(x: Tensor, dim: int, size: Size) -> Tensor:
@@ -66,24 +51,24 @@ def _largest(sizes: Sequence[Size]) -> Size:
     return most
 
 
-def _traced_identity(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
+def _traced_identity(ax: Axis, x: Tensor, move: Move) -> Tensor:
     return x.clone(memory_format=torch.contiguous_format)
 
 
-def _traced_all_reduce(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
+def _traced_all_reduce(ax: Axis, x: Tensor, move: Move) -> Tensor:
     op = "sum" if move.reduce == "avg" else move.reduce  # avg: sum then divide, as gloo lacks AVG
     out = funcol.all_reduce(x.contiguous(), op, ax.group)
     return out / ax.size if move.reduce == "avg" else out
 
 
-def _traced_all_gather(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
+def _traced_all_gather(ax: Axis, x: Tensor, move: Move) -> Tensor:
     d, sizes = move.src
     local = _padded(x, d, _largest(sizes)).unsqueeze(0).contiguous()
     blocks = fc_all_gather(local, 0, ax.group)  # [k, *local.shape[1:]]
     return torch.cat([blocks[i].narrow(d, 0, n) for i, n in enumerate(sizes)], dim=d)
 
 
-def _traced_reduce_scatter(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
+def _traced_reduce_scatter(ax: Axis, x: Tensor, move: Move) -> Tensor:
     d, sizes = move.dst
     most = _largest(sizes)  # (a gather's backward scatters the gather's sizes, whatever they are)
     blocks = torch.stack([_padded(chunk, d, most) for chunk in _chunks(x, d, sizes)])
@@ -91,12 +76,12 @@ def _traced_reduce_scatter(ax: AxisCollectives, x: Tensor, move: _Move) -> Tenso
     return out.narrow(d, 0, sizes[ax.rank]).clone(memory_format=torch.contiguous_format)
 
 
-def _traced_split(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
+def _traced_split(ax: Axis, x: Tensor, move: Move) -> Tensor:
     d, sizes = move.dst
     return _chunks(x, d, sizes)[ax.rank].clone(memory_format=torch.contiguous_format)
 
 
-def _traced_all_to_all(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
+def _traced_all_to_all(ax: Axis, x: Tensor, move: Move) -> Tensor:
     (src, _), (dst, dst_sizes) = move.src, move.dst
     sends = [chunk.reshape(-1) for chunk in _chunks(x, dst, dst_sizes)]  # chunk i goes to rank i
     shapes = received_shapes(ax, x, move)
@@ -106,7 +91,7 @@ def _traced_all_to_all(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
     return torch.cat([flat.view(shape) for flat, shape in zip(flats, shapes, strict=True)], dim=src)
 
 
-TRACED: dict[str, Callable[[AxisCollectives, Tensor, _Move], Tensor]] = {
+TRACED: dict[str, Callable[[Axis, Tensor, Move], Tensor]] = {
     "identity": _traced_identity,
     "all_reduce": _traced_all_reduce,
     "all_gather": _traced_all_gather,

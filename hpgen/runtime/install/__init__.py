@@ -1,8 +1,10 @@
 """Survey and install: what ``parallelize`` runs, every check before any tensor changes.
 
 - ``hpgen.runtime.install.parallelize``: ``parallelize(model, plan, mesh)``, the steps in order;
+- ``hpgen.runtime.install.pretrained``: ``from_pretrained``, parallelizing a model built on the meta device and
+  reading its checkpoint into the shards before any hook is attached;
 - ``hpgen.runtime.install.agreement``: every rank runs the same plan, generated file and hpgen;
-- ``hpgen.runtime.install.targets``: what each planned module becomes (its class, form, bindings);
+- ``hpgen.runtime.install.module_installs``: what each planned module becomes (its class, form, bindings);
 - ``hpgen.runtime.install.counterparts``: the generated class of a module built from the original file;
 - ``hpgen.runtime.install.params``: planned parameters found, checked, then cut to this rank's chunk;
 - ``hpgen.runtime.install.attrs``: module attributes that must follow the local shards;
@@ -10,7 +12,7 @@
 - ``hpgen.runtime.install.hooks``: deferred biases and gradient reductions of a sharded body;
 - ``hpgen.runtime.install.summed``: what a summed reduction (a parallel-residual block) adds;
 - ``hpgen.runtime.install.kernels``: keep the generated forward where transformers picks one at run time;
-- ``hpgen.runtime.install.stubs``: refuse a forward that would hand shards to a fused kernel;
+- ``hpgen.runtime.install.replaced_stubs``: refuse a forward that would hand shards to a fused kernel;
 - ``hpgen.runtime.install.inputs``: the check that each axis's ranks were fed the same inputs;
 - ``hpgen.runtime.install.tuners``: peft's tuner layers as a plan sees them, and the methods refused;
 - ``hpgen.runtime.install.adapters``: peft's LoRA adapters laid out like their base layers;

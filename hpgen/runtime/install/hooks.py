@@ -380,13 +380,8 @@ def _is_dtensor(tensor: Tensor) -> bool:
     return dtensor is not None and isinstance(tensor, dtensor.DTensor)
 
 
-def install_grad_reduce(
-    records: Iterable[GradReduce],
-    replaced: Mapping[int, nn.Parameter],
-    axes: Mapping[str, AxisCollectives],
-    mesh: DeviceMesh,
-) -> None:
-    """Hook each (possibly re-created) Parameter, and make every boundary using it follow it.
+def install_grad_reduce(records: Iterable[GradReduce], axes: Mapping[str, AxisCollectives], mesh: DeviceMesh) -> None:
+    """Hook each Parameter as registered now (sharded, or loaded), and make every boundary using it follow it.
 
     Replica groups are made here, after every rank accepted the plan: creating a process
     group is a collective of all ranks.
@@ -397,7 +392,8 @@ def install_grad_reduce(
         regions = record.region_groups(mesh)
         if not groups and not regions:
             continue
-        param = replaced.get(id(record.param), record.param)
+        _, owner, attr = record.uses[0]
+        param = owner._parameters[attr]  # the surveyed one was replaced by its shard, or by what was loaded
         reducer = GradAllReduce(groups, record.name, regions)
         param.register_hook(reducer)
         param._hp_grad_reduce = reducer

@@ -11,7 +11,7 @@ untouched:
   different layouts (:mod:`hpgen.runtime.install.params`);
 - a boundary whose class has no generated ``forward`` for the plan's contract (the
   generated file is stale), or a wrapped ``nn.Embedding``/``nn.Linear`` whose layout is
-  not vocab-, column- or row-parallel (:mod:`hpgen.runtime.install.targets`);
+  not vocab-, column- or row-parallel (:mod:`hpgen.runtime.install.module_installs`);
 - deferred biases without a single reduced output, grad-reduced parameters of a body
   that is not sharded (:mod:`hpgen.runtime.install.hooks`); ``tp_divide_attrs`` and
   ``divide_attrs`` that do not divide, attention whose local query and key/value heads
@@ -26,6 +26,10 @@ axes' collectives, the region functions and the generic boundaries, adds the def
 biases' and the gradient reductions' hooks, and divides the attributes. Last, the
 state-dict hooks (:mod:`hpgen.runtime.checkpoint.state_dict`) and ``save_pretrained``
 (:mod:`hpgen.runtime.checkpoint.saving`) make checkpoints keep every shard.
+
+The two phases are :func:`survey_model` and the :class:`Survey` it returns (``shard``,
+then ``install``): ``from_pretrained`` (:mod:`hpgen.runtime.install.pretrained`) reads the
+checkpoint into the shards between the two, before any hook is attached.
 
 Other mesh axes belong to torch's engines, applied after ``parallelize``: FSDP2
 (``fully_shard`` per decoder layer and on the root, on a ``dp`` axis) or DDP; a DDP over
@@ -81,14 +85,15 @@ from hpgen.runtime.install.hooks import (
 )
 from hpgen.runtime.install.inputs import InputCheck
 from hpgen.runtime.install.kernels import fit_experts_kernel
+from hpgen.runtime.install.module_installs import ModuleInstall, module_install
 from hpgen.runtime.install.params import Matched, ParamShard, shard_params, survey_params
-from hpgen.runtime.install.stubs import refuse_replaced_stubs
+from hpgen.runtime.install.replaced_stubs import refuse_replaced_stubs
 from hpgen.runtime.install.summed import SummedBlock, branch_fqns, survey_summed
-from hpgen.runtime.install.targets import ModuleInstall, module_install
 from hpgen.runtime.install.tuners import peft_base_model, resolve_tuner_names
 from hpgen.runtime.install.wrapped import DataParallelCheck, KeptFromDDP, MeshAxes
+from hpgen.shards import ShardLayout
 
-__all__ = ["ParallelizeError", "parallelize"]
+__all__ = ["ParallelizeError", "Survey", "parallelize", "survey_model"]
 
 PlanLike = str | os.PathLike[str] | Mapping[str, Any] | Plan
 
@@ -128,6 +133,21 @@ def parallelize(
     """
     plan = _as_plan(plan)
     checked = _checked_axes(check_inputs, plan)
+    survey = survey_model(model, plan, mesh, generated=generated)
+    survey.shard()
+    return survey.install(checked=checked)
+
+
+def survey_model(
+    model: nn.Module, plan: PlanLike, mesh: DeviceMesh, *, generated: Iterable[types.ModuleType] = ()
+) -> Survey:
+    """Every check :func:`parallelize` makes, on every rank together, with ``model`` untouched.
+
+    The :class:`Survey` returned then shards the parameters and installs the rest;
+    ``from_pretrained`` reads the checkpoint into the shards between the two, so the
+    tensors are in place before any hook is attached to them.
+    """
+    plan = _as_plan(plan)
     peft_model = None
     base = peft_base_model(model)
     if base is not None:
@@ -150,36 +170,8 @@ def parallelize(
         raise_together(error, mesh, on_mesh)
         raise
     raise_together(None, mesh, on_mesh)
-    survey.install(axes, plan.mesh_dim_names)
-    device = collective_device(mesh)
-    # random ops: one stream for replicated and partial values, one per rank for sharded ones
-    branches = branch_fqns((t.item for t in survey.targets), plan)
-    install_streams(model, [(t.item, t.form) for t in survey.targets], plan, axes, device, branches)
-    groups = [(axis, axes[axis].group) for axis in plan.mesh_dim_names if axes[axis].size > 1]
-    bind_generate(model, [group for _, group in groups], device)
-    model._hp_mesh_axes = MeshAxes(mesh, on_mesh)  # the other mesh axes are the data-parallel ones
-    if groups:  # a DDP over these ranks would overwrite shards: kept from them, and refused at its first
-        # forward, before the input check (whose error such a DDP's data sharding would otherwise raise)
-        listed = getattr(model, "_ddp_params_and_buffers_to_ignore", ())
-        model._ddp_params_and_buffers_to_ignore = KeptFromDDP(groups, listed)
-        model.register_forward_pre_hook(DataParallelCheck(groups))
-    checked_groups = [(axis, group) for axis, group in groups if axis in checked]
-    if checked_groups:
-        model.register_forward_pre_hook(InputCheck(checked_groups, device), with_kwargs=True)
-    # state_dict() as DTensors, load_state_dict of DTensors or full tensors, save_pretrained unsharded
-    recorder = install_state_dict_hooks(model, survey.shards, mesh, axes, plan.mesh_dim_names)
-    # peft's adapters, there now (sharded here) or added later (adopted when first seen)
-    model._hp_adapters = watch_adapters(model, survey.adapter_slots, axes, recorder)
-    bind_save_pretrained(model)
-    scope_shard_sizes(model, axes.values())  # gathers reuse the sizes of shards made in the same forward
-    install_context(model, axes, plan)  # cp: decode steps after a cp prefill run replicated; the loss on each rank's tokens
-    model._hp_parallelized = True
-    model._hp_mesh = mesh  # the ranks holding the model: clip_grad_norm_ sums its norm over them
-    _PARALLELIZED.add(model)
-    if peft_model is not None:
-        peft_model._hp_parallelized = True
-        return peft_model
-    return model
+    survey.peft_model = peft_model
+    return survey
 
 
 _PARALLELIZED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -250,23 +242,50 @@ def _toggle_axes(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> tuple[str, .
 
 
 @dataclass
-class _Survey:
-    """Everything ``parallelize`` will do, checked; :meth:`install` does it."""
+class Survey:
+    """Everything ``parallelize`` will do, checked: :meth:`shard`, then :meth:`install`, do it."""
 
+    model: nn.Module
+    plan: Plan
+    mesh: DeviceMesh
+    axes: dict[str, AxisCollectives]
     targets: list[ModuleInstall]
     shards: list[ParamShard]
     biases: list[DeferredBias]
     grad_reduces: list[GradReduce]
     divides: list[tuple[nn.Module, str, int]]
-    mesh: DeviceMesh
     summed: list[SummedBlock]
     adapter_slots: list[Any]
+    peft_model: nn.Module | None = None  # the peft model whose base model ``model`` is
 
-    def install(self, axes: Mapping[str, AxisCollectives], mesh_names: tuple[str, ...]) -> None:
-        replaced = shard_params(self.shards)
+    @property
+    def on_mesh(self) -> tuple[str, ...]:
+        """The plan's axes the mesh has (the others are toggle axes, off)."""
+        return tuple(axis for axis in self.plan.mesh_dim_names if axis in (self.mesh.mesh_dim_names or ()))
+
+    def shard_layouts(self) -> dict[str, ShardLayout]:
+        """This rank's shard of each planned parameter that is split, under each of its names."""
+        return {
+            name: shard.shard_layout
+            for shard in self.shards
+            if shard.shard_layout.local_shape != shard.shard_layout.shape
+            for name in shard.names
+        }
+
+    def shard(self) -> None:
+        """Replace each planned parameter by its local chunk (on the meta device: a tensor of the local shape)."""
+        shard_params(self.shards)
+
+    def install(self, *, checked: Iterable[str] | None = None) -> nn.Module:
+        """Swap classes, bind collectives, attach the hooks; return the model ``parallelize`` returns.
+
+        ``checked``: the plan axes whose ranks' inputs are checked to agree (``None``: all).
+        Hooks go on the parameters registered now, so anything that replaces them (a
+        checkpoint read into the shards) comes before."""
+        model, plan, mesh, axes = self.model, self.plan, self.mesh, self.axes
         switched = []
         for target in self.targets:
-            target.install(axes, mesh_names)
+            target.install(axes, plan.mesh_dim_names)
             why = fit_experts_kernel(target.item.module) if target.form != "identity" else None
             if why is not None:
                 switched.append((target.item.fqn, why))
@@ -278,18 +297,49 @@ class _Survey:
             bias.install(axes)
         for block in self.summed:
             block.install()
-        install_grad_reduce(self.grad_reduces, replaced, axes, self.mesh)
+        install_grad_reduce(self.grad_reduces, axes, mesh)
         for module, attr, value in self.divides:
             setattr(module, attr, value)
+        device = collective_device(mesh)
+        # random ops: one stream for replicated and partial values, one per rank for sharded ones
+        branches = branch_fqns((t.item for t in self.targets), plan)
+        install_streams(model, [(t.item, t.form) for t in self.targets], plan, axes, device, branches)
+        groups = [(axis, axes[axis].group) for axis in plan.mesh_dim_names if axes[axis].size > 1]
+        bind_generate(model, [group for _, group in groups], device)
+        model._hp_mesh_axes = MeshAxes(mesh, self.on_mesh)  # the other mesh axes are the data-parallel ones
+        if groups:  # a DDP over these ranks would overwrite shards: kept from them, and refused at its first
+            # forward, before the input check (whose error such a DDP's data sharding would otherwise raise)
+            listed = getattr(model, "_ddp_params_and_buffers_to_ignore", ())
+            model._ddp_params_and_buffers_to_ignore = KeptFromDDP(groups, listed)
+            model.register_forward_pre_hook(DataParallelCheck(groups))
+        checked = plan.mesh_dim_names if checked is None else tuple(checked)
+        checked_groups = [(axis, group) for axis, group in groups if axis in checked]
+        if checked_groups:
+            model.register_forward_pre_hook(InputCheck(checked_groups, device), with_kwargs=True)
+        # state_dict() as DTensors, load_state_dict of DTensors or full tensors, save_pretrained unsharded
+        sharded = [(shard.owners, shard.names[0], shard.shard_layout) for shard in self.shards]
+        recorder = install_state_dict_hooks(model, sharded, mesh, axes, plan.mesh_dim_names)
+        # peft's adapters, there now (sharded here) or added later (adopted when first seen)
+        model._hp_adapters = watch_adapters(model, self.adapter_slots, axes, recorder)
+        bind_save_pretrained(model)
+        scope_shard_sizes(model, axes.values())  # gathers reuse the sizes of shards made in the same forward
+        install_context(model, axes, plan)  # cp: decode steps after a cp prefill run replicated; the loss on each rank's tokens
+        model._hp_parallelized = True
+        model._hp_mesh = mesh  # the ranks holding the model: clip_grad_norm_ sums its norm over them
+        _PARALLELIZED.add(model)
+        if self.peft_model is not None:
+            self.peft_model._hp_parallelized = True
+            return self.peft_model
+        return model
 
 
 def _survey(
     model: nn.Module,
     plan: Plan,
     mesh: DeviceMesh,
-    axes: Mapping[str, AxisCollectives],
+    axes: dict[str, AxisCollectives],
     generated: Sequence[GeneratedModule] = (),
-) -> _Survey:
+) -> Survey:
     matched = resolve_tuner_names(match_modules(model, plan))  # q_proj.weight: q_proj.base_layer.weight under peft
     refuse_replaced_stubs(model, matched)  # a fused kernel bound in place of the torch path the plan shards
     shards = survey_params(model, plan, matched, axes)
@@ -299,7 +349,7 @@ def _survey(
     grad_reduces = survey_grad_reduce(matched, plan, axes)
     divides = survey_attrs(matched, plan, axes)
     slots = survey_adapters(model, matched, plan.mesh_dim_names)
-    return _Survey(targets, shards, biases, grad_reduces, divides, mesh, summed, slots)
+    return Survey(model, plan, mesh, axes, targets, shards, biases, grad_reduces, divides, summed, slots)
 
 
 def match_modules(model: nn.Module, plan: Plan) -> list[Matched]:

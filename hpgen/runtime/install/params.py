@@ -42,6 +42,7 @@ from hpgen.conv1d import is_conv1d
 from hpgen.errors import did_you_mean
 from hpgen.placement import REPLICATE, Placement
 from hpgen.plan import Entry, Layout, Plan
+from hpgen.runtime.checkpoint.registrations import registrations
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.collectives import AxisCollectives
 from hpgen.shards import (
@@ -90,21 +91,6 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _registrations(model: nn.Module) -> dict[int, tuple[nn.Parameter, list[str], list[tuple[nn.Module, str]]]]:
-    """Every Parameter of ``model`` with all the FQNs and (module, attribute) pairs holding it."""
-    found: dict[int, tuple[nn.Parameter, list[str], list[tuple[nn.Module, str]]]] = {}
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        for attr, param in module._parameters.items():
-            if param is None:
-                continue
-            entry = found.setdefault(id(param), (param, [], []))
-            fqn = _join(module_name, attr)
-            if fqn not in entry[1]:
-                entry[1].append(fqn)
-                entry[2].append((module, attr))
-    return found
-
-
 def _parameter_names(module: nn.Module) -> str:
     names = [name for name, _ in module.named_parameters()]
     return ", ".join(names) if names else "none"
@@ -136,8 +122,8 @@ def survey_params(
     matched = list(matched)
     check_param_names(matched)
     _check_not_dtensors(model)
-    registrations = _registrations(model)
-    by_name = {name: key for key, (_, names, _) in registrations.items() for name in names}
+    registered = {id(found.tensor): found for found in registrations(model, buffers=False)}
+    by_name = {name: key for key, found in registered.items() for name in found.names}
     mesh = plan.mesh_dim_names
 
     planned: dict[str, tuple[Layout, Matched]] = {}
@@ -155,14 +141,14 @@ def survey_params(
     shards: dict[int, ParamShard] = {}
     for full, (layout, item) in sorted(planned.items()):
         key = by_name[full]
-        param, names, owners = registrations[key]
         if key in shards:
             continue
-        _check_tied(full, layout, names, planned, mesh)
-        shard_layout = rank_shard(param.shape, layout, axes, mesh)
+        found = registered[key]
+        _check_tied(full, layout, found.names, planned, mesh)
+        shard_layout = rank_shard(found.tensor.shape, layout, axes, mesh)
         name = full[len(item.fqn) + 1 :] if item.fqn else full
         _check_placements(item, name, shard_layout, mesh)
-        shards[key] = ParamShard(param, list(names), list(owners), layout, shard_layout)
+        shards[key] = ParamShard(found.tensor, list(found.names), list(found.owners), layout, shard_layout)
 
     for item in matched:
         _check_linear_biases(item, planned, mesh)
@@ -342,12 +328,8 @@ def _check_linear_biases(item: Matched, planned: Mapping[str, tuple[Layout, Matc
                 raise ParallelizeError(f"{item.fqn}: {bias_fqn} is {b} on axis {axis!r} but its weight is {w}")
 
 
-def shard_params(shards: Iterable[ParamShard]) -> dict[int, nn.Parameter]:
-    """Replace every sharded Parameter by its local chunk under all its names.
-
-    Returns ``id(old) -> new`` so later steps (hooks) find the new Parameters.
-    """
-    replaced: dict[int, nn.Parameter] = {}
+def shard_params(shards: Iterable[ParamShard]) -> None:
+    """Replace every sharded Parameter by its local chunk under all its names."""
     with torch.no_grad():
         for shard in shards:
             if not shard.shard_layout.sharded:
@@ -359,8 +341,6 @@ def shard_params(shards: Iterable[ParamShard]) -> dict[int, nn.Parameter]:
                 conv1d = is_conv1d(module)  # asked before the swap, while nx and nf still describe the weight
                 setattr(module, attr, new)
                 _update_sizes(module, conv1d)
-            replaced[id(old)] = new
-    return replaced
 
 
 def _update_sizes(module: nn.Module, conv1d: bool) -> None:

@@ -7,7 +7,7 @@ return value) compute the norm of the whole model instead. Each rank adds up the
 ``p``-th powers of the norms of the pieces it holds, each weighted by one over the number
 of ranks of the model's mesh holding that same piece, and one all-reduce over the mesh
 sums them (``inf``: the largest, no weights needed). Who holds what comes from the layouts
-``parallelize`` records (:class:`~hpgen.runtime.checkpoint.state_dict.ShardedParam`:
+``parallelize`` records (:class:`~hpgen.runtime.checkpoint.sharded_param.ShardedParam`:
 ``S``, ``SS`` and expert pieces are distinct, ``RS(d,r)`` pieces held by ``r`` ranks,
 peft's adapters like their base layers) and from DTensor placements (FSDP2 on ``dp``);
 a parameter hpgen did not touch is replicated over the mesh (DDP's replicas too).
@@ -35,7 +35,8 @@ from torch.utils._foreach_utils import (
     _has_foreach_support,
 )
 
-from hpgen.runtime.checkpoint.state_dict import ShardedParam, ShardRecorder
+from hpgen.runtime.checkpoint.sharded_param import ShardedParam
+from hpgen.runtime.checkpoint.state_dict import ShardRecorder
 from hpgen.runtime.forward.handback import call
 from hpgen.runtime.install.parallelize import parallelized_models
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.derived_configs import tiny
+from tests.support.derived_configs import tiny
 from tests.planner.plan_helpers import entry, placements, plan_model_of
 
 

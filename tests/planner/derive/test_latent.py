@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.derived_configs import tiny
+from tests.support.derived_configs import tiny
 from tests.planner.plan_helpers import derived, entry, placements
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.derived_configs import tiny
+from tests.support.derived_configs import tiny
 
 
 def test_transformers_plan_is_kept_where_it_shards_the_layers() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from hpgen.cli import cli
-from tests.derived_configs import tiny
+from tests.support.derived_configs import tiny
 from tests.planner.plan_helpers import derived
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.derived_configs import tiny
+from tests.support.derived_configs import tiny
 from tests.planner.plan_helpers import translated
 
 

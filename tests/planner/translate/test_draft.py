@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.derived_configs import tiny
+from tests.support.derived_configs import tiny
 
 
 def test_a_draft_finds_the_entry_the_loaded_plan_finds_for_every_module() -> None:

@@ -54,7 +54,7 @@ def generated(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 
 def tiny_llama_config(tmp_path: Path) -> Path:
     """config.json of the runtime tests' tiny llama (2 layers, 4 heads, 2 KV heads)."""
-    from tests.runtime.models import make_config
+    from tests.support.models import make_config
 
     make_config("llama").save_pretrained(tmp_path)
     return tmp_path / "config.json"
@@ -258,7 +258,7 @@ def test_a_style_it_cannot_map_lists_the_supported_ones(tmp_path: Path) -> None:
     ],
 )
 def test_indivisible_heads_name_the_sizes(tmp_path: Path, overrides: dict, size: int, expected: str) -> None:
-    from tests.runtime.models import make_config
+    from tests.support.models import make_config
 
     make_config("llama", **overrides).save_pretrained(tmp_path)
     code, out, err = run_plan(str(tmp_path / "config.json"), "--tp", str(size))
@@ -267,7 +267,7 @@ def test_indivisible_heads_name_the_sizes(tmp_path: Path, overrides: dict, size:
 
 
 def test_fewer_kv_heads_than_ranks_are_replicated(tmp_path: Path) -> None:
-    from tests.runtime.models import make_config
+    from tests.support.models import make_config
 
     make_config("qwen2").save_pretrained(tmp_path)  # 4 heads, 2 key/value heads, q/k/v biases
     code, out, err = run_plan(str(tmp_path / "config.json"), "--tp", "4")
@@ -330,8 +330,8 @@ def test_generating_plans_keeps_torch_out_of_the_generator() -> None:
 def test_generated_plans_match_the_unsharded_llama_on_two_ranks(tmp_path: Path) -> None:
     from hpgen.planner.model.load import meta_model
     from hpgen.planner.translate.translator import translated_plan
-    from tests.dist import run_distributed
-    from tests.runtime.models import (
+    from tests.support.dist import run_distributed
+    from tests.support.models import (
         Case,
         check_generation,
         check_gradients,

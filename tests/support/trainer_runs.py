@@ -1,0 +1,291 @@
+"""Training runs of transformers' ``Trainer`` on a tiny Llama, for ``test_trainer.py``: rank bodies and the reference.
+
+Every run trains the same perturbed tiny Llama (``tests.support.models``' shape, vocab 127,
+hidden 64, 2 layers) on the same 16 sequences, 4 AdamW steps of 4 sequences, with
+``max_grad_norm`` below the gradient norm (clipping active), ``logging_steps=1``. The
+reference is the unsharded model in a stock ``transformers.Trainer`` on one process; the
+cases are the parallelized model in ``hpgen.runtime.trainer.Trainer`` on 2 or 4 gloo ranks.
+Each run returns its per-step losses and logged ``grad_norm``s and the final weights (the
+unsharded state dict, gathered), and the parent compares them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STEPS, BATCH, SEQ, SAMPLES = 4, 4, 12, 16
+MAX_GRAD_NORM = 0.5  # the tiny model's gradient norm is about 2-3: every step clips
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One Trainer run: the plan (``tp``, ``sp``, the config's KV heads), the mesh, LoRA, saving and resuming."""
+
+    name: str
+    tp: int = 2
+    dp: int = 1
+    sp: bool = False
+    kv_heads: int = 2
+    fsdp: bool = False
+    lora: str = ""  # "after": get_peft_model after parallelize; "before": parallelize the peft model
+    save: bool = False  # a checkpoint at step 2 (and 4)
+    resume: str = ""  # the name of a saved run: a fresh model resumes its checkpoint-2
+    # "hpgen": hpgen.runtime.trainer.Trainer; "stock": transformers.Trainer; "accelerate": Accelerator().prepare;
+    # "ddp, ignore list replaced": DistributedDataParallel(model) after the user replaced hpgen's ignore list;
+    # "hpgen, another mesh": hpgen's Trainer resuming ``resume``'s checkpoint, written on another mesh
+    loop: str = "hpgen"
+    check_inputs: bool = True  # parallelize's input check
+    generated: str = ""  # the generated file (lowered by the parent)
+    plan: dict = field(default_factory=dict)
+
+
+class _Recorder:
+    """A TrainerCallback keeping each step's logged loss and grad_norm."""
+
+    def __new__(cls) -> Any:
+        from transformers import TrainerCallback
+
+        class Recorder(TrainerCallback):
+            def __init__(self) -> None:
+                self.steps: dict[int, tuple[float, float]] = {}
+
+            def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+                if logs and "loss" in logs and "grad_norm" in logs:
+                    self.steps[state.global_step] = (float(logs["loss"]), float(logs["grad_norm"]))
+
+        return Recorder()
+
+
+def dataset() -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 127, (SAMPLES, SEQ), generator=generator)
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def config(kv_heads: int = 2) -> Any:
+    from tests.support.models import make_config
+
+    return make_config("llama", num_key_value_heads=kv_heads)
+
+
+def lora_config() -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS)
+
+
+def arguments(output_dir: str, per_device: int, save: bool) -> Any:
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=output_dir,
+        max_steps=STEPS,
+        per_device_train_batch_size=per_device,
+        learning_rate=3e-3,
+        max_grad_norm=MAX_GRAD_NORM,
+        logging_steps=1,
+        save_strategy="steps" if save else "no",
+        save_steps=2,
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=5,
+        dataloader_drop_last=True,
+    )
+
+
+def reference_model(kv_heads: int, lora: bool) -> Any:
+    from tests.support.models import reference_model as unsharded
+
+    model = unsharded("llama", config(kv_heads), seed=0).train()
+    if lora:
+        from peft import get_peft_model
+
+        torch.manual_seed(3)  # the adapters' initial values: the same draw in every run
+        model = get_peft_model(model, lora_config())
+        _nonzero_lora_b(model)
+    return model
+
+
+def _nonzero_lora_b(model: Any) -> None:
+    """peft starts lora_B at zero; a seeded value makes the adapters' first gradients exercise both factors."""
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+
+
+def _weights(model: Any) -> dict[str, torch.Tensor]:
+    """The trained tensors as plain transformers names them (peft's trainable adapters, or every weight)."""
+    if hasattr(model, "get_base_model"):
+        from peft import get_peft_model_state_dict
+
+        return {name: value.detach().clone() for name, value in get_peft_model_state_dict(model).items()}
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def reference(rank: int, world_size: int, runs: list[Run], workdir: str) -> dict[str, Any]:
+    """Rank body (world 1): each distinct reference of ``runs``, a stock Trainer on the unsharded model."""
+    from transformers import LlamaForCausalLM, Trainer
+
+    results: dict[str, Any] = {}
+    for run in runs:
+        key = reference_key(run)
+        if key in results:
+            continue
+        model = reference_model(run.kv_heads, bool(run.lora))
+        recorder = _Recorder()
+        output = str(Path(workdir) / f"reference-{key}")
+        trainer = Trainer(model=model, args=arguments(output, BATCH, save=True), train_dataset=dataset(), callbacks=[recorder])
+        trainer.train()
+        result = {"steps": dict(recorder.steps), "weights": _weights(model)}
+        if not run.lora:  # the step-2 checkpoint as plain transformers loads it
+            saved = LlamaForCausalLM.from_pretrained(str(Path(output) / "checkpoint-2"))
+            result["checkpoint_2"] = {name: value.clone() for name, value in saved.state_dict().items()}
+        results[key] = result
+    return results
+
+
+def reference_key(run: Run) -> str:
+    return f"kv{run.kv_heads}{'-lora' if run.lora else ''}"
+
+
+def _torchrun_environment(rank: int, world_size: int) -> None:
+    """What torchrun sets, which accelerate reads to see a distributed CPU run."""
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+    )
+
+
+def _mesh(run: Run) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if run.dp > 1:
+        return init_device_mesh("cpu", (run.dp, run.tp), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh("cpu", (run.tp,), mesh_dim_names=("tp",))
+
+
+def parallel_model(run: Run, mesh: Any) -> Any:
+    """The generated model with the reference's weights (and adapters), parallelized as ``run`` says."""
+    from hpgen.runtime import parallelize
+    from tests.support.models import generated_model, import_file
+
+    base = reference_model(run.kv_heads, lora=False)
+    model = generated_model(import_file(run.generated), "llama", config(run.kv_heads), base).train()
+    if run.lora:
+        from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+
+        adapters = get_peft_model_state_dict(reference_model(run.kv_heads, lora=True))
+    if run.lora == "before":
+        model = get_peft_model(model, lora_config())
+        set_peft_model_state_dict(model, adapters)
+        parallelize(model, run.plan, mesh, check_inputs=run.check_inputs)
+    else:
+        parallelize(model, run.plan, mesh, check_inputs=run.check_inputs)
+        if run.lora == "after":
+            model = get_peft_model(model, lora_config())
+            set_peft_model_state_dict(model, adapters)  # full tensors: each rank keeps its slice
+    if run.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def _full_weights(model: Any) -> dict[str, torch.Tensor]:
+    """The unsharded tensors (every rank joins; rank 0 keeps them)."""
+    if hasattr(model, "get_base_model"):
+        return _weights(model)  # peft's state dict gathers the adapters whole
+    from hpgen.runtime import full_state_dict
+
+    return full_state_dict(model)
+
+
+def parallel(rank: int, world_size: int, runs: list[Run], workdir: str) -> dict[str, Any]:
+    """Rank body: each run in its loop; rank 0 returns its steps and gathered weights (or the error it stopped with)."""
+    _torchrun_environment(rank, world_size)
+    results: dict[str, Any] = {}
+    meshes: dict[tuple[int, int], Any] = {}
+    for run in runs:
+        mesh = meshes.get((run.dp, run.tp)) or meshes.setdefault((run.dp, run.tp), _mesh(run))
+        model = parallel_model(run, mesh)
+        result = _train(run, model, workdir) if run.loop == "hpgen" else _refused(run, model, workdir, rank)
+        if rank == 0:
+            results[run.name] = result
+    return results
+
+
+def _train(run: Run, model: Any, workdir: str) -> dict[str, Any]:
+    from hpgen.runtime.trainer import Trainer
+
+    recorder = _Recorder()
+    output = str(Path(workdir) / (run.resume or run.name))
+    trainer = Trainer(
+        model=model, args=arguments(output, BATCH // run.dp, run.save), train_dataset=dataset(), callbacks=[recorder]
+    )
+    trainer.train(resume_from_checkpoint=str(Path(output) / "checkpoint-2") if run.resume else None)
+    result = {"steps": dict(recorder.steps), "weights": _full_weights(model)}
+    if run.save:
+        result["checkpoint_2"] = str(Path(output) / "checkpoint-2")
+    return result
+
+
+def _refused(run: Run, model: Any, workdir: str, rank: int) -> dict[str, Any]:
+    """A stock loop on the parallelized model, which must stop before its first optimizer step: the error (the
+    same on every rank: all of them are returned) and how far the weights moved from the reference's (0: the
+    shards are unchanged and no step was taken)."""
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    error = None
+    try:
+        if run.loop == "stock":
+            from transformers import Trainer
+
+            Trainer(model=model, args=arguments(str(Path(workdir) / run.name), BATCH, False), train_dataset=dataset()).train()
+        elif run.loop == "hpgen, another mesh":  # resume a checkpoint written on another mesh
+            from hpgen.runtime.trainer import Trainer
+
+            output = str(Path(workdir) / run.resume)
+            trainer = Trainer(model=model, args=arguments(output, BATCH // run.dp, False), train_dataset=dataset())
+            trainer.train(resume_from_checkpoint=str(Path(output) / "checkpoint-2"))
+        elif run.loop == "ddp, ignore list replaced":  # DDP told to skip nothing: its constructor broadcasts the shards
+            from torch.nn.parallel import DistributedDataParallel
+
+            # uneven shards (127 vocabulary rows, 89 MLP columns) would fail DDP's own shape check on one rank only
+            # (and hang the other): the user lists those, DDP broadcasts the even ones
+            shapes = [None] * dist.get_world_size()
+            dist.all_gather_object(shapes, {name: tuple(p.shape) for name, p in model.named_parameters()})
+            uneven = [name for name in shapes[0] if len({tuple(other[name]) for other in shapes}) > 1]
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, uneven)
+            batch = torch.stack([row["input_ids"] for row in dataset()[:BATCH]])
+            DistributedDataParallel(model)(input_ids=batch, labels=batch)
+        else:
+            from accelerate import Accelerator
+
+            accelerator = Accelerator(cpu=True)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+            loader = DataLoader(dataset(), batch_size=BATCH)
+            wrapped, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+            for batch in loader:
+                accelerator.backward(wrapped(**batch).loss)
+                optimizer.step()
+                break
+    except Exception as caught:  # noqa: BLE001 - the test reads the message
+        error = f"{type(caught).__name__}: {caught}"
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    initial = reference_model(run.kv_heads, lora=False).state_dict()
+    weights = _full_weights(model)
+    drift = max((weights[name] - initial[name]).abs().max().item() for name in initial) if rank == 0 else None
+    return {"errors": errors, "drift": drift}

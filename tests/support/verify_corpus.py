@@ -1,0 +1,170 @@
+"""The plans ``tests/verify/test_verify.py`` proves with ``hpgen verify``: wrong ones, each a mistake a user
+makes, and the plans ``hpgen plan`` writes for a dozen architectures.
+
+A wrong plan is a correct ``hpgen plan`` plan (of the full default config, as a user has it)
+with one mistake, and the module ``hpgen verify`` must name: its FQN (a prefix where the
+first departing layer may be either) and the side (forward output, backward gradient, the
+module that raised, or parallelize's refusal).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+
+@cache
+def written_plan(model_type: str, **flags: Any) -> dict[str, Any]:
+    """What ``hpgen plan MODEL_TYPE --tp 2 [--sp] [--ep 2]`` writes (the full default config)."""
+    from hpgen.planner.entry.make import make_plan
+
+    return make_plan(model_type, tp=2, **flags)
+
+
+@cache
+def tiny_written_plan(model_type: str, **flags: Any) -> dict[str, Any]:
+    """What ``hpgen plan`` writes for the tiny config ``hpgen verify`` shrinks to (``tiny_config``)."""
+    from hpgen.planner.entry.make import plan_model
+    from hpgen.planner.model.load import meta_model, model_and_config
+    from hpgen.verify.shrink import tiny_config
+
+    _, config = model_and_config(tiny_config(model_type))
+    return plan_model(meta_model(config), tp=2, name=model_type, **flags)
+
+
+@dataclass(frozen=True)
+class Wrong:
+    """One mistake: the base plan, the edit, and where ``hpgen verify`` must locate it."""
+
+    model_type: str
+    edit: Callable[[dict[str, Any]], None]
+    fqn: str  # the located module's FQN starts with this
+    side: str  # "forward", "backward", "raised" (the forward raised there), "parallelize" (refused, naming it)
+    flags: tuple[tuple[str, Any], ...] = ()
+    entry: str | None = None  # the plan key the report must name
+
+    def plan(self) -> dict[str, Any]:
+        plan = copy.deepcopy(written_plan(self.model_type, **dict(self.flags)))
+        self.edit(plan["param_plan"])
+        return plan
+
+
+def _set(key: str, field: str, name: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def edit(entries: dict[str, Any]) -> None:
+        entries[key][field][name] = value
+
+    return edit
+
+
+def _drop_grad_reduce(prefix: str, keep_norm: bool = True) -> Callable[[dict[str, Any]], None]:
+    def edit(entries: dict[str, Any]) -> None:
+        for key, entry in entries.items():
+            if key.startswith(prefix):
+                entry.pop("grad_reduce_params", None)
+
+    return edit
+
+
+def _gpt2_fused(placement_weight: str, placement_bias: str) -> Callable[[dict[str, Any]], None]:
+    def edit(entries: dict[str, Any]) -> None:
+        params = entries["transformer.h.*.attn"]["params"]
+        params["c_attn.weight"] = {"tp": placement_weight}
+        params["c_attn.bias"] = {"tp": placement_bias}
+
+    return edit
+
+
+def _reversed_out_names(entries: dict[str, Any]) -> None:
+    entry = entries["model.layers.*.self_attn"]
+    entry["out_names"] = list(reversed(entry["out_names"]))
+
+
+def _bias_deferred_and_reduced(entries: dict[str, Any]) -> None:
+    entries["transformer.h.*.mlp"]["grad_reduce_params"] = ["c_proj.bias"]
+
+
+def _bias_not_deferred(entries: dict[str, Any]) -> None:
+    del entries["transformer.h.*.mlp"]["deferred_bias_params"]
+
+
+def _no_divide(entries: dict[str, Any]) -> None:
+    del entries["transformer.h.*.attn"]["tp_divide_attrs"]
+
+
+SP = (("sp", True),)
+
+WRONG: dict[str, Wrong] = {
+    # the attention's row-parallel o_proj leaves a partial sum; R says there is nothing to reduce
+    "attention_out_R_for_P": Wrong("llama", _set("model.layers.*.self_attn", "out_src", "attn_output", {"tp": "R"}),
+                                   "model.layers.0.self_attn", "forward", entry="model.layers.*.self_attn"),
+    "mlp_out_R_for_P": Wrong("llama", _set("model.layers.*.mlp", "out_src", "output", {"tp": "R"}),
+                             "model.layers.0.mlp", "forward", entry="model.layers.*.mlp"),
+    # gate cut by columns, up left whole: act(gate) * up of a half and a whole
+    "gate_up_other_columns": Wrong("llama", _set("model.layers.*.mlp", "params", "up_proj.weight", {"tp": "R"}),
+                                   "model.layers.0.mlp", "raised", entry="model.layers.*.mlp"),
+    # the query projection cut on its input features: a matmul of the wrong shapes
+    "shard_dim_crashes": Wrong("llama", _set("model.layers.*.self_attn", "params", "q_proj.weight", {"tp": "S(1)"}),
+                               "model.layers.0.self_attn.q_proj", "raised", entry="model.layers.*.self_attn"),
+    # out_names in the wrong order: the reduction lands on the attention weights
+    "out_names_order": Wrong("llama", _reversed_out_names, "model.layers.0.self_attn", "forward",
+                             entry="model.layers.*.self_attn"),
+    # the embedding's vocabulary-parallel lookup is a partial sum (parallelize refuses: it wraps the embedding)
+    "embedding_out_R_for_P": Wrong("llama", _set("model.embed_tokens", "out_src", "output", {"tp": "R"}),
+                                   "model.embed_tokens", "parallelize"),
+    # a column-parallel lm_head whose output is declared whole: never gathered (parallelize refuses)
+    "lm_head_not_gathered": Wrong("llama", _set("lm_head", "out_src", "output", {"tp": "R"}),
+                                  "lm_head", "parallelize"),
+    # lm_head's output gather left out (out_dst S(-1)): right by its own entry, but the model returns a shard
+    "lm_head_gather_removed": Wrong("llama", _set("lm_head", "out_dst", "output", {"tp": "S(-1)"}),
+                                    "lm_head", "forward", entry="lm_head"),
+    # sequence parallelism: the norms of a sequence-sharded stream see half the tokens each
+    "sp_missing_grad_reduce": Wrong("llama", _drop_grad_reduce("model.layers."), "model.layers.", "backward", SP),
+    # sequence parallelism: the attention's input declared whole while the stream is cut by tokens
+    "sp_input_declared_R": Wrong("llama", _set("model.layers.*.self_attn", "in_src", "hidden_states", {"tp": "R"}),
+                                 "model.layers.0.self_attn", "raised", SP, entry="model.layers.*.self_attn"),
+    # per-head q/k norms on head-sharded activations: partial weight gradients
+    "qk_norm_missing_grad_reduce": Wrong("qwen3", _drop_grad_reduce("model.layers.*.self_attn"),
+                                         "model.layers.", "backward", entry="model.layers.*.self_attn"),
+    # GPT-2's fused c_attn (q, k, v side by side) cut as one matrix: rank 0 gets q and half of k
+    "fused_qkv_without_blocks": Wrong("gpt2", _gpt2_fused("S(1)", "S(0)"), "transformer.h.0.attn", "forward",
+                                      entry="transformer.h.*.attn"),
+    # an SS block count that is off: 2 blocks of a 3-block layout
+    "ss_block_count_off": Wrong("gpt2", _gpt2_fused("SS(1,2)", "SS(0,2)"), "transformer.h.0.attn", "forward",
+                                entry="transformer.h.*.attn"),
+    # a deferred bias (added once, after the reduction) whose gradient is all-reduced too: twice its gradient
+    "bias_deferred_and_reduced": Wrong("gpt2", _bias_deferred_and_reduced, "transformer.h.", "backward",
+                                       entry="transformer.h.*.mlp"),
+    # the row-parallel bias added by every rank before the reduction: twice the bias
+    "row_bias_not_deferred": Wrong("gpt2", _bias_not_deferred, "transformer.h.0.mlp", "forward",
+                                   entry="transformer.h.*.mlp"),
+    # split_size not divided: the local fused projection split at the full width
+    "missing_tp_divide_attrs": Wrong("gpt2", _no_divide, "transformer.h.0.attn", "raised",
+                                     entry="transformer.h.*.attn"),
+}
+
+# what `hpgen plan` writes, verified exact: (model type, flags)
+CORRECT: dict[str, tuple[str, tuple[tuple[str, Any], ...]]] = {
+    "llama": ("llama", ()),
+    "llama_sp": ("llama", SP),
+    "qwen2": ("qwen2", ()),
+    "qwen3": ("qwen3", ()),
+    "qwen3_sp": ("qwen3", SP),
+    "gpt2": ("gpt2", ()),
+    "starcoder2_sp": ("starcoder2", SP),
+    "olmo2": ("olmo2", ()),
+    "phi3": ("phi3", ()),
+    "gpt_neox": ("gpt_neox", ()),
+    "qwen3_moe_ep": ("qwen3_moe", (("ep", 2),)),
+    "mixtral": ("mixtral", ()),
+}
+
+# the same, planned for the tiny config (as benchmarks/coverage.py plans): where planning the full default
+# config costs half a minute (cpmant's 48 layers)
+CORRECT_TINY: dict[str, tuple[str, tuple[tuple[str, Any], ...]]] = {
+    # the sequence-sharded decoder layer hands position_bias (requiring grad) to its attention, which declares
+    # it R -> S(1): copied in the layer as well, its gradient came back twice
+    "cpmant_sp": ("cpmant", SP),
+}

@@ -1,0 +1,203 @@
+"""``hpgen verify``: wrong plans caught and located, the plans ``hpgen plan`` writes proven exact.
+
+Every case of ``tests/support/verify_corpus.py`` runs in ONE spawn of 2 gloo ranks
+(:func:`hpgen.verify.run.verify_many`): the corpus costs one process start-up. One test
+drives the real command line in a subprocess for the exit codes and ``--json``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.verify_corpus import CORRECT, CORRECT_TINY, WRONG, tiny_written_plan, written_plan
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def verdicts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from hpgen.verify.prepare import prepare
+    from hpgen.verify.report import finding, planner_plan
+    from hpgen.verify.run import verify_many
+
+    folder = tmp_path_factory.mktemp("verify")
+    cases = [prepare(wrong.plan(), folder / name, model=wrong.model_type, name=name) for name, wrong in WRONG.items()]
+    cases += [
+        prepare(written_plan(model_type, **dict(flags)), folder / name, model=model_type, name=name)
+        for name, (model_type, flags) in CORRECT.items()
+    ]
+    cases += [
+        prepare(tiny_written_plan(model_type, **dict(flags)), folder / name, model=model_type, name=name)
+        for name, (model_type, flags) in CORRECT_TINY.items()
+    ]
+    found = {}
+    for verdict in verify_many(cases, progress=False):
+        located = None if verdict.exact else finding(verdict, planner_plan(verdict))
+        found[verdict.case.name] = (verdict, located)
+    return found
+
+
+@pytest.mark.parametrize("name", sorted({**CORRECT, **CORRECT_TINY}))
+def test_written_plans_are_exact(verdicts: dict[str, Any], name: str) -> None:
+    verdict, located = verdicts[name]
+    assert verdict.exact, located["message"] if located else verdict
+    assert {"logits", "gradients", "greedy generation"} <= {check.name for check in verdict.checks}
+
+
+@pytest.mark.parametrize("name", sorted(WRONG))
+def test_wrong_plans_are_caught_and_located(verdicts: dict[str, Any], name: str) -> None:
+    wrong = WRONG[name]
+    verdict, located = verdicts[name]
+    assert not verdict.exact  # proven wrong on 2 ranks: a difference, a crash or a refusal
+    message = located["message"]
+    if wrong.side == "parallelize":
+        assert verdict.raised is not None and verdict.raised.refused, message
+        assert wrong.fqn in message
+        return
+    if wrong.side == "raised":
+        assert verdict.raised is not None and not verdict.raised.refused and verdict.raised.stage == "forward", message
+    else:
+        assert verdict.raised is None, message
+        assert located["side"] == wrong.side, message
+    assert located["fqn"].startswith(wrong.fqn), message
+    assert located["fqn"] in message and located["cls"] in message
+    if wrong.entry is not None:
+        assert located["entry"] == wrong.entry, message
+    # the planner reads the source otherwise, and says what it would declare
+    assert located.get("planner"), message
+    assert "hpgen plan would declare" in message, message
+
+
+def test_the_report_names_the_partial_sum(verdicts: dict[str, Any]) -> None:
+    _, located = verdicts["attention_out_R_for_P"]
+    message = located["message"]
+    assert message.startswith("model.layers.0.self_attn (LlamaAttention): forward: output attn_output differs")
+    assert "out_src {attn_output tp R}" in message
+    assert "did you mean out_src attn_output tp P(sum) (the body returns a partial sum: o_proj row-parallel)?" in message
+
+
+def test_correct_gradients_only_differ_where_the_plan_is_wrong(verdicts: dict[str, Any]) -> None:
+    # exact logits, 4 wrong gradients: the q/k norms of the two layers, nothing else
+    verdict, _ = verdicts["qk_norm_missing_grad_reduce"]
+    assert [check.ok for check in verdict.checks if check.name == "logits"] == [True]
+    assert sorted(d.what.rsplit(".", 2)[-2] for d in verdict.params) == ["k_norm", "k_norm", "q_norm", "q_norm"]
+
+
+def _hpgen(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hpgen", *args], capture_output=True, text=True, cwd=cwd, timeout=240)
+
+
+def test_the_command_line(tmp_path: Path) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(WRONG["attention_out_R_for_P"].plan()))
+    done = _hpgen("verify", str(plan), "llama", "--json", cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    report = json.loads(done.stdout)
+    assert report["exact"] is False and report["mesh"] == {"tp": 2}
+    assert report["finding"]["fqn"] == "model.layers.0.self_attn" and report["finding"]["side"] == "forward"
+    stages = [line for line in done.stderr.splitlines() if line.startswith("hpgen verify:")]
+    assert len(stages) >= 4, done.stderr  # a progress line per stage
+    # bad input: exit 2, one line naming the file or the place, no traceback (in-process: nothing spawns)
+    from click.testing import CliRunner
+
+    from hpgen.cli import cli
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"mesh_dim_names": ["tp"], "param_plan": {"x": {"out_src": {"output": {"tp": "S(x)"}}}}}')
+    for args, where in (((str(bad), "llama"), "bad.json"), ((str(plan), "no_such_model_type"), "no_such_model_type"),
+                        ((str(plan), "llama", "--ranks", "0"), "--ranks"),
+                        ((str(plan), "llama", "--source", str(tmp_path / "missing.py")), "missing.py")):
+        result = CliRunner().invoke(cli, ["verify", *args])
+        assert result.exit_code == 2, result.output
+        assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+        assert "Traceback" not in result.output and where in result.output, result.output
+
+
+def test_the_tiny_copy_keeps_the_users_options(tmp_path: Path) -> None:
+    # a config.json (as in a checkpoint folder): its own options stay, its sizes shrink
+    from transformers import LlamaConfig
+
+    from hpgen.verify.prepare import prepare
+
+    LlamaConfig(attention_bias=True, rms_norm_eps=1e-5, num_hidden_layers=40, hidden_size=8192).save_pretrained(tmp_path)
+    plan = written_plan("llama")
+    case = prepare(plan, tmp_path / "out", model=str(tmp_path))
+    assert case.config.attention_bias is True and case.config.rms_norm_eps == 1e-5
+    assert (case.config.hidden_size, case.config.num_hidden_layers, case.config.num_key_value_heads) == (64, 2, 2)
+    assert case.mesh == (("tp", 2),) and case.reference_file is None
+    # without MODEL: the plan's model_class, transformers' default config
+    assert prepare(plan, tmp_path / "default").config.hidden_size == 64
+    # --source: that file is lowered, and the unsharded class comes from it
+    import transformers.models.llama.modeling_llama as source
+
+    case = prepare(plan, tmp_path / "source", source=source.__file__)
+    assert case.reference_file == str(Path(source.__file__).resolve())
+    assert case.reference_package == "transformers.models.llama"
+    assert "_forward_impl" in Path(case.generated).read_text()
+
+
+def test_larger_axes_scale_the_heads(tmp_path: Path) -> None:
+    # Mistral's 8 key/value heads on --tp 16 are replicated RS(0,2): the tiny copy runs on 2 x 2 ranks,
+    # 8 query heads and 2 key/value heads; --ranks 8 doubles them
+    from hpgen.planner.entry.make import make_plan
+    from hpgen.verify.prepare import prepare
+
+    plan = make_plan("mistral", tp=16)
+    case = prepare(plan, tmp_path / "4", model="mistral")
+    assert case.mesh == (("tp", 4),)
+    assert (case.config.num_attention_heads, case.config.num_key_value_heads) == (8, 2)
+    case = prepare(plan, tmp_path / "8", model="mistral", ranks=8)
+    assert case.mesh == (("tp", 8),)
+    assert (case.config.num_attention_heads, case.config.num_key_value_heads) == (16, 4)
+
+
+def _six_head_plans() -> dict[str, dict[str, Any]]:
+    """For a Llama of 6 query and 2 key/value heads of 128 at 4 ranks: the whole-head plan (hpgen.plan/2), and
+    hpgen.plan/1's plain cut, which would split a head."""
+    from tests.support.models import load_plan_dict
+
+    whole = load_plan_dict("llama_tp")
+    whole["format"] = "hpgen.plan/2"
+    attention = whole["param_plan"]["model.layers.*.self_attn"]
+    attention["params"] = {
+        "q_proj.weight": {"tp": "S(0,128,2)"}, "k_proj.weight": {"tp": "RS(0,2)"}, "v_proj.weight": {"tp": "RS(0,2)"},
+        "o_proj.weight": {"tp": "S(1,128,2)"},
+    }  # fmt: skip
+    attention["local_attrs"] = {
+        "num_key_value_groups": {"of": "q_proj.weight", "dim": 0, "per": {"of": "k_proj.weight", "dim": 0}}
+    }
+    plain = load_plan_dict("llama_tp")
+    plain["param_plan"]["model.layers.*.self_attn"]["params"]["k_proj.weight"] = {"tp": "RS(0,2)"}
+    plain["param_plan"]["model.layers.*.self_attn"]["params"]["v_proj.weight"] = {"tp": "RS(0,2)"}
+    return {"whole_heads": whole, "plain_cut": plain}
+
+
+def test_the_tiny_copy_keeps_heads_that_do_not_divide(tmp_path: Path) -> None:
+    """6 heads at --ranks 4 are proven on 6 heads (head_dim shrinks instead, the plan's units with it): the
+    whole-head plan is exact, the plain cut is refused, where a 4-head copy would have called it exact."""
+    from transformers import LlamaConfig
+
+    from hpgen.verify.prepare import prepare
+    from hpgen.verify.run import verify_many
+
+    LlamaConfig(hidden_size=768, num_attention_heads=6, num_key_value_heads=2, head_dim=128).save_pretrained(tmp_path)
+    cases = [
+        prepare(plan, tmp_path / name, model=str(tmp_path), ranks=4, name=name) for name, plan in _six_head_plans().items()
+    ]
+    config = cases[0].config
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size) == (6, 2, 16, 96)
+    assert cases[0].mesh == (("tp", 4),)
+    params = cases[0].plan["param_plan"]["model.layers.*.self_attn"]["params"]
+    assert params["q_proj.weight"] == {"tp": "S(0,16,2)"} and params["o_proj.weight"] == {"tp": "S(1,16,2)"}
+    whole, plain = verify_many(cases, progress=False)
+    assert whole.exact, whole
+    assert {"logits", "gradients", "greedy generation"} <= {check.name for check in whole.checks}
+    assert not plain.exact and plain.raised is not None and plain.raised.refused
+    assert "o_proj.weight S(1) on axis 'tp' of size 4: dim 1 holds 6 attention heads" in plain.raised.error
+    assert "Plan it S(1,16): whole heads" in plain.raised.error, plain.raised.error
