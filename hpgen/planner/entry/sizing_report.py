@@ -414,13 +414,12 @@ def _heads_held(modules: Mapping[str, Any], matched: Mapping[str, Any], config: 
         query = keys = None
         for param_name, layout in sorted(entry.params.items()):
             placement = layout.on("tp")
-            try:
-                param = module.get_parameter(param_name)
-            except AttributeError:
+            found_param = _param_and_owner(module, param_name)
+            if found_param is None:
                 continue
+            param, owner = found_param
             if param.dim() != 2 or placement.is_replicate:
                 continue
-            owner = module.get_submodule(param_name.rpartition(".")[0]) if "." in param_name else module
             transposed = type(owner).__name__ == "Conv1D"
             inputs, outputs = (0, 1) if transposed else (1, 0)
             dim = placement.dim % 2 if placement.dim is not None else None
@@ -436,6 +435,17 @@ def _heads_held(modules: Mapping[str, Any], matched: Mapping[str, Any], config: 
     return found
 
 
+def _param_and_owner(module: Any, param_name: str) -> tuple[Any, Any] | None:
+    """The parameter ``param_name`` of ``module`` and the submodule that holds it, or None
+    where the entry names a parameter the module does not have."""
+    try:
+        param = module.get_parameter(param_name)
+    except AttributeError:
+        return None
+    owner = module.get_submodule(param_name.rpartition(".")[0]) if "." in param_name else module
+    return param, owner
+
+
 def _width(module: Any, name: str, side: str, entry: Any, hidden: Any, wrapped: bool) -> int:
     """Features per token of one boundary value (the whole tensor, unsharded)."""
     import torch.nn as nn
@@ -449,23 +459,21 @@ def _width(module: Any, name: str, side: str, entry: Any, hidden: Any, wrapped: 
     # stream's width first where a weight reads it (a Mamba mixer's dt_proj reads a few values, not the stream)
     if side == "in":
         for param_name in sorted(entry.grad_reduce_params):
-            try:
-                param = module.get_parameter(param_name)
-            except AttributeError:
+            found_param = _param_and_owner(module, param_name)
+            if found_param is None:
                 continue
-            owner = module.get_submodule(param_name.rpartition(".")[0]) if "." in param_name else module
+            param, owner = found_param
             if param.dim() == 2 and isinstance(owner, nn.Linear):
                 return int(owner.in_features)
     widths: list[int] = []
     for param_name, layout in sorted(entry.params.items()):
         placement = layout.on("tp")
-        try:
-            param = module.get_parameter(param_name)
-        except AttributeError:
+        found_param = _param_and_owner(module, param_name)
+        if found_param is None:
             continue
+        param, owner = found_param
         if param.dim() != 2 or placement.kind not in ("S", "SS"):
             continue
-        owner = module.get_submodule(param_name.rpartition(".")[0]) if "." in param_name else module
         transposed = type(owner).__name__ == "Conv1D"
         rows, cols = (param.shape[1], param.shape[0]) if transposed else (param.shape[0], param.shape[1])
         dim = placement.dim % 2
