@@ -32,6 +32,7 @@ from hpgen.planner.flow import ShapeUse, Val
 
 __all__ = [
     "PLAIN",
+    "SPLITS",
     "ColumnLayout",
     "Packing",
     "UnequalBlocks",
@@ -149,6 +150,10 @@ def query_blocks(heads: int, head_dim: int, query: ColumnLayout = PLAIN) -> Colu
     """Multi-query ``[heads query heads | one key head | one value head]``: the query block cut by ``query``, the key
     and value whole on every rank (their gradients summed over the ranks, as ``RS`` ones are)."""
     return ColumnLayout(Packing.BLOCKS, 3, blocks=((heads * head_dim, query), (head_dim, WHOLE), (head_dim, WHOLE)))
+
+
+# the reshape-like calls that cut a tensor into blocks along a dim (their sizes say the blocks without head counts)
+SPLITS = frozenset({"chunk", "split", "tensor_split"})
 
 
 class UnequalBlocks(ValueError):

@@ -2,20 +2,26 @@
 
 The first reshape of a column's output (``split``, ``chunk``, ``view``) says how its
 features are laid out (a :class:`~hpgen.planner.derive.column_layouts.ColumnLayout`): one run (``S``), or
-k packed blocks (``SS(d,k)``). Integer attributes that size a reshape of sharded values
-(``self.num_heads``, ``self.split_size``) are divided on each rank (``tp_divide_attrs``);
-a global count read from the config there, a split into head groups, or a width read
-from an unsharded tensor's size are refused.
+k packed blocks (``SS(d,k)``). :func:`first_reshape` finds that call in the dataflow records;
+:func:`column_layout` reads it for a derived group's projections and :func:`packed_blocks` for
+the projections transformers' plans name (the translator's correction of a ``colwise`` that
+the code splits into packed blocks), so both plan paths read packed blocks one way.
+
+Integer attributes that size a reshape of sharded values (``self.num_heads``,
+``self.split_size``) are divided on each rank (``tp_divide_attrs``); a global count read
+from the config there, a split into head groups, or a width read from an unsharded
+tensor's size are refused.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from collections.abc import Set as AbstractSet
-from typing import Any
+from typing import Any, NamedTuple
 
 from hpgen.planner.derive.column_layouts import (
     PLAIN,
+    SPLITS,
     ColumnLayout,
     UnequalBlocks,
     arg_reads,
@@ -28,10 +34,18 @@ from hpgen.planner.derive.heads.counts import Heads
 from hpgen.planner.derive.heads.rules import is_head_dim_name
 from hpgen.planner.derive.placed import Refused
 from hpgen.planner.derive.projection_groups import Group
-from hpgen.planner.flow import SIZE, Flow
+from hpgen.planner.flow import SIZE, Flow, ShapeUse
 from hpgen.planner.model.modules import attr_value, in_features, out_features, relative
 
-__all__ = ["column_layout", "divided_attrs", "linear_origins", "sharded_counts"]
+__all__ = [
+    "PackedBlocks",
+    "column_layout",
+    "divided_attrs",
+    "first_reshape",
+    "linear_origins",
+    "packed_blocks",
+    "sharded_counts",
+]
 
 
 def column_layout(
@@ -40,9 +54,7 @@ def column_layout(
     """The layout of one column projection of ``group``, read from the first reshape of its output."""
     flow, layer = group.flow, group.layer
     n = out_features(modules[col])
-    first = next(
-        (use for use in flow.shapes if col in use.receiver and linear_origins(use.receiver, flow) <= group.cols), None
-    )
+    first = first_reshape(flow, col, group.cols)
     if first is None:
         return PLAIN
     try:
@@ -57,6 +69,47 @@ def column_layout(
             )
         return PLAIN
     return layout
+
+
+def first_reshape(flow: Flow, origin: str, layers: AbstractSet[str]) -> ShapeUse | None:
+    """The first reshape-like call on a value computed from ``origin`` (a layer's FQN, or ``param:<fqn>`` for a
+    weight the code reads directly) and from no layer outside ``layers`` (a group's columns)."""
+    return next(
+        (use for use in flow.shapes if origin in use.receiver and linear_origins(use.receiver, flow) <= layers), None
+    )
+
+
+class PackedBlocks(NamedTuple):
+    """A projection's output split into ``count`` packed blocks by ``call`` (its first reshape)."""
+
+    count: int
+    call: ShapeUse
+
+    def says(self) -> str:
+        """The call as a note quotes it: ``chunk(2)``, or the method and its line."""
+        return f"chunk({self.count})" if self.call.method == "chunk" else f"{self.call.method} (line {self.call.line})"
+
+
+def packed_blocks(flow: Flow, owner: str, projections: Mapping[str, int]) -> dict[str, PackedBlocks]:
+    """The projections of the module at ``owner`` whose output its ``forward`` splits into k > 1 packed blocks.
+
+    ``projections``: attribute name -> output features, of a child layer or of a weight the code applies itself
+    (``F.linear(x, self.gate_up_proj[e])``); ``flow`` is the owner's dataflow. The first reshape after the
+    projection is read by :func:`~hpgen.planner.derive.column_layouts.layout_of`, as for a derived group, when it
+    is a split (``chunk``, ``split``): a split says its blocks by itself, while a ``view``'s sizes need the head
+    counts (``[2, head_dim]`` is two key/value heads in an attention, gate and up in an MLP), which only a derived
+    group knows. Blocks of unequal sizes raise :class:`~hpgen.planner.derive.column_layouts.UnequalBlocks`.
+    """
+    found: dict[str, PackedBlocks] = {}
+    for attr, n in projections.items():
+        fqn = f"{owner}.{attr}" if owner else attr
+        first = first_reshape(flow, fqn if fqn in flow.edges else f"param:{fqn}", {fqn})
+        if first is None or first.method not in SPLITS:
+            continue
+        layout = layout_of(first, n, None)
+        if layout is not None and layout.packed:
+            found[attr] = PackedBlocks(layout.count, first)
+    return found
 
 
 def sharded_counts(
@@ -104,7 +157,7 @@ def divided_attrs(
     replicated: set[tuple[str, str]] = set()
     for use in flow.shapes:
         origins = use.receiver
-        split = use.method in ("chunk", "split", "tensor_split")
+        split = use.method in SPLITS
         if origins & sharded and split and dim_of(use) in (1, -3) and (use.module, use.line) not in parts:
             raise Refused(
                 f"{relative(use.module, layer) or 'the layer'} splits the heads into groups ({use.method} along "

@@ -10,6 +10,8 @@ in the plan's ``comments`` (``corrected``):
   ``.chunk(2, ...)`` (InklingExperts: ``linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)``)
   holds two packed blocks, gate and up: plain ``colwise`` gives one rank the gate half and
   the other the up half; ``packed_colwise`` (``SS(d,2)``) gives each rank its chunk of both.
+  The blocks are read from the owner's dataflow as a derived plan reads a fused column's
+  (:func:`hpgen.planner.derive.reshapes.packed_blocks`), not by a reading of their own.
 """
 
 from __future__ import annotations
@@ -20,22 +22,30 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from hpgen.errors import HpgenError
-from hpgen.planner.model.modules import generic
+from hpgen.planner.derive.column_layouts import UnequalBlocks
+from hpgen.planner.derive.reshapes import PackedBlocks, packed_blocks
+from hpgen.planner.model.modules import generic, is_linear, out_features
 from hpgen.planner.translate.styles import Rule, StyleRules
 
 if TYPE_CHECKING:
     from hpgen.planner.translate.forwards import Forwards
 
-__all__ = ["chunked_attributes", "correct_packed_chunks"]
+__all__ = ["correct_packed_chunks", "feature_statistics"]
 
 
 def correct_packed_chunks(
     rules: StyleRules, modules: Mapping[str, Any], forwards: Forwards
 ) -> tuple[StyleRules, dict[str, str]]:
-    """``colwise`` on a fused projection whose output ``forward`` splits with ``chunk(2)`` becomes
-    ``packed_colwise``: the rules corrected, and each correction's why, by pattern."""
+    """``colwise`` on a fused projection whose output ``forward`` splits into two packed blocks becomes
+    ``packed_colwise``: the rules corrected, and each correction's why, by pattern.
+
+    The blocks are read as a derived plan reads them (:func:`~hpgen.planner.derive.reshapes.packed_blocks`, the
+    owner's dataflow), once per owner class; a split into another number of blocks, which ``packed_colwise``
+    does not express, is refused rather than translated into wrong numbers.
+    """
     corrected = dict(rules.rules)
     why: dict[str, str] = {}
+    blocks_by_class: dict[tuple[type, str], PackedBlocks | None] = {}
     for fqn, rule in sorted(rules.rules.items()):
         if rule.style != "colwise" or rule.via_module:
             continue
@@ -43,21 +53,57 @@ def correct_packed_chunks(
         owner = modules.get(owner_fqn)
         if owner is None:
             continue
+        key = (type(owner), attr)
+        if key not in blocks_by_class:
+            blocks_by_class[key] = _packed(modules, owner_fqn, attr, forwards)
+        blocks = blocks_by_class[key]
+        if blocks is None:
+            continue
         try:
-            info = forwards.owner(owner, owner_fqn)
-            parsed = forwards.source_of(type(owner))[1]
-        except HpgenError:  # a class with no source to read (torch's own)
+            name = forwards.owner(owner, owner_fqn).name
+        except HpgenError:  # no class of a modeling file runs its forward: nothing hpgen reads to correct
             continue
-        if attr not in chunked_attributes(parsed.tree, info.name):
-            continue
-        for name, other in list(corrected.items()):
-            if name == fqn or (name.startswith(fqn + ".") and other.via_module and other.style == "colwise"):
-                corrected[name] = Rule("packed_colwise", other.axis, other.via_module)
+        if blocks.count != 2:
+            raise HpgenError(
+                f"{fqn}: transformers' plan says colwise, but {name}.forward splits its output into {blocks.count} "
+                f"packed blocks with {blocks.says()}, which no style of transformers' plan shards; plan it with "
+                "--from-source"
+            )
+        for other_name, other in list(corrected.items()):
+            if other_name == fqn or (
+                other_name.startswith(fqn + ".") and other.via_module and other.style == "colwise"
+            ):
+                corrected[other_name] = Rule("packed_colwise", other.axis, other.via_module)
         why[generic(fqn)] = (
-            f"transformers' plan says colwise, but {info.name}.forward splits the output of {attr} with "
-            "chunk(2): two packed blocks, so packed_colwise (each rank takes its chunk of both)"
+            f"transformers' plan says colwise, but {name}.forward splits the output of {attr} with "
+            f"{blocks.says()}: two packed blocks, so packed_colwise (each rank takes its chunk of both)"
         )
     return replace(rules, rules=corrected), why
+
+
+def _packed(modules: Mapping[str, Any], owner_fqn: str, attr: str, forwards: Forwards) -> PackedBlocks | None:
+    """The packed blocks the owner's code splits ``attr``'s output into (None: one run, or not read)."""
+    import torch
+
+    from hpgen.planner.flow import run_module
+
+    owner = modules[owner_fqn]
+    value = getattr(owner, attr, None)
+    if isinstance(value, torch.Tensor):  # a weight the code applies itself: [..., out, in], as F.linear takes it
+        features = value.shape[-2] if value.dim() >= 2 else None
+    else:
+        features = out_features(value) if is_linear(value) else None
+    if features is None:
+        return None
+    try:
+        path = forwards.source_of(type(owner))[0]
+    except HpgenError:  # a class with no source to read (torch's own)
+        return None
+    flow = run_module(modules[""], owner_fqn, path, open_leaf=True)
+    try:
+        return packed_blocks(flow, owner_fqn, {attr: features}).get(attr)
+    except UnequalBlocks as reason:
+        raise HpgenError(f"{owner_fqn}.{attr}: transformers' plan says colwise, but {reason}") from None
 
 
 def _class_of(tree: ast.Module, class_name: str) -> ast.ClassDef | None:
@@ -66,60 +112,6 @@ def _class_of(tree: ast.Module, class_name: str) -> ast.ClassDef | None:
 
 def _methods(node: ast.ClassDef | None) -> dict[str, ast.FunctionDef]:
     return {s.name: s for s in (node.body if node is not None else ()) if isinstance(s, ast.FunctionDef)}
-
-
-def _chunk_receivers(function: ast.FunctionDef, parts: int) -> list[ast.expr]:
-    """The expressions split by ``.chunk(parts, ...)`` in ``function``."""
-    found = []
-    for node in ast.walk(function):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "chunk"):
-            continue
-        count = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "chunks"), None)
-        if isinstance(count, ast.Constant) and count.value == parts:
-            found.append(node.func.value)
-    return found
-
-
-def _self_attributes(node: ast.AST) -> set[str]:
-    return {
-        inner.attr
-        for inner in ast.walk(node)
-        if isinstance(inner, ast.Attribute) and isinstance(inner.value, ast.Name) and inner.value.id == "self"
-    }
-
-
-def chunked_attributes(tree: ast.Module, class_name: str, parts: int = 2) -> set[str]:
-    """Names ``X`` of ``self.X`` whose value ``class_name.forward`` splits into ``parts`` blocks.
-
-    Either ``self.X`` is read inside the receiver of a ``.chunk(parts, ...)`` call, or inside an
-    argument of a call of a method of the class (``self._apply_gate(linear(x, self.X[e]))``)
-    whose parameter at that place is the receiver of such a call.
-    """
-    node = _class_of(tree, class_name)
-    methods = _methods(node)
-    forward = methods.get("forward")
-    if forward is None:
-        return set()
-    found: set[str] = set()
-    for receiver in _chunk_receivers(forward, parts):
-        found |= _self_attributes(receiver)
-    chunked_params: dict[str, set[int]] = {}  # method -> positions (after self) of chunked parameters
-    for name, method in methods.items():
-        params = [a.arg for a in method.args.args][1:]
-        names = {n.id for r in _chunk_receivers(method, parts) for n in ast.walk(r) if isinstance(n, ast.Name)}
-        chunked_params[name] = {i for i, p in enumerate(params) if p in names}
-    for call in ast.walk(forward):
-        if not (
-            isinstance(call, ast.Call)
-            and isinstance(call.func, ast.Attribute)
-            and isinstance(call.func.value, ast.Name)
-            and call.func.value.id == "self"
-        ):
-            continue
-        for position in chunked_params.get(call.func.attr, ()):
-            if position < len(call.args):
-                found |= _self_attributes(call.args[position])
-    return found
 
 
 # Reductions over a tensor's features: on a column-sharded value each rank would reduce its own shard.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.planner.plan_helpers import entry, translated
 
 
@@ -23,23 +25,30 @@ def test_a_packed_gate_up_split_by_chunk_is_corrected_to_packed_colwise() -> Non
     assert "corrected" not in qwen3_moe["comments"]
 
 
-def test_chunked_attributes_reads_forward_and_the_methods_it_calls() -> None:
-    import ast
-    import textwrap
+def _with_plan(model_type: str, tp_plan: dict[str, str]) -> dict:
+    """transformers' tiny ``model_type`` planned at tp 2 with ``tp_plan`` in place of its own, as a config may."""
+    from hpgen.planner.entry.make import plan_model
+    from hpgen.planner.model.load import meta_model
+    from hpgen.verify.shrink import tiny_config
 
-    from hpgen.planner.translate.corrections import chunked_attributes
+    config = tiny_config(model_type)
+    config.base_model_tp_plan = tp_plan
+    return plan_model(meta_model(config), tp=2, name=model_type)
 
-    source = textwrap.dedent(
-        """
-        class E:
-            def forward(self, x):
-                a, b = linear(x, self.w[0]).chunk(2, dim=-1)
-                y = self._gate(linear(x, self.v))
-                z = self.u(x).chunk(3, dim=-1)
-                return self.d(a * b + y)
-            def _gate(self, h):
-                g, u = h.chunk(2, dim=-1)
-                return g * u
-        """
+
+def test_the_split_is_followed_through_a_variable() -> None:
+    # Phi3MLP: up_states = self.gate_up_proj(x); gate, up_states = up_states.chunk(2, dim=-1)
+    plan = _with_plan("phi3", {"layers.*.mlp.gate_up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"})
+    assert entry(plan, "model.layers.*.mlp")["params"]["gate_up_proj.weight"] == {"tp": "SS(0,2)"}
+    assert "Phi3MLP.forward splits the output of gate_up_proj with chunk(2)" in (
+        plan["comments"]["corrected"]["model.layers.*.mlp.gate_up_proj"]
     )
-    assert chunked_attributes(ast.parse(source), "E") == {"w", "v"}
+
+
+def test_a_colwise_split_into_unequal_blocks_is_refused() -> None:
+    from hpgen.errors import HpgenError
+
+    # multi-query GPTBigCode: c_attn's output split into [queries | key | value] of unequal sizes
+    refusal = r"c_attn: transformers' plan says colwise, but .* unequal sizes \[64, 16, 16\]"
+    with pytest.raises(HpgenError, match=refusal):
+        _with_plan("gpt_bigcode", {"h.*.attn.c_attn": "colwise", "h.*.attn.c_proj": "rowwise"})
