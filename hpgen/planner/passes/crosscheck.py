@@ -92,7 +92,7 @@ def drop_feature_statistics(model: Any, plan: DraftPlan) -> DraftPlan:
     stay replicated; a ``*`` key whose other instances still shard is written per instance.
     """
     from hpgen.planner.model.load import index_source, source_file
-    from hpgen.planner.translate.corrections import feature_statistics
+    from hpgen.planner.passes.feature_statistics import feature_statistics
 
     trees: dict[str, Any] = {}
     why: dict[str, str] = {}  # concrete FQN -> reason
