@@ -3,7 +3,8 @@
     python benchmarks/coverage.py                      # every architecture, resuming earlier results
     python benchmarks/coverage.py --sp                 # the --sp plans (the SP column), where TP passed
     python benchmarks/coverage.py --ep                 # --ep 2 plans (the EP column), MoE models where TP passed
-    python benchmarks/coverage.py --only llama,qwen3   # some model types (their rows are redone)
+    python benchmarks/coverage.py --only llama,qwen3   # some model types (their rows are redone; the page is
+                                                       # rewritten only when the results hold every model type)
     python benchmarks/coverage.py --fresh              # forget earlier results of this variant
     python benchmarks/coverage.py --render             # only rewrite docs/coverage.md from the results
     python benchmarks/coverage.py --train --only gpt2,opt  # the train-mode column (its own section of the page)
@@ -916,6 +917,15 @@ def main() -> None:
         if variant == "ep" and not args.only:
             wanted = [name for name in wanted if _has_expert_plan(name)]
         run(wanted, variant, path, rows, args.chunk, args.timeout)
+        missing = [name for name in found if name not in variants["tp"]]
+        if missing:  # a partial results folder (a fresh one with --only): the page would lose every other row
+            print(
+                f"results in {args.results} cover {len(found) - len(missing)} of {len(found)} model types (missing: "
+                f"{', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}); {args.table} left as it is. Run "
+                "without --only to fill them in, or give --results the folder of the full run.",
+                file=sys.stderr,
+            )
+            return
     args.table.parent.mkdir(parents=True, exist_ok=True)
     section = render_train(variants["train"], found) if variants["train"] else ""
     if variant == "train":  # its own section: the rest of the page stays as the other variants' runs wrote it

@@ -46,3 +46,27 @@ def test_render_keeps_the_train_and_heads_sections_and_gives_the_wall_time(
     assert page.count(coverage.TRAIN_BEGIN) == 1 and train in page
     assert page.count(coverage.HEADS_BEGIN) == 1 and heads in page
     assert page.index(train) < page.index(heads)
+
+
+def test_a_run_over_a_partial_results_folder_leaves_the_page(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `--only llama` with a fresh results folder used to rewrite the page from that one row
+    from benchmarks import coverage
+
+    def one_row(wanted, variant, path, rows, chunk, timeout) -> None:  # what run() records, without the ranks
+        for name in wanted:
+            rows[name] = coverage.Row(name, "LlamaForCausalLM", True, True, True, 1e-6, 1e-4, True, 0.5, True)
+
+    monkeypatch.setattr(coverage, "run", one_row)
+    table = tmp_path / "coverage.md"
+    table.write_text("# the page of the full run\n")
+    results = tmp_path / "fresh"
+    monkeypatch.setattr(
+        sys, "argv", ["coverage.py", "--only", "llama", "--results", str(results), "--table", str(table)]
+    )
+
+    coverage.main()
+
+    assert table.read_text() == "# the page of the full run\n"
+    assert f"{table} left as it is" in capsys.readouterr().err
