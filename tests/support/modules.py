@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import sys
 import types
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["load_module"]
+if TYPE_CHECKING:
+    import pytest
+
+__all__ = ["import_file", "load_module"]
 
 _COUNTER = itertools.count()
 
@@ -23,4 +29,15 @@ def load_module(text: str, name: str | None = None) -> types.ModuleType:
         exec(compile(text.removeprefix("\ufeff"), module.__name__, "exec", dont_inherit=True), module.__dict__)
     finally:
         del sys.modules[module.__name__]
+    return module
+
+
+def import_file(path: Path, monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """Import the file ``path`` as a module named after it, as a modeling file is: ``inspect`` then finds its classes'
+    source (the planner reads it), and the module leaves ``sys.modules`` when the test ends."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, path.stem, module)
+    spec.loader.exec_module(module)
     return module

@@ -3,12 +3,12 @@ both the derived plans and the translator's correction of transformers' ``colwis
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests.support.modules import import_file
 
 SOURCE = textwrap.dedent(
     """
@@ -42,16 +42,9 @@ SOURCE = textwrap.dedent(
 
 
 def _experts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str = SOURCE) -> tuple[object, Path]:
-    """The module, imported from a file of its own as a modeling file is (the dataflow reads its class's source)."""
-    name = f"modeling_packed_{len(list(tmp_path.iterdir()))}"
-    path = tmp_path / f"{name}.py"
+    path = tmp_path / f"modeling_packed_{len(list(tmp_path.iterdir()))}.py"
     path.write_text(source)
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, name, module)  # inspect finds a class's file through it
-    spec.loader.exec_module(module)
-    return module.Experts(), path
+    return import_file(path, monkeypatch).Experts(), path
 
 
 def test_packed_blocks_follow_weights_applied_directly_layers_and_the_methods_called(

@@ -52,3 +52,61 @@ def test_a_colwise_split_into_unequal_blocks_is_refused() -> None:
     refusal = r"c_attn: transformers' plan says colwise, but .* unequal sizes \[64, 16, 16\]"
     with pytest.raises(HpgenError, match=refusal):
         _with_plan("gpt_bigcode", {"h.*.attn.c_attn": "colwise", "h.*.attn.c_proj": "rowwise"})
+
+
+def test_a_colwise_split_into_other_than_two_blocks_is_refused(tmp_path, monkeypatch) -> None:
+    # packed_colwise says two blocks; a colwise whose output forward cuts in three has no style to become
+    import textwrap
+
+    from hpgen.errors import HpgenError
+    from hpgen.planner.translate.corrections import correct_packed_chunks
+    from hpgen.planner.translate.forwards import Forwards
+    from hpgen.planner.translate.styles import Rule, StyleRules
+    from tests.support.modules import import_file
+
+    path = tmp_path / "modeling_three.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            import torch.nn as nn
+
+
+            class Block(nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.gate_up = nn.Linear(4, 8)
+                    self.qkv = nn.Linear(4, 12)
+                    self.out = nn.Linear(4, 4)
+
+                def forward(self, x):
+                    gate, up = self.gate_up(x).chunk(2, dim=-1)
+                    q, k, v = self.qkv(x).chunk(3, dim=-1)
+                    return self.out(gate * up + q * k * v)
+
+
+            class Model(nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.block = Block()
+
+                def forward(self, x):
+                    return self.block(x)
+            """
+        )
+    )
+    model = import_file(path, monkeypatch).Model()
+    modules, forwards = dict(model.named_modules()), Forwards(type(model), "three")
+
+    def rules(name: str) -> StyleRules:
+        return StyleRules(
+            {name: Rule("colwise", "tp"), f"{name}.weight": Rule("colwise", "tp", True)}, ("tp",), {"tp": 2}
+        )
+
+    corrected, why = correct_packed_chunks(rules("block.gate_up"), modules, forwards)
+    assert {name: rule.style for name, rule in corrected.rules.items()} == {
+        "block.gate_up": "packed_colwise",
+        "block.gate_up.weight": "packed_colwise",
+    }
+    assert "Block.forward splits the output of gate_up with chunk(2)" in why["block.gate_up"]
+    with pytest.raises(HpgenError, match=r"block.qkv: .* into 3 packed blocks with chunk\(3\).* --from-source"):
+        correct_packed_chunks(rules("block.qkv"), modules, forwards)
