@@ -664,8 +664,6 @@ SP_NOTES: dict[str, str] = {
     "llama4_text": "Llama4TextMoe returns its output flattened to [tokens, hidden]; the plan gathers and splits "
     "the MoE block on dim 1, which is the sequence only in [batch, sequence, hidden].",
     "llama4": "as llama4_text (the same text model).",
-    "gemma4_text": "each decoder layer adds its per-layer input, computed by the model for the whole sequence, "
-    "to the sequence shard.",
     "deepseek_v4": "DeepseekV4HyperConnection, a child of the decoder layer, returns three per-position tensors; "
     "the plan gathers its input and splits only the first output, so `collapsed` reaches the attention whole.",
     "hy_v4": "as deepseek_v4: a hyper-connection child returns several per-position tensors and only the first "

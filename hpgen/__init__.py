@@ -12,7 +12,8 @@ docs/architecture.md draws it):
   ``shards`` (shard arithmetic, ``ShardLayout``), ``header``,
   ``stubs`` (kernel-stub detection), ``conv1d`` (transformers' ``Conv1D``), ``errors``,
   ``durable``, ``context_coverage`` (the ``cp`` axis's names and what context
-  parallelism does not cover): plain data every layer shares; no torch at import time, no libcst;
+  parallelism does not cover), ``model_config`` (a config attribute that may be per layer):
+  plain data every layer shares; no torch at import time, no libcst;
 - generator (core): ``index``, ``resolve``, ``emit``, ``lower``, ``write``, ``targets``,
   ``explain``, ``generate``, ``summed_edit``, ``param_dims``, ``entry_names``: libcst in,
   files out;

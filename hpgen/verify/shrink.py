@@ -18,6 +18,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from hpgen.model_config import config_value
+
 __all__ = ["CONFIG_FIXES", "TINY", "all_configs", "axis_sizes", "kept_heads", "scaled_units", "shape_for", "tiny_config"]
 
 # The tiny shape, applied to the keys a config has: head_dim 16 with 4 query and 2 KV heads
@@ -372,10 +374,10 @@ def _whole_units(plan: Any) -> bool:
 
 
 def _head_dim(config: Any) -> int | None:
-    heads = getattr(config, "num_attention_heads", None)
-    head_dim = getattr(config, "head_dim", None)
+    heads = config_value(config, "num_attention_heads")
+    head_dim = config_value(config, "head_dim")
     if not isinstance(head_dim, int) and isinstance(heads, int) and heads > 0:
-        hidden = getattr(config, "hidden_size", None)
+        hidden = config_value(config, "hidden_size")
         head_dim = hidden // heads if isinstance(hidden, int) and hidden % heads == 0 else None
     return head_dim if isinstance(head_dim, int) and head_dim > 0 else None
 
@@ -389,7 +391,7 @@ def kept_heads(config: Any, plan: Any, sizes: dict[str, int]) -> tuple[dict[str,
     at 4 ranks are proven on 6 heads, each of a head_dim small enough for a quick run, the hidden
     size that many heads of it.
     """
-    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    heads, kv = config_value(config, "num_attention_heads"), config_value(config, "num_key_value_heads")
     head_dim = _head_dim(config)
     largest = max(sizes.values(), default=1)
     if not isinstance(heads, int) or head_dim is None or largest < 2:

@@ -167,4 +167,7 @@ CORRECT_TINY: dict[str, tuple[str, tuple[tuple[str, Any], ...]]] = {
     # the sequence-sharded decoder layer hands position_bias (requiring grad) to its attention, which declares
     # it R -> S(1): copied in the layer as well, its gradient came back twice
     "cpmant_sp": ("cpmant", SP),
+    # every decoder layer multiplies its sequence shard by per_layer_input (requiring grad), which the model
+    # computes for the whole sequence: split R -> S(1) at each layer, its gradient gathered back
+    "gemma4_text_sp": ("gemma4_text", SP),
 }

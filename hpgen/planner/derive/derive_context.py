@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpgen.model_config import config_value
 from hpgen.planner.flow import Flow, run_module
 from hpgen.planner.flow.caller_nones import caller_nones
 
@@ -40,10 +41,7 @@ class DeriveContext:
 
     def config(self, name: str) -> Any:
         """A value of the (text) config, or None where it is absent or per layer (transformers raises then)."""
-        try:
-            return getattr(self.text_config, name, None)
-        except Exception:
-            return None
+        return config_value(self.text_config, name)
 
     def flow(self, fqn: str) -> Flow:
         """The dataflow of the ``forward`` of the module at ``fqn``, with its callers' constant ``None`` arguments."""

@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from hpgen.errors import HpgenError
+from hpgen.model_config import config_value
 from hpgen.placement import replicated_shard, shard
 from hpgen.plan_entries import LocalCount
 from hpgen.planner.derive.heads.shares import HeadShares, head_shares
@@ -24,7 +25,7 @@ from hpgen.planner.translate.boundary_record import Boundary
 if TYPE_CHECKING:
     from hpgen.planner.translate.plan_context import PlanContext
 
-__all__ = ["HeadsNotCut", "check_sizes", "config_value", "is_attention"]
+__all__ = ["HeadsNotCut", "check_sizes", "is_attention"]
 
 
 def check_sizes(context: PlanContext, sizes: Mapping[str, int], boundaries: Mapping[str, Boundary]) -> None:
@@ -171,14 +172,6 @@ def _replicate_kv_heads(name: str, boundary: Boundary, axis: str, kv_heads: int,
             "repeats by), which it does not have"
         )
     boundary.divide_attrs["num_key_value_groups"] = replicas
-
-
-def config_value(config: Any, attr: str) -> Any:
-    """A config attribute, or None when it is absent or ambiguous (per-layer heads)."""
-    try:
-        return getattr(config, attr, None)
-    except Exception:  # transformers' per-layer configs raise their own error for a global read
-        return None
 
 
 def is_attention(boundary: Boundary) -> bool:

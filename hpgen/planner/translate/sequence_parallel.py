@@ -6,6 +6,12 @@ that mixes positions without being sharded (an MoE block around its experts, a r
 mixer) gathers and splits, norms on the shards get ``grad_reduce_params``, and the final
 norm gathers at its output (when it is a class of the modeling file; otherwise the last
 layer does), before the causal LM slices ``logits_to_keep`` and calls ``lm_head``.
+
+A per-position tensor the model computes for the whole sequence and passes to every layer
+(Gemma 4's ``per_layer_input``, ``[batch, sequence, ...]``) is split ``R -> S(1)`` at each
+layer that computes with it on its sequence shard: in the layer's own body, or in a child
+that does not gather (:func:`_per_position_arguments`). One handed only to children that
+gather their input first (``position_embeddings``, a mask, to the attention) stays whole.
 """
 
 from __future__ import annotations
@@ -63,6 +69,9 @@ def sequence_parallel(context: PlanContext, boundaries: dict[str, Boundary]) -> 
                     boundary.grad_reduce.add(f"{child_name}.{param_name}")
         for param_name, _ in layer.named_parameters(recurse=False):
             boundary.grad_reduce.add(param_name)
+    for fqn, names in _per_position_arguments(context, boundaries, layers).items():
+        for name in names:
+            boundaries[fqn].inputs[name] = (_R, _SEQ)  # the whole sequence's values, this rank's positions kept
     if final_norm is not None:
         fqn, norm = final_norm
         boundary = add_boundary(context, boundaries, fqn, "sp")
@@ -72,6 +81,64 @@ def sequence_parallel(context: PlanContext, boundaries: dict[str, Boundary]) -> 
         boundary.outputs[names[0]] = (_SEQ, _R)
         boundary.grad_reduce.update(name for name, _ in norm.named_parameters())
         boundary.axes.add("tp")
+
+
+def _per_position_arguments(
+    context: PlanContext, boundaries: Mapping[str, Boundary], layers: list[tuple[str, Any]]
+) -> dict[str, tuple[str, ...]]:
+    """Layer FQN -> the ``forward`` arguments, besides the residual stream, that it computes with on its sequence
+    shard and that hold one value per position (``[batch, sequence, ...]``).
+
+    An argument the body hands, whole, only to children that gather the sequence first (a block of the plan, or
+    a child wrapped to gather) is not computed with on the shard. For the others, the shapes come from one
+    meta-device forward of the model (:func:`~hpgen.planner.derive.heads.input_dims.recorded_arguments`) with a
+    batch and a length no other size is mistaken for; a model that does not run there keeps its arguments whole.
+    """
+    from hpgen.planner.derive.heads.input_dims import probe_sizes, recorded_arguments
+
+    forwards = context.forwards
+    candidates: dict[str, tuple[str, ...]] = {}
+    for fqn, layer in layers:
+        forward = forwards.owner(layer, fqn).forward
+        if forward is None:
+            continue
+        # children the argument may reach whole: those that gather first, and names this layer does not have (a
+        # branch of another layer type, Qwen3.5's self_attn in a linear-attention layer, never runs here)
+        children = dict(layer.named_children())
+        whole = {name for name in children if _gathers(boundaries.get(f"{fqn}.{name}"))}
+        handed = {name: reads for name, reads in forward.handed_on}
+        first = forwards.first_input(layer, fqn)
+        candidates[fqn] = tuple(
+            parameter.name
+            for parameter in forward.parameters[1:]
+            if parameter.kind not in ("var_positional", "var_keyword")
+            and parameter.name != first
+            and not (
+                parameter.name in handed
+                and all(read.attr in whole or read.attr not in children for read in handed[parameter.name])
+            )
+        )
+    if not any(candidates.values()):
+        return {}
+    batch, length = probe_sizes(1)
+    recorded = recorded_arguments(context.model, frozenset(type(layer) for _, layer in layers), batch, length)
+    if isinstance(recorded, str):  # it does not run on the meta device: nothing known of the shapes
+        return {}
+    found: dict[str, tuple[str, ...]] = {}
+    for fqn, names in candidates.items():
+        shapes = recorded.get(fqn, ({}, {}))[0]
+        per_position = tuple(name for name in names if (shapes.get(name) or ())[:2] == (batch, length))
+        if per_position:
+            found[fqn] = per_position
+    return found
+
+
+def _gathers(boundary: Boundary | None) -> bool:
+    """Whether a layer's child boundary gathers the sequence on entry (a block entered from the sharded stream,
+    or a child wrapped to gather its input)."""
+    if boundary is None:
+        return False
+    return boundary.sp_input or any(transition == (_SEQ, _R) for transition in boundary.inputs.values())
 
 
 def _decoder_layers(context: PlanContext, boundaries: Mapping[str, Boundary]) -> tuple[str, list[tuple[str, Any]]]:

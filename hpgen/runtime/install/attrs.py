@@ -31,6 +31,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from hpgen.model_config import config_value
 from hpgen.plan import Layout, LocalCount, Plan
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.collectives import AxisCollectives
@@ -124,8 +125,8 @@ def _check_head_groups(
     if not replicating or not hasattr(module, "num_key_value_groups"):
         return
     config = getattr(module, "config", None)
-    heads = _config_value(config, "num_attention_heads")
-    kv_heads = _config_value(config, "num_key_value_heads")
+    heads = config_value(config, "num_attention_heads")
+    kv_heads = config_value(config, "num_key_value_heads")
     head_dim = getattr(module, "head_dim", None)
     if not all(isinstance(n, int) and n > 0 for n in (heads, kv_heads, head_dim)):
         return
@@ -180,11 +181,3 @@ def _rows(item: Matched, name: str, mesh: tuple[str, ...], ranks: tuple[int, ...
     layout = item.entry.params[name]
     shape = item.module.get_parameter(name).shape
     return ShardLayout.of(shape, [layout.on(a) for a in mesh], ranks, sizes).range(0)
-
-
-def _config_value(config: object, name: str) -> object:
-    """A config attribute, or None where it is absent or per layer (transformers raises its own error then)."""
-    try:
-        return getattr(config, name, None)
-    except Exception:  # AmbiguousGlobalPerLayerAttributeError: heads that differ per layer
-        return None

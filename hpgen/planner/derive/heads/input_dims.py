@@ -21,7 +21,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["HeadLayout", "TracedCall", "head_layouts", "meta_forward", "probe_sizes"]
+__all__ = ["HeadLayout", "TracedCall", "head_layouts", "meta_forward", "probe_sizes", "recorded_arguments"]
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def head_layouts(
     key = (batch, length, classes)
     recorded = {} if recorded is None else recorded
     if key not in recorded:
-        recorded[key] = _record_arguments(model, classes, batch, length)
+        recorded[key] = recorded_arguments(model, classes, batch, length)
     arguments = recorded[key]
     if isinstance(arguments, str):  # the forward failed: the same error for every layer
         raise RuntimeError(arguments)
@@ -96,7 +96,7 @@ def head_layouts(
     return found
 
 
-def _record_arguments(model: Any, classes: frozenset[type], batch: int, length: int) -> dict[str, Any] | str:
+def recorded_arguments(model: Any, classes: frozenset[type], batch: int, length: int) -> dict[str, Any] | str:
     """Module FQN -> (its arguments' shapes, its ``**kwargs``' shapes; ``None`` where not a tensor) at its
     first call in one meta forward, for every module of ``classes``; the error text where the model cannot run."""
     import torch
