@@ -12,12 +12,14 @@ A per-position tensor the model computes for the whole sequence and passes to ev
 layer that computes with it on its sequence shard: in the layer's own body, or in a child
 that does not gather (:func:`_per_position_arguments`). One handed only to children that
 gather their input first (``position_embeddings``, a mask, to the attention) stays whole.
+The same meta-device forward checks that the layers take the stream as ``[batch, positions,
+...]``; another layout (Gemma 3n's AltUp stack ``[altup, batch, sequence, hidden]``) is refused.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hpgen.errors import HpgenError
 from hpgen.placement import REPLICATE, shard
@@ -69,9 +71,12 @@ def sequence_parallel(context: PlanContext, boundaries: dict[str, Boundary]) -> 
                     boundary.grad_reduce.add(f"{child_name}.{param_name}")
         for param_name, _ in layer.named_parameters(recurse=False):
             boundary.grad_reduce.add(param_name)
-    for fqn, names in _per_position_arguments(context, boundaries, layers).items():
-        for name in names:
-            boundaries[fqn].inputs[name] = (_R, _SEQ)  # the whole sequence's values, this rank's positions kept
+    probe = _probe(context, layers)
+    if probe is not None:
+        _check_stream(context, layers, probe)
+        for fqn, names in _per_position_arguments(context, boundaries, layers, probe).items():
+            for name in names:
+                boundaries[fqn].inputs[name] = (_R, _SEQ)  # the whole sequence's values, this rank's positions kept
     if final_norm is not None:
         fqn, norm = final_norm
         boundary = add_boundary(context, boundaries, fqn, "sp")
@@ -83,21 +88,59 @@ def sequence_parallel(context: PlanContext, boundaries: dict[str, Boundary]) -> 
         boundary.axes.add("tp")
 
 
-def _per_position_arguments(
-    context: PlanContext, boundaries: Mapping[str, Boundary], layers: list[tuple[str, Any]]
-) -> dict[str, tuple[str, ...]]:
-    """Layer FQN -> the ``forward`` arguments, besides the residual stream, that it computes with on its sequence
-    shard and that hold one value per position (``[batch, sequence, ...]``).
+class _Probe(NamedTuple):
+    """The decoder layers' arguments as one meta-device forward of ``batch`` sequences of ``length`` gave them:
+    layer FQN -> argument name -> shape (None where not a tensor)."""
 
-    An argument the body hands, whole, only to children that gather the sequence first (a block of the plan, or
-    a child wrapped to gather) is not computed with on the shard. For the others, the shapes come from one
-    meta-device forward of the model (:func:`~hpgen.planner.derive.heads.input_dims.recorded_arguments`) with a
-    batch and a length no other size is mistaken for; a model that does not run there keeps its arguments whole.
-    """
+    batch: int
+    length: int
+    shapes: dict[str, dict[str, tuple[int, ...] | None]]
+
+    def per_position(self, fqn: str, name: str) -> bool:
+        """Whether the layer's argument holds one value per position: ``[batch, sequence, ...]``."""
+        return tuple((self.shapes.get(fqn, {}).get(name) or ())[:2]) == (self.batch, self.length)
+
+
+def _probe(context: PlanContext, layers: list[tuple[str, Any]]) -> _Probe | None:
+    """The layers' argument shapes in one meta-device forward (:func:`~hpgen.planner.derive.heads.input_dims.
+    recorded_arguments`) with a batch and a length no other size is mistaken for; None where the model does not
+    run there (it is then taken as it is written)."""
     from hpgen.planner.derive.heads.input_dims import probe_sizes, recorded_arguments
 
+    batch, length = probe_sizes(1)
+    recorded = recorded_arguments(context.model, frozenset(type(layer) for _, layer in layers), batch, length)
+    if isinstance(recorded, str):
+        return None
+    return _Probe(batch, length, {fqn: arguments for fqn, (arguments, _) in recorded.items()})
+
+
+def _check_stream(context: PlanContext, layers: list[tuple[str, Any]], probe: _Probe) -> None:
+    """Refuse a model whose layers take the residual stream with something else than the batch before the
+    positions: ``S(1)`` would cut something else than the positions (Gemma 3n's AltUp stack ``[altup, batch,
+    sequence, hidden]`` would be cut by batch). Positions need not be the input's length: CPM-Ant prepends its
+    prompt, ProphetNet's n-gram streams join the main one."""
+    for fqn, layer in layers:
+        first = context.forwards.first_input(layer, fqn)
+        shape = probe.shapes.get(fqn, {}).get(first)
+        if shape is not None and (len(shape) < 3 or shape[0] != probe.batch):
+            raise HpgenError(
+                f"{context.name}: --sp shards the residual stream on dim 1, the positions, but {fqn} receives "
+                f"{first} as {list(shape)} in a meta-device forward of batch {probe.batch} and length "
+                f"{probe.length}: not [batch, positions, ...], so dim 1 is not the positions"
+            )
+
+
+def _per_position_arguments(
+    context: PlanContext, boundaries: Mapping[str, Boundary], layers: list[tuple[str, Any]], probe: _Probe
+) -> dict[str, tuple[str, ...]]:
+    """Layer FQN -> the ``forward`` arguments, besides the residual stream, that it computes with on its sequence
+    shard and that hold one value per position (``[batch, sequence, ...]`` in ``probe``).
+
+    An argument the body hands, whole, only to children that gather the sequence first (a block of the plan, or
+    a child wrapped to gather) is not computed with on the shard.
+    """
     forwards = context.forwards
-    candidates: dict[str, tuple[str, ...]] = {}
+    found: dict[str, tuple[str, ...]] = {}
     for fqn, layer in layers:
         forward = forwards.owner(layer, fqn).forward
         if forward is None:
@@ -108,7 +151,7 @@ def _per_position_arguments(
         whole = {name for name in children if _gathers(boundaries.get(f"{fqn}.{name}"))}
         handed = {name: reads for name, reads in forward.handed_on}
         first = forwards.first_input(layer, fqn)
-        candidates[fqn] = tuple(
+        per_position = tuple(
             parameter.name
             for parameter in forward.parameters[1:]
             if parameter.kind not in ("var_positional", "var_keyword")
@@ -117,17 +160,8 @@ def _per_position_arguments(
                 parameter.name in handed
                 and all(read.attr in whole or read.attr not in children for read in handed[parameter.name])
             )
+            and probe.per_position(fqn, parameter.name)
         )
-    if not any(candidates.values()):
-        return {}
-    batch, length = probe_sizes(1)
-    recorded = recorded_arguments(context.model, frozenset(type(layer) for _, layer in layers), batch, length)
-    if isinstance(recorded, str):  # it does not run on the meta device: nothing known of the shapes
-        return {}
-    found: dict[str, tuple[str, ...]] = {}
-    for fqn, names in candidates.items():
-        shapes = recorded.get(fqn, ({}, {}))[0]
-        per_position = tuple(name for name in names if (shapes.get(name) or ())[:2] == (batch, length))
         if per_position:
             found[fqn] = per_position
     return found

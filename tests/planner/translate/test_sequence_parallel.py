@@ -34,3 +34,14 @@ def test_a_per_position_argument_the_layer_computes_with_is_split_at_every_layer
 def test_arguments_handed_only_to_gathering_children_stay_whole() -> None:
     for key, entry in _layers(_sp_plan("llama"), "model.layers.").items():
         assert set(entry["in_src"]) == {"hidden_states"}, key
+
+
+def test_a_stream_whose_dim_1_is_not_the_positions_is_refused() -> None:
+    # Gemma 3n's decoder layers take the AltUp stack [altup, batch, sequence, hidden]: S(1) would cut the batch
+    import pytest
+
+    from hpgen.errors import HpgenError
+
+    refusal = r"model.layers.0 receives hidden_states as \[4, 3, 7, 64\] .* dim 1 is not the positions"
+    with pytest.raises(HpgenError, match=refusal):
+        _sp_plan("gemma3n_text")
