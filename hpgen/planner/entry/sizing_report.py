@@ -176,8 +176,8 @@ class SizeReport:
             lines.append(
                 "  not counted: the inputs "
                 + ", ".join(sorted(self.optional))
-                + " default to None (cross-attention and "
-                "the like) and add their collectives only when given"
+                + " default to None (encoder states for cross-attention, per-layer inputs) and add their "
+                "collectives only when given"
             )
         if self.grad_reduce_bytes:
             lines.append(
