@@ -18,6 +18,8 @@ count ``H``, and reading the argument's shape as the attention receives it:
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,6 +140,9 @@ def meta_forward(model: Any, batch: int, length: int) -> None:
     With a mask of ones transformers does not look for packed sequences in the positions (a
     data-dependent test the meta device cannot answer), and a ready 4-D causal mask, which it
     passes on as it is, needs no data at all; a model that refuses a mask runs without one.
+    Experts run as transformers' ``batched_mm`` for the forward: the default loop asks which
+    experts got tokens (``.item()``, data the meta device does not have) and ``grouped_mm``
+    wants bfloat16 there; the shapes every expert path gives are the same.
     """
     import torch
 
@@ -145,11 +150,28 @@ def meta_forward(model: Any, batch: int, length: int) -> None:
     mask = torch.ones(batch, length, dtype=torch.long, device="meta")
     causal = torch.ones(batch, 1, length, length, dtype=torch.bool, device="meta")
     error: Exception | None = None
-    for extra in ({"attention_mask": mask}, {"attention_mask": causal}, {}):
-        try:
-            with torch.no_grad():
-                model(input_ids=ids, use_cache=False, **extra)
-            return
-        except Exception as failure:
-            error = error or failure
+    with _batched_experts(model):
+        for extra in ({"attention_mask": mask}, {"attention_mask": causal}, {}):
+            try:
+                with torch.no_grad():
+                    model(input_ids=ids, use_cache=False, **extra)
+                return
+            except Exception as failure:
+                error = error or failure
     raise RuntimeError(f"the model does not run on the meta device ({type(error).__name__}: {error})") from None
+
+
+@contextmanager
+def _batched_experts(model: Any) -> Iterator[None]:
+    """Every config among the model's modules that chooses an experts implementation set to ``batched_mm``, and
+    set back afterwards (the model is the planner's, read again later)."""
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None}
+    chosen = {key: c for key, c in configs.items() if hasattr(c, "_experts_implementation")}
+    before = {key: c._experts_implementation for key, c in chosen.items()}
+    try:
+        for c in chosen.values():
+            c._experts_implementation = "batched_mm"
+        yield
+    finally:
+        for key, c in chosen.items():
+            c._experts_implementation = before[key]
