@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hpgen.classify import COMMUNICATING, DEFAULT_BACKWARD, summed_ops, value_ops
+from hpgen.model_config import config_value
 from hpgen.plan import Plan, plan_from_dict
 from hpgen.planner.model.modules import generic
 
@@ -367,10 +368,7 @@ def _collectives(
 
 def _config_int(config: Any, name: str) -> int | None:
     """An integer config value; None where it is absent or differs per layer (transformers raises then)."""
-    try:
-        value = getattr(config, name, None)
-    except Exception:  # AmbiguousGlobalPerLayerAttributeError
-        return None
+    value = config_value(config, name)
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
