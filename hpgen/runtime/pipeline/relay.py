@@ -1,0 +1,97 @@
+"""Inference through pipeline stages: ``model(input_ids)`` and ``generate`` give every rank the logits.
+
+The model's ``forward`` is wrapped: every rank calls it with the same arguments; the stages
+run one after another, each handing its hidden states to the next stage's ranks (a send
+and a receive on the pipeline axis's group, between ranks of the same position on the
+other axes), and the last stage's output (logits, and the loss when labels are given) is
+broadcast to every rank of the pipeline. Each rank's cache holds its own layers' keys and
+values (their ``layer_idx`` renumbered from 0, :mod:`hpgen.runtime.pipeline.stages`), so
+``generate`` runs unchanged on every rank and picks the same tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from hpgen.runtime.pipeline.attach import Staged
+from hpgen.runtime.pipeline.stage_forward import run_stage
+
+__all__ = ["install_relay", "relay_forward"]
+
+
+def install_relay(model: nn.Module) -> None:
+    """Wrap ``model.forward`` (an instance attribute) in :func:`relay_forward`."""
+    pipeline: Staged = model._hp_stage
+    model.forward = functools.wraps(pipeline.forward)(functools.partial(relay_forward, model, pipeline))
+
+
+def relay_forward(model: nn.Module, pipeline: Staged, input_ids: Tensor | None = None, **kwargs: Any) -> Any:
+    """The causal LM's forward run stage after stage; its output on every rank."""
+    cut = pipeline.cut
+    embeds = kwargs.pop("inputs_embeds", None)
+    value = input_ids if embeds is None else embeds
+    if value is None:
+        raise ValueError("the pipeline needs input_ids or inputs_embeds")
+    shape = tuple(value.shape[:2])
+    holder = -1
+    output = cache = None
+    for stage in range(cut.num_stages):
+        previous, holder = holder, stage % cut.size
+        if stage > 0 and previous != holder:
+            if pipeline.rank == previous:
+                dist.send(value.contiguous(), group_dst=holder, group=pipeline.group)
+            elif pipeline.rank == holder:
+                value = torch.empty((*shape, _hidden_size(model)), dtype=_dtype(model), device=_device(value))
+                dist.recv(value, group_src=previous, group=pipeline.group)
+        if pipeline.rank != holder:
+            continue
+        # the user's embeddings: the first stage skips its embedding
+        output = run_stage(model, pipeline, stage, value, embedded=stage == 0 and embeds is not None, **kwargs)
+        cache = getattr(output, "cache", None)
+        if stage < cut.num_stages - 1:
+            value = output.last_hidden_state
+    return _from_last(output if pipeline.rank == holder else None, pipeline, holder, cache)
+
+
+def _from_last(output: Any, pipeline: Staged, last: int, cache: Any) -> Any:
+    """The last stage's output, its tensors broadcast to every rank; each rank keeps its own ``cache``."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    meta = [None]
+    if output is not None:
+        meta = [{key: (tuple(v.shape), v.dtype) for key, v in output.items() if isinstance(v, Tensor)}]
+    dist.broadcast_object_list(meta, group_src=last, group=pipeline.group)
+    tensors = {}
+    for key, (shape, dtype) in sorted(meta[0].items()):
+        tensor = output[key] if output is not None else torch.empty(shape, dtype=dtype, device=_device_of(pipeline))
+        dist.broadcast(tensor, group_src=last, group=pipeline.group)
+        tensors[key] = tensor
+    if output is not None:
+        return output
+    return CausalLMOutputWithPast(**tensors, cache=cache)
+
+
+def _hidden_size(model: nn.Module) -> int:
+    config = model.config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(config.hidden_size)
+
+
+def _dtype(model: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
+
+
+def _device(value: Tensor) -> torch.device:
+    return value.device
+
+
+def _device_of(pipeline: Staged) -> torch.device:
+    """Where the broadcast logits go on ranks that did not compute them: the mesh's device."""
+    if pipeline.cut.mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(pipeline.cut.mesh.device_type)

@@ -1,0 +1,102 @@
+"""Runs of a model cut into pipeline stages on gloo ranks, next to the unsharded model's numbers.
+
+Each rank builds the unsharded reference (seeded, so every rank has the same), computes
+its loss, gradients, logits and greedy tokens, then builds the generated (or plain) model
+from the same weights, parallelizes it with a ``--pp`` plan and runs ``pipeline_step``
+and inference; the test compares the two on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from tests.support.models import generated_model, import_file, make_config, reference_model
+
+
+@dataclass
+class StageRun:
+    """What one rank saw: the pipeline's loss and gradients and the unsharded model's."""
+
+    loss: float
+    reference_loss: float
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)  # this rank's parameters, full names
+    reference_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    param_names: list[str] = field(default_factory=list)
+    logits: torch.Tensor | None = None
+    reference_logits: torch.Tensor | None = None
+    tokens: list[int] | None = None
+    reference_tokens: list[int] | None = None
+
+
+def batch(vocab: int, *, size: int = 4, length: int = 9, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and labels with -100 spread unequally: the first row all ignored, the others ignored in part."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (size, length), generator=generator)
+    labels = ids.clone()
+    labels[0, :] = -100
+    labels[1, : length - 2] = -100
+    if size > 2:
+        labels[2, 3:5] = -100
+    return ids, labels
+
+
+def run_stages(
+    rank: int,
+    world: int,
+    family: str,
+    config: dict[str, Any],
+    plan: dict[str, Any],
+    dims: tuple[tuple[str, int], ...],
+    generated: str | None,
+    microbatches: int,
+    schedule: str,
+    infer: bool = False,
+) -> StageRun:
+    """One rank of a pipeline run (see the module docstring); ``generated``: the lowered file, None for transformers' class."""
+    import transformers
+
+    from hpgen.runtime import parallelize
+    from hpgen.runtime.pipeline import pipeline_step
+
+    torch.manual_seed(0)
+    cfg = make_config(family, **config)
+    reference = reference_model(family, cfg, seed=11)
+    ids, labels = batch(cfg.vocab_size)
+    out = reference(ids, labels=labels)
+    out.loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters(remove_duplicate=False) if p.grad is not None}
+    if generated is not None:
+        model = generated_model(import_file(generated), family, cfg, reference)
+    else:
+        model = getattr(transformers, type(reference).__name__)(cfg)
+        model.load_state_dict(reference.state_dict())
+        model.eval()
+    mesh = init_device_mesh("cpu", tuple(size for _, size in dims), mesh_dim_names=tuple(name for name, _ in dims))
+    parallelize(model, plan, mesh)
+    loss = pipeline_step(model, input_ids=ids, labels=labels, microbatches=microbatches, schedule=schedule)
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    grads = {n: _full(p.grad) for n, p in model.named_parameters(remove_duplicate=False) if p.grad is not None}
+    run = StageRun(float(loss), float(out.loss), grads, {n: ref_grads[n] for n in grads}, names)
+    if infer:
+        with torch.no_grad():
+            run.logits = model(ids[1:2]).logits
+            run.reference_logits = reference(ids[1:2]).logits
+            prompt = ids[1:2, :4]
+            run.tokens = model.generate(prompt, max_new_tokens=6, do_sample=False)[0].tolist()
+            run.reference_tokens = reference.generate(prompt, max_new_tokens=6, do_sample=False)[0].tolist()
+    return run
+
+
+def _full(grad: torch.Tensor) -> torch.Tensor:
+    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad.clone()
+
+
+def lowered(family: str, plan: dict[str, Any], directory: Path) -> str:
+    from tests.support.models import lower_family
+
+    return str(lower_family(family, plan, directory))
