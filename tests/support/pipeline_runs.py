@@ -15,7 +15,15 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from tests.support.models import generated_model, import_file, make_config, reference_model
+from tests.support.models import (
+    expected_local,
+    generated_model,
+    import_file,
+    make_config,
+    param_layouts,
+    reference_model,
+    tolerance,
+)
 
 
 @dataclass
@@ -24,9 +32,9 @@ class StageRun:
 
     loss: float
     reference_loss: float
-    grads: dict[str, torch.Tensor] = field(default_factory=dict)  # this rank's parameters, full names
-    reference_grads: dict[str, torch.Tensor] = field(default_factory=dict)
-    param_names: list[str] = field(default_factory=list)
+    grad_errors: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> (max error, tolerance)
+    param_names: list[str] = field(default_factory=list)  # this rank's parameters, full names
+    param_bytes: int = 0
     logits: torch.Tensor | None = None
     reference_logits: torch.Tensor | None = None
     tokens: list[int] | None = None
@@ -80,8 +88,14 @@ def run_stages(
     parallelize(model, plan, mesh)
     loss = pipeline_step(model, input_ids=ids, labels=labels, microbatches=microbatches, schedule=schedule)
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    grads = {n: _full(p.grad) for n, p in model.named_parameters(remove_duplicate=False) if p.grad is not None}
-    run = StageRun(float(loss), float(out.loss), grads, {n: ref_grads[n] for n in grads}, names)
+    layouts = param_layouts(model, plan)
+    errors = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        want = expected_local(ref_grads[name], layouts.get(name, {}), plan["mesh_dim_names"], mesh)
+        got = param.grad if param.grad is not None else torch.full_like(param, float("nan"))
+        errors[name] = ((got - want).abs().max().item(), tolerance(ref_grads[name]))
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    run = StageRun(float(loss), float(out.loss), errors, names, size)
     if infer:
         with torch.no_grad():
             run.logits = model(ids[1:2]).logits
@@ -90,10 +104,6 @@ def run_stages(
             run.tokens = model.generate(prompt, max_new_tokens=6, do_sample=False)[0].tolist()
             run.reference_tokens = reference.generate(prompt, max_new_tokens=6, do_sample=False)[0].tolist()
     return run
-
-
-def _full(grad: torch.Tensor) -> torch.Tensor:
-    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad.clone()
 
 
 def lowered(family: str, plan: dict[str, Any], directory: Path) -> str:

@@ -92,6 +92,7 @@ from hpgen.runtime.install.summed import SummedBlock, branch_fqns, survey_summed
 from hpgen.runtime.install.tuners import peft_base_model, resolve_tuner_names
 from hpgen.runtime.install.wrapped import DataParallelCheck, KeptFromDDP, MeshAxes
 from hpgen.runtime.pipeline.attach import install_stage
+from hpgen.runtime.pipeline.relay import install_relay
 from hpgen.runtime.pipeline.stages import StageCut, survey_stage
 from hpgen.shards import ShardLayout
 
@@ -340,7 +341,8 @@ class Survey:
         model._hp_parallelized = True
         model._hp_mesh = mesh  # the ranks holding the model: clip_grad_norm_ sums its norm over them
         if self.stage is not None:
-            install_stage(model, self.stage)  # the forward relay between stages, the tied table's group
+            install_stage(model, self.stage)  # model._hp_stage, the tied table's groups
+            install_relay(model)  # model(input_ids), generate: stage after stage, the logits on every rank
         _PARALLELIZED.add(model)
         if self.peft_model is not None:
             self.peft_model._hp_parallelized = True

@@ -2,9 +2,7 @@
 
 ``model._hp_stage`` is a :class:`Staged`: this rank's :class:`~hpgen.runtime.pipeline.stages.StageCut`,
 the process group of the pipeline axis and the groups of the tied parameters; ``pipeline_step``
-and ``clip_grad_norm_`` read it. The model's ``forward`` is wrapped so that a plain call
-(``model(input_ids)``, ``generate``) runs the stages one after another and gives every rank
-the logits (:mod:`hpgen.runtime.pipeline.relay`).
+and ``clip_grad_norm_`` read it.
 """
 
 from __future__ import annotations
@@ -42,13 +40,11 @@ class Staged:
 
 
 def install_stage(model: nn.Module, cut: StageCut) -> None:
-    """Record the stage on ``model``, make the tied parameters' groups, wrap ``forward`` in the relay."""
-    from hpgen.runtime.pipeline.relay import install_relay
-
+    """Record the stage on ``model`` and make the tied parameters' groups (then
+    :func:`hpgen.runtime.pipeline.relay.install_relay` wraps ``forward``)."""
     group = cut.mesh.get_group(cut.axis)
     tied = tied_params(model, cut.mesh, cut.axis, cut.tied_holders, cut.tied) if cut.tied else []
     model._hp_stage = Staged(cut, group, model.forward, tied)
-    install_relay(model)
 
 
 def staged(model: nn.Module) -> Staged | None:
