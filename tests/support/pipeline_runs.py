@@ -110,3 +110,40 @@ def lowered(family: str, plan: dict[str, Any], directory: Path) -> str:
     from tests.support.models import lower_family
 
     return str(lower_family(family, plan, directory))
+
+
+def checkpoint_round_trip(rank: int, world: int, family: str, config: dict[str, Any], plan: dict[str, Any], folder: str) -> dict[str, Any]:
+    """from_pretrained onto stages, save_pretrained and DCP back out, read unsharded: what each step gave."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    import transformers
+
+    from hpgen.runtime import from_pretrained
+
+    root = Path(folder)
+    cfg = make_config(family, **config)
+    reference = reference_model(family, cfg, seed=5)
+    if rank == 0:
+        reference.save_pretrained(root / "ref")
+    dist.barrier()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    cls = getattr(transformers, type(reference).__name__)
+    model = from_pretrained(cls, root / "ref", plan, mesh)
+    ids, _ = batch(cfg.vocab_size)
+    with torch.no_grad():
+        logits_error = (model(ids).logits - reference(ids).logits).abs().max().item()
+    names = sorted(model.state_dict())
+    model.save_pretrained(root / "saved")
+    dcp.save(model.state_dict(), checkpoint_id=str(root / "dcp"))
+    dist.barrier()
+    result: dict[str, Any] = {"names": names, "logits_error": logits_error}
+    if rank == 0:
+        want = reference.state_dict()
+        saved = cls.from_pretrained(root / "saved").state_dict()
+        result["saved_error"] = max((saved[k] - want[k]).abs().max().item() for k in want)
+        result["saved_keys_match"] = set(saved) == set(want)
+        fresh = cls(cfg)
+        state = fresh.state_dict()
+        dcp.load(state, checkpoint_id=str(root / "dcp"), no_dist=True)
+        result["dcp_error"] = max((state[k] - want[k]).abs().max().item() for k in want)
+    return result

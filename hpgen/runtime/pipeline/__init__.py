@@ -5,7 +5,8 @@
 - ``hpgen.runtime.pipeline.attach``: what ``parallelize`` attaches to a staged model (``model._hp_stage``);
 - ``hpgen.runtime.pipeline.stage_forward``: one stage's forward, for the schedule and the relay alike;
 - ``hpgen.runtime.pipeline.schedule``: ``pipeline_step``, forward and backward over microbatches with torch's schedules;
-- ``hpgen.runtime.pipeline.relay``: ``model(input_ids)`` and ``generate`` across the stages, logits on every rank.
+- ``hpgen.runtime.pipeline.relay``: ``model(input_ids)`` and ``generate`` across the stages, logits on every rank;
+- ``hpgen.runtime.pipeline.gather``: the whole model's state dict from the stages (``save_pretrained``).
 
 docs/pipeline.md says how to use them.
 """

@@ -80,6 +80,9 @@ class StageCut:
     mesh: DeviceMesh
     stages: tuple[int, ...]  # the stage indices this rank holds (one, or several for interleaved schedules)
     layer_lists: dict[str, int] = field(default_factory=dict)  # FQN of each staged layer list -> its length
+    # modules of other stages kept here as well: all their parameters are this rank's, tied (lm_head
+    # on the first stage, the embedding on the last: the table under both names, as unsharded)
+    tied_modules: tuple[str, ...] = ()
     tied: list[list[str]] = field(default_factory=list)  # names of each parameter several pp ranks hold
     tied_holders: list[list[int]] = field(default_factory=list)  # the pp ranks holding each
 
@@ -99,7 +102,13 @@ class StageCut:
     def holds(self, fqn: str) -> bool:
         """Whether this rank keeps the module ``fqn`` (modules no stage names are kept everywhere)."""
         stage = self.pipeline.stage_of(fqn)
-        return stage is None or stage in self.stages
+        if stage is None or stage in self.stages:
+            return True
+        return any(fqn == name or fqn.startswith(name + ".") for name in self.tied_modules)
+
+    def elsewhere(self, name: str) -> bool:
+        """Whether the tensor or module ``name`` (a checkpoint key) belongs to another rank's stages only."""
+        return not self.holds(name.rpartition(".")[0] if name.count(".") else name)
 
     def keep(self, model: nn.Module) -> None:
         """Remove from ``model`` every staged module that this rank's stages do not hold."""
@@ -205,12 +214,30 @@ def survey_stage(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> StageCut:
         if type(module).__name__.endswith("Experts") and hasattr(module, "gate_up_proj") and "ep" in plan.mesh_dim_names:
             raise ParallelizeError(f"{fqn}: experts sharded by expert across pipeline stages are not covered yet")
     cut = StageCut(pipeline, mesh, stages, layer_lists)
+    cut.tied_modules = _tied_modules(model, cut)
     for names in cut.tied_names(model):
         holders = sorted({stage % size for stage in (pipeline.stage_of(name) for name in names) if stage is not None})
         if len(holders) > 1:
             cut.tied.append(names)
             cut.tied_holders.append(holders)
     return cut
+
+
+def _tied_modules(model: nn.Module, cut: StageCut) -> tuple[str, ...]:
+    """Staged modules of other stages whose parameters are all tensors this rank's own modules hold."""
+    held: set[int] = set()
+    for fqn, module in model.named_modules():
+        if fqn and cut.holds(fqn):
+            held.update(id(param) for param in module.parameters(recurse=False))
+    found = []
+    for stage in cut.pipeline.stages:
+        for fqn in stage:
+            if cut.holds(fqn) or fqn.rpartition(".")[0] in cut.layer_lists:
+                continue
+            params = list(model.get_submodule(fqn).parameters())
+            if params and all(id(param) in held for param in params):
+                found.append(fqn)
+    return tuple(found)
 
 
 def _layer_lists(pipeline: PipelineStages, modules: dict[str, nn.Module]) -> dict[str, int]:
