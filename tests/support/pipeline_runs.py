@@ -35,6 +35,8 @@ class StageRun:
     grad_errors: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> (max error, tolerance)
     param_names: list[str] = field(default_factory=list)  # this rank's parameters, full names
     param_bytes: int = 0
+    norm: float = 0.0  # hpgen.runtime.clip_grad_norm_ of the stage's gradients (a large max_norm: no clipping)
+    reference_norm: float = 0.0
     logits: torch.Tensor | None = None
     reference_logits: torch.Tensor | None = None
     tokens: list[int] | None = None
@@ -68,7 +70,7 @@ def run_stages(
     """One rank of a pipeline run (see the module docstring); ``generated``: the lowered file, None for transformers' class."""
     import transformers
 
-    from hpgen.runtime import parallelize
+    from hpgen.runtime import clip_grad_norm_, parallelize
     from hpgen.runtime.pipeline import pipeline_step
 
     torch.manual_seed(0)
@@ -95,7 +97,9 @@ def run_stages(
         got = param.grad if param.grad is not None else torch.full_like(param, float("nan"))
         errors[name] = ((got - want).abs().max().item(), tolerance(ref_grads[name]))
     size = sum(p.numel() * p.element_size() for p in model.parameters())
-    run = StageRun(float(loss), float(out.loss), errors, names, size)
+    norm = clip_grad_norm_(model.parameters(), 1e9)
+    reference_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters() if p.grad is not None])
+    run = StageRun(float(loss), float(out.loss.detach()), errors, names, size, float(norm), float(reference_norm))
     if infer:
         with torch.no_grad():
             run.logits = model(ids[1:2]).logits

@@ -34,6 +34,18 @@ class Staged:
         """This rank's index on the pipeline axis."""
         return self.cut.mesh.get_local_rank(self.cut.axis)
 
+    def norm_weights(self, model: nn.Module) -> dict[int, float]:
+        """id of each parameter -> the share of the whole model's norm its pipeline ranks add up to.
+
+        The gradient-norm sum runs over every rank of the mesh, but a parameter lives on the
+        ranks of one stage (of two, for a tied table): its weight is multiplied by the pipeline
+        ranks over those holding it, so that every stage counts once."""
+        weights = {id(param): float(self.cut.size) for param in model.parameters()}
+        for item in self.tied:
+            if item.name is not None:
+                weights[id(model.get_parameter(item.name))] = self.cut.size / item.holders
+        return weights
+
     def global_rank(self, pp_rank: int) -> int:
         """The global rank of the pipeline-axis rank ``pp_rank`` in this rank's pipeline group."""
         return dist.get_global_rank(self.group, pp_rank)

@@ -26,6 +26,7 @@ class TiedParam:
 
     name: str | None
     group: dist.ProcessGroup | None
+    holders: int = 1  # the pipeline ranks holding it
 
 
 def tied_params(model: nn.Module, mesh: DeviceMesh, axis: str, holders: list[list[int]], names: list[list[str]]) -> list[TiedParam]:
@@ -43,7 +44,7 @@ def tied_params(model: nn.Module, mesh: DeviceMesh, axis: str, holders: list[lis
             if mine in members:
                 group_here = group
         name = next((alias for alias in aliases if alias in local), None)
-        found.append(TiedParam(name, group_here if name is not None else None))
+        found.append(TiedParam(name, group_here if name is not None else None, len(held)))
     return found
 
 
