@@ -151,3 +151,42 @@ def checkpoint_round_trip(rank: int, world: int, family: str, config: dict[str, 
         dcp.load(state, checkpoint_id=str(root / "dcp"), no_dist=True)
         result["dcp_error"] = max((state[k] - want[k]).abs().max().item() for k in want)
     return result
+
+
+def refusals(rank: int, world: int, plan: dict[str, Any], cases: dict[str, Any]) -> dict[str, str]:
+    """The message each refusal gives on this rank (or ``no error``): bad plans, bad calls of ``pipeline_step``."""
+    import copy
+
+    import transformers
+
+    from hpgen.runtime import parallelize
+    from hpgen.runtime.pipeline import pipeline_step
+
+    cfg = make_config("llama", num_hidden_layers=4)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    ids, labels = batch(cfg.vocab_size)
+
+    def message(action: Any) -> str:
+        try:
+            action()
+        except Exception as error:  # noqa: BLE001 - the message is what is compared
+            return f"{type(error).__name__}: {error}"
+        return "no error"
+
+    found = {}
+    for name, change in cases.items():
+        changed = copy.deepcopy(plan)
+        change(changed)
+        found[name] = message(lambda: parallelize(transformers.LlamaForCausalLM(cfg), changed, mesh))
+    model = parallelize(transformers.LlamaForCausalLM(cfg), plan, mesh)
+    found["uneven microbatches"] = message(lambda: pipeline_step(model, input_ids=ids, labels=labels, microbatches=3))
+    found["unknown schedule"] = message(
+        lambda: pipeline_step(model, input_ids=ids, labels=labels, microbatches=2, schedule="Zigzag")
+    )
+    found["interleaved on one stage a rank"] = message(
+        lambda: pipeline_step(model, input_ids=ids, labels=labels, microbatches=2, schedule="Interleaved1F1B")
+    )
+    found["not staged"] = message(
+        lambda: pipeline_step(transformers.LlamaForCausalLM(cfg), input_ids=ids, labels=labels, microbatches=2)
+    )
+    return found

@@ -93,7 +93,7 @@ from hpgen.runtime.install.tuners import peft_base_model, resolve_tuner_names
 from hpgen.runtime.install.wrapped import DataParallelCheck, KeptFromDDP, MeshAxes
 from hpgen.runtime.pipeline.attach import install_stage
 from hpgen.runtime.pipeline.relay import install_relay
-from hpgen.runtime.pipeline.stages import StageCut, survey_stage
+from hpgen.runtime.pipeline.stages import StageCut, refuse_axes, survey_stage
 from hpgen.shards import ShardLayout
 
 __all__ = ["ParallelizeError", "Survey", "parallelize", "survey_model"]
@@ -162,6 +162,7 @@ def survey_model(
         )
     if getattr(model, "_hp_parallelized", False):
         raise ParallelizeError(f"{type(model).__name__} was already parallelized; build a fresh model")
+    refuse_axes(plan)  # cp or ep with pipeline stages: named before the mesh is read
     axes = mesh_axes(plan, mesh, off=_toggle_axes(model, plan, mesh))
     on_mesh = tuple(axis for axis in plan.mesh_dim_names if axis in (mesh.mesh_dim_names or ()))
     # First, before any rank can refuse alone: ranks given different programs would hang or be wrong.

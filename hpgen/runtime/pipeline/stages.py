@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from hpgen.plan_entries import PipelineStages, Plan
 from hpgen.runtime.errors import ParallelizeError
 
-__all__ = ["StageCut", "StageLayers", "survey_stage"]
+__all__ = ["StageCut", "StageLayers", "refuse_axes", "survey_stage"]
 
 # Plan axes whose engines do not run inside a pipeline stage yet: refused by name.
 NOT_WITH_STAGES = {"cp": "context parallelism (cp)", "ep": "experts sharded by expert (ep)"}
@@ -172,6 +172,13 @@ def _set(model: nn.Module, fqn: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, name, module)
 
 
+def refuse_axes(plan: Plan) -> None:
+    """Plan axes whose engines do not run inside pipeline stages yet, refused by name (before the mesh is read)."""
+    for axis, what in NOT_WITH_STAGES.items():
+        if plan.pipeline is not None and axis in plan.mesh_dim_names:
+            raise ParallelizeError(f"pipeline stages with {what} are not covered yet: plan the model without --pp or without {axis}")
+
+
 def survey_stage(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> StageCut:
     """Every check of the plan's stages against ``model`` and ``mesh``; the model is left untouched."""
     pipeline = plan.pipeline
@@ -181,9 +188,7 @@ def survey_stage(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> StageCut:
         raise ParallelizeError(
             f"the plan's pipeline axis {pipeline.axis!r} is not a dim of the mesh (mesh_dim_names: {', '.join(names) or 'none'})"
         )
-    for axis, what in NOT_WITH_STAGES.items():
-        if axis in plan.mesh_dim_names:
-            raise ParallelizeError(f"pipeline stages with {what} are not covered yet: plan the model without --pp or without {axis}")
+    refuse_axes(plan)
     size = mesh.size(names.index(pipeline.axis))
     count = len(pipeline.stages)
     if count % size:
