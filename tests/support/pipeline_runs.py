@@ -190,3 +190,26 @@ def refusals(rank: int, world: int, plan: dict[str, Any], cases: dict[str, Any])
         lambda: pipeline_step(transformers.LlamaForCausalLM(cfg), input_ids=ids, labels=labels, microbatches=2)
     )
     return found
+
+
+def resume_across_sizes(rank: int, world: int, plan_2x2: dict[str, Any], generated: str, plan_4: dict[str, Any], folder: str) -> float:
+    """A DCP checkpoint saved at pp 2 x tp 2 loaded at pp 4: the largest logit error against the unsharded model."""
+    import torch.distributed.checkpoint as dcp
+    import transformers
+
+    from hpgen.runtime import parallelize
+
+    cfg = make_config("llama", num_hidden_layers=4)
+    reference = reference_model("llama", cfg, seed=7)
+    saved = generated_model(import_file(generated), "llama", cfg, reference)
+    parallelize(saved, plan_2x2, init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp")))
+    dcp.save(saved.state_dict(), checkpoint_id=folder)
+    torch.manual_seed(1)
+    loaded = transformers.LlamaForCausalLM(cfg)  # other weights: the checkpoint must replace every one
+    parallelize(loaded, plan_4, init_device_mesh("cpu", (4,), mesh_dim_names=("pp",)))
+    state = loaded.state_dict()
+    dcp.load(state, checkpoint_id=folder)
+    loaded.load_state_dict(state)
+    ids, _ = batch(cfg.vocab_size)
+    with torch.no_grad():
+        return (loaded(ids).logits - reference(ids).logits).abs().max().item()
