@@ -63,7 +63,7 @@ def plan_with_report(
         from hpgen.planner.passes.pipeline_stages import add_pipeline, stage_cut
 
         cut = stage_cut(model, pp, layers=pp_layers, name=target)
-        plan = add_pipeline(plan, cut)
+        plan = add_pipeline(plan, cut, type(model).__name__)
     comments = plan.get("comments", {})
     source = comments.get("plan_source", "context parallel" if cp is not None else "pipeline stages")
     messages = [f"{target}: {source}"]

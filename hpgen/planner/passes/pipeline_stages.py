@@ -143,9 +143,12 @@ def _refuse_uncovered(model: Any, covered: set[str | None], name: str) -> None:
             )
 
 
-def add_pipeline(document: Mapping[str, Any] | None, cut: StageCut) -> dict[str, Any]:
-    """The plan document with ``pp`` outermost and the stages; ``document`` None: a pipeline-only plan."""
+def add_pipeline(document: Mapping[str, Any] | None, cut: StageCut, model_class: str | None = None) -> dict[str, Any]:
+    """The plan document with ``pp`` outermost and the stages; ``document`` None: a pipeline-only plan
+    (naming ``model_class``, so that ``hpgen verify`` and ``lower`` know the root class)."""
     plan = dict(document) if document is not None else {"format": "hpgen.plan/1", "mesh_dim_names": [], "param_plan": {}}
+    if document is None and model_class is not None:
+        plan["model_class"] = model_class
     plan["mesh_dim_names"] = [PIPELINE_AXIS, *plan["mesh_dim_names"]]
     plan["pipeline"] = {"axis": PIPELINE_AXIS, "stages": [compact_stage(stage) for stage in cut.stages]}
     return plan
