@@ -41,7 +41,7 @@ def plan_with_report(
     if pp_layers is not None and pp is None:
         raise HpgenError("--pp-layers: give --pp N too")
     if pp is not None:
-        _refuse_with_pp(cp=cp, ep=ep, attn_dp=attn_dp)
+        _refuse_with_pp(cp=cp, ep=ep, attn_dp=attn_dp, sp=sp)
     if attn_dp and (ep is None or sp):
         raise HpgenError("--attn-dp: give --ep N (and --tp M for attention tensor-parallel inside each group; not --sp)")
     if attn_dp and cp is not None:
@@ -94,9 +94,10 @@ def plan_with_report(
     return dumps_plan(plan), messages
 
 
-def _refuse_with_pp(*, cp: int | None, ep: int | None, attn_dp: bool) -> None:
+def _refuse_with_pp(*, cp: int | None, ep: int | None, attn_dp: bool, sp: bool) -> None:
     """What pipeline stages do not compose with yet, refused by name."""
     for given, flag, why in (
+        (sp, "--sp", "a sequence-sharded residual stream between stages is not covered yet"),
         (cp is not None, "--cp", "context parallelism inside pipeline stages is not covered yet"),
         (ep is not None, "--ep", "experts sharded by expert inside pipeline stages are not covered yet"),
         (attn_dp, "--attn-dp", "data-parallel attention inside pipeline stages is not covered yet"),

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hpgen.plan_entries import PipelineStages, Plan
+from hpgen.plan_names import fqn_matches
 from hpgen.runtime.errors import ParallelizeError
 
 __all__ = ["StageCut", "StageLayers", "refuse_axes", "survey_stage"]
@@ -209,6 +210,7 @@ def survey_stage(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> StageCut:
     for fqn, module in modules.items():
         if fqn and pipeline.stage_of(fqn) is None and any(True for _ in module.parameters(recurse=False)):
             raise ParallelizeError(f"{fqn} holds parameters but no pipeline stage names it (or a module above it)")
+    _refuse_sharded_stream(plan, layer_lists)
     kinds = _layer_types(model)
     if kinds is not None and len(set(kinds)) > 1:
         raise ParallelizeError(
@@ -243,6 +245,21 @@ def _tied_modules(model: nn.Module, cut: StageCut) -> tuple[str, ...]:
             if params and all(id(param) in held for param in params):
                 found.append(fqn)
     return tuple(found)
+
+
+def _refuse_sharded_stream(plan: Plan, layer_lists: dict[str, int]) -> None:
+    """A residual stream cut between decoder layers (``--sp``): a stage would hand on its shard of the
+    sequence, and the next stage's rotary embedding and mask are built from what it receives."""
+    for key, entry in plan.entries.items():
+        if not any(fqn_matches(key, f"{fqn}.0") for fqn in layer_lists):
+            continue
+        for part in ("in_src", "out_dst"):
+            for name, layout in getattr(entry, part).items():
+                if any(not placement.is_replicate for _, placement in layout.placements):
+                    raise ParallelizeError(
+                        f"pipeline stages with a sequence-sharded residual stream ({key} {part} {name}: {layout}; "
+                        "hpgen plan --sp) are not covered yet: plan without --sp"
+                    )
 
 
 def _layer_lists(pipeline: PipelineStages, modules: dict[str, nn.Module]) -> dict[str, int]:

@@ -68,6 +68,7 @@ def test_plan_pp_with_tp_writes_pp_outermost_and_loads(tmp_path):
         (["--pp", "2", "--pp-layers", "3,5"], "give 2 positive counts adding up to the 32 decoder layers"),
         (["--pp", "2", "--pp-layers", "x"], "expected comma-separated layer counts"),
         (["--pp", "2", "--cp", "2"], "--pp: not with --cp"),
+        (["--pp", "2", "--tp", "2", "--sp"], "--pp: not with --sp"),
         (["--pp-layers", "16,16"], "--pp-layers: give --pp N too"),
     ],
 )
