@@ -2,6 +2,9 @@
 
     torchrun --nproc-per-node 2 examples/pipeline_llama.py    # pp 2
     torchrun --nproc-per-node 4 examples/pipeline_llama.py    # pp 2 x tp 2
+    # the way a two-node job starts (here both "nodes" on this machine): a stage on each, tp within
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id job \
+        examples/pipeline_llama.py                             # on each node
 
 Runs on CPUs with gloo. Nothing is downloaded: the model is an 8-layer Llama built from a
 config. Every rank:
@@ -18,6 +21,7 @@ config. Every rank:
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -82,8 +86,9 @@ def main() -> None:
     optimizer.step()
     full = sum(p.numel() * p.element_size() for p in reference.parameters())
     mine = sum(p.numel() * p.element_size() for p in model.parameters())
+    node = os.environ.get("GROUP_RANK", "0")  # torchrun's node (agent) index: stages across nodes, tp within
     print(
-        f"rank {rank}: loss {loss.item():.6f} (unsharded {want.item():.6f}), grad norm {norm.item():.4f}; "
+        f"rank {rank} (node {node}, stage {mesh.get_local_rank('pp')}): loss {loss.item():.6f} (unsharded {want.item():.6f}), grad norm {norm.item():.4f}; "
         f"generate {'matches' if torch.equal(tokens, want_tokens) else 'DIFFERS'}; "
         f"parameters {mine / full:.2f} of the model's {full / 2**20:.1f} MiB",
         flush=True,
