@@ -60,14 +60,8 @@ def install_stage(model: nn.Module, cut: StageCut) -> None:
 
 
 def staged(model: nn.Module) -> Staged | None:
-    """The :class:`Staged` of a model ``parallelize`` cut into pipeline stages (through peft), or None."""
-    seen = model
-    for _ in range(4):
-        found = seen.__dict__.get("_hp_stage")
-        if isinstance(found, Staged):
-            return found
-        inner = getattr(seen, "module", None) or getattr(seen, "base_model", None)
-        if not isinstance(inner, nn.Module) or inner is seen:
-            return None
-        seen = inner
-    return None
+    """The :class:`Staged` of a model ``parallelize`` cut into pipeline stages (or of a peft model's base), or None."""
+    if hasattr(model, "get_base_model"):  # peft's PeftModel: the stages are its base model's
+        model = model.get_base_model()
+    found = model.__dict__.get("_hp_stage")
+    return found if isinstance(found, Staged) else None
