@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import pytest
 
 from hpgen.errors import HpgenError
 from hpgen.plan import plan_from_dict
-from tests.support.models import load_plan_dict
+
+PLANS = Path(__file__).resolve().parents[1] / "plans"
+
+
+def load_plan_dict(name: str) -> dict:
+    return json.loads((PLANS / f"{name}.json").read_text())  # no torch: core tests run without it
 
 
 def _staged(stages, mesh=("pp", "tp")) -> dict:

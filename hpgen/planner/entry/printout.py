@@ -65,7 +65,7 @@ def plan_with_report(
         cut = stage_cut(model, pp, layers=pp_layers, name=target)
         plan = add_pipeline(plan, cut, type(model).__name__)
     comments = plan.get("comments", {})
-    source = comments.get("plan_source", "context parallel" if cp is not None else "pipeline stages")
+    source = comments.get("plan_source", "pipeline stages" if pp is not None and cp is None else "context parallel")
     messages = [f"{target}: {source}"]
     if cut is not None:
         from hpgen.planner.passes.pipeline_stages import stages_text
