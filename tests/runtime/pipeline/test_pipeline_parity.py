@@ -41,6 +41,8 @@ CASES = {
     "gpipe_4mb": ("llama", dict(num_hidden_layers=4), 2, 4, "GPipe", True),
     "1f1b_2mb": ("llama", dict(num_hidden_layers=4), 2, 2, "1F1B", False),
     "qwen3_tied": ("qwen3", dict(num_hidden_layers=4, tie_word_embeddings=True), 2, 2, "1F1B", True),
+    # experts whole inside each stage (experts sharded by expert across stages, --ep, are refused)
+    "qwen3_moe": ("qwen3_moe", dict(num_hidden_layers=4), 2, 2, "1F1B", True),
 }
 
 
