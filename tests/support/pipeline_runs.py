@@ -41,6 +41,7 @@ class StageRun:
     reference_logits: torch.Tensor | None = None
     tokens: list[int] | None = None
     reference_tokens: list[int] | None = None
+    sampled: list[int] | None = None  # do_sample tokens, each rank seeded differently
 
 
 def batch(vocab: int, *, size: int = 4, length: int = 9, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,6 +108,8 @@ def run_stages(
             prompt = ids[1:2, :4]
             run.tokens = model.generate(prompt, max_new_tokens=6, do_sample=False)[0].tolist()
             run.reference_tokens = reference.generate(prompt, max_new_tokens=6, do_sample=False)[0].tolist()
+            torch.manual_seed(100 + rank)  # ranks seeded apart: sampling must still agree across the stages
+            run.sampled = model.generate(prompt, max_new_tokens=6, do_sample=True, top_k=0)[0].tolist()
     return run
 
 

@@ -320,7 +320,8 @@ class Survey:
         branches = branch_fqns((t.item for t in self.targets), plan)
         install_streams(model, [(t.item, t.form) for t in self.targets], plan, axes, device, branches)
         groups = [(axis, axes[axis].group) for axis in plan.mesh_dim_names if axes[axis].size > 1]
-        bind_generate(model, [group for _, group in groups], device)
+        staged = [self.stage.mesh.get_group(self.stage.axis)] if self.stage is not None else []  # sampling agrees on pp too
+        bind_generate(model, [group for _, group in groups] + staged, device)
         model._hp_mesh_axes = MeshAxes(mesh, self.on_mesh)  # the other mesh axes are the data-parallel ones
         if groups:  # a DDP over these ranks would overwrite shards: kept from them, and refused at its first
             # forward, before the input check (whose error such a DDP's data sharding would otherwise raise)

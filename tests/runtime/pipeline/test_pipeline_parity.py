@@ -25,6 +25,8 @@ def _staged_plan(family: str, config: dict, pp: int, *, tp: int | None = None, l
 
 
 def _check(runs, *, infer: bool) -> None:
+    if infer:  # generate draws from the first rank's random state on every rank
+        assert all(run.sampled == runs[0].sampled for run in runs), [run.sampled for run in runs]
     for rank, run in enumerate(runs):
         assert abs(run.loss - run.reference_loss) <= 1e-5 * max(1.0, abs(run.reference_loss)), (rank, run.loss, run.reference_loss)
         wrong = {name: error for name, error in run.grad_errors.items() if not error[0] <= error[1]}
