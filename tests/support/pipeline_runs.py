@@ -67,6 +67,7 @@ def run_stages(
     microbatches: int,
     schedule: str,
     infer: bool = False,
+    padded: bool = False,
 ) -> StageRun:
     """One rank of a pipeline run (see the module docstring); ``generated``: the lowered file, None for transformers' class."""
     import transformers
@@ -78,7 +79,12 @@ def run_stages(
     cfg = make_config(family, **config)
     reference = reference_model(family, cfg, seed=11)
     ids, labels = batch(cfg.vocab_size)
-    out = reference(ids, labels=labels)
+    mask = None
+    if padded:  # left padding on the last row: masked out, no loss there
+        mask = torch.ones_like(ids)
+        mask[-1, :3] = 0
+        labels[-1, :3] = -100
+    out = reference(ids, attention_mask=mask, labels=labels)
     out.loss.backward()
     ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters(remove_duplicate=False) if p.grad is not None}
     if generated is not None:
@@ -89,7 +95,7 @@ def run_stages(
         model.eval()
     mesh = init_device_mesh("cpu", tuple(size for _, size in dims), mesh_dim_names=tuple(name for name, _ in dims))
     parallelize(model, plan, mesh)
-    loss = pipeline_step(model, input_ids=ids, labels=labels, microbatches=microbatches, schedule=schedule)
+    loss = pipeline_step(model, input_ids=ids, labels=labels, attention_mask=mask, microbatches=microbatches, schedule=schedule)
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     layouts = param_layouts(model, plan)
     errors = {}

@@ -48,6 +48,13 @@ CASES = {
 }
 
 
+def test_a_padded_batch_matches_one_process():
+    config = dict(num_hidden_layers=4)
+    plan = _staged_plan("llama", config, 2)
+    runs = run_distributed(run_stages, "llama", config, plan, (("pp", 2),), None, 2, "1F1B", False, True, timeout=240)
+    _check(runs, infer=False)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_two_stages_match_one_process(case):
     family, config, pp, microbatches, schedule, infer = CASES[case]
