@@ -6,11 +6,14 @@ and a receive on the pipeline axis's group, between ranks of the same position o
 other axes), and the last stage's output (logits, and the loss when labels are given) is
 broadcast to every rank of the pipeline. Each rank's cache holds its own layers' keys and
 values (their ``layer_idx`` renumbered from 0, :mod:`hpgen.runtime.pipeline.stages`), so
-``generate`` runs unchanged on every rank and picks the same tokens.
+``generate`` runs unchanged on every rank and picks the same tokens. A rank holding several
+stages (an interleaved layout) gives each of its later stages an empty copy of the cache
+``generate`` passes, kept while that cache lives.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
@@ -42,12 +45,8 @@ def relay_forward(model: nn.Module, pipeline: Staged, input_ids: Tensor | None =
     value = input_ids if embeds is None else embeds
     if value is None:
         raise ValueError("the pipeline needs input_ids or inputs_embeds")
-    if len(cut.stages) > 1 and kwargs.get("cache") is not None:
-        # the stages of one rank would share one cache, whose length the first of them has already grown
-        raise NotImplementedError(
-            "generate through several pipeline stages a rank (an interleaved layout) is not covered yet: "
-            "plan one stage a rank for generation"
-        )
+    given = kwargs.get("cache")
+    caches = _stage_caches(pipeline, given) if given is not None else {}
     shape = tuple(value.shape[:2])
     holder = -1
     output = cache = None
@@ -61,12 +60,29 @@ def relay_forward(model: nn.Module, pipeline: Staged, input_ids: Tensor | None =
                 dist.recv(value, group_src=previous, group=pipeline.group)
         if pipeline.rank != holder:
             continue
+        if given is not None:  # several stages a rank: each its own cache (their layers are numbered from 0 each)
+            kwargs["cache"] = caches[stage]
         # the user's embeddings: the first stage skips its embedding
         output = run_stage(model, pipeline, stage, value, embedded=stage == 0 and embeds is not None, **kwargs)
         cache = getattr(output, "cache", None)
         if stage < cut.num_stages - 1:
             value = output.last_hidden_state
-    return _from_last(output if pipeline.rank == holder else None, pipeline, holder, cache)
+    return _from_last(output if pipeline.rank == holder else None, pipeline, holder, given if given is not None else cache)
+
+
+def _stage_caches(pipeline: Staged, given: Any) -> dict[int, Any]:
+    """Each of this rank's stages' cache: ``given`` for the first, an empty copy of it (made once, kept on
+    ``given`` as ``_hp_stage_caches``) for each other."""
+    stages = pipeline.cut.stages
+    if len(stages) == 1:
+        return {stages[0]: given}
+    others = getattr(given, "_hp_stage_caches", None)
+    if others is None:
+        if given.get_seq_length() != 0:
+            raise ValueError("a cache filled before the pipeline saw it: pass a fresh cache (or none) to a staged model")
+        others = {stage: copy.deepcopy(given) for stage in stages[1:]}
+        given._hp_stage_caches = others
+    return {stages[0]: given, **others}
 
 
 def _from_last(output: Any, pipeline: Staged, last: int, cache: Any) -> Any:
@@ -83,6 +99,8 @@ def _from_last(output: Any, pipeline: Staged, last: int, cache: Any) -> Any:
         dist.broadcast(tensor, group_src=last, group=pipeline.group)
         tensors[key] = tensor
     if output is not None:
+        if cache is not None and getattr(output, "cache", None) is not None:
+            output.cache = cache  # the cache generate passed, not the last stage's own copy of it
         return output
     return CausalLMOutputWithPast(**tensors, cache=cache)
 

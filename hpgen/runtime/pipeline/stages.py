@@ -9,7 +9,7 @@ stage modules (the embedding off the first stage, the final norm and ``lm_head``
 last) become ``nn.Identity``. Their parameters are gone, not merely unused; a model built
 on the meta device never allocates them.
 
-Each kept layer's ``layer_idx`` is renumbered from 0 within the stage: the stage's own
+Each kept layer's ``layer_idx`` is renumbered from 0 within its stage: each stage's own
 KV cache then holds only its layers, and transformers' cache reads the sequence length
 from the stage's first layer.
 """
@@ -116,10 +116,12 @@ class StageCut:
         modules = dict(model.named_modules())
         for fqn, length in self.layer_lists.items():
             kept = {i: modules[f"{fqn}.{i}"] for i in range(length) if self.holds(f"{fqn}.{i}")}
-            for position, index in enumerate(sorted(kept)):
-                for sub in kept[index].modules():
-                    if isinstance(getattr(sub, "layer_idx", None), int):
-                        sub.layer_idx = position  # this stage's KV cache holds its own layers only
+            for stage in self.stages:
+                mine = [i for i in sorted(kept) if self.pipeline.stage_of(f"{fqn}.{i}") == stage]
+                for position, index in enumerate(mine):
+                    for sub in kept[index].modules():
+                        if isinstance(getattr(sub, "layer_idx", None), int):
+                            sub.layer_idx = position  # each stage's KV cache holds its own layers only
             _set(model, fqn, StageLayers(kept, length))
         for stage in self.pipeline.stages:
             for fqn in stage:

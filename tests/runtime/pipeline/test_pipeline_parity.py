@@ -69,8 +69,8 @@ def test_two_stages_match_one_process(case):
 def test_interleaved_1f1b_runs_two_stages_a_rank():
     config = dict(num_hidden_layers=4)
     plan = _staged_plan("llama", config, 4)  # 4 stages on 2 ranks: rank 0 holds stages 0 and 2
-    runs = run_distributed(run_stages, "llama", config, plan, (("pp", 2),), None, 4, "Interleaved1F1B", False, timeout=240)
-    _check(runs, infer=False)
+    runs = run_distributed(run_stages, "llama", config, plan, (("pp", 2),), None, 4, "Interleaved1F1B", True, timeout=240)
+    _check(runs, infer=True)
     assert "model.layers.2.mlp.up_proj.weight" in runs[0].param_names and "model.norm.weight" in runs[1].param_names
 
 
