@@ -222,3 +222,34 @@ def resume_across_sizes(rank: int, world: int, plan_2x2: dict[str, Any], generat
     ids, _ = batch(cfg.vocab_size)
     with torch.no_grad():
         return (loaded(ids).logits - reference(ids).logits).abs().max().item()
+
+
+def fsdp_stages(rank: int, world: int, plan: dict[str, Any], microbatches: int) -> dict[str, Any]:
+    """FSDP2 on the dp dim of a (dp 2, pp 2) mesh: each dp rank trains on its half of the batch through its pipeline."""
+    import transformers
+    from torch.distributed.fsdp import fully_shard
+
+    from hpgen.runtime import parallelize
+    from hpgen.runtime.pipeline import pipeline_step
+
+    cfg = make_config("llama", num_hidden_layers=4)
+    reference = reference_model("llama", cfg, seed=13)
+    ids, labels = batch(cfg.vocab_size)
+    out = reference(ids, labels=labels)
+    out.loss.backward()
+    want = {n: p.grad for n, p in reference.named_parameters()}
+    model = transformers.LlamaForCausalLM(cfg)
+    model.load_state_dict(reference.state_dict())
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    parallelize(model, plan, mesh)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    share = mesh.get_local_rank("dp")
+    rows = slice(2 * share, 2 * share + 2)  # the batch's rows ignore unequal numbers of labels
+    loss = pipeline_step(model, input_ids=ids[rows], labels=labels[rows], microbatches=microbatches)
+    errors = {}
+    for name, param in model.named_parameters():
+        got = param.grad.full_tensor()
+        errors[name] = ((got - want[name]).abs().max().item(), tolerance(want[name]))
+    return {"loss": float(loss), "reference_loss": float(out.loss.detach()), "grad_errors": errors}

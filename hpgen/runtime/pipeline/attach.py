@@ -28,6 +28,7 @@ class Staged:
     group: dist.ProcessGroup
     forward: Callable[..., Any]  # the causal LM's own forward (the relay wraps ``model.forward``)
     tied: list[TiedParam] = field(default_factory=list)
+    running: int | None = None  # the stage a ``model(...)`` call runs for ``pipeline_step`` (None: the relay)
 
     @property
     def rank(self) -> int:

@@ -33,13 +33,21 @@ def install_relay(model: nn.Module) -> None:
     model.forward = functools.wraps(pipeline.forward)(functools.partial(relay_forward, model, pipeline))
 
 
-@torch.no_grad()
 def relay_forward(model: nn.Module, pipeline: Staged, input_ids: Tensor | None = None, **kwargs: Any) -> Any:
     """The causal LM's forward run stage after stage; its output on every rank.
 
     Inference only: the hand-overs between stages carry no gradient, so the outputs carry
     none (on every rank: ``loss.backward()`` fails everywhere alike rather than giving the
-    last stage alone its gradients); training goes through ``pipeline_step``."""
+    last stage alone its gradients); training goes through ``pipeline_step``, whose calls of one
+    stage pass straight through."""
+    if pipeline.running is not None:  # pipeline_step's call of one stage (stage_forward.call_stage)
+        embeds = kwargs.pop("inputs_embeds", None)
+        return run_stage(model, pipeline, pipeline.running, input_ids if embeds is None else embeds, **kwargs)
+    with torch.no_grad():
+        return _relay(model, pipeline, input_ids, **kwargs)
+
+
+def _relay(model: nn.Module, pipeline: Staged, input_ids: Tensor | None, **kwargs: Any) -> Any:
     cut = pipeline.cut
     embeds = kwargs.pop("inputs_embeds", None)
     value = input_ids if embeds is None else embeds

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.pipeline.attach import Staged, staged
-from hpgen.runtime.pipeline.stage_forward import run_stage
+from hpgen.runtime.pipeline.stage_forward import call_stage
 from hpgen.runtime.pipeline.tied import sum_tied_grads
 
 __all__ = ["pipeline_step"]
@@ -43,7 +43,7 @@ class _StageModule(nn.Module):
         kwargs: dict[str, Any] = {"use_cache": False}
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
-        output = run_stage(self.__dict__["model"], self.pipeline, self.stage, value, **kwargs)
+        output = call_stage(self.__dict__["model"], self.pipeline, self.stage, value, **kwargs)
         return output.logits if self.last else output.last_hidden_state
 
 
@@ -58,8 +58,12 @@ def pipeline_step(
 ) -> Tensor:
     """Forward and backward of the whole batch through the pipeline; the batch's loss on every rank.
 
-    ``model`` is a model ``parallelize`` cut into pipeline stages; every rank passes the same
-    ``input_ids``, ``labels`` (``-100`` where no loss is taken) and ``attention_mask``.
+    ``model`` is a model ``parallelize`` cut into pipeline stages; every rank of a pipeline passes
+    the same ``input_ids``, ``labels`` (``-100`` where no loss is taken) and ``attention_mask``.
+    On a mesh with a data-parallel dim beside the plan's (FSDP2 or DDP on it), each data-parallel
+    rank passes its share of the batch: the loss is normalised over every share's label tokens
+    and scaled by the data-parallel size, so the engine's average of the gradients is the
+    whole batch's gradient.
     Afterwards each stage's parameters hold the gradients the unsharded model's
     ``model(input_ids, labels=labels).loss.backward()`` would give them (added to what
     ``.grad`` held). ``schedule``: a torch schedule name (``GPipe``, ``1F1B``,
@@ -89,10 +93,16 @@ def pipeline_step(
         )
     # transformers' causal-LM loss shifts labels by one: the tokens counted are labels[:, 1:]
     counted = (labels[..., 1:] != IGNORE_INDEX).sum()
+    data = _data_parallel(cut)
+    if data is not None:  # each data-parallel rank passes its share: the loss is over every rank's tokens
+        dist.all_reduce(counted, group=data[0])
+    # FSDP2 and DDP average the gradients over the data-parallel ranks: scaled up, the average is the sum
+    scale = data[1] if data is not None else 1
     vocab = _vocab_size(model)
 
     def loss_fn(logits: Tensor, target: Tensor) -> Tensor:
-        return model.loss_function(logits=logits, labels=target, vocab_size=vocab, num_items_in_batch=counted)
+        loss = model.loss_function(logits=logits, labels=target, vocab_size=vocab, num_items_in_batch=counted)
+        return loss * scale if scale != 1 else loss
 
     device = input_ids.device
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
@@ -122,9 +132,22 @@ def pipeline_step(
     runner.step(*args, target=labels, losses=losses, **kwargs)
     sum_tied_grads(model, pipeline.tied)
     last_rank = (cut.num_stages - 1) % cut.size
-    loss = torch.stack([loss.detach().float() for loss in losses]).sum() if losses else torch.zeros((), device=device)
+    loss = torch.stack([loss.detach().float() for loss in losses]).sum() / scale if losses else torch.zeros((), device=device)
     dist.broadcast(loss, group_src=last_rank, group=pipeline.group)
+    if data is not None:
+        dist.all_reduce(loss, group=data[0])  # each data-parallel rank's part of the batch's mean
     return loss
+
+
+def _data_parallel(cut: Any) -> tuple[Any, int] | None:
+    """The data-parallel axis's group and size (the mesh dim the plan does not name), or None."""
+    axes = cut.data_axes
+    if not axes:
+        return None
+    if len(axes) > 1:
+        raise ParallelizeError(f"pipeline_step: one data-parallel mesh dim is covered, the mesh has {', '.join(axes)}")
+    size = cut.mesh.size(list(cut.mesh.mesh_dim_names).index(axes[0]))
+    return (cut.mesh.get_group(axes[0]), size) if size > 1 else None
 
 
 def _config(model: nn.Module) -> Any:

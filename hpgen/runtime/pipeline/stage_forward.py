@@ -4,7 +4,9 @@ The first stage takes token ids, the others the previous stage's hidden states (
 ``inputs_embeds``); stages before the last run the base model (``model.model``: its final
 norm is ``nn.Identity`` there), so no head-side code (logit soft-capping, scaling) touches
 the hidden states, and the last stage runs the causal LM's own ``forward`` for its logits.
-Both the training schedule and the inference relay run stages through :func:`run_stage`.
+Both the training schedule and the inference relay run stages through :func:`run_stage`;
+the schedule enters it through the model's own call (:func:`call_stage`), so that the
+hooks on the model run for each microbatch (FSDP2's on the root unit among them).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from torch import Tensor, nn
 
 from hpgen.runtime.pipeline.attach import Staged
 
-__all__ = ["HEAD_ONLY", "run_stage"]
+__all__ = ["HEAD_ONLY", "call_stage", "run_stage"]
 
 # keywords of the causal LM's forward that its base model does not take
 HEAD_ONLY = ("labels", "logits_to_keep", "num_items_in_batch")
@@ -33,3 +35,13 @@ def run_stage(model: nn.Module, staged: Staged, stage: int, value: Tensor, *, em
             return staged.forward(**inputs, **kwargs)
         base = getattr(model, model.base_model_prefix)
         return base(**inputs, **{k: v for k, v in kwargs.items() if k not in HEAD_ONLY})
+
+
+def call_stage(model: nn.Module, staged: Staged, stage: int, value: Tensor, **kwargs: Any) -> Any:
+    """:func:`run_stage` through ``model(...)``: its forward hooks run, and the relay hands the call on."""
+    inputs = {"input_ids": value} if stage == 0 else {"inputs_embeds": value}
+    staged.running = stage
+    try:
+        return model(**inputs, **kwargs)
+    finally:
+        staged.running = None

@@ -86,6 +86,12 @@ class StageCut:
     tied_modules: tuple[str, ...] = ()
     tied: list[list[str]] = field(default_factory=list)  # names of each parameter several pp ranks hold
     tied_holders: list[list[int]] = field(default_factory=list)  # the pp ranks holding each
+    plan_axes: tuple[str, ...] = ()  # the plan's mesh axes: the mesh's others are data-parallel (FSDP2, DDP)
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The mesh dims the plan does not name: torch's data-parallel engines own them."""
+        return tuple(name for name in self.mesh.mesh_dim_names or () if name not in self.plan_axes)
 
     @property
     def size(self) -> int:
@@ -222,7 +228,7 @@ def survey_stage(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> StageCut:
     for fqn, module in modules.items():
         if type(module).__name__.endswith("Experts") and hasattr(module, "gate_up_proj") and "ep" in plan.mesh_dim_names:
             raise ParallelizeError(f"{fqn}: experts sharded by expert across pipeline stages are not covered yet")
-    cut = StageCut(pipeline, mesh, stages, layer_lists)
+    cut = StageCut(pipeline, mesh, stages, layer_lists, plan_axes=tuple(plan.mesh_dim_names))
     cut.tied_modules = _tied_modules(model, cut)
     for names in cut.tied_names(model):
         holders = sorted({stage % size for stage in (pipeline.stage_of(name) for name in names) if stage is not None})
