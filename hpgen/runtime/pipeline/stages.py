@@ -136,7 +136,6 @@ class StageCut:
                     continue
                 _set(model, fqn, nn.Identity())
 
-
     @contextlib.contextmanager
     def running(self, model: nn.Module, stage: int) -> Iterator[None]:
         """Run ``model``'s forward as stage ``stage`` alone, where this rank holds several stages.
