@@ -269,11 +269,8 @@ class Survey:
 
     @property
     def on_mesh(self) -> tuple[str, ...]:
-        """The plan's axes the mesh has (the others are toggle axes, off), but the pipeline axis (whole modules)."""
-        staged = self.plan.pipeline.axis if self.plan.pipeline is not None else None
-        return tuple(
-            axis for axis in self.plan.mesh_dim_names if axis in (self.mesh.mesh_dim_names or ()) and axis != staged
-        )
+        """The plan's axes the mesh has (the others are toggle axes, off)."""
+        return tuple(axis for axis in self.plan.mesh_dim_names if axis in (self.mesh.mesh_dim_names or ()))
 
     def shard_layouts(self) -> dict[str, ShardLayout]:
         """This rank's shard of each planned parameter that is split, under each of its names."""
@@ -322,7 +319,8 @@ class Survey:
         groups = [(axis, axes[axis].group) for axis in plan.mesh_dim_names if axes[axis].size > 1]
         staged = [self.stage.mesh.get_group(self.stage.axis)] if self.stage is not None else []  # sampling agrees on pp too
         bind_generate(model, [group for _, group in groups] + staged, device)
-        model._hp_mesh_axes = MeshAxes(mesh, self.on_mesh)  # the other mesh axes are the data-parallel ones
+        # the other mesh axes are the data-parallel ones (pp is not: a pipeline's ranks share one batch)
+        model._hp_mesh_axes = MeshAxes(mesh, self.on_mesh)
         if groups:  # a DDP over these ranks would overwrite shards: kept from them, and refused at its first
             # forward, before the input check (whose error such a DDP's data sharding would otherwise raise)
             listed = getattr(model, "_ddp_params_and_buffers_to_ignore", ())
