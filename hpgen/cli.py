@@ -314,17 +314,43 @@ def explain_command(
 
             with plan_extra("hpgen explain --config"):
                 sizing = sizing_for(config, loaded, tp=tp or 2, dtype=dtype)
+        stages = _pipeline_stages(loaded, config)
         if as_json:
             if sizing is not None:
                 report = {**report, "sizing": sizing.as_dict()}
+            if stages is not None:
+                report = {**report, "pipeline": stages}
             click.echo(json.dumps(report, indent=2, sort_keys=True))
         else:
             click.echo(explain_text(report), nl=False)
+            if stages is not None:
+                click.echo("\n" + "\n".join(stages["lines"]) + "\n", nl=False)
             if sizing is not None:
                 click.echo("\n" + sizing.text() + "\n", nl=False)
         return 0
 
     run_guarded(run)
+
+
+def _pipeline_stages(plan: Any, config: str | None) -> dict[str, Any] | None:
+    """The plan's pipeline stages for ``hpgen explain``: modules, and parameter counts with ``--config``."""
+    if plan.pipeline is None:
+        return None
+    from hpgen.planner.passes.pipeline_stages import stages_text
+
+    params = None
+    if config is not None:
+        from hpgen.planner.model.load import load_config, meta_model
+        from hpgen.planner.passes.pipeline_stages import stage_params
+
+        with plan_extra("hpgen explain --config"):
+            params = stage_params(meta_model(load_config(config)), plan.pipeline.stages)
+    return {
+        "axis": plan.pipeline.axis,
+        "stages": [list(stage) for stage in plan.pipeline.stages],
+        "params": list(params) if params is not None else None,
+        "lines": [f"pipeline stages over {plan.pipeline.axis}:", *stages_text(plan.pipeline.stages, params)],
+    }
 
 
 @cli.command("plan")
@@ -348,6 +374,16 @@ def explain_command(
     help="With --ep: attention and dense layers data-parallel over the expert ranks, tokens gathered into the experts "
     "(with --tp: attention tensor-parallel inside each data-parallel group, mesh ep x tp).",
 )
+@click.option(
+    "--pp",
+    type=click.IntRange(min=1),
+    help="Pipeline stages: cut the decoder layers over this many ranks of a 'pp' axis (outermost), balanced by parameters.",
+)
+@click.option(
+    "--pp-layers",
+    metavar="N,N,...",
+    help="With --pp: the decoder layers of each stage, first to last (3,5), instead of the balanced cut.",
+)
 @click.option("--from-source", is_flag=True, help="Derive the plan from the modeling source even where transformers has one.")
 @click.option(
     "--no-summed-reduction",
@@ -366,6 +402,8 @@ def plan_command(
     ep: int | None,
     ep_axis: str | None,
     attn_dp: bool,
+    pp: int | None,
+    pp_layers: str | None,
     from_source: bool,
     no_summed: bool,
     show_notes: bool,
@@ -383,6 +421,12 @@ def plan_command(
     def run() -> int:
         from hpgen.planner.entry.printout import plan_with_report
 
+        layer_counts = None
+        if pp_layers is not None:
+            try:
+                layer_counts = tuple(int(part) for part in pp_layers.split(","))
+            except ValueError:
+                raise HpgenError(f"--pp-layers {pp_layers}: expected comma-separated layer counts (3,5)") from None
         with plan_extra("hpgen plan"):
             text, messages = plan_with_report(
                 model,
@@ -396,6 +440,8 @@ def plan_command(
                 dtype=dtype,
                 cp=cp,
                 attn_dp=attn_dp,
+                pp=pp,
+                pp_layers=layer_counts,
             )
         for message in messages:
             click.echo(message, err=True)

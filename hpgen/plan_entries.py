@@ -25,6 +25,7 @@ __all__ = [
     "Injection",
     "Layout",
     "LocalCount",
+    "PipelineStages",
     "Plan",
     "SummedBranch",
     "SummedReduction",
@@ -92,6 +93,65 @@ class Injection:
     match: str
     local_compute_fn: FunctionRef
     inner_wrapper: FunctionRef | None = None
+
+
+@dataclass(frozen=True)
+class PipelineStages:
+    """The plan's ``pipeline``: the mesh axis whose ranks are pipeline stages, and each stage's modules.
+
+    ``stages[i]`` are the module FQNs stage ``i`` keeps (ranges already expanded:
+    ``model.layers.0-3`` is four FQNs). A module no stage names and that lies under none
+    of them is kept by every stage (parameterless helpers such as a rotary embedding).
+    """
+
+    axis: str
+    stages: tuple[tuple[str, ...], ...]
+
+    def stage_of(self, fqn: str) -> int | None:
+        """The stage holding ``fqn`` or a module above it; None for a module no stage names."""
+        for index, modules in enumerate(self.stages):
+            if any(fqn == name or fqn.startswith(name + ".") for name in modules):
+                return index
+        return None
+
+    def document(self) -> dict[str, object]:
+        """The ``pipeline`` value a plan document writes (consecutive indices as ``PREFIX.A-B``)."""
+        return {"axis": self.axis, "stages": [compact_stage(modules) for modules in self.stages]}
+
+
+def expand_stage_item(item: str) -> tuple[str, ...] | None:
+    """``model.layers.0-3`` -> the four FQNs; a plain FQN -> itself; None for a range that is not one."""
+    prefix, _, last = item.rpartition(".")
+    if "-" not in last:
+        return (item,)
+    first, _, end = last.partition("-")
+    if not (first.isdigit() and end.isdigit() and first.isascii() and end.isascii()) or int(end) < int(first):
+        return None
+    return tuple(f"{prefix}.{index}" if prefix else str(index) for index in range(int(first), int(end) + 1))
+
+
+def compact_stage(modules: Iterable[str]) -> list[str]:
+    """FQNs with runs of consecutive indices under one prefix written as ``PREFIX.A-B``."""
+    result: list[str] = []
+    run: tuple[str, int, int] | None = None
+    for name in modules:
+        prefix, _, last = name.rpartition(".")
+        if last.isdigit() and run is not None and run[0] == prefix and int(last) == run[2] + 1:
+            run = (prefix, run[1], int(last))
+            continue
+        if run is not None:
+            result.append(_run_text(*run))
+        run = (prefix, int(last), int(last)) if last.isdigit() else None
+        if run is None:
+            result.append(name)
+    if run is not None:
+        result.append(_run_text(*run))
+    return result
+
+
+def _run_text(prefix: str, first: int, last: int) -> str:
+    head = f"{prefix}." if prefix else ""
+    return f"{head}{first}" if first == last else f"{head}{first}-{last}"
 
 
 @dataclass(frozen=True)
@@ -246,6 +306,7 @@ class Plan:
     model_class: str | None = None
     boundary_classes: Mapping[str, str] = field(default_factory=dict)
     injections: tuple[Injection, ...] = ()
+    pipeline: PipelineStages | None = None  # pipeline stages over a mesh axis (docs/pipeline.md)
     name: str = "<plan>"
     sha256: str = ""
 
@@ -301,6 +362,8 @@ def _canonical_text(plan: Plan) -> str:
 
     fields = {name: plain(getattr(plan, name)) for name in sorted(plan.__dataclass_fields__)}
     del fields["name"], fields["sha256"]  # where it came from, not what it says
+    if fields["pipeline"] is None:  # a plan without stages hashes as it did before stages existed
+        del fields["pipeline"]
     return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
 

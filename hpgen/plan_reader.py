@@ -22,8 +22,10 @@ from hpgen.plan_entries import (
     Injection,
     Layout,
     LocalCount,
+    PipelineStages,
     Plan,
     SummedReduction,
+    expand_stage_item,
     summed_branches,
 )
 from hpgen.plan_names import fqn_matches, is_dotted_path, is_fqn_pattern, is_identifier, is_param_path, patterns_overlap
@@ -39,7 +41,8 @@ __all__ = [
     "PlanReader",
 ]
 
-TOP_LEVEL_KEYS = {"format", "model_class", "mesh_dim_names", "boundary_classes", "param_plan", "injections"}
+TOP_LEVEL_KEYS = {"format", "model_class", "mesh_dim_names", "boundary_classes", "param_plan", "injections", "pipeline"}
+PIPELINE_KEYS = {"axis", "stages"}
 ENTRY_KEYS = {
     *LAYOUT_KEYS,
     "out_names",
@@ -83,6 +86,7 @@ class PlanReader:
         self.name = name
         self.mesh: tuple[str, ...] = ()
         self.format: str | None = None  # the document's "format", None when it says none
+        self.pipeline_axis: str | None = None  # the axis of the plan's pipeline stages, if any
 
     def fail(self, where: str, message: str) -> HpgenError:
         return HpgenError(message, file=self.name, where=where or None)
@@ -170,6 +174,8 @@ class PlanReader:
             if axis.startswith("__"):  # Python would mangle ``self.__x_enable`` inside the class
                 raise self.fail(f"mesh_dim_names[{index}]", f"{axis!r} starts with '__', which Python mangles in classes")
 
+        pipeline = self.pipeline(top["pipeline"], "pipeline") if "pipeline" in top else None
+
         model_class = top.get("model_class")
         if model_class is not None:
             model_class = self.expect_name(model_class, "model_class", what="a class name")
@@ -212,9 +218,47 @@ class PlanReader:
             model_class=model_class,
             boundary_classes=boundary_classes,
             injections=tuple(sorted(injections, key=lambda injection: injection.match)),
+            pipeline=pipeline,
             name=self.name,
             sha256=sha256,
         )
+
+    def pipeline(self, value: object, where: str) -> PipelineStages:
+        """``pipeline``: ``{"axis": "pp", "stages": [[FQN or PREFIX.A-B, ...], ...]}``, each module on one stage."""
+        doc = self.expect_object(value, where)
+        self.check_keys(doc, PIPELINE_KEYS, where, "pipeline")
+        for key in sorted(PIPELINE_KEYS - set(doc)):
+            raise self.fail(where, f"missing required key {key!r}")
+        axis = self.expect_name(doc["axis"], f"{where}.axis", what="an axis name (an identifier)")
+        if axis not in self.mesh:
+            raise self.fail(f"{where}.axis", f"unknown axis {axis!r} (mesh_dim_names: {', '.join(self.mesh)})")
+        stages_where = f"{where}.stages"
+        stages_doc = self.expect_list(doc["stages"], stages_where)
+        if not stages_doc:
+            raise self.fail(stages_where, "names no stage")
+        stages: list[tuple[str, ...]] = []
+        seen: dict[str, str] = {}
+        for index, stage_doc in enumerate(stages_doc):
+            stage_where = _path_join(stages_where, index)
+            items = self.expect_list(stage_doc, stage_where)
+            if not items:
+                raise self.fail(stage_where, "a stage with no module")
+            modules: list[str] = []
+            for position, item in enumerate(items):
+                item_where = _path_join(stage_where, position)
+                expanded = expand_stage_item(item) if isinstance(item, str) else None
+                if expanded is None or not all(is_param_path(name) for name in expanded):
+                    shown = repr(item) if isinstance(item, str) else _json_type(item)
+                    raise self.fail(item_where, f"{shown} is not a module FQN or a range PREFIX.A-B (model.layers.0-3)")
+                for name in expanded:
+                    for other, other_where in seen.items():
+                        if name == other or name.startswith(other + ".") or other.startswith(name + "."):
+                            raise self.fail(item_where, f"{name!r} is already on a stage ({other!r} at {other_where})")
+                    seen[name] = item_where
+                    modules.append(name)
+            stages.append(tuple(modules))
+        self.pipeline_axis = axis
+        return PipelineStages(axis, tuple(stages))
 
     def layout(self, value: object, where: str, *, params: bool = False) -> Layout:
         axes = self.expect_object(value, where)
@@ -227,6 +271,9 @@ class PlanReader:
                 found[axis] = Placement.parse(text)
             except ValueError as exc:
                 raise self.fail(axis_where, str(exc)) from None
+            if axis == self.pipeline_axis and found[axis] != REPLICATE:
+                # a stage holds whole modules: nothing is cut or reduced over the stages
+                raise self.fail(axis_where, f"{found[axis]} on the pipeline axis {axis!r}: only R (stages hold whole modules)")
             if (found[axis].kind == "RS" or found[axis].whole_units) and not params:
                 # a replicated shard, a cut in whole units or in blocks says where a parameter's
                 # pieces live; boundary values move by collectives, and none of them reads or

@@ -26,7 +26,8 @@ every module, each once:
   ``sequence_parallel``, ``forwards``, ``signatures``, ``boundary_record``, ``document``, ``draft``,
   ``derived_plan``;
 - ``hpgen.planner.passes`` (what runs after either planner): ``crosscheck``,
-  ``feature_statistics``, ``summed_reductions``, ``modeling_files``, ``context_parallel``, ``data_parallel_attention``;
+  ``feature_statistics``, ``summed_reductions``, ``modeling_files``, ``context_parallel``, ``data_parallel_attention``,
+  ``pipeline_stages``;
 - ``hpgen.planner.entry`` (what ``hpgen plan`` calls): ``make``, ``printout``,
   ``sizing_report``.
 """

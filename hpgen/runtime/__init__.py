@@ -32,11 +32,13 @@ docstring says what each of its modules does. docs/runtime.md has the same table
 - ``hpgen.runtime.checkpoint`` (checkpoints and state dicts: read, presented to DCP and
   FSDP2, written): ``loading``, ``registrations``, ``checkpoint_files``, ``file_maps``,
   ``conversions``, ``state_dict``, ``sharded_param``, ``fsdp_state``, ``dcp_files``, ``saving``;
-- ``hpgen.runtime.training`` (what training loops call beside the optimizer): ``clipping``.
+- ``hpgen.runtime.training`` (what training loops call beside the optimizer): ``clipping``;
+- ``hpgen.runtime.pipeline`` (pipeline stages: the stage kept, the schedule step, the inference relay):
+  ``stages``, ``tied``, ``attach``, ``stage_forward``, ``schedule``, ``relay``, ``gather``.
 
 The subpackages import the top level and each other in one direction: ``install``
 imports ``checkpoint`` (``parallelize`` installs the state-dict hooks, ``from_pretrained``
-reads the checkpoint into the shards), never the reverse, and ``forward`` imports neither:
+reads the checkpoint into the shards) and ``pipeline`` (the stage kept), never the reverse, and ``forward`` imports neither:
 what generated forwards run needs no install or checkpoint code.
 """
 

@@ -26,13 +26,22 @@ def plan_with_report(
     dtype: str | None,
     cp: int | None = None,
     attn_dp: bool = False,
+    pp: int | None = None,
+    pp_layers: tuple[int, ...] | None = None,
 ) -> tuple[str, list[str]]:
-    """The plan's JSON text and the messages for stderr (notes with ``notes``, the sizing report with ``tp``)."""
+    """The plan's JSON text and the messages for stderr (notes with ``notes``, the sizing report with ``tp``).
+
+    ``pp``: pipeline stages over a ``pp`` axis outside the others, ``pp_layers`` their layer counts
+    (:mod:`hpgen.planner.passes.pipeline_stages`)."""
     from hpgen.planner.entry.make import plan_model
     from hpgen.planner.model.load import load_config, meta_model
     from hpgen.planner.translate.document import dumps_plan
 
     model = meta_model(load_config(target))
+    if pp_layers is not None and pp is None:
+        raise HpgenError("--pp-layers: give --pp N too")
+    if pp is not None:
+        _refuse_with_pp(cp=cp, ep=ep, attn_dp=attn_dp, sp=sp)
     if attn_dp and (ep is None or sp):
         raise HpgenError("--attn-dp: give --ep N (and --tp M for attention tensor-parallel inside each group; not --sp)")
     if attn_dp and cp is not None:
@@ -43,12 +52,26 @@ def plan_with_report(
         expert_plan = plan_model(model, ep=ep, ep_axis=ep_axis, from_source=from_source, name=target, summed=summed)
         tp_plan = None if tp is None else plan_model(model, tp=tp, from_source=from_source, name=target, summed=summed)
         plan = data_parallel_attention(model, expert_plan, target, tp_plan)
-    else:
+    elif pp is None or tp is not None or sp:
         plan = plan_model(
             model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, name=target, summed=summed, cp=cp
         )
+    else:
+        plan = None  # pipeline stages alone
+    cut = None
+    if pp is not None:
+        from hpgen.planner.passes.pipeline_stages import add_pipeline, stage_cut
+
+        cut = stage_cut(model, pp, layers=pp_layers, name=target)
+        plan = add_pipeline(plan, cut, type(model).__name__)
     comments = plan.get("comments", {})
-    messages = [f"{target}: {comments.get('plan_source', 'context parallel')}"]
+    source = comments.get("plan_source", "pipeline stages" if pp is not None and cp is None else "context parallel")
+    messages = [f"{target}: {source}"]
+    if cut is not None:
+        from hpgen.planner.passes.pipeline_stages import stages_text
+
+        stages = stages_text(cut.stages, cut.params if notes else None)
+        messages += stages if notes else [f"  {pp} pipeline stages, decoder layers {'+'.join(map(str, cut.layers))}"]
     if comments.get("context_parallel"):
         messages.append(f"  {comments['context_parallel']}")
     if comments.get("derived_because"):  # transformers' plan shards a fused projection the heads do not divide
@@ -69,6 +92,18 @@ def plan_with_report(
     if tp is not None and ep is None:
         messages.append(_sized(model, plan, tp, dtype).text())
     return dumps_plan(plan), messages
+
+
+def _refuse_with_pp(*, cp: int | None, ep: int | None, attn_dp: bool, sp: bool) -> None:
+    """What pipeline stages do not compose with yet, refused by name."""
+    for given, flag, why in (
+        (sp, "--sp", "a sequence-sharded residual stream between stages is not covered yet"),
+        (cp is not None, "--cp", "context parallelism inside pipeline stages is not covered yet"),
+        (ep is not None, "--ep", "experts sharded by expert inside pipeline stages are not covered yet"),
+        (attn_dp, "--attn-dp", "data-parallel attention inside pipeline stages is not covered yet"),
+    ):
+        if given:
+            raise HpgenError(f"--pp: not with {flag} ({why})")
 
 
 # the sizing report's dtype when neither --dtype nor the config names one (a model type's defaults)

@@ -6,5 +6,6 @@
 - ``hpgen.planner.passes.modeling_files``: boundaries in several modeling files, each class named by file;
 - ``hpgen.planner.passes.context_parallel``: ``--cp``, the sequence cut over a ``cp`` axis, alone or outside ``tp``;
 - ``hpgen.planner.passes.data_parallel_attention``: ``--attn-dp``, the ``--ep`` plan rewritten for data-parallel
-  attention around the experts.
+  attention around the experts;
+- ``hpgen.planner.passes.pipeline_stages``: ``--pp``, the decoder layers cut into pipeline stages on a ``pp`` axis.
 """

@@ -20,7 +20,7 @@ Peak memory per rank: its shards, the replicated parameters, and one tensor in f
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -39,14 +39,19 @@ logger = logging.getLogger("hpgen.runtime")
 
 
 def load_checkpoint(
-    model: nn.Module, files: CheckpointFiles, device: torch.device, layouts: Mapping[str, ShardLayout]
+    model: nn.Module,
+    files: CheckpointFiles,
+    device: torch.device,
+    layouts: Mapping[str, ShardLayout],
+    *,
+    elsewhere: Callable[[str], bool] | None = None,
 ) -> None:
     """Read every parameter's local shard (and the persistent buffers) into place.
 
     ``model`` is on the meta device, its planned parameters already of their local shape;
     ``layouts`` gives this rank's shard of each split parameter by FQN (every other tensor
     is read whole). A parameter the checkpoint lacks, or holds with another shape, is a
-    :class:`ParallelizeError`.
+    :class:`ParallelizeError`. ``elsewhere``: keys of tensors other pipeline stages hold, not reported unused.
     """
     shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}  # local: no hooks yet
     full_shapes = {key: layouts[key].shape if key in layouts else shape for key, shape in shapes.items()}
@@ -54,7 +59,7 @@ def load_checkpoint(
     # (building them compiles a regex for every rule of every architecture)
     exact = set(files.keys()) == set(full_shapes)
     sources = checkpoint_sources(model, files, full_shapes, [] if exact else model_conversions(model))
-    _report_unexpected(model, sources.unexpected)
+    _report_unexpected(model, [key for key in sources.unexpected if elsewhere is None or not elsewhere(key)])
     dtype_plan = _dtype_plan(model)
 
     tensors = registrations(model)

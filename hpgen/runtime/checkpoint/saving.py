@@ -55,6 +55,8 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True, keep: bool | N
     """
     if keep is None:
         keep = _rank() == 0 or not rank0_only
+    staged = model.__dict__.get("_hp_stage")  # pipeline stages: each rank's stages whole, then exchanged
+    keep_whole, keep = keep, keep or staged is not None
     records = sharded_params(model)
     with local_state_dict():
         local = model.state_dict()
@@ -72,6 +74,10 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True, keep: bool | N
                 done[id(record)] = tensor
         if keep:
             full[key] = _on_cpu(tensor)
+    if staged is not None:
+        from hpgen.runtime.pipeline.gather import gather_stages
+
+        return gather_stages(staged, full, keep_whole)
     return full
 
 

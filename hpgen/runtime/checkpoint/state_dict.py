@@ -186,7 +186,10 @@ class ShardRecorder:
         self.names = tuple(names)
         self.groups = tuple(axes[axis].group for axis in self.names)
         self.sizes = {axis: axes[axis].size for axis in self.names}
-        self.on_mesh = tuple(axis for axis in self.names if axis in (mesh.mesh_dim_names or ()))  # toggle axes: size 1
+        # toggle axes and a pipeline axis (each stage holds whole modules) are size one: group None
+        self.on_mesh = tuple(
+            axis for axis in self.names if axis in (mesh.mesh_dim_names or ()) and axes[axis].group is not None
+        )
         self.meshes = _Meshes(mesh, self.on_mesh)
 
     def record(
@@ -235,7 +238,8 @@ class _Meshes:
 
     def __init__(self, mesh: DeviceMesh, axes: tuple[str, ...]) -> None:
         names = tuple(mesh.mesh_dim_names or ())
-        self.base = mesh if names == axes else mesh[axes if len(axes) > 1 else axes[0]]
+        # no axis on the mesh (a pipeline-only plan): nothing is sharded, no DTensor is made
+        self.base = mesh if names == axes or not axes else mesh[axes if len(axes) > 1 else axes[0]]
         self.axes = axes
         self.made: dict[tuple[int | None, ...], DeviceMesh] = {}
 

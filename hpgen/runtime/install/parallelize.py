@@ -91,6 +91,9 @@ from hpgen.runtime.install.replaced_stubs import refuse_replaced_stubs
 from hpgen.runtime.install.summed import SummedBlock, branch_fqns, survey_summed
 from hpgen.runtime.install.tuners import peft_base_model, resolve_tuner_names
 from hpgen.runtime.install.wrapped import DataParallelCheck, KeptFromDDP, MeshAxes
+from hpgen.runtime.pipeline.attach import install_stage
+from hpgen.runtime.pipeline.relay import install_relay
+from hpgen.runtime.pipeline.stages import StageCut, refuse_axes, survey_stage
 from hpgen.shards import ShardLayout
 
 __all__ = ["ParallelizeError", "Survey", "parallelize", "survey_model"]
@@ -159,13 +162,18 @@ def survey_model(
         )
     if getattr(model, "_hp_parallelized", False):
         raise ParallelizeError(f"{type(model).__name__} was already parallelized; build a fresh model")
+    refuse_axes(plan)  # cp or ep with pipeline stages: named before the mesh is read
     axes = mesh_axes(plan, mesh, off=_toggle_axes(model, plan, mesh))
     on_mesh = tuple(axis for axis in plan.mesh_dim_names if axis in (mesh.mesh_dim_names or ()))
     # First, before any rank can refuse alone: ranks given different programs would hang or be wrong.
     check_ranks_agree(model, plan, mesh, on_mesh)
     try:
+        stage = None
+        if plan.pipeline is not None:  # the stage's modules only; to the other axes' code the pp axis is size one
+            stage = survey_stage(model, plan, mesh)
+            axes[plan.pipeline.axis] = AxisCollectives(None, plan.pipeline.axis)
         survey_context(model, axes)
-        survey = _survey(model, plan, mesh, axes, generated_modules(model, generated))
+        survey = _survey(model, plan, mesh, axes, generated_modules(model, generated), stage)
     except ParallelizeError as error:
         raise_together(error, mesh, on_mesh)
         raise
@@ -257,6 +265,7 @@ class Survey:
     summed: list[SummedBlock]
     adapter_slots: list[Any]
     peft_model: nn.Module | None = None  # the peft model whose base model ``model`` is
+    stage: StageCut | None = None  # this rank's pipeline stages (docs/pipeline.md)
 
     @property
     def on_mesh(self) -> tuple[str, ...]:
@@ -273,7 +282,10 @@ class Survey:
         }
 
     def shard(self) -> None:
-        """Replace each planned parameter by its local chunk (on the meta device: a tensor of the local shape)."""
+        """Drop the other pipeline stages' modules; replace each planned parameter by its local chunk
+        (on the meta device: a tensor of the local shape)."""
+        if self.stage is not None:
+            self.stage.keep(self.model)
         shard_params(self.shards)
 
     def install(self, *, checked: Iterable[str] | None = None) -> nn.Module:
@@ -305,8 +317,10 @@ class Survey:
         branches = branch_fqns((t.item for t in self.targets), plan)
         install_streams(model, [(t.item, t.form) for t in self.targets], plan, axes, device, branches)
         groups = [(axis, axes[axis].group) for axis in plan.mesh_dim_names if axes[axis].size > 1]
-        bind_generate(model, [group for _, group in groups], device)
-        model._hp_mesh_axes = MeshAxes(mesh, self.on_mesh)  # the other mesh axes are the data-parallel ones
+        staged = [self.stage.mesh.get_group(self.stage.axis)] if self.stage is not None else []  # sampling agrees on pp too
+        bind_generate(model, [group for _, group in groups] + staged, device)
+        # the other mesh axes are the data-parallel ones (pp is not: a pipeline's ranks share one batch)
+        model._hp_mesh_axes = MeshAxes(mesh, self.on_mesh)
         if groups:  # a DDP over these ranks would overwrite shards: kept from them, and refused at its first
             # forward, before the input check (whose error such a DDP's data sharding would otherwise raise)
             listed = getattr(model, "_ddp_params_and_buffers_to_ignore", ())
@@ -326,6 +340,9 @@ class Survey:
         install_context(model, axes, plan)  # cp: decode steps after a cp prefill run replicated; the loss on each rank's tokens
         model._hp_parallelized = True
         model._hp_mesh = mesh  # the ranks holding the model: clip_grad_norm_ sums its norm over them
+        if self.stage is not None:
+            install_stage(model, self.stage)  # model._hp_stage, the tied table's groups
+            install_relay(model)  # model(input_ids), generate: stage after stage, the logits on every rank
         _PARALLELIZED.add(model)
         if self.peft_model is not None:
             self.peft_model._hp_parallelized = True
@@ -339,8 +356,11 @@ def _survey(
     mesh: DeviceMesh,
     axes: dict[str, AxisCollectives],
     generated: Sequence[GeneratedModule] = (),
+    stage: StageCut | None = None,
 ) -> Survey:
     matched = resolve_tuner_names(match_modules(model, plan))  # q_proj.weight: q_proj.base_layer.weight under peft
+    if stage is not None:  # every key was matched against the whole model; the stage's modules are installed
+        matched = [item for item in matched if stage.holds(item.fqn)]
     refuse_replaced_stubs(model, matched)  # a fused kernel bound in place of the torch path the plan shards
     shards = survey_params(model, plan, matched, axes)
     targets = [module_install(item, plan, mesh, axes, generated) for item in matched]
@@ -349,7 +369,7 @@ def _survey(
     grad_reduces = survey_grad_reduce(matched, plan, axes)
     divides = survey_attrs(matched, plan, axes)
     slots = survey_adapters(model, matched, plan.mesh_dim_names)
-    return Survey(model, plan, mesh, axes, targets, shards, biases, grad_reduces, divides, summed, slots)
+    return Survey(model, plan, mesh, axes, targets, shards, biases, grad_reduces, divides, summed, slots, stage=stage)
 
 
 def match_modules(model: nn.Module, plan: Plan) -> list[Matched]:

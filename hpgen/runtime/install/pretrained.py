@@ -81,7 +81,8 @@ def from_pretrained(
         model = _build_on_meta(model_class, config, dtype)
         survey = survey_model(model, plan, mesh)
         survey.shard()  # the planned parameters take their local shapes, still on the meta device
-        load_checkpoint(model, files, device, survey.shard_layouts())
+        elsewhere = survey.stage.elsewhere if survey.stage is not None else None  # other stages' tensors: not read
+        load_checkpoint(model, files, device, survey.shard_layouts(), elsewhere=elsewhere)
         survey.install()  # hooks go on the loaded parameters
     initialise_buffers(model, device)
     model.eval()

@@ -169,6 +169,7 @@ def _reduction(params: list[Tensor], module: nn.Module | None) -> _Reduction | N
                 f"({mesh} and {model._hp_mesh}); clip each model's parameters in a call of its own"
             )
     group, size = _mesh_group(mesh)
+    staged = {id(model): model._hp_stage.norm_weights(model) for model in models if hasattr(model, "_hp_stage")}
     weights = []
     for position, (param, found) in enumerate(zip(params, owners)):
         record = found[1] if found is not None else None
@@ -179,7 +180,9 @@ def _reduction(params: list[Tensor], module: nn.Module | None) -> _Reduction | N
                 f"clip_grad_norm_: {name} is cut into {pieces} pieces, which the {size} ranks of the model's mesh "
                 "do not hold evenly: is it sharded over a mesh other than the one given to parallelize?"
             )
-        weights.append(pieces / size)
+        # pipeline stages: a parameter lives on one stage's ranks (a tied table on two), not on all of them
+        stage = staged.get(id(found[0]), {}).get(id(param), 1.0) if found is not None else 1.0
+        weights.append(pieces / size * stage)
     made = _Reduction(tuple(weakref.ref(p) for p in params), tuple(weights), group, size, ShardRecorder.generation)
     if len(_CACHE) > 64:
         _CACHE.clear()
