@@ -63,6 +63,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hpgen.context_coverage import CONTEXT_AXIS
 from hpgen.errors import HpgenError, did_you_mean
 from hpgen.plan import Plan, load_plan, plan_from_dict
+from hpgen.plan_trust import untrusted_target
 from hpgen.runtime.checkpoint.saving import bind_save_pretrained
 from hpgen.runtime.checkpoint.state_dict import install_state_dict_hooks
 from hpgen.runtime.errors import ParallelizeError
@@ -105,6 +106,8 @@ def parallelize(
     *,
     generated: Iterable[types.ModuleType] = (),
     check_inputs: bool | Iterable[str] = True,
+    trust_plan_code: bool = False,
+    trusted_modules: str | Iterable[str] = (),
 ) -> nn.Module:
     """Shard ``model``'s planned parameters and bind its boundaries' collectives; return ``model``.
 
@@ -130,16 +133,29 @@ def parallelize(
     first forwards (:mod:`hpgen.runtime.install.inputs`); ``True`` for every axis,
     ``False`` for none, or the names of some (``("tp",)`` where the ranks of ``ep`` serve
     requests of their own under data-parallel attention).
+
+    ``trust_plan_code``, ``trusted_modules``: a plan is data. Its injections may name hpgen's own
+    local compute functions; a function of any other module is imported only with
+    ``trust_plan_code=True``, or when its module is in ``trusted_modules`` (or under one of them).
+    Otherwise every rank refuses the plan before importing anything (:mod:`hpgen.plan_trust`).
     """
     plan = _as_plan(plan)
     checked = _checked_axes(check_inputs, plan)
-    survey = survey_model(model, plan, mesh, generated=generated)
+    survey = survey_model(
+        model, plan, mesh, generated=generated, trust_plan_code=trust_plan_code, trusted_modules=trusted_modules
+    )
     survey.shard()
     return survey.install(checked=checked)
 
 
 def survey_model(
-    model: nn.Module, plan: PlanLike, mesh: DeviceMesh, *, generated: Iterable[types.ModuleType] = ()
+    model: nn.Module,
+    plan: PlanLike,
+    mesh: DeviceMesh,
+    *,
+    generated: Iterable[types.ModuleType] = (),
+    trust_plan_code: bool = False,
+    trusted_modules: str | Iterable[str] = (),
 ) -> Survey:
     """Every check :func:`parallelize` makes, on every rank together, with ``model`` untouched.
 
@@ -164,6 +180,7 @@ def survey_model(
     # First, before any rank can refuse alone: ranks given different programs would hang or be wrong.
     check_ranks_agree(model, plan, mesh, on_mesh)
     try:
+        _refuse_untrusted(plan, trust_plan_code, trusted_modules)  # before anything the plan names is imported
         survey_context(model, axes)
         survey = _survey(model, plan, mesh, axes, generated_modules(model, generated))
     except ParallelizeError as error:
@@ -196,6 +213,15 @@ def _checked_axes(check_inputs: bool | Iterable[str], plan: Plan) -> tuple[str, 
             f"({', '.join(plan.mesh_dim_names)})"
         )
     return names
+
+
+def _refuse_untrusted(plan: Plan, trust_plan_code: bool, trusted_modules: str | Iterable[str]) -> None:
+    try:
+        untrusted = untrusted_target(plan, trust_plan_code=trust_plan_code, trusted_modules=trusted_modules)
+    except ValueError as error:
+        raise ParallelizeError(str(error)) from None
+    if untrusted is not None:
+        raise ParallelizeError(untrusted)
 
 
 def _as_plan(plan: PlanLike) -> Plan:
