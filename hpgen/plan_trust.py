@@ -53,8 +53,9 @@ def untrusted_target(
             if target is None or _trusted(target, modules):
                 continue
             package = target.path.split(".")[0]
+            where = "" if plan.name == "<plan>" else f"{plan.name}: "  # "<plan>": given as a dict
             return (
-                f"{plan.name}: the injection for {injection.match!r} names the {what} {target.path!r}, which is not one "
+                f"{where}the injection for {injection.match!r} names the {what} {target.path!r}, which is not one "
                 f"of hpgen's own local compute functions, and a plan imports other code only when you trust it: pass "
                 f"trust_plan_code=True or trusted_modules=[{package!r}] (hpgen verify --trust-plan-code or "
                 f"--trust-module {package})"

@@ -47,6 +47,7 @@ def plan_with_report(
         plan = plan_model(
             model, tp=tp, ep=ep, sp=sp, ep_axis=ep_axis, from_source=from_source, name=target, summed=summed, cp=cp
         )
+    plan["planned_for"] = _planned_for(plan["mesh_dim_names"], tp=tp, ep=ep, cp=cp)
     comments = plan.get("comments", {})
     messages = [f"{target}: {comments.get('plan_source', 'context parallel')}"]
     if comments.get("context_parallel"):
@@ -69,6 +70,18 @@ def plan_with_report(
     if tp is not None and ep is None:
         messages.append(_sized(model, plan, tp, dtype).text())
     return dumps_plan(plan), messages
+
+
+def _planned_for(mesh: list[str], *, tp: int | None, ep: int | None, cp: int | None) -> dict[str, int]:
+    """Each axis's size as the command gave it (``cp``; ``tp``, which the experts share without ``--ep-axis``;
+    the experts' own axis): recorded in the plan, so that ``parallelize`` on another mesh can say which sizes
+    the plan was written for."""
+    sizes = {}
+    for axis in mesh:
+        size = cp if axis == "cp" else (tp if tp is not None else ep) if axis == "tp" else ep
+        if size is not None:
+            sizes[axis] = size
+    return sizes
 
 
 # the sizing report's dtype when neither --dtype nor the config names one (a model type's defaults)

@@ -18,7 +18,10 @@ untouched:
   would be paired wrongly (:mod:`hpgen.runtime.install.attrs`).
 
 Before the survey, every rank checks that all ranks of each axis were given the same
-plan, generated file and hpgen version (:mod:`hpgen.runtime.install.agreement`).
+plan, generated file and hpgen version (:mod:`hpgen.runtime.install.agreement`), that the
+world has no rank outside the mesh, and that the plan names only functions the user trusts
+(:mod:`hpgen.plan_trust`); a refusal of a plan written for another mesh size or model
+class says so (:mod:`hpgen.runtime.install.launch_checks`).
 
 The install then shards the parameters in place (plain ``nn.Parameter``s holding the
 local chunk), swaps classes (generated per-contract subclasses, wrappers), binds the
@@ -86,6 +89,7 @@ from hpgen.runtime.install.hooks import (
 )
 from hpgen.runtime.install.inputs import InputCheck
 from hpgen.runtime.install.kernels import fit_experts_kernel
+from hpgen.runtime.install.launch_checks import refuse_lone_batch_splits, refuse_ranks_outside, reworded
 from hpgen.runtime.install.module_installs import ModuleInstall, module_install
 from hpgen.runtime.install.params import Matched, ParamShard, shard_params, survey_params
 from hpgen.runtime.install.replaced_stubs import refuse_replaced_stubs
@@ -175,6 +179,7 @@ def survey_model(
         )
     if getattr(model, "_hp_parallelized", False):
         raise ParallelizeError(f"{type(model).__name__} was already parallelized; build a fresh model")
+    refuse_ranks_outside(mesh)  # before torch's get_group, which fails on such a rank alone
     axes = mesh_axes(plan, mesh, off=_toggle_axes(model, plan, mesh))
     on_mesh = tuple(axis for axis in plan.mesh_dim_names if axis in (mesh.mesh_dim_names or ()))
     # First, before any rank can refuse alone: ranks given different programs would hang or be wrong.
@@ -184,8 +189,9 @@ def survey_model(
         survey_context(model, axes)
         survey = _survey(model, plan, mesh, axes, generated_modules(model, generated))
     except ParallelizeError as error:
+        error = reworded(error, model, plan, mesh)  # a plan for another mesh size or model class says so
         raise_together(error, mesh, on_mesh)
-        raise
+        raise error from None
     raise_together(None, mesh, on_mesh)
     survey.peft_model = peft_model
     return survey
@@ -368,6 +374,7 @@ def _survey(
 ) -> Survey:
     matched = resolve_tuner_names(match_modules(model, plan))  # q_proj.weight: q_proj.base_layer.weight under peft
     refuse_replaced_stubs(model, matched)  # a fused kernel bound in place of the torch path the plan shards
+    refuse_lone_batch_splits(matched, plan)  # the rotary output or the mask left whole beside a split batch
     shards = survey_params(model, plan, matched, axes)
     targets = [module_install(item, plan, mesh, axes, generated) for item in matched]
     biases = survey_deferred_biases(matched, plan, frozenset(branch_fqns(matched, plan)))
