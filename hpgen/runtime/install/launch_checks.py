@@ -65,9 +65,10 @@ def refuse_ranks_outside(mesh: DeviceMesh) -> None:
         return
     outside = [r for r in range(world) if r not in held]
     shape = " x ".join(f"{name}={size}" for name, size in zip(root.mesh_dim_names or (), root.mesh.shape))
-    what = f"rank(s) {', '.join(map(str, outside))} are outside it" if outside else f"rank {rank} is outside it"
+    outside = outside or [rank]  # a mesh over the world that this rank is not in (a sliced mesh of others' ranks)
+    what = f"rank {outside[0]} is" if len(outside) == 1 else f"ranks {', '.join(map(str, outside))} are"
     raise ParallelizeError(
-        f"the mesh ({shape or tuple(root.mesh.shape)}) holds {len(held)} of the world's {world} ranks, so {what}: "
+        f"the mesh ({shape or tuple(root.mesh.shape)}) holds {len(held)} of the world's {world} ranks, so {what} outside it: "
         f"launch {len(held)} processes (torchrun --nproc-per-node {len(held)}), or build the mesh over all {world} ranks"
     )
 

@@ -185,7 +185,7 @@ def test_a_batch_split_without_its_companions_is_refused(outcomes) -> None:
              "hidden_states R -> S(0)", "leaves attention_mask, position_ids, position_embeddings whole")  # fmt: skip
 
 
-def _outside(rank: int, world_size: int, directory: str) -> tuple[str, list[str]]:
+def _outside(rank: int, world_size: int, generated: str) -> tuple[str, list[str]]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from hpgen.runtime import parallelize
@@ -193,8 +193,7 @@ def _outside(rank: int, world_size: int, directory: str) -> tuple[str, list[str]
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))  # README's mesh, torchrun with 3 processes
     config = make_config("llama")
-    model = generated_model(import_file(lower_family("llama", "llama_tp", Path(directory))), "llama", config,
-                            reference_model("llama", config, seed=0))  # fmt: skip
+    model = generated_model(import_file(generated), "llama", config, reference_model("llama", config, seed=0))
     before = snapshot(model)
     try:
         parallelize(model, load_plan_dict("llama_tp"), mesh)
@@ -204,10 +203,11 @@ def _outside(rank: int, world_size: int, directory: str) -> tuple[str, list[str]
 
 
 def test_a_rank_outside_the_mesh_is_named_on_every_rank(tmp_path: Path) -> None:
-    results = run_distributed(_outside, str(tmp_path), world_size=3, timeout=300)
+    generated = str(lower_family("llama", "llama_tp", tmp_path))  # once, before the ranks read it
+    results = run_distributed(_outside, generated, world_size=3, timeout=300)
     for rank, (message, changes) in enumerate(results):
         assert message == (
-            "the mesh (tp=2) holds 2 of the world's 3 ranks, so rank(s) 2 are outside it: launch 2 processes "
+            "the mesh (tp=2) holds 2 of the world's 3 ranks, so rank 2 is outside it: launch 2 processes "
             "(torchrun --nproc-per-node 2), or build the mesh over all 3 ranks"
         ), f"rank {rank}: {message}"
         assert changes == [], f"rank {rank}: {changes}"
