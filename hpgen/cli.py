@@ -464,21 +464,42 @@ def plan_command(
 @click.option("--source", metavar="MODELING.py", help="The modeling file to lower (default: the installed transformers').")
 @click.option("--ranks", type=click.IntRange(min=1), help="Gloo ranks (default: 2 an axis, the product over the plan's axes).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text (for CI).")
-def verify_command(plan: str, model: str | None, source: str | None, ranks: int | None, as_json: bool) -> None:
+@click.option(
+    "--trust-plan-code",
+    is_flag=True,
+    help="Let the plan's injections import functions of any module (by default: hpgen's own only).",
+)
+@click.option(
+    "--trust-module",
+    "trusted_modules",
+    metavar="NAME",
+    multiple=True,
+    help="Let the plan's injections import functions of module NAME and the modules under it (repeatable).",
+)
+def verify_command(
+    plan: str,
+    model: str | None,
+    source: str | None,
+    ranks: int | None,
+    as_json: bool,
+    trust_plan_code: bool,
+    trusted_modules: tuple[str, ...],
+) -> None:
     """Prove PLAN exact on a tiny copy of its model, on gloo ranks on the CPU.
 
     MODEL is a model type, config.json or checkpoint folder (only its config is read); without
     it, the plan's model_class with transformers' default config. The config is shrunk so that
     every sharded dim still divides; the parallelized model is compared with the unsharded one
     (logits, every gradient, greedy generation; in train mode with dropout, the ranks agree). Exit 0
-    exact, 1 with a report naming the first boundary that differs, 2 bad input.
+    exact, 1 with a report naming the first boundary that differs, 2 bad input (a plan whose injections
+    name a function outside hpgen's own, unless --trust-plan-code or --trust-module says so, included).
     """
 
     def run() -> int:
         with plan_extra("hpgen verify"):
             from hpgen.verify.command import verify_command as body
 
-            return body(plan, model, source, ranks, as_json)
+            return body(plan, model, source, ranks, as_json, trust_plan_code, trusted_modules)
 
     run_guarded(run)
 

@@ -309,6 +309,15 @@ class Plan:
     pipeline: PipelineStages | None = None  # pipeline stages over a mesh axis (docs/pipeline.md)
     name: str = "<plan>"
     sha256: str = ""
+    planned_for: Mapping[str, int] = field(default_factory=dict)  # axis -> the size hpgen plan wrote it for
+
+    def sizes_apart(self, sizes: Mapping[str, int]) -> list[tuple[str, int, int]]:
+        """(axis, planned size, size in ``sizes``) of each axis whose size differs from the one the plan was written for."""
+        return [
+            (axis, planned, sizes[axis])
+            for axis, planned in self.planned_for.items()
+            if axis in sizes and sizes[axis] != planned
+        ]
 
     def entry_for(self, fqn: str) -> Entry | None:
         """The entry whose key matches a concrete module FQN (at most one, by validation)."""

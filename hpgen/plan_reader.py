@@ -41,7 +41,9 @@ __all__ = [
     "PlanReader",
 ]
 
-TOP_LEVEL_KEYS = {"format", "model_class", "mesh_dim_names", "boundary_classes", "param_plan", "injections", "pipeline"}
+TOP_LEVEL_KEYS = {
+    "format", "model_class", "mesh_dim_names", "boundary_classes", "param_plan", "injections", "pipeline", "planned_for",
+}
 PIPELINE_KEYS = {"axis", "stages"}
 ENTRY_KEYS = {
     *LAYOUT_KEYS,
@@ -180,6 +182,14 @@ class PlanReader:
         if model_class is not None:
             model_class = self.expect_name(model_class, "model_class", what="a class name")
 
+        planned_for = {}
+        for axis, size in sorted(self.expect_object(top.get("planned_for", {}), "planned_for").items()):
+            if axis not in self.mesh:
+                raise self.fail(_path_join("planned_for", axis), f"unknown axis {axis!r} (mesh_dim_names: {', '.join(self.mesh)})")
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise self.fail(_path_join("planned_for", axis), f"expected a size of at least 1, got {_json_type(size)}")
+            planned_for[axis] = size
+
         boundary_classes = {}
         for key, value in sorted(self.expect_object(top.get("boundary_classes", {}), "boundary_classes").items()):
             where = _path_join("boundary_classes", key)
@@ -221,6 +231,7 @@ class PlanReader:
             pipeline=pipeline,
             name=self.name,
             sha256=sha256,
+            planned_for=planned_for,
         )
 
     def pipeline(self, value: object, where: str) -> PipelineStages:

@@ -23,7 +23,7 @@ docstring says what each of its modules does. docs/runtime.md has the same table
   ``context_attention``, ``context_logits``, ``errors``, ``folder_swap``, ``shard_layout``,
   ``trainer``;
 - ``hpgen.runtime.install`` (survey and install: what ``parallelize`` runs): ``parallelize``,
-  ``pretrained``, ``agreement``, ``module_installs``, ``counterparts``, ``params``, ``attrs``,
+  ``pretrained``, ``agreement``, ``launch_checks``, ``module_installs``, ``counterparts``, ``params``, ``attrs``,
   ``groups``, ``hooks``, ``summed``, ``kernels``, ``replaced_stubs``, ``inputs``, ``tuners``,
   ``adapters``, ``wrapped``, ``context_checks``;
 - ``hpgen.runtime.forward`` (what generated forwards call): ``collectives``,

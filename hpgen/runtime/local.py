@@ -97,7 +97,10 @@ def batch_parallel(module: nn.Module, *args: Any, axis: str = "ep", **kwargs: An
     cannot run on zero sequences (its ``view(..., -1, head_dim)``). So it runs one
     placeholder sequence instead: each tensor argument of zero rows becomes one row (ones
     for ``attention_mask``, zeros otherwise), and the placeholder's rows are dropped from
-    the outputs (``last_hidden_state``, ``hidden_states``, ``attentions``). Nothing of the
+    the outputs (``last_hidden_state``, ``hidden_states``, ``attentions``) and from what
+    transformers records on the way (``output_router_logits``, ``output_hidden_states``,
+    ``output_attentions``: left there, an auxiliary load-balancing loss would count the
+    placeholder's tokens, which do not exist). Nothing of the
     placeholder reaches another rank's tokens: the experts treat each token alone and the
     scatter after them returns each rank its own rows; a cache keeps its row from step to
     step, as it keeps the real ones. Its gradient is zero.
@@ -110,7 +113,31 @@ def batch_parallel(module: nn.Module, *args: Any, axis: str = "ep", **kwargs: An
         if isinstance(value, Tensor) and value.dim() > 0 and value.size(0) == 0:
             fill = torch.ones if name == "attention_mask" else torch.zeros
             bound.arguments[name] = fill((1, *value.shape[1:]), dtype=value.dtype, device=value.device)
-    return _without_placeholder(module._forward_impl(*bound.args, **bound.kwargs))
+    recorded = _recorded_outputs()
+    counts = {key: len(values) for key, values in recorded.items() if isinstance(values, list)}
+    outputs = _without_placeholder(module._forward_impl(*bound.args, **bound.kwargs))
+    for key, count in counts.items():  # recorded during the placeholder's run: all of them its rows
+        recorded[key][count:] = [_no_rows(value) for value in recorded[key][count:]]
+    return outputs
+
+
+def _recorded_outputs() -> dict[str, Any]:
+    """What transformers' ``capture_outputs`` is recording in this forward (router logits, hidden states,
+    attentions, by key; each a list it appends a layer's output to), or nothing."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # a transformers without output capturing: nothing is recorded
+        return {}
+    return _active_collector.get() or {}
+
+
+def _no_rows(value: Any) -> Any:
+    """``value`` with none of its rows (a tensor, or a tuple of them): a recorded output of the placeholder alone."""
+    if isinstance(value, Tensor) and value.dim() > 0:
+        return value[:0]
+    if type(value) is tuple:
+        return tuple(_no_rows(v) for v in value)
+    return value
 
 
 def _without_placeholder(outputs: Any) -> Any:

@@ -33,7 +33,15 @@ def _require_torch_and_transformers() -> None:
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 
 
-def verify_command(plan: str, model: str | None, source: str | None, ranks: int | None, as_json: bool) -> int:
+def verify_command(
+    plan: str,
+    model: str | None,
+    source: str | None,
+    ranks: int | None,
+    as_json: bool,
+    trust_plan_code: bool = False,
+    trusted_modules: tuple[str, ...] = (),
+) -> int:
     """Exit 0 when the plan is exact on the tiny model, 1 with the report; bad input (and a tiny copy that
     transformers' own model cannot run) raises HpgenError."""
     global _STARTED
@@ -49,7 +57,10 @@ def verify_command(plan: str, model: str | None, source: str | None, ranks: int 
 
     with tempfile.TemporaryDirectory(prefix="hpgen-verify-") as folder:
         _progress(f"shrinking the config and lowering the modeling file with {plan}")
-        case = prepare(plan, Path(folder), model=model, source=source, ranks=ranks)
+        case = prepare(
+            plan, Path(folder), model=model, source=source, ranks=ranks,
+            trust_plan_code=trust_plan_code, trusted_modules=trusted_modules,
+        )  # fmt: skip
         _progress(f"lowered {Path(case.source).name}; spawning {case.world_size} gloo ranks")
         (verdict,) = verify_many([case])
     if verdict.reference_error:  # the tiny config, not the plan: nothing was proven either way

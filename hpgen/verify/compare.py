@@ -146,7 +146,9 @@ def _run_case(case: Prepared, mesh: Any, outcome: Outcome) -> None:
 
     layouts = param_layouts(reference, plan)
     try:
-        parallelize(model, plan, mesh, generated=others)
+        parallelize(
+            model, plan, mesh, generated=others, trust_plan_code=case.trust_plan_code, trusted_modules=case.trusted_modules
+        )
     except ParallelizeError as error:
         outcome.raised = Raised("parallelize", "", "", str(error).strip().splitlines()[0], refused=True)
         return

@@ -37,6 +37,8 @@ class Prepared:
     mesh: tuple[tuple[str, int], ...]  # (axis, size) in mesh order
     source: str  # the modeling file that was lowered
     layers: tuple[str, ...] = ()  # numbered layers folded (:func:`fewer_layers`): what each tiny one stands for
+    trust_plan_code: bool = False  # parallelize's: the plan may import any function (hpgen.plan_trust)
+    trusted_modules: tuple[str, ...] = ()  # parallelize's: modules whose functions the plan may import
 
     @property
     def world_size(self) -> int:
@@ -54,11 +56,17 @@ def prepare(
     source: str | Path | None = None,
     ranks: int | None = None,
     name: str | None = None,
+    trust_plan_code: bool = False,
+    trusted_modules: tuple[str, ...] = (),
 ) -> Prepared:
-    """Shrink the config, lower the source with ``plan`` into ``directory``; the case to run."""
+    """Shrink the config, lower the source with ``plan`` into ``directory``; the case to run.
+
+    A plan whose injections name functions the user has not trusted (``trust_plan_code``,
+    ``trusted_modules``: as for ``parallelize``) is refused here, before any rank imports them."""
     from hpgen.generate import infer_package, read_source
     from hpgen.lower import lower
     from hpgen.plan import load_plan, plan_from_dict
+    from hpgen.plan_trust import untrusted_target
     from hpgen.verify.shrink import axis_sizes, kept_heads, scaled_units, shape_for, tiny_config
 
     if source is not None and not Path(source).is_file():
@@ -70,6 +78,12 @@ def prepare(
         loaded = load_plan(plan)
         plan_name = str(plan)
         document = json.loads(Path(plan).read_text(encoding="utf-8"))
+    try:
+        untrusted = untrusted_target(loaded, trust_plan_code=trust_plan_code, trusted_modules=trusted_modules)
+    except ValueError as error:
+        raise HpgenError(str(error)) from None
+    if untrusted is not None:
+        raise HpgenError(untrusted.removeprefix(f"{plan_name}: "), file=plan_name)
     try:
         sizes = axis_sizes(loaded, ranks)
     except ValueError as error:
@@ -134,6 +148,8 @@ def prepare(
         mesh=tuple(sizes.items()),
         source=str(source_path),
         layers=tuple(layers),
+        trust_plan_code=trust_plan_code,
+        trusted_modules=tuple(trusted_modules),
     )
 
 

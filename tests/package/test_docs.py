@@ -20,10 +20,10 @@ import pytest
 from hpgen.lower import lower
 from hpgen.plan import load_plan
 from hpgen.plan_reader import ENTRY_KEYS, INJECTION_KEYS, TOP_LEVEL_KEYS
+from tests.support.doc_blocks import EXCERPT, python_blocks
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
-EXCERPT = re.compile(r"(<!-- excerpt: (\S+) (\S+) (\S+) (\w+) -->\n)(.*?)(<!-- end excerpt -->)", re.S)
 
 
 def _class_text(source: str, name: str) -> str:
@@ -81,18 +81,7 @@ def test_nothing_points_outside_the_repository() -> None:
 
 # --------------------------------------------------------------------------- the Python blocks
 
-PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 PAGES = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
-
-
-def python_blocks(text: str) -> list[tuple[int, str]]:
-    """(line, code) of each ```python block, excerpts of generated files aside (regenerated above)."""
-    excerpts = [match.span() for match in EXCERPT.finditer(text)]
-    return [
-        (text.count("\n", 0, match.start()) + 2, match.group(1))
-        for match in PYTHON_BLOCK.finditer(text)
-        if not any(start <= match.start() < end for start, end in excerpts)
-    ]
 
 
 def unbound_names(code: str, bound: set[str]) -> list[str]:

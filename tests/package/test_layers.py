@@ -19,7 +19,7 @@ import hpgen
 PACKAGE = Path(hpgen.__file__).parent
 
 # The core: plain data every layer shares (no torch at import time, no libcst).
-CORE = {"placement", "plan", "plan_entries", "plan_names", "plan_reader", "classify", "shards", "header", "stubs", "errors", "durable", "conv1d", "context_coverage", "model_config"}
+CORE = {"placement", "plan", "plan_entries", "plan_names", "plan_reader", "plan_trust", "classify", "shards", "header", "stubs", "errors", "durable", "conv1d", "context_coverage", "model_config"}
 # The generator: reads sources with libcst and writes generated files.
 GENERATOR = {"index", "resolve", "emit", "lower", "write", "targets", "explain", "generate", "summed_edit", "param_dims", "entry_names"}
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 import subprocess
 import sys
 from pathlib import Path
 
 from tests.support.dist import run_distributed
+from tests.support.torchrun import as_under_torchrun, shims
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,21 +29,8 @@ def _as_under_torchrun(rank: int, world_size: int, script: str) -> str:
     import contextlib
     import io
     import runpy
-    import socket
 
-    import torch.distributed as dist
-
-    port = [None]
-    if rank == 0:
-        with socket.socket() as free:
-            free.bind(("127.0.0.1", 0))
-            port = [free.getsockname()[1]]
-    dist.broadcast_object_list(port, src=0)
-    dist.destroy_process_group()  # the script makes its own, from the environment, as under torchrun
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port[0]),
-    )  # fmt: skip
+    as_under_torchrun(rank, world_size)
     sys.argv = [script]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -110,16 +97,6 @@ def test_trainer_finetuning_tracks_the_unsharded_model() -> None:
     assert float(logits) < 1e-4 and float(weights) < 1e-3, out
 
 
-def _shims(folder: Path) -> Path:
-    """``python``, ``hpgen`` and ``torchrun`` on PATH as this interpreter runs them (the venv need not be active)."""
-    folder.mkdir()
-    for name, args in (("python", ""), ("hpgen", " -m hpgen"), ("torchrun", " -m torch.distributed.run")):
-        shim = folder / name
-        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}"{args} "$@"\n')
-        shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
-    return folder
-
-
 def test_the_readme_walk_through_runs_as_written(tmp_path: Path) -> None:
     """README's example: its files (the blocks headed ``# NAME.py``) and its commands, verbatim."""
     readme = (REPO / "README.md").read_text()
@@ -128,7 +105,7 @@ def test_the_readme_walk_through_runs_as_written(tmp_path: Path) -> None:
     for name, code in files.items():
         (tmp_path / name).write_text(code)
     (commands,) = [block for block in re.findall(r"^```bash\n(.*?)^```", readme, re.S | re.M) if "run.py" in block]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{_shims(tmp_path / 'bin')}{os.pathsep}{os.environ['PATH']}"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{shims(tmp_path / 'bin')}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", commands], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )

@@ -64,6 +64,7 @@ def plan_with_report(
 
         cut = stage_cut(model, pp, layers=pp_layers, name=target)
         plan = add_pipeline(plan, cut, type(model).__name__)
+    plan["planned_for"] = _planned_for(plan["mesh_dim_names"], tp=tp, ep=ep, cp=cp, pp=pp)
     comments = plan.get("comments", {})
     source = comments.get("plan_source", "pipeline stages" if pp is not None and cp is None else "context parallel")
     messages = [f"{target}: {source}"]
@@ -104,6 +105,20 @@ def _refuse_with_pp(*, cp: int | None, ep: int | None, attn_dp: bool, sp: bool) 
     ):
         if given:
             raise HpgenError(f"--pp: not with {flag} ({why})")
+
+
+def _planned_for(
+    mesh: list[str], *, tp: int | None, ep: int | None, cp: int | None, pp: int | None = None
+) -> dict[str, int]:
+    """Each axis's size as the command gave it (``cp``, ``pp``; ``tp``, which the experts share without
+    ``--ep-axis``; the experts' own axis): recorded in the plan, so that ``parallelize`` on another mesh can say which sizes
+    the plan was written for."""
+    sizes = {}
+    for axis in mesh:
+        size = {"cp": cp, "pp": pp}.get(axis, (tp if tp is not None else ep) if axis == "tp" else ep)
+        if size is not None:
+            sizes[axis] = size
+    return sizes
 
 
 # the sizing report's dtype when neither --dtype nor the config names one (a model type's defaults)

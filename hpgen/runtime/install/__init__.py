@@ -4,6 +4,8 @@
 - ``hpgen.runtime.install.pretrained``: ``from_pretrained``, parallelizing a model built on the meta device and
   reading its checkpoint into the shards before any hook is attached;
 - ``hpgen.runtime.install.agreement``: every rank runs the same plan, generated file and hpgen;
+- ``hpgen.runtime.install.launch_checks``: launch mistakes named as such (a rank outside the mesh, a plan for
+  another size or model class, a batch split beside whole companion inputs);
 - ``hpgen.runtime.install.module_installs``: what each planned module becomes (its class, form, bindings);
 - ``hpgen.runtime.install.counterparts``: the generated class of a module built from the original file;
 - ``hpgen.runtime.install.params``: planned parameters found, checked, then cut to this rank's chunk;

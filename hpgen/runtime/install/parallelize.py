@@ -18,7 +18,10 @@ untouched:
   would be paired wrongly (:mod:`hpgen.runtime.install.attrs`).
 
 Before the survey, every rank checks that all ranks of each axis were given the same
-plan, generated file and hpgen version (:mod:`hpgen.runtime.install.agreement`).
+plan, generated file and hpgen version (:mod:`hpgen.runtime.install.agreement`), that the
+world has no rank outside the mesh, and that the plan names only functions the user trusts
+(:mod:`hpgen.plan_trust`); a refusal of a plan written for another mesh size or model
+class says so (:mod:`hpgen.runtime.install.launch_checks`).
 
 The install then shards the parameters in place (plain ``nn.Parameter``s holding the
 local chunk), swaps classes (generated per-contract subclasses, wrappers), binds the
@@ -63,6 +66,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hpgen.context_coverage import CONTEXT_AXIS
 from hpgen.errors import HpgenError, did_you_mean
 from hpgen.plan import Plan, load_plan, plan_from_dict
+from hpgen.plan_trust import untrusted_target
 from hpgen.runtime.checkpoint.saving import bind_save_pretrained
 from hpgen.runtime.checkpoint.state_dict import install_state_dict_hooks
 from hpgen.runtime.errors import ParallelizeError
@@ -85,6 +89,7 @@ from hpgen.runtime.install.hooks import (
 )
 from hpgen.runtime.install.inputs import InputCheck
 from hpgen.runtime.install.kernels import fit_experts_kernel
+from hpgen.runtime.install.launch_checks import refuse_lone_batch_splits, refuse_ranks_outside, reworded
 from hpgen.runtime.install.module_installs import ModuleInstall, module_install
 from hpgen.runtime.install.params import Matched, ParamShard, shard_params, survey_params
 from hpgen.runtime.install.replaced_stubs import refuse_replaced_stubs
@@ -108,6 +113,8 @@ def parallelize(
     *,
     generated: Iterable[types.ModuleType] = (),
     check_inputs: bool | Iterable[str] = True,
+    trust_plan_code: bool = False,
+    trusted_modules: str | Iterable[str] = (),
 ) -> nn.Module:
     """Shard ``model``'s planned parameters and bind its boundaries' collectives; return ``model``.
 
@@ -133,16 +140,29 @@ def parallelize(
     first forwards (:mod:`hpgen.runtime.install.inputs`); ``True`` for every axis,
     ``False`` for none, or the names of some (``("tp",)`` where the ranks of ``ep`` serve
     requests of their own under data-parallel attention).
+
+    ``trust_plan_code``, ``trusted_modules``: a plan is data. Its injections may name hpgen's own
+    local compute functions; a function of any other module is imported only with
+    ``trust_plan_code=True``, or when its module is in ``trusted_modules`` (or under one of them).
+    Otherwise every rank refuses the plan before importing anything (:mod:`hpgen.plan_trust`).
     """
     plan = _as_plan(plan)
     checked = _checked_axes(check_inputs, plan)
-    survey = survey_model(model, plan, mesh, generated=generated)
+    survey = survey_model(
+        model, plan, mesh, generated=generated, trust_plan_code=trust_plan_code, trusted_modules=trusted_modules
+    )
     survey.shard()
     return survey.install(checked=checked)
 
 
 def survey_model(
-    model: nn.Module, plan: PlanLike, mesh: DeviceMesh, *, generated: Iterable[types.ModuleType] = ()
+    model: nn.Module,
+    plan: PlanLike,
+    mesh: DeviceMesh,
+    *,
+    generated: Iterable[types.ModuleType] = (),
+    trust_plan_code: bool = False,
+    trusted_modules: str | Iterable[str] = (),
 ) -> Survey:
     """Every check :func:`parallelize` makes, on every rank together, with ``model`` untouched.
 
@@ -163,11 +183,13 @@ def survey_model(
     if getattr(model, "_hp_parallelized", False):
         raise ParallelizeError(f"{type(model).__name__} was already parallelized; build a fresh model")
     refuse_axes(plan)  # cp or ep with pipeline stages: named before the mesh is read
+    refuse_ranks_outside(mesh)  # before torch's get_group, which fails on such a rank alone
     axes = mesh_axes(plan, mesh, off=_toggle_axes(model, plan, mesh))
     on_mesh = tuple(axis for axis in plan.mesh_dim_names if axis in (mesh.mesh_dim_names or ()))
     # First, before any rank can refuse alone: ranks given different programs would hang or be wrong.
     check_ranks_agree(model, plan, mesh, on_mesh)
     try:
+        _refuse_untrusted(plan, trust_plan_code, trusted_modules)  # before anything the plan names is imported
         stage = None
         if plan.pipeline is not None:  # the stage's modules only; to the other axes' code the pp axis is size one
             stage = survey_stage(model, plan, mesh)
@@ -175,8 +197,9 @@ def survey_model(
         survey_context(model, axes)
         survey = _survey(model, plan, mesh, axes, generated_modules(model, generated), stage)
     except ParallelizeError as error:
+        error = reworded(error, model, plan, mesh)  # a plan for another mesh size or model class says so
         raise_together(error, mesh, on_mesh)
-        raise
+        raise error from None
     raise_together(None, mesh, on_mesh)
     survey.peft_model = peft_model
     return survey
@@ -204,6 +227,15 @@ def _checked_axes(check_inputs: bool | Iterable[str], plan: Plan) -> tuple[str, 
             f"({', '.join(plan.mesh_dim_names)})"
         )
     return names
+
+
+def _refuse_untrusted(plan: Plan, trust_plan_code: bool, trusted_modules: str | Iterable[str]) -> None:
+    try:
+        untrusted = untrusted_target(plan, trust_plan_code=trust_plan_code, trusted_modules=trusted_modules)
+    except ValueError as error:
+        raise ParallelizeError(str(error)) from None
+    if untrusted is not None:
+        raise ParallelizeError(untrusted)
 
 
 def _as_plan(plan: PlanLike) -> Plan:
@@ -362,6 +394,7 @@ def _survey(
     if stage is not None:  # every key was matched against the whole model; the stage's modules are installed
         matched = [item for item in matched if stage.holds(item.fqn)]
     refuse_replaced_stubs(model, matched)  # a fused kernel bound in place of the torch path the plan shards
+    refuse_lone_batch_splits(matched, plan)  # the rotary output or the mask left whole beside a split batch
     shards = survey_params(model, plan, matched, axes)
     targets = [module_install(item, plan, mesh, axes, generated) for item in matched]
     biases = survey_deferred_biases(matched, plan, frozenset(branch_fqns(matched, plan)))

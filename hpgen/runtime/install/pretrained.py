@@ -21,7 +21,7 @@ import contextlib
 import copy
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,8 @@ def from_pretrained(
     config: Any = None,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
+    trust_plan_code: bool = False,
+    trusted_modules: str | Iterable[str] = (),
     **config_kwargs: Any,
 ) -> nn.Module:
     """Load the transformers checkpoint folder ``path`` into ``model_class`` parallelized by ``plan`` over ``mesh``.
@@ -61,6 +63,8 @@ def from_pretrained(
     dtype, its name, ``"auto"`` (the config's, else the checkpoint's) or ``None`` (torch's
     default, as transformers). ``device``: where the weights go; by default the current
     CUDA device when the mesh is on CUDA, else the CPU. Every rank of the mesh calls it.
+    ``trust_plan_code``, ``trusted_modules``: as for ``parallelize`` (the functions of other
+    modules than hpgen's that the plan's injections may import).
 
     Checkpoint keys are mapped through transformers' conversion rules for the model
     (renames; MoE per-expert weights fused into ``gate_up_proj``/``down_proj``). A
@@ -79,7 +83,7 @@ def from_pretrained(
         config.dtype = dtype
         device = collective_device(mesh) if device is None else torch.device(device)
         model = _build_on_meta(model_class, config, dtype)
-        survey = survey_model(model, plan, mesh)
+        survey = survey_model(model, plan, mesh, trust_plan_code=trust_plan_code, trusted_modules=trusted_modules)
         survey.shard()  # the planned parameters take their local shapes, still on the meta device
         elsewhere = survey.stage.elsewhere if survey.stage is not None else None  # other stages' tensors: not read
         load_checkpoint(model, files, device, survey.shard_layouts(), elsewhere=elsewhere)

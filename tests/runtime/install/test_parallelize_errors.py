@@ -12,8 +12,6 @@ import copy
 from typing import Any
 
 import pytest
-import torch
-from torch import nn
 
 from tests.support.dist import run_distributed
 from tests.support.models import (
@@ -24,6 +22,7 @@ from tests.support.models import (
     make_config,
     reference_model,
 )
+from tests.support.untouched import snapshot, untouched
 
 
 def _with(plan: dict[str, Any], key: str, **changes: Any) -> dict[str, Any]:
@@ -189,30 +188,6 @@ def _scenarios() -> dict[str, tuple[str, str, dict[str, Any], dict[str, Any], li
     }
 
 
-def _snapshot(model: nn.Module) -> dict[str, Any]:
-    return {
-        "params": {name: (param, param.detach().clone()) for name, param in model.named_parameters()},
-        "classes": {name: type(module) for name, module in model.named_modules()},
-    }
-
-
-def _untouched(model: nn.Module, before: dict[str, Any]) -> list[str]:
-    """What differs from the snapshot (empty when nothing changed)."""
-    changes = []
-    params = dict(model.named_parameters())
-    for name, (param, value) in before["params"].items():
-        if params.get(name) is not param or not torch.equal(param.detach(), value):
-            changes.append(f"parameter {name}")
-        if param._backward_hooks:
-            changes.append(f"hook on {name}")
-    for name, module in model.named_modules():
-        if type(module) is not before["classes"][name]:
-            changes.append(f"class of {name}")
-        if any(key.startswith("_hp_") or key == "__hp_compute__" for key in vars(module)) or module._forward_hooks:
-            changes.append(f"bound on {name}")
-    return changes
-
-
 def _try_all(rank: int, world_size: int, scenarios: dict[str, tuple]) -> dict[str, tuple[str, str, list[str]]]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -224,13 +199,13 @@ def _try_all(rank: int, world_size: int, scenarios: dict[str, tuple]) -> dict[st
     for name, (family, generated, plan, overrides) in scenarios.items():
         config = make_config(family, **overrides)
         model = generated_model(import_file(generated), family, config, reference_model(family, config, seed=0))
-        before = _snapshot(model)
+        before = snapshot(model)
         try:
             parallelize(model, plan, mesh)
         except ParallelizeError as error:
-            outcome[name] = ("ParallelizeError", str(error), _untouched(model, before))
+            outcome[name] = ("ParallelizeError", str(error), untouched(model, before))
         else:
-            outcome[name] = ("no error", "", _untouched(model, before))
+            outcome[name] = ("no error", "", untouched(model, before))
     return outcome
 
 
