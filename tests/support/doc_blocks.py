@@ -199,9 +199,13 @@ def programs(page: Path) -> list[Program]:
 
 
 def setup_commands(page: Path) -> list[str]:
-    """The page's own commands that make its files: its first ``hpgen plan ckpt/ ... -o plan.json`` and its
-    ``hpgen lower "$MODELING" ...`` lines, from its bash blocks, comments stripped."""
+    """The page's own commands that make its files: its first ``hpgen plan ckpt/ ... -o NAME.json`` for each
+    plan file it names and its ``hpgen lower "$MODELING" ...`` lines, from its bash blocks, comments stripped."""
     lines = [line.split("#")[0].strip() for block in BASH_BLOCK.findall(page.read_text()) for line in block.splitlines()]
-    plans = [line for line in lines if line.startswith("hpgen plan ckpt/") and "-o plan.json" in line]
+    plans: dict[str, str] = {}
+    for line in lines:
+        written = re.search(r" -o (\S+\.json)\b", line)
+        if line.startswith("hpgen plan ckpt/") and written:
+            plans.setdefault(written.group(1), line)
     lowers = [line for line in lines if line.startswith('hpgen lower "$MODELING"') and " -o " in line]
-    return plans[:1] + lowers
+    return list(plans.values()) + lowers
