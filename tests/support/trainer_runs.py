@@ -351,3 +351,29 @@ def _refused(run: Run, model: Any, workdir: str, rank: int) -> dict[str, Any]:
     weights = _full_weights(model)
     drift = max((weights[name] - initial[name]).abs().max().item() for name in initial) if rank == 0 else None
     return {"errors": errors, "drift": drift}
+
+
+def ddp_over_three_of_four(rank: int, world_size: int, run: Run, workdir: str) -> dict[str, Any]:
+    """Rank body (4 ranks, dp 2 x tp 2): ``DistributedDataParallel(model, process_group=<ranks 0, 1, 2>)`` on ranks
+    0-2 (rank 3 is outside it). The tp group {0, 1} lies inside that DDP; {2, 3} has one rank in it. Every rank of the
+    DDP must decide alike (refuse) and none wait in a collective the others skip. Returns every rank's error and how
+    far rank 0's weights moved (rank 0)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    mesh = _mesh(run)
+    model = parallel_model(run, mesh)
+    subset = dist.new_group([0, 1, 2])  # every rank makes every group
+    error = None
+    if rank in (0, 1, 2):
+        batch = torch.stack([row["input_ids"] for row in dataset()[:BATCH]])
+        try:
+            DistributedDataParallel(model, process_group=subset)(input_ids=batch, labels=batch)
+        except Exception as caught:  # noqa: BLE001 - the test reads the message
+            error = f"{type(caught).__name__}: {caught}"
+    errors = [None] * world_size
+    dist.all_gather_object(errors, error)
+    initial = reference_model(run.kv_heads, lora=False).state_dict()
+    weights = _full_weights(model)
+    drift = max((weights[name] - initial[name]).abs().max().item() for name in initial) if rank == 0 else None
+    return {"errors": errors, "drift": drift}
