@@ -377,3 +377,27 @@ def ddp_over_three_of_four(rank: int, world_size: int, run: Run, workdir: str) -
     weights = _full_weights(model)
     drift = max((weights[name] - initial[name]).abs().max().item() for name in initial) if rank == 0 else None
     return {"errors": errors, "drift": drift}
+
+
+def docs_block(rank: int, world_size: int, folder: str) -> str:
+    """Rank body: docs/training.md's Trainer block, written to ``folder/finetune.py``, run there as under torchrun."""
+    import sys
+
+    from tests.scripts.test_examples import _as_under_torchrun
+
+    os.chdir(folder)  # the block reads ckpt/ and plan.json and writes out/ where it is run
+    sys.path.insert(0, folder)  # and imports modeling_llama_tp from there
+    return _as_under_torchrun(rank, world_size, "finetune.py")
+
+
+def docs_reference(rank: int, world_size: int, folder: str, arguments: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Rank body (world 1): the block's training, a stock Trainer on the unsharded checkpoint in one process, with the
+    block's data and ``arguments`` (as the block writes them); returns the final weights."""
+    from transformers import LlamaForCausalLM, Trainer, TrainingArguments
+
+    full = LlamaForCausalLM.from_pretrained(str(Path(folder) / "ckpt"))
+    rows = torch.randint(0, full.config.vocab_size, (64, 32), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": row, "labels": row} for row in rows]
+    args = TrainingArguments(**{**arguments, "output_dir": str(Path(folder) / "reference")})
+    Trainer(model=full, args=args, train_dataset=data).train()
+    return {name: value.detach().clone() for name, value in full.state_dict().items()}
