@@ -12,8 +12,15 @@ steps, where the Trainer and accelerate offer them:
   accelerate still applies mixed precision and compilation;
 - the data: sharded over the data-parallel ranks only (every rank of a tensor-parallel group
   gets the same batches), through accelerate's own ``prepare_data_loader``;
-- the tensor-parallel size presented as ``model._tp_size``, which the Trainer reads for its
-  loss scaling (``average_tokens_across_devices``) and batch sizes;
+- accelerate's state: on a CPU mesh, set up as with ``use_cpu=True`` (``TrainingArguments()``
+  alone leaves accelerate seeing one process, and transformers scales the loss by ``1 // tp``),
+  and checked to count every rank of the world, else every rank stops before training;
+- the tensor-parallel size answered by ``get_tp_size``, which the Trainer reads for its loss
+  scaling (``average_tokens_across_devices``) and batch sizes;
+- ``evaluate``/``predict``: predictions gathered over the data-parallel ranks only (the ranks
+  of a tensor-parallel group hold the same ones);
+- accelerate's ``prepare``/``prepare_model`` let through the model's guard against stock
+  preparation (``hpgen.runtime.install.wrapped.AccelerateCheck``);
 - clipping and the logged ``grad_norm``: :func:`hpgen.runtime.clip_grad_norm_`, the unsharded
   model's norm;
 - checkpoints: every rank joins ``save_pretrained`` (one writer, loadable by plain
