@@ -12,8 +12,15 @@ steps, where the Trainer and accelerate offer them:
   accelerate still applies mixed precision and compilation;
 - the data: sharded over the data-parallel ranks only (every rank of a tensor-parallel group
   gets the same batches), through accelerate's own ``prepare_data_loader``;
-- the tensor-parallel size presented as ``model._tp_size``, which the Trainer reads for its
-  loss scaling (``average_tokens_across_devices``) and batch sizes;
+- accelerate's state: on a CPU mesh, set up as with ``use_cpu=True`` (``TrainingArguments()``
+  alone leaves accelerate seeing one process, and transformers scales the loss by ``1 // tp``),
+  and checked to count every rank of the world, else every rank stops before training;
+- the tensor-parallel size answered by ``get_tp_size``, which the Trainer reads for its loss
+  scaling (``average_tokens_across_devices``) and batch sizes;
+- ``evaluate``/``predict``: predictions gathered over the data-parallel ranks only (the ranks
+  of a tensor-parallel group hold the same ones);
+- accelerate's ``prepare``/``prepare_model`` let through the model's guard against stock
+  preparation (``hpgen.runtime.install.wrapped.AccelerateCheck``);
 - clipping and the logged ``grad_norm``: :func:`hpgen.runtime.clip_grad_norm_`, the unsharded
   model's norm;
 - checkpoints: every rank joins ``save_pretrained`` (one writer, loadable by plain
@@ -30,6 +37,7 @@ coordinates are used instead.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -41,7 +49,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from hpgen.runtime.install.wrapped import MeshAxes, mesh_axes_of
+from hpgen.runtime.install.wrapped import AccelerateCheck, MeshAxes, mesh_axes_of, prepared_by_hpgen_trainer
 
 __all__ = ["LAYOUT_FILE", "Trainer"]
 
@@ -78,14 +86,34 @@ class Trainer(transformers.Trainer):
                 f"({', '.join(data_axes)}); it takes at most one data-parallel axis (flatten them into one)"
             )
         self._hp_data_axis = data_axes[0] if data_axes else None
-        super().__init__(model, *args, **kwargs)
-        # read by Trainer.get_tp_size: the ranks that share one batch. Set after the Accelerator is made, which
-        # would otherwise build a ParallelismConfig from it (refused on the CPU; see the module docstring).
-        self.model._tp_size = found.size(found.plan_axes)
-        # instance attribute: Accelerator.prepare (the Trainer's dataloaders) calls it for every DataLoader
-        self.accelerator.prepare_data_loader = self._prepare_data_loader_over_dp
+        if args:
+            args = (_on_the_mesh_device(args[0], found), *args[1:])
+        else:
+            kwargs["args"] = _on_the_mesh_device(kwargs.get("args"), found)
+        with _transformers_tp_hidden(model):
+            super().__init__(model, *args, **kwargs)
+        # hpgen owns placement and gradient reduction, not transformers' load-time sharding (whose path would
+        # broadcast rank 0's plain tensors, hpgen's shards among them)
+        self.is_distributed_loading_by_transformers = False
+        # instance attributes: Accelerator.prepare (the Trainer's dataloaders) calls prepare_data_loader for every
+        # DataLoader; prepare_model, given a parallelized model, refuses anyone but this Trainer
+        accelerator = self.accelerator
+        accelerator.prepare_data_loader = self._prepare_data_loader_over_dp
+        accelerator.prepare = _as_hpgen_trainer(accelerator, accelerator.prepare)
+        accelerator.prepare_model = _as_hpgen_trainer(accelerator, accelerator.prepare_model)
+        accelerator.gather_for_metrics = self._gather_for_metrics_over_dp
+        # transformers bound the original to gather_function already (and binds accelerator's again after each loop)
+        self.gather_function = functools.partial(
+            self._gather_for_metrics_over_dp, use_gather_object=self.args.eval_use_gather_object
+        )
 
     # ---- data and model ---------------------------------------------------------------
+
+    def get_tp_size(self) -> int:
+        """The ranks that share one batch (the plan axes' size), which transformers reads to scale the loss and count
+        the batch. Answered here rather than set as the model's ``_tp_size``, which transformers' Trainer and
+        accelerate would read as their own tensor parallelism (``ParallelismConfig``) in a later Trainer."""
+        return self._hp_mesh.size(self._hp_mesh.plan_axes)
 
     @property
     def data_parallel_size(self) -> int:
@@ -129,6 +157,29 @@ class Trainer(transformers.Trainer):
         )
         accelerator._dataloaders.append(prepared)
         return prepared
+
+    def _gather_for_metrics_over_dp(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """accelerate's ``gather_for_metrics`` over the data-parallel ranks only: the ranks of a tensor-parallel group
+        evaluate the same batch, so gathering over every rank would repeat each prediction once per rank of it."""
+        from accelerate.utils import recursively_apply
+
+        accelerator = self.accelerator
+        try:
+            recursively_apply(lambda x: x, input_data, error_on_other_type=True)
+            all_tensors = True
+        except TypeError:
+            all_tensors = False
+        group = self._hp_mesh.mesh.get_group(self._hp_data_axis) if self._hp_data_axis else None
+        if use_gather_object or not all_tensors:
+            data = _gather_objects(input_data, group)
+        else:
+            data = recursively_apply(lambda tensor: _gather_tensor(tensor, group), input_data)
+        state = accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:  # the last batch was padded with repeated samples
+            if use_gather_object or not all_tensors:
+                return data[: state.remainder]
+            return recursively_apply(lambda tensor: tensor[: state.remainder], data)
+        return data
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         """DDP on the data-parallel axis only (none when FSDP2 owns it or it is absent), then accelerate's
@@ -243,6 +294,104 @@ class Trainer(transformers.Trainer):
             from hpgen.runtime import reseed_random_streams
 
             reseed_random_streams(_hpgen_model(self.model), *saved["streams"])
+
+
+def _on_the_mesh_device(args: Any, mesh: MeshAxes) -> Any:
+    """The training arguments with accelerate's state set up for the mesh's devices, checked against the world.
+
+    On the CPU, ``TrainingArguments()`` as constructed leaves accelerate seeing one process (it
+    looks for a distributed CPU run only with ``use_cpu=True``), and transformers then scales the
+    loss by ``1 // tp`` (zero). A mesh on the CPU is such a run: a copy of ``args`` with ``use_cpu``
+    set makes accelerate see it. Wherever accelerate still counts other than the world (torch's
+    process group made without torchrun's environment, a pre-configured accelerate state), every
+    rank stops here, before the model is touched, with the same message.
+    """
+    import copy
+
+    import torch.distributed as dist
+
+    if args is None:
+        args = transformers.TrainingArguments(output_dir="tmp_trainer")  # what transformers' Trainer makes
+    if mesh.mesh.device_type == "cpu" and not args.use_cpu:
+        args = copy.copy(args)
+        for cached in ("_setup_devices", "distributed_state", "_n_gpu"):
+            args.__dict__.pop(cached, None)
+        args.use_cpu = True
+        args.dataloader_pin_memory = False  # what TrainingArguments sets with use_cpu
+        args.device  # accelerate's state, made again
+    mine = (args.world_size, args.process_index, args.device.type)
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, mine)
+    expected = [(len(seen), rank, mesh.mesh.device_type) for rank in range(len(seen))]
+    if [(count, index, device) for count, index, device in seen] != expected:
+        wrong = [(rank, view) for rank, view in enumerate(seen) if view != expected[rank]]
+        rank, (count, index, device) = wrong[0]
+        raise RuntimeError(
+            f"hpgen.runtime.trainer.Trainer: accelerate sees {count} process(es) on rank {rank} (as index {index}, "
+            f"device {device}) where torch.distributed has {len(seen)} ranks on a {mesh.mesh.device_type} mesh "
+            f"({len(wrong)} of {len(seen)} ranks disagree). transformers would scale the loss and shard the data by "
+            "accelerate's count, so training is stopped before it starts. Launch with torchrun (accelerate reads its "
+            "RANK, WORLD_SIZE and LOCAL_RANK), and do not pre-configure accelerate's state (use_configured_state) "
+            "differently from the mesh"
+        )
+    return args
+
+
+@contextlib.contextmanager
+def _transformers_tp_hidden(model: nn.Module) -> Iterator[None]:
+    """transformers' own tensor-parallel markers (``_tp_size``, which a previous hpgen Trainer sets, and load-time
+    sharding's flag) hidden while the Trainer builds its accelerator: they would ask accelerate for its own
+    tensor parallelism (``ParallelismConfig``), which does not know hpgen's shards."""
+    hidden = {"_tp_size": None, "_is_distributed_loading_by_transformers": False}
+    holders = [model, _hpgen_model(model)]
+    saved = [(holder, {name: holder.__dict__[name] for name in hidden if name in holder.__dict__}) for holder in holders]
+    for holder in holders:
+        holder.__dict__.update(hidden)
+    try:
+        yield
+    finally:
+        for holder, values in saved:
+            for name in hidden:
+                holder.__dict__.pop(name, None)
+            holder.__dict__.update(values)
+
+
+def _as_hpgen_trainer(accelerator: Any, prepare: Any) -> Any:
+    """``accelerator.prepare`` or ``prepare_model`` that may prepare a parallelized model (see ``AccelerateCheck``)."""
+
+    def prepared(*objects: Any, **kwargs: Any) -> Any:
+        with prepared_by_hpgen_trainer(accelerator):
+            result = prepare(*objects, **kwargs)
+        for obj in (*objects, *(result if isinstance(result, tuple) else (result,))):
+            if isinstance(obj, nn.Module):
+                AccelerateCheck.restore(obj, accelerator)
+        return result
+
+    return prepared
+
+
+def _gather_tensor(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """``tensor`` of each rank of ``group`` concatenated along dim 0 (a 0-d tensor counts as one row)."""
+    import torch.distributed as dist
+
+    tensor = tensor.reshape(1) if tensor.ndim == 0 else tensor
+    if group is None:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def _gather_objects(data: Any, group: Any) -> list[Any]:
+    """The lists of each rank of ``group`` concatenated, as accelerate's ``gather_object``."""
+    import torch.distributed as dist
+
+    items = data if isinstance(data, list) else [data]
+    if group is None:
+        return list(items)
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, items, group=group)
+    return [item for part in every for item in part]
 
 
 def _hpgen_model(model: nn.Module) -> nn.Module:

@@ -38,8 +38,16 @@ class Run:
     resume: str = ""  # the name of a saved run: a fresh model resumes its checkpoint-2
     # "hpgen": hpgen.runtime.trainer.Trainer; "stock": transformers.Trainer; "accelerate": Accelerator().prepare;
     # "ddp, ignore list replaced": DistributedDataParallel(model) after the user replaced hpgen's ignore list;
-    # "hpgen, another mesh": hpgen's Trainer resuming ``resume``'s checkpoint, written on another mesh
+    # "hpgen, another mesh": hpgen's Trainer resuming ``resume``'s checkpoint, written on another mesh;
+    # "hpgen, no torchrun environment": hpgen's Trainer where accelerate cannot see the distributed run
     loop: str = "hpgen"
+    # how the stock loops are set up: "use_cpu" (TrainingArguments(use_cpu=True), Accelerator(cpu=True)), "tp
+    # attributes" (the model presents transformers' tensor-parallel size and DistributedConfig), "loaded sharded"
+    # (the model presents transformers' load-time sharding flag), "ParallelismConfig" (accelerate's tensor-parallel
+    # preparation, its state faked on the CPU); "": their defaults
+    variant: str = ""
+    defaults: bool = False  # TrainingArguments(output_dir) as constructed, nothing else: 3 epochs, logged at the end
+    evaluate: bool = False  # trainer.evaluate() on an eval set of 10 (a remainder: 10 = 8 + 2) before and after
     check_inputs: bool = True  # parallelize's input check
     generated: str = ""  # the generated file (lowered by the parent)
     plan: dict = field(default_factory=dict)
@@ -80,23 +88,34 @@ def lora_config() -> Any:
     return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS)
 
 
-def arguments(output_dir: str, per_device: int, save: bool) -> Any:
+EVAL_SAMPLES = 10
+
+
+def eval_dataset() -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(12)
+    ids = torch.randint(0, 127, (EVAL_SAMPLES, SEQ), generator=generator)
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def arguments(output_dir: str, per_device: int, save: bool, defaults: bool = False, **more: Any) -> Any:
+    """The run's TrainingArguments: what defines it (steps, batch, learning rate, clipping below the gradient norm, a
+    log per step, saves), everything else as transformers constructs it (no use_cpu: the CPU run is found as is);
+    with ``defaults``, only the output folder."""
     from transformers import TrainingArguments
 
+    if defaults:
+        return TrainingArguments(output_dir=output_dir, **more)
     return TrainingArguments(
         output_dir=output_dir,
         max_steps=STEPS,
         per_device_train_batch_size=per_device,
+        per_device_eval_batch_size=per_device,
         learning_rate=3e-3,
         max_grad_norm=MAX_GRAD_NORM,
         logging_steps=1,
         save_strategy="steps" if save else "no",
         save_steps=2,
-        report_to=[],
-        disable_tqdm=True,
-        use_cpu=True,
-        seed=5,
-        dataloader_drop_last=True,
+        **more,
     )
 
 
@@ -143,10 +162,16 @@ def reference(rank: int, world_size: int, runs: list[Run], workdir: str) -> dict
         model = reference_model(run.kv_heads, bool(run.lora))
         recorder = _Recorder()
         output = str(Path(workdir) / f"reference-{key}")
-        trainer = Trainer(model=model, args=arguments(output, BATCH, save=True), train_dataset=dataset(), callbacks=[recorder])
-        trainer.train()
-        result = {"steps": dict(recorder.steps), "weights": _weights(model)}
-        if not run.lora:  # the step-2 checkpoint as plain transformers loads it
+        args = arguments(output, BATCH, save=not run.defaults, defaults=run.defaults)
+        trainer = Trainer(
+            model=model, args=args, train_dataset=dataset(), eval_dataset=eval_dataset(), callbacks=[recorder]
+        )
+        before = trainer.evaluate() if run.evaluate else None
+        trained = trainer.train()
+        result = {"steps": dict(recorder.steps), "weights": _weights(model), "training_loss": trained.training_loss}
+        if run.evaluate:
+            result["evaluated"] = (before["eval_loss"], trainer.evaluate()["eval_loss"], _predictions(trainer))
+        if not run.lora and not run.defaults:  # the step-2 checkpoint as plain transformers loads it
             saved = LlamaForCausalLM.from_pretrained(str(Path(output) / "checkpoint-2"))
             result["checkpoint_2"] = {name: value.clone() for name, value in saved.state_dict().items()}
         results[key] = result
@@ -154,7 +179,13 @@ def reference(rank: int, world_size: int, runs: list[Run], workdir: str) -> dict
 
 
 def reference_key(run: Run) -> str:
-    return f"kv{run.kv_heads}{'-lora' if run.lora else ''}"
+    return f"kv{run.kv_heads}{'-lora' if run.lora else ''}{'-defaults' if run.defaults else ''}"
+
+
+def _predictions(trainer: Any) -> Any:
+    """trainer.predict's logits and labels on the eval set (gathered as transformers gathers them for metrics)."""
+    output = trainer.predict(eval_dataset())
+    return torch.as_tensor(output.predictions), torch.as_tensor(output.label_ids)
 
 
 def _torchrun_environment(rank: int, world_size: int) -> None:
@@ -219,7 +250,14 @@ def parallel(rank: int, world_size: int, runs: list[Run], workdir: str) -> dict[
     for run in runs:
         mesh = meshes.get((run.dp, run.tp)) or meshes.setdefault((run.dp, run.tp), _mesh(run))
         model = parallel_model(run, mesh)
-        result = _train(run, model, workdir) if run.loop == "hpgen" else _refused(run, model, workdir, rank)
+        if run.loop == "hpgen, no torchrun environment":  # torch.distributed as the spawner made it, and nothing else
+            saved = {name: os.environ.pop(name) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+            try:
+                result = _refused(run, model, workdir, rank)
+            finally:
+                os.environ.update(saved)
+        else:
+            result = _train(run, model, workdir) if run.loop == "hpgen" else _refused(run, model, workdir, rank)
         if rank == 0:
             results[run.name] = result
     return results
@@ -230,11 +268,13 @@ def _train(run: Run, model: Any, workdir: str) -> dict[str, Any]:
 
     recorder = _Recorder()
     output = str(Path(workdir) / (run.resume or run.name))
-    trainer = Trainer(
-        model=model, args=arguments(output, BATCH // run.dp, run.save), train_dataset=dataset(), callbacks=[recorder]
-    )
-    trainer.train(resume_from_checkpoint=str(Path(output) / "checkpoint-2") if run.resume else None)
-    result = {"steps": dict(recorder.steps), "weights": _full_weights(model)}
+    args = arguments(output, BATCH // run.dp, run.save, defaults=run.defaults)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset(), eval_dataset=eval_dataset(), callbacks=[recorder])
+    before = trainer.evaluate() if run.evaluate else None
+    trained = trainer.train(resume_from_checkpoint=str(Path(output) / "checkpoint-2") if run.resume else None)
+    result = {"steps": dict(recorder.steps), "weights": _full_weights(model), "training_loss": trained.training_loss}
+    if run.evaluate:
+        result["evaluated"] = (before["eval_loss"], trainer.evaluate()["eval_loss"], _predictions(trainer))
     if run.save:
         result["checkpoint_2"] = str(Path(output) / "checkpoint-2")
     return result
@@ -248,9 +288,22 @@ def _refused(run: Run, model: Any, workdir: str, rank: int) -> dict[str, Any]:
     from torch.utils.data import DataLoader
 
     error = None
+    cpu = run.variant.endswith("use_cpu")
+    if run.variant.startswith("tp attributes"):  # what transformers' from_pretrained(distributed_config=...) leaves
+        from transformers.distributed import DistributedConfig
+
+        model._tp_size = run.tp
+        model.config.distributed_config = DistributedConfig(tp_size=run.tp)
+    if run.variant == "loaded sharded":
+        model._is_distributed_loading_by_transformers = True
     try:
         if run.loop == "stock":
             from transformers import Trainer
+
+            args = arguments(str(Path(workdir) / run.name), BATCH, False, **({"use_cpu": True} if cpu else {}))
+            Trainer(model=model, args=args, train_dataset=dataset()).train()
+        elif run.loop == "hpgen, no torchrun environment":
+            from hpgen.runtime.trainer import Trainer
 
             Trainer(model=model, args=arguments(str(Path(workdir) / run.name), BATCH, False), train_dataset=dataset()).train()
         elif run.loop == "hpgen, another mesh":  # resume a checkpoint written on another mesh
@@ -273,19 +326,78 @@ def _refused(run: Run, model: Any, workdir: str, rank: int) -> dict[str, Any]:
         else:
             from accelerate import Accelerator
 
-            accelerator = Accelerator(cpu=True)
+            accelerator = Accelerator(cpu=cpu)
+            if run.variant == "ParallelismConfig":  # accelerate's tensor-parallel preparation (its GPU path), faked
+                from accelerate import ParallelismConfig
+
+                accelerator.state.parallelism_config = ParallelismConfig(tp_size=run.tp)  # reset below
             optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
             loader = DataLoader(dataset(), batch_size=BATCH)
             wrapped, optimizer, loader = accelerator.prepare(model, optimizer, loader)
             for batch in loader:
                 accelerator.backward(wrapped(**batch).loss)
+                accelerator.clip_grad_norm_(wrapped.parameters(), MAX_GRAD_NORM)
                 optimizer.step()
                 break
     except Exception as caught:  # noqa: BLE001 - the test reads the message
         error = f"{type(caught).__name__}: {caught}"
+    if run.variant == "ParallelismConfig":
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState().parallelism_config = None  # accelerate's state is the process's: the next run's is its own
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     initial = reference_model(run.kv_heads, lora=False).state_dict()
     weights = _full_weights(model)
     drift = max((weights[name] - initial[name]).abs().max().item() for name in initial) if rank == 0 else None
     return {"errors": errors, "drift": drift}
+
+
+def ddp_over_three_of_four(rank: int, world_size: int, run: Run, workdir: str) -> dict[str, Any]:
+    """Rank body (4 ranks, dp 2 x tp 2): ``DistributedDataParallel(model, process_group=<ranks 0, 1, 2>)`` on ranks
+    0-2 (rank 3 is outside it). The tp group {0, 1} lies inside that DDP; {2, 3} has one rank in it. Every rank of the
+    DDP must decide alike (refuse) and none wait in a collective the others skip. Returns every rank's error and how
+    far rank 0's weights moved (rank 0)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    mesh = _mesh(run)
+    model = parallel_model(run, mesh)
+    subset = dist.new_group([0, 1, 2])  # every rank makes every group
+    error = None
+    if rank in (0, 1, 2):
+        batch = torch.stack([row["input_ids"] for row in dataset()[:BATCH]])
+        try:
+            DistributedDataParallel(model, process_group=subset)(input_ids=batch, labels=batch)
+        except Exception as caught:  # noqa: BLE001 - the test reads the message
+            error = f"{type(caught).__name__}: {caught}"
+    errors = [None] * world_size
+    dist.all_gather_object(errors, error)
+    initial = reference_model(run.kv_heads, lora=False).state_dict()
+    weights = _full_weights(model)
+    drift = max((weights[name] - initial[name]).abs().max().item() for name in initial) if rank == 0 else None
+    return {"errors": errors, "drift": drift}
+
+
+def docs_block(rank: int, world_size: int, folder: str) -> str:
+    """Rank body: docs/training.md's Trainer block, written to ``folder/finetune.py``, run there as under torchrun."""
+    import sys
+
+    from tests.scripts.test_examples import _as_under_torchrun
+
+    os.chdir(folder)  # the block reads ckpt/ and plan.json and writes out/ where it is run
+    sys.path.insert(0, folder)  # and imports modeling_llama_tp from there
+    return _as_under_torchrun(rank, world_size, "finetune.py")
+
+
+def docs_reference(rank: int, world_size: int, folder: str, arguments: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Rank body (world 1): the block's training, a stock Trainer on the unsharded checkpoint in one process, with the
+    block's data and ``arguments`` (as the block writes them); returns the final weights."""
+    from transformers import LlamaForCausalLM, Trainer, TrainingArguments
+
+    full = LlamaForCausalLM.from_pretrained(str(Path(folder) / "ckpt"))
+    rows = torch.randint(0, full.config.vocab_size, (64, 32), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": row, "labels": row} for row in rows]
+    args = TrainingArguments(**{**arguments, "output_dir": str(Path(folder) / "reference")})
+    Trainer(model=full, args=args, train_dataset=data).train()
+    return {name: value.detach().clone() for name, value in full.state_dict().items()}

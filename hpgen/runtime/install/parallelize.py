@@ -95,7 +95,7 @@ from hpgen.runtime.install.params import Matched, ParamShard, shard_params, surv
 from hpgen.runtime.install.replaced_stubs import refuse_replaced_stubs
 from hpgen.runtime.install.summed import SummedBlock, branch_fqns, survey_summed
 from hpgen.runtime.install.tuners import peft_base_model, resolve_tuner_names
-from hpgen.runtime.install.wrapped import DataParallelCheck, KeptFromDDP, MeshAxes
+from hpgen.runtime.install.wrapped import DataParallelCheck, KeptFromDDP, MeshAxes, install_accelerate_check
 from hpgen.runtime.pipeline.attach import install_stage
 from hpgen.runtime.pipeline.relay import install_relay
 from hpgen.runtime.pipeline.stages import StageCut, refuse_axes, survey_stage
@@ -356,8 +356,9 @@ class Survey:
         if groups:  # a DDP over these ranks would overwrite shards: kept from them, and refused at its first
             # forward, before the input check (whose error such a DDP's data sharding would otherwise raise)
             listed = getattr(model, "_ddp_params_and_buffers_to_ignore", ())
-            model._ddp_params_and_buffers_to_ignore = KeptFromDDP(groups, listed)
-            model.register_forward_pre_hook(DataParallelCheck(groups))
+            model._ddp_params_and_buffers_to_ignore = KeptFromDDP(groups, mesh, listed)
+            model.register_forward_pre_hook(DataParallelCheck(groups, mesh))
+            install_accelerate_check(model)  # a stock Trainer or Accelerator().prepare(model): refused at prepare
         checked = plan.mesh_dim_names if checked is None else tuple(checked)
         checked_groups = [(axis, group) for axis, group in groups if axis in checked]
         if checked_groups:

@@ -20,15 +20,30 @@ data is sharded over ranks that must see the same batch. Two guards:
   ``check_inputs=False``), stops the first forward run inside such a DDP, before any optimizer
   step, with the same error on every rank: it names the fix and says whether the shards were
   overwritten (it compares a digest of each sharded parameter across the DDP's ranks).
+
+Both decide from every group of the plan's axes, read from the mesh (the same on every rank),
+not from this rank's own: a DDP over some ranks of the world (a subgroup) then makes the same
+decision on each of its ranks, so none is left in a collective the others skip.
+
+A stock ``transformers.Trainer`` or ``Accelerator().prepare(model)`` is wrong even where no DDP
+is built (accelerate sees one process on the CPU without ``use_cpu``, or the model presents
+transformers' tensor-parallel attributes): it clips by each rank's local norm, which moves the
+replicated weights apart, and scales the loss by its own process count. Every such loop hands
+the model to accelerate's ``Accelerator.prepare_model``, whose first act is to test
+``model._is_accelerate_prepared``: :class:`AccelerateCheck` is that attribute, and its truth
+test refuses, on every rank alike, before anything is moved or stepped, unless
+``hpgen.runtime.trainer.Trainer`` is the one preparing (:func:`prepared_by_hpgen_trainer`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+import sys
+import weakref
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import sys
 
 import torch.distributed as dist
 from torch import nn
@@ -38,7 +53,15 @@ from torch.nn.parallel import DistributedDataParallel
 from hpgen.runtime.forward.handback import all_gather_object
 from hpgen.runtime.install.inputs import _tensor_digest
 
-__all__ = ["DataParallelCheck", "KeptFromDDP", "MeshAxes", "mesh_axes_of"]
+__all__ = [
+    "AccelerateCheck",
+    "DataParallelCheck",
+    "KeptFromDDP",
+    "MeshAxes",
+    "install_accelerate_check",
+    "mesh_axes_of",
+    "prepared_by_hpgen_trainer",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,19 +108,33 @@ def _spanned(groups: Sequence[tuple[str, tuple[int, ...]]], ranks: Sequence[int]
     return [(axis, members) for axis, members in groups if len(set(members) & set(ranks)) > 1]
 
 
-def _member_ranks(groups: Sequence[tuple[str, Any]]) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    return tuple((axis, tuple(dist.get_process_group_ranks(group))) for axis, group in groups)
+def _every_group(groups: Sequence[tuple[str, Any]], mesh: DeviceMesh) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Every group of each plan axis (global ranks), not only this rank's: read from the mesh, so that every rank
+    of a DDP decides alike whether it spans one (an axis that is not one of the mesh's dimensions: this rank's)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    found: list[tuple[str, tuple[int, ...]]] = []
+    for axis, group in groups:
+        if axis in names:
+            dim = names.index(axis)
+            rows = mesh.mesh.movedim(dim, -1).reshape(-1, mesh.mesh.shape[dim]).tolist()
+            found += [(axis, tuple(row)) for row in rows]
+        else:
+            found.append((axis, tuple(dist.get_process_group_ranks(group))))
+    return tuple(found)
 
 
 class KeptFromDDP:
     """``model._ddp_params_and_buffers_to_ignore``: the sharded parameters, for a DDP spanning a plan axis."""
 
-    def __init__(self, groups: Sequence[tuple[str, Any]], listed: Sequence[str] = ()) -> None:
-        self.groups = _member_ranks(groups)
+    def __init__(self, groups: Sequence[tuple[str, Any]], mesh: DeviceMesh, listed: Sequence[str] = ()) -> None:
+        self.groups = _every_group(groups, mesh)
         self.listed = tuple(listed)  # what the user had set before parallelize
 
     def __iter__(self) -> Any:
-        caller = sys._getframe(1).f_locals  # DistributedDataParallel.__init__, reading the list
+        # DistributedDataParallel.__init__, reading the list. torch offers no public way to learn which DDP (which
+        # process group) is reading a module's ignore list, and the answer differs per DDP: the caller's frame is the
+        # only place it is found (where it is not, the user's own list is all that is named)
+        caller = sys._getframe(1).f_locals
         ddp, module = caller.get("self"), caller.get("module")
         names = list(self.listed)
         if isinstance(ddp, DistributedDataParallel) and isinstance(module, nn.Module):
@@ -115,8 +152,8 @@ class KeptFromDDP:
 class DataParallelCheck:
     """Forward pre-hook of the model: refuse to run inside a DDP whose ranks share a plan-axis group."""
 
-    def __init__(self, groups: Sequence[tuple[str, Any]]) -> None:
-        self.groups = _member_ranks(groups)
+    def __init__(self, groups: Sequence[tuple[str, Any]], mesh: DeviceMesh) -> None:
+        self.groups = _every_group(groups, mesh)
         self.allowed: set[int] = set()  # id() of DDPs already found to span no plan axis
 
     def __call__(self, module: nn.Module, args: Any) -> None:
@@ -150,7 +187,7 @@ def _overwritten(module: nn.Module, ddp: DistributedDataParallel, spanned: Seque
             digests = [every[position].get(name) for position in inside]
             if len(set(digests)) < len(digests):
                 overwritten.add(name)
-    # each rank checked its own groups: the union, so that every rank raises the same error
+    # the union of what each rank found, so that every rank raises the same error
     return sorted(set().union(*all_gather_object(sorted(overwritten), ddp.process_group)))
 
 
@@ -177,4 +214,89 @@ def _message(
         "clipping by the whole model's norm), or in your own loop: DistributedDataParallel(model, "
         "process_group=mesh.get_group('dp')) on the data-parallel axis only, and hpgen.runtime.clip_grad_norm_ "
         "instead of torch.nn.utils.clip_grad_norm_."
+    )
+
+
+_PREPARING: contextvars.ContextVar[Any] = contextvars.ContextVar("hpgen_trainer_preparing", default=None)
+
+
+@contextlib.contextmanager
+def prepared_by_hpgen_trainer(accelerator: Any) -> Iterator[None]:
+    """While ``hpgen.runtime.trainer.Trainer``'s own accelerator prepares a model, :class:`AccelerateCheck` lets it."""
+    token = _PREPARING.set(accelerator)
+    try:
+        yield
+    finally:
+        _PREPARING.reset(token)
+
+
+class AccelerateCheck:
+    """``model._is_accelerate_prepared`` of a parallelized model: refuses a stock accelerate preparation.
+
+    accelerate's ``prepare_model`` tests this attribute's truth before it moves, wraps or records the
+    model, in every configuration (DDP or none, ``ParallelismConfig``, evaluation only). There is no
+    public hook on accelerate's preparation; this attribute is the one thing every path reads first.
+    Inside :func:`prepared_by_hpgen_trainer` it answers whether that accelerator has prepared the model
+    already (accelerate's own meaning); anywhere else it raises, the same message on every rank, since
+    every rank prepares alike.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.prepared: weakref.WeakSet = weakref.WeakSet()  # the hpgen Trainers' accelerators that have
+
+    def __bool__(self) -> bool:
+        accelerator = _PREPARING.get()
+        if accelerator is None:
+            raise RuntimeError(_accelerate_message(self.model_name))
+        return accelerator in self.prepared
+
+    def __deepcopy__(self, memo: dict) -> AccelerateCheck:
+        return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"model_name": self.model_name}  # a pickled model: the accelerators it was prepared by are not kept
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["model_name"])
+
+    @staticmethod
+    def restore(model: nn.Module, accelerator: Any) -> None:
+        """After ``accelerator`` prepared ``model``: the check back where accelerate set ``_is_accelerate_prepared =
+        True`` (the parallelized model, or a wrapper of it), recording that this accelerator has prepared it."""
+        seen = model
+        for _ in range(8):
+            seen.__dict__.pop("_is_accelerate_prepared", None)
+            check = seen.__dict__.get("_hp_accelerate_check")
+            if isinstance(check, AccelerateCheck):
+                check.prepared.add(accelerator)
+                seen.__dict__["_is_accelerate_prepared"] = check
+                return
+            if isinstance(seen, DistributedDataParallel):
+                seen = seen.module
+            elif hasattr(seen, "get_base_model"):  # peft's PeftModel
+                seen = seen.get_base_model()
+            elif isinstance(getattr(seen, "_orig_mod", None), nn.Module):  # torch.compile's wrapper
+                seen = seen._orig_mod
+            else:
+                return
+
+
+def install_accelerate_check(model: nn.Module) -> None:
+    """Make ``model._is_accelerate_prepared`` an :class:`AccelerateCheck` (kept also as ``_hp_accelerate_check``)."""
+    check = AccelerateCheck(type(model).__name__)
+    model.__dict__["_hp_accelerate_check"] = check
+    model.__dict__["_is_accelerate_prepared"] = check
+
+
+def _accelerate_message(model_name: str) -> str:
+    return (
+        f"hpgen: {model_name} was handed to accelerate's Accelerator.prepare (what a stock transformers.Trainer does, "
+        "and Accelerator().prepare(model)). Neither knows the model is parallelized: they clip by each rank's own "
+        "gradient norm (the replicated weights move apart), scale the loss by their own process count, and shard the "
+        "data over ranks that must see the same batch, or wrap the model in DDP over them. Nothing was moved and no "
+        "optimizer step was taken.\nTrain it with hpgen.runtime.trainer.Trainer (transformers' Trainer, same "
+        "constructor: DDP or FSDP2 on the data-parallel mesh axis only, data sharded over those ranks, clipping by the "
+        "whole model's norm), or in your own loop leave the model out of accelerator.prepare and use "
+        "hpgen.runtime.clip_grad_norm_ instead of torch.nn.utils.clip_grad_norm_."
     )
