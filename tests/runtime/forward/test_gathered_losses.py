@@ -28,7 +28,10 @@ TWO_RANKS = {
     "ep 2 + attn-dp": ("qwen3_moe", (("ep", 2),), dict(ep=2, attn_dp=True)),
     "tp 2, uneven heads": ("llama", (("tp", 2),), dict(tp=2, config=UNEVEN)),
 }
-FOUR_RANKS = {"cp 2 x tp 2": ("llama", (("cp", 2), ("tp", 2)), dict(cp=2, tp=2))}
+FOUR_RANKS = {
+    "cp 2 x tp 2": ("llama", (("cp", 2), ("tp", 2)), dict(cp=2, tp=2)),
+    "cp 2 x tp 2 + sp": ("llama", (("cp", 2), ("tp", 2)), dict(cp=2, tp=2, sp=True)),
+}
 
 
 def _plan(family: str, attn_dp: bool = False, config: dict | None = None, **flags: Any) -> dict[str, Any]:
