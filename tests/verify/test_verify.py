@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.verify_corpus import CORRECT, CORRECT_TINY, WRONG, tiny_written_plan, written_plan
+from tests.support.verify_corpus import CORRECT, CORRECT_TINY, EAGER, WRONG, tiny_written_plan, written_plan
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,6 +36,11 @@ def verdicts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         prepare(tiny_written_plan(model_type, **dict(flags)), folder / name, model=model_type, name=name)
         for name, (model_type, flags) in CORRECT_TINY.items()
     ]
+    for name in EAGER:
+        model_type, flags = CORRECT[name]
+        case = prepare(written_plan(model_type, **dict(flags)), folder / f"{name}_eager", model=model_type, name=f"{name}_eager")
+        case.config._attn_implementation = "eager"  # (the config object travels with the case)
+        cases.append(case)
     found = {}
     for verdict in verify_many(cases, progress=False):
         located = None if verdict.exact else finding(verdict, planner_plan(verdict))
@@ -43,7 +48,7 @@ def verdicts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return found
 
 
-@pytest.mark.parametrize("name", sorted({**CORRECT, **CORRECT_TINY}))
+@pytest.mark.parametrize("name", sorted([*CORRECT, *CORRECT_TINY, *(f"{name}_eager" for name in EAGER)]))
 def test_written_plans_are_exact(verdicts: dict[str, Any], name: str) -> None:
     verdict, located = verdicts[name]
     assert verdict.exact, located["message"] if located else verdict
@@ -69,6 +74,8 @@ def test_wrong_plans_are_caught_and_located(verdicts: dict[str, Any], name: str)
     assert located["fqn"] in message and located["cls"] in message
     if wrong.entry is not None:
         assert located["entry"] == wrong.entry, message
+    if not wrong.planner:
+        return
     # the planner reads the source otherwise, and says what it would declare
     assert located.get("planner"), message
     assert "hpgen plan would declare" in message, message
