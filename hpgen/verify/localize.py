@@ -280,7 +280,8 @@ def gathered(
 
     ``declared``: the (axis, dim) a boundary's output is declared sharded on; a shape its
     layout does not explain gives :data:`_MISSHAPEN`. Off boundaries (None) any axis whose
-    shards add up to the reference's size is gathered.
+    shards add up to the reference's size is gathered; on a boundary, a dim declared sharded
+    on several axes is gathered over each, the innermost first.
     """
     value = local.detach().float().contiguous()
     for axis, op in partial:
@@ -318,6 +319,14 @@ def gathered(
 
             whole = whole.index_select(dim, HeadTail(whole.size(dim), len(sizes), 0, whole.device).restore)
         return whole
+    # a boundary's dim declared sharded on several axes (cp x tp with --sp: cp cuts the sequence, tp each
+    # cp rank's tokens): gather the innermost of them, then the rest (every rank takes the same branch)
+    axes = [axis for axis in mesh.mesh_dim_names if any(a == axis and d % ref.dim() == dim for a, d in declared or ())]
+    if len(axes) > 1:
+        group = mesh.get_group(axes[-1])
+        sizes = [int(table[member][dim]) for member in dist.get_process_group_ranks(group)]
+        inner = _gather_uneven(value, dim, sizes, group)
+        return gathered(inner, ref, [], mesh, {(a, d) for a, d in declared if a != axes[-1]})
     return misshapen
 
 

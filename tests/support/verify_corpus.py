@@ -104,6 +104,7 @@ def _no_divide(entries: dict[str, Any]) -> None:
 
 SP = (("sp", True),)
 CP = (("cp", 2), ("tp", None))  # hpgen plan --cp 2
+CP_TP_SP = (("cp", 2), ("sp", True))  # hpgen plan --cp 2 --tp 2 --sp: 4 ranks
 ATTN_DP = (("ep", 2), ("tp", None), ("attn_dp", True))  # hpgen plan --ep 2 --attn-dp
 
 
@@ -163,6 +164,9 @@ WRONG: dict[str, Wrong] = {
                                entry="model.layers.*.self_attn", planner=False),
     # context parallelism: each rank's weight gradients come from its tokens only, never summed over cp
     "cp_missing_grad_reduce": Wrong("llama", _drop_grad_reduce("model.layers."), "model.layers.", "backward", CP),
+    # the same at cp 2 x tp 2 with --sp: the stream cut on both axes, gathered over tp, then cp, to be compared
+    "cp_tp_sp_missing_grad_reduce": Wrong("llama", _drop_grad_reduce("model.layers."), "model.layers.", "backward",
+                                          CP_TP_SP, planner=False),
 }
 
 # what `hpgen plan` writes, verified exact: (model type, flags)
@@ -182,6 +186,7 @@ CORRECT: dict[str, tuple[str, tuple[tuple[str, Any], ...]]] = {
     "qwen3_moe_attn_dp": ("qwen3_moe", ATTN_DP),
     "llama_cp": ("llama", CP),
     "qwen3_cp_tp": ("qwen3", (("cp", 2),)),  # cp 2 x tp 2: 4 ranks
+    "llama_cp_tp_sp": ("llama", CP_TP_SP),
 }
 
 # every planner mode's plan, verified exact again with eager attention (the corpus runs sdpa, the default)
