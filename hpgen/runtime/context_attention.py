@@ -184,35 +184,42 @@ class RecomputedAttention(torch.autograd.Function):
     values for backward: backward gathers the keys and values again and recomputes the
     attention (its gradients reach the local keys and values through the gather's own
     backward, a reduce-scatter). What a rank saves is then a share of the sequence, where
-    saving the gathered keys and values (and sdpa's outputs over them) would be the whole."""
+    saving the gathered keys and values (and sdpa's outputs over them) would be the whole.
+
+    The attention call's keyword tensors that require grad (``names``, their values after
+    the fixed arguments: a learned ``position_bias``) are inputs of the Function too, so
+    they get their gradients from the recomputation; other keywords travel in ``kwargs``.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, module: nn.Module, ax: Any, layout: Any, kwargs: dict
+        ctx: Any, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, module: nn.Module, ax: Any,
+        layout: Any, kwargs: dict, names: tuple[str, ...], *tensors: Tensor,
     ) -> Tensor:
         gathered = module.__dict__.pop("_hp_cp_gathered", None)
         with torch.no_grad():
             if gathered is None:
                 gathered = (ax.all_gather(key, 2, total=layout.n), ax.all_gather(value, 2, total=layout.n))
-            out = _sdpa_core(module, query, *gathered, mask, kwargs)
-        ctx.save_for_backward(query, key, value, mask)
-        ctx.context = (module, ax, layout, kwargs)
+            out = _sdpa_core(module, query, *gathered, mask, {**kwargs, **dict(zip(names, tensors))})
+        ctx.save_for_backward(query, key, value, mask, *tensors)
+        ctx.context = (module, ax, layout, kwargs, names)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        query, key, value, mask = ctx.saved_tensors
-        module, ax, layout, kwargs = ctx.context
-        inputs = [t.detach().requires_grad_(t.requires_grad) for t in (query, key, value)]
+        query, key, value, mask, *tensors = ctx.saved_tensors
+        module, ax, layout, kwargs, names = ctx.context
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in (query, key, value, *tensors)]
         with torch.enable_grad():
             module._hp_cp_layout = layout
             out = _sdpa_core(
                 module, inputs[0], ax.all_gather(inputs[1], 2, total=layout.n), ax.all_gather(inputs[2], 2, total=layout.n),
-                mask, kwargs,
+                mask, {**kwargs, **dict(zip(names, inputs[3:]))},
             )
             wanted = [t for t in inputs if t.requires_grad]
-            found = iter(torch.autograd.grad(out, wanted, grad))
-        return (*(next(found) if t.requires_grad else None for t in inputs), None, None, None, None, None)
+            found = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
+        grads = [next(found) if t.requires_grad else None for t in inputs]
+        return (*grads[:3], None, None, None, None, None, None, *grads[3:])
 
 
 def recomputed_attention(
@@ -221,7 +228,13 @@ def recomputed_attention(
     """The attention call of a cp training step (an ``AttentionInterface`` function): this rank's
     keys and values, gathered inside :class:`RecomputedAttention`."""
     layout = module._hp_cp_layout
-    return RecomputedAttention.apply(query, key, value, attention_mask, module, module._hp_cp_axis, layout, kwargs), None
+    names = tuple(name for name, v in kwargs.items() if isinstance(v, Tensor) and v.requires_grad)
+    rest = {name: v for name, v in kwargs.items() if name not in names}
+    tensors = [kwargs[name] for name in names]
+    out = RecomputedAttention.apply(
+        query, key, value, attention_mask, module, module._hp_cp_axis, layout, rest, names, *tensors
+    )
+    return out, None
 
 
 def gathered_kv_attention(module: nn.Module, *args: Any, axis: str = "cp", **kwargs: Any) -> Any:

@@ -38,9 +38,7 @@ class _LogitsState:
         self.local = False  # this forward runs the head and the loss on this rank's tokens
         self.sharded = False  # the user asked for sequence-sharded logits (shard_logits)
         self.n = 0  # the whole sequence's length in this forward
-
-    def __deepcopy__(self, memo: dict) -> _LogitsState:
-        return self
+        self.as_tuple = False  # the caller asked for a tuple (return_dict=False): made after the gather
 
 
 class _LocalLoss:
@@ -79,6 +77,8 @@ class _LocalLoss:
         return state.axis.all_reduce(loss, "sum", backward="identity")
 
     def __getattr__(self, name: str) -> Any:
+        if "loss" not in self.__dict__:  # copy.deepcopy asks for __setstate__ before filling __dict__
+            raise AttributeError(name)
         return getattr(self.__dict__["loss"], name)
 
 
@@ -89,6 +89,10 @@ def install_logits(model: nn.Module, axis: Any, plan: Any) -> None:
     weight's gradient, from a share of the tokens, summed over cp in backward); a model
     whose head the plan shards (``cp x tp``), or without a ``loss_function``, keeps the
     gathered sequence for its head and loss.
+
+    The head's forward and the model's hooks are objects holding the head and the state
+    (not closures), so ``copy.deepcopy(model)`` (a reference or EMA model) gets its own,
+    running on the copy's head.
     """
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
@@ -100,35 +104,87 @@ def install_logits(model: nn.Module, axis: Any, plan: Any) -> None:
     state = _LogitsState(axis)
     model._hp_cp_logits = state
     model.loss_function = _LocalLoss(model.loss_function, state)
-    whole_head = head.forward
+    head.forward = _LocalHead(head, state)
+    model.register_forward_pre_hook(_Begin(state), with_kwargs=True)
+    model.register_forward_hook(_End(state), with_kwargs=True, always_call=True)
 
-    def local_head(hidden: Tensor) -> Tensor:
+
+class _LocalHead:
+    """``lm_head.forward``: on a forward of the whole sequence, this rank's tokens only (the
+    weight's gradient summed over cp in backward); otherwise the head as it is."""
+
+    def __init__(self, head: nn.Linear, state: _LogitsState) -> None:
+        self.head = head
+        self.state = state
+
+    def __call__(self, hidden: Tensor) -> Tensor:
+        head, state = self.head, self.state
         if not state.local or hidden.size(1) != state.n:
-            return whole_head(hidden)
+            return nn.Linear.forward(head, hidden)
+        axis = state.axis
         bias = None if head.bias is None else axis.copy(head.bias)
         return nn.functional.linear(axis.split(hidden, 1), axis.copy(head.weight), bias)
 
-    def begin(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+
+class _Begin:
+    """Forward pre-hook: whether this forward runs the head and the loss on this rank's tokens.
+
+    A caller asking for a tuple (``return_dict=False``, or ``config.return_dict`` false)
+    gets the model's output as a ``ModelOutput`` here, so :class:`_End` finds the logits to
+    gather by name, and the tuple after that."""
+
+    def __init__(self, state: _LogitsState) -> None:
+        self.state = state
+
+    def __call__(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+        state = self.state
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             ids = kwargs.get("inputs_embeds")
         keep = kwargs.get("logits_to_keep", 0)
         whole = isinstance(keep, int) and keep == 0 and isinstance(ids, Tensor) and ids.dim() >= 2
-        state.local = bool(axis.active and whole and not torch.compiler.is_compiling())
+        state.local = bool(state.axis.active and whole and not torch.compiler.is_compiling())
         state.n = ids.size(1) if state.local else 0
+        state.as_tuple = False
+        if not state.local:
+            return None
+        asked = kwargs.get("return_dict")
+        if asked is None:
+            asked = getattr(getattr(module, "config", None), "return_dict", True)
+        if asked:
+            return None
+        state.as_tuple = True
+        return args, {**kwargs, "return_dict": True}
 
-    def end(module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> Any:
+
+class _End:
+    """Forward hook: the logits gathered along the sequence (unless sharded), the tuple if asked for.
+
+    The gather's backward is a split (each rank keeps its tokens' rows of the gradient): a
+    loss computed alike on every rank from the gathered logits hands every rank the same
+    whole gradient, and summing those copies (a reduce-scatter) would count it cp times.
+    """
+
+    def __init__(self, state: _LogitsState) -> None:
+        self.state = state
+
+    def __call__(self, module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> Any:
+        state = self.state
         if not state.local:
             return output
         state.local = False
+        as_tuple, state.as_tuple = state.as_tuple, False
+        if output is None:  # the forward raised (an always_call hook)
+            return output
         logits = getattr(output, "logits", None)
+        if logits is None and isinstance(output, tuple):
+            raise RuntimeError(
+                f"{type(module).__name__}: context parallelism: the forward returned a tuple, in which the logits "
+                "to gather along the sequence cannot be found; call it with return_dict=True"
+            )
         if logits is not None and not state.sharded:
-            output.logits = axis.all_gather(logits, 1, total=state.n)
-        return output
-
-    head.forward = local_head
-    model.register_forward_pre_hook(begin, with_kwargs=True)
-    model.register_forward_hook(end, with_kwargs=True, always_call=True)
+            output.logits = state.axis.all_gather(logits, 1, total=state.n, backward="split")
+        return output.to_tuple() if as_tuple else output
 
 
 def _state(model: nn.Module) -> _LogitsState:

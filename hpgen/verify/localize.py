@@ -7,7 +7,9 @@ backward, the order the parameters' gradients are produced in, and which module 
 when a forward raised. :func:`first_difference` then walks the sharded model's records and
 compares each with the reference's at the same point, the sharded value in its gathered
 form: a partial output (``out_dst`` ``P``) reduced over its axis, a dim shorter than the
-reference's gathered over the axis whose shards add up to it (uneven shards included).
+reference's gathered over the axis whose shards add up to it (uneven shards included; on
+the ``cp`` axis, whose ranks each hold two chunks of the sequence, put back in sequence
+order, so each rank's part is compared with that part of the reference).
 
 Every rank walks the same records in the same order, so the collectives line up. Inside a
 boundary's body values are per-rank pieces whose layout the plan does not state; they are
@@ -23,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from hpgen.context_coverage import CONTEXT_AXIS
 
 __all__ = ["Difference", "Recorder", "first_difference", "returned_as_declared", "tolerance"]
 
@@ -276,7 +280,8 @@ def gathered(
 
     ``declared``: the (axis, dim) a boundary's output is declared sharded on; a shape its
     layout does not explain gives :data:`_MISSHAPEN`. Off boundaries (None) any axis whose
-    shards add up to the reference's size is gathered.
+    shards add up to the reference's size is gathered; on a boundary, a dim declared sharded
+    on several axes is gathered over each, the innermost first.
     """
     value = local.detach().float().contiguous()
     for axis, op in partial:
@@ -308,7 +313,20 @@ def gathered(
         sizes = [int(table[member][dim]) for member in members]
         if sum(sizes) != ref.shape[dim]:
             continue
-        return _gather_uneven(value, dim, sizes, group)
+        whole = _gather_uneven(value, dim, sizes, group)
+        if axis == CONTEXT_AXIS:  # each rank holds two chunks (head-tail): put them back in sequence order
+            from hpgen.runtime.forward.context_axis import HeadTail
+
+            whole = whole.index_select(dim, HeadTail(whole.size(dim), len(sizes), 0, whole.device).restore)
+        return whole
+    # a boundary's dim declared sharded on several axes (cp x tp with --sp: cp cuts the sequence, tp each
+    # cp rank's tokens): gather the innermost of them, then the rest (every rank takes the same branch)
+    axes = [axis for axis in mesh.mesh_dim_names if any(a == axis and d % ref.dim() == dim for a, d in declared or ())]
+    if len(axes) > 1:
+        group = mesh.get_group(axes[-1])
+        sizes = [int(table[member][dim]) for member in dist.get_process_group_ranks(group)]
+        inner = _gather_uneven(value, dim, sizes, group)
+        return gathered(inner, ref, [], mesh, {(a, d) for a, d in declared if a != axes[-1]})
     return misshapen
 
 

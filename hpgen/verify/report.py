@@ -13,6 +13,7 @@ import json
 from dataclasses import asdict
 from typing import Any
 
+from hpgen.context_coverage import CONTEXT_AXIS
 from hpgen.verify.run import Verdict
 
 __all__ = ["Finding", "finding", "planner_plan", "report_json", "report_text"]
@@ -226,13 +227,16 @@ def planner_plan(verdict: Verdict) -> dict[str, Any] | None:
     case = verdict.case
     sizes = dict(case.mesh)
     user = plan_from_dict(case.plan, name=case.plan_name)
-    tp = sizes.get("tp", max(sizes.values()))
+    cp = sizes.get(CONTEXT_AXIS)  # --cp: the sequence cut on its own axis (with --tp where there is a tp axis)
+    tp = sizes.get("tp", None if cp else max(sizes.values()))
     sharded_stream = any(
-        placement.kind == "S" and placement.dim == 1
-        for entry in user.entries.values() for layout in entry.in_src.values() for _, placement in layout.placements
+        placement.kind == "S" and placement.dim == 1 and axis != CONTEXT_AXIS
+        for entry in user.entries.values() for layout in entry.in_src.values() for axis, placement in layout.placements
     )
     options: list[dict[str, Any]] = [{"sp": True} if sharded_stream else {}]
-    if "ep" in sizes:
+    if cp:
+        options = [{**options[0], "cp": cp}]
+    elif "ep" in sizes:
         options = [{**options[0], "ep": sizes["ep"], "ep_axis": "ep"}]
     elif user.injections:
         options.append({"ep": tp})

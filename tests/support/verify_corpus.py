@@ -17,11 +17,18 @@ from typing import Any
 
 
 @cache
-def written_plan(model_type: str, **flags: Any) -> dict[str, Any]:
-    """What ``hpgen plan MODEL_TYPE --tp 2 [--sp] [--ep 2]`` writes (the full default config)."""
+def written_plan(model_type: str, attn_dp: bool = False, **flags: Any) -> dict[str, Any]:
+    """What ``hpgen plan MODEL_TYPE --tp 2 [--sp] [--ep 2] [--cp 2] [--attn-dp]`` writes (the full default
+    config); ``tp=None``: no ``--tp``."""
     from hpgen.planner.entry.make import make_plan
 
-    return make_plan(model_type, tp=2, **flags)
+    flags = {"tp": 2, **flags}
+    if not attn_dp:
+        return make_plan(model_type, **flags)
+    from hpgen.planner.model.load import load_config, meta_model
+    from hpgen.planner.passes.data_parallel_attention import data_parallel_attention
+
+    return data_parallel_attention(meta_model(load_config(model_type)), make_plan(model_type, **flags), model_type)
 
 
 @cache
@@ -45,6 +52,7 @@ class Wrong:
     side: str  # "forward", "backward", "raised" (the forward raised there), "parallelize" (refused, naming it)
     flags: tuple[tuple[str, Any], ...] = ()
     entry: str | None = None  # the plan key the report must name
+    planner: bool = True  # the report says what hpgen plan would declare at the located entry (False: it is alike)
 
     def plan(self) -> dict[str, Any]:
         plan = copy.deepcopy(written_plan(self.model_type, **dict(self.flags)))
@@ -95,6 +103,13 @@ def _no_divide(entries: dict[str, Any]) -> None:
 
 
 SP = (("sp", True),)
+CP = (("cp", 2), ("tp", None))  # hpgen plan --cp 2
+CP_TP_SP = (("cp", 2), ("sp", True))  # hpgen plan --cp 2 --tp 2 --sp: 4 ranks
+ATTN_DP = (("ep", 2), ("tp", None), ("attn_dp", True))  # hpgen plan --ep 2 --attn-dp
+
+
+def _rotary_not_cut(entries: dict[str, Any]) -> None:
+    entries["model.rotary_emb"]["out_dst"] = {name: {"cp": "R"} for name in entries["model.rotary_emb"]["out_dst"]}
 
 WRONG: dict[str, Wrong] = {
     # the attention's row-parallel o_proj leaves a partial sum; R says there is nothing to reduce
@@ -143,6 +158,15 @@ WRONG: dict[str, Wrong] = {
     # split_size not divided: the local fused projection split at the full width
     "missing_tp_divide_attrs": Wrong("gpt2", _no_divide, "transformer.h.0.attn", "raised",
                                      entry="transformer.h.*.attn"),
+    # context parallelism: the rotary (cos, sin) left whole while the tokens are cut: the first attention
+    # (the located entry is as hpgen plan writes it: the mistake is the rotary's, upstream)
+    "cp_rotary_not_cut": Wrong("llama", _rotary_not_cut, "model.layers.0.self_attn", "raised", CP,
+                               entry="model.layers.*.self_attn", planner=False),
+    # context parallelism: each rank's weight gradients come from its tokens only, never summed over cp
+    "cp_missing_grad_reduce": Wrong("llama", _drop_grad_reduce("model.layers."), "model.layers.", "backward", CP),
+    # the same at cp 2 x tp 2 with --sp: the stream cut on both axes, gathered over tp, then cp, to be compared
+    "cp_tp_sp_missing_grad_reduce": Wrong("llama", _drop_grad_reduce("model.layers."), "model.layers.", "backward",
+                                          CP_TP_SP, planner=False),
 }
 
 # what `hpgen plan` writes, verified exact: (model type, flags)
@@ -159,7 +183,14 @@ CORRECT: dict[str, tuple[str, tuple[tuple[str, Any], ...]]] = {
     "gpt_neox": ("gpt_neox", ()),
     "qwen3_moe_ep": ("qwen3_moe", (("ep", 2),)),
     "mixtral": ("mixtral", ()),
+    "qwen3_moe_attn_dp": ("qwen3_moe", ATTN_DP),
+    "llama_cp": ("llama", CP),
+    "qwen3_cp_tp": ("qwen3", (("cp", 2),)),  # cp 2 x tp 2: 4 ranks
+    "llama_cp_tp_sp": ("llama", CP_TP_SP),
 }
+
+# every planner mode's plan, verified exact again with eager attention (the corpus runs sdpa, the default)
+EAGER = ("llama", "llama_sp", "qwen3_moe_ep", "qwen3_moe_attn_dp", "llama_cp", "qwen3_cp_tp")
 
 # the same, planned for the tiny config (as benchmarks/coverage.py plans): where planning the full default
 # config costs half a minute (cpmant's 48 layers)

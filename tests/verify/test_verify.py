@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.verify_corpus import CORRECT, CORRECT_TINY, WRONG, tiny_written_plan, written_plan
+from tests.support.verify_corpus import CORRECT, CORRECT_TINY, EAGER, WRONG, tiny_written_plan, written_plan
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,6 +36,11 @@ def verdicts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         prepare(tiny_written_plan(model_type, **dict(flags)), folder / name, model=model_type, name=name)
         for name, (model_type, flags) in CORRECT_TINY.items()
     ]
+    for name in EAGER:
+        model_type, flags = CORRECT[name]
+        case = prepare(written_plan(model_type, **dict(flags)), folder / f"{name}_eager", model=model_type, name=f"{name}_eager")
+        case.config._attn_implementation = "eager"  # (the config object travels with the case)
+        cases.append(case)
     found = {}
     for verdict in verify_many(cases, progress=False):
         located = None if verdict.exact else finding(verdict, planner_plan(verdict))
@@ -43,7 +48,7 @@ def verdicts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return found
 
 
-@pytest.mark.parametrize("name", sorted({**CORRECT, **CORRECT_TINY}))
+@pytest.mark.parametrize("name", sorted([*CORRECT, *CORRECT_TINY, *(f"{name}_eager" for name in EAGER)]))
 def test_written_plans_are_exact(verdicts: dict[str, Any], name: str) -> None:
     verdict, located = verdicts[name]
     assert verdict.exact, located["message"] if located else verdict
@@ -69,6 +74,8 @@ def test_wrong_plans_are_caught_and_located(verdicts: dict[str, Any], name: str)
     assert located["fqn"] in message and located["cls"] in message
     if wrong.entry is not None:
         assert located["entry"] == wrong.entry, message
+    if not wrong.planner:
+        return
     # the planner reads the source otherwise, and says what it would declare
     assert located.get("planner"), message
     assert "hpgen plan would declare" in message, message
@@ -201,3 +208,24 @@ def test_the_tiny_copy_keeps_heads_that_do_not_divide(tmp_path: Path) -> None:
     assert not plain.exact and plain.raised is not None and plain.raised.refused
     assert "o_proj.weight S(1) on axis 'tp' of size 4: dim 1 holds 6 attention heads" in plain.raised.error
     assert "Plan it S(1,16): whole heads" in plain.raised.error, plain.raised.error
+
+
+def test_a_removed_gather_of_a_vocabulary_that_does_not_divide_is_named(tmp_path: Path) -> None:
+    # 127 rows over tp 2 (64 and 63): lm_head's output gather left out, the model returns each rank's rows
+    from transformers import LlamaConfig
+
+    from hpgen.planner.entry.make import make_plan
+    from hpgen.verify.prepare import prepare
+    from hpgen.verify.report import finding, planner_plan
+    from hpgen.verify.run import verify_many
+
+    config = tmp_path / "config.json"
+    config.write_text(LlamaConfig(vocab_size=127, hidden_size=64, intermediate_size=89, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2).to_json_string())
+    plan = make_plan(str(config), tp=2)
+    plan["param_plan"]["lm_head"]["out_dst"] = {"output": {"tp": "S(-1)"}}
+    (verdict,) = verify_many([prepare(plan, tmp_path / "case", model=str(config), name="vocab127")], progress=False)
+    assert not verdict.exact
+    located = finding(verdict, planner_plan(verdict))
+    assert located["fqn"] == "lm_head" and located["entry"] == "lm_head", located["message"]
+    assert "(2, 7, 64) on this rank, (2, 7, 127) unsharded" in located["message"]
