@@ -134,7 +134,8 @@ def sharded_counts(
     if heads is not None:
         q, kv, head_dim = heads
         counts |= {q, kv, q * head_dim, kv * head_dim}
-        counts.discard(head_dim)
+        if head_dim not in (q, kv):  # a head count equal to head_dim (8 heads of 8) is still a count to divide
+            counts.discard(head_dim)
     counts.discard(1)
     counts.discard(0)
     return counts
