@@ -202,3 +202,34 @@ CORRECT_TINY: dict[str, tuple[str, tuple[tuple[str, Any], ...]]] = {
     # computes for the whole sequence: split R -> S(1) at each layer, its gradient gathered back
     "gemma4_text_sp": ("gemma4_text", SP),
 }
+
+# Falcon's attention in each of its forms (transformers 5.25 moved it to the attention interface, whose eager
+# path repeats key/value heads by num_key_value_groups and whose sdpa path may not: eager and sdpa both run), as
+# `hpgen plan CONFIG --tp 2` writes it for a small config.json: name -> (FalconConfig arguments, attention)
+FALCON_SHAPES: dict[str, dict[str, Any]] = {
+    "multi_query_8x8": {"hidden_size": 64, "num_attention_heads": 8},  # heads divide; head_dim = the head count
+    "multi_query_7": {"hidden_size": 56, "num_attention_heads": 7},  # Falcon-7B's uneven heads (71 at --tp 2)
+    "grouped_8_kv2": {"hidden_size": 64, "num_attention_heads": 8, "new_decoder_architecture": True, "num_kv_heads": 2},
+    "grouped_6_kv3": {"hidden_size": 96, "num_attention_heads": 6, "new_decoder_architecture": True, "num_kv_heads": 3},
+    "per_head_3": {"hidden_size": 48, "num_attention_heads": 3, "multi_query": False},  # q, k, v interleaved per head
+}
+FALCON: dict[str, tuple[dict[str, Any], str]] = {
+    f"falcon_{shape}_{attention}": (config, attention)
+    for shape, config in FALCON_SHAPES.items()
+    for attention in ("sdpa", "eager")
+}
+
+
+def falcon_config(arguments: dict[str, Any]) -> Any:
+    """A small Falcon config (2 layers) of the given shape."""
+    from transformers import FalconConfig
+
+    return FalconConfig(num_hidden_layers=2, vocab_size=127, **arguments)
+
+
+def config_plan(config: Any) -> dict[str, Any]:
+    """What ``hpgen plan config.json --tp 2`` writes for ``config`` (built on the meta device)."""
+    from hpgen.planner.entry.make import plan_model
+    from hpgen.planner.model.load import meta_model
+
+    return plan_model(meta_model(config), tp=2, name=config.model_type)

@@ -15,7 +15,17 @@ from typing import Any
 
 import pytest
 
-from tests.support.verify_corpus import CORRECT, CORRECT_TINY, EAGER, WRONG, tiny_written_plan, written_plan
+from tests.support.verify_corpus import (
+    CORRECT,
+    CORRECT_TINY,
+    EAGER,
+    FALCON,
+    WRONG,
+    config_plan,
+    falcon_config,
+    tiny_written_plan,
+    written_plan,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,6 +51,12 @@ def verdicts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         case = prepare(written_plan(model_type, **dict(flags)), folder / f"{name}_eager", model=model_type, name=f"{name}_eager")
         case.config._attn_implementation = "eager"  # (the config object travels with the case)
         cases.append(case)
+    for name, (arguments, attention) in FALCON.items():
+        config = falcon_config(arguments)
+        config.save_pretrained(folder / name / "config")
+        case = prepare(config_plan(config), folder / name, model=str(folder / name / "config"), name=name)
+        case.config._attn_implementation = attention  # the shrunk config keeps transformers' default (sdpa)
+        cases.append(case)
     found = {}
     for verdict in verify_many(cases, progress=False):
         located = None if verdict.exact else finding(verdict, planner_plan(verdict))
@@ -48,7 +64,7 @@ def verdicts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return found
 
 
-@pytest.mark.parametrize("name", sorted([*CORRECT, *CORRECT_TINY, *(f"{name}_eager" for name in EAGER)]))
+@pytest.mark.parametrize("name", sorted([*CORRECT, *CORRECT_TINY, *(f"{name}_eager" for name in EAGER), *FALCON]))
 def test_written_plans_are_exact(verdicts: dict[str, Any], name: str) -> None:
     verdict, located = verdicts[name]
     assert verdict.exact, located["message"] if located else verdict

@@ -60,6 +60,8 @@ def decide_columns(
     :class:`Refused` saying why the group stays whole (:class:`NoQueryHead` where a rank would hold no query head)."""
     modules, cols, rows, layer = ctx.modules, group.cols, group.rows, group.layer
     heads = rules.query_kv_heads(cols, rows, layer) if attention else None
+    if heads is not None:
+        rules.check_mask_heads(cols, rows, heads)  # ALiBi added into the mask: the attention stays whole
     parts = head_parts(ctx, group, heads)
     replicated = frozenset(c for c, layout in (parts.layouts if parts else {}).items() if layout.replicated)
     shares = _shares(rules, heads, lca(cols | rows)) if attention and heads is not None and parts is None else None

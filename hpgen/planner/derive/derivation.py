@@ -286,6 +286,8 @@ def _place_group(
     )
     for module, attrs in (parts.divide if parts else {}).items():
         divide.setdefault(module, set()).update(attrs)
+    for module, attrs in _whole_kv_groups(modules, group, layouts, heads).items():
+        divide.setdefault(module, set()).update(attrs)
     what = "attention" if attention else "MLP"
     ranked: dict[str, dict[str, LocalCount]] = {}
     row = PLAIN
@@ -332,12 +334,33 @@ def _rank_attrs(
             ranked.setdefault(module, {})[attr] = count
     common = lca(group.cols | group.rows)
     groups = getattr(modules.get(common), "num_key_value_groups", None)
-    if shares.replicas > 1 and isinstance(groups, int) and groups == shares.group:  # what repeat_kv repeats by
+    counted = "num_key_value_groups" in ranked.get(common, {})  # a multi-query block's, counted above
+    if shares.replicas > 1 and isinstance(groups, int) and groups == shares.group and not counted:
+        # what repeat_kv repeats by
         count = groups_count(values, shares, common)
         if count is None:
             raise Refused(f"hpgen cannot count {relative(common, layer) or 'the layer'}'s num_key_value_groups per rank")
         ranked.setdefault(common, {})["num_key_value_groups"] = count
     return ranked
+
+
+def _whole_kv_groups(
+    modules: Mapping[str, Any], group: Group, layouts: Mapping[str, Any], heads: Any
+) -> dict[str, set[str]]:
+    """``num_key_value_groups`` of an attention whose fused projection keeps its key/value heads whole on every rank
+    (multi-query Falcon's ``[queries | key | value]``, a ``B`` layout): each rank repeats its key/value heads to its
+    own query heads, so the count follows the query heads (divided, or counted per rank where they do not divide).
+
+    transformers' attention interface reads it in ``repeat_kv`` (eager attention; sdpa may pass the heads to torch
+    ungrouped, which hides a count left global); a module without the attribute has nothing to divide.
+    """
+    if heads is None or not any(layouts[col].in_blocks for col in group.cols if col in layouts):
+        return {}
+    common = lca(group.cols | group.rows)
+    value = getattr(modules.get(common), "num_key_value_groups", None)
+    if not isinstance(value, int) or isinstance(value, bool) or heads.kv < 1 or value != heads.query // heads.kv:
+        return {}
+    return {common: {"num_key_value_groups"}}
 
 
 def _record(

@@ -195,8 +195,21 @@ def _params(
         placed.params[join(relative(row, placed.fqn), "weight")] = row_layout.placement(dim)
         if getattr(module, "bias", None) is not None:
             name = join(relative(row, placed.fqn), "bias")
+            if row != placed.fqn and _own_forward(module):
+                # parallelize adds a deferred bias once after the reduction by taking it out of nn.Linear.forward
+                raise Refused(
+                    f"{relative(row, placed.fqn)} ({type(module).__name__}) overrides nn.Linear.forward and has a "
+                    "bias, which a row-parallel cut adds once after the reduction: hpgen cannot take it out of that forward"
+                )
             placed.params[name] = REPLICATE
             placed.deferred.add(name)
+
+
+def _own_forward(module: Any) -> bool:
+    """An ``nn.Linear`` subclass with a ``forward`` of its own (Falcon's ``FalconLinear``: ``input @ weight.T + bias``)."""
+    import torch.nn as nn
+
+    return isinstance(module, nn.Linear) and type(module).forward is not nn.Linear.forward
 
 def _clean(
     ctx: DeriveContext,

@@ -26,6 +26,8 @@ from hpgen.planner.derive.column_layouts import (
     UnequalBlocks,
     arg_reads,
     dim_of,
+    flat_dims,
+    grouped,
     last_dim,
     layout_of,
 )
@@ -61,6 +63,8 @@ def column_layout(
         layout = layout_of(first, n, heads)
     except UnequalBlocks as reason:
         raise Refused(f"{relative(col, layer)}: {reason} (the reshape at line {first.line})") from None
+    if layout == PLAIN and heads is not None and n not in (heads.query_features, heads.kv_features):
+        layout = _after_head_view(flow, first, col, group.cols, n, heads) or layout
     if layout is None:
         if attention and heads is not None and n not in (heads.query_features, heads.kv_features):
             raise Refused(
@@ -69,6 +73,36 @@ def column_layout(
             )
         return PLAIN
     return layout
+
+
+def _after_head_view(
+    flow: Flow, first: ShapeUse, col: str, cols: AbstractSet[str], n: int, heads: Heads
+) -> ColumnLayout | None:
+    """The layout of a fused projection whose first reshape only splits its features into heads
+    (``view(*shape, -1, head_dim)``, transformers 5.25's Falcon), read from the reshape after it: a view into key/value
+    groups (``view(*shape, num_kv_heads, -1, head_dim)``) or an ``unflatten(-2, (num_heads, 3))`` of the heads."""
+    dims = flat_dims(first.arg_vals) if first.method in ("view", "reshape") else []
+    if not dims or dims[-1] != heads.head_dim or (len(dims) > 1 and dims[-2] not in (-1, n // heads.head_dim)):
+        return None
+    later = [use for use in flow.shapes[flow.shapes.index(first) + 1 :] if col in use.receiver]
+    following = next((use for use in later if linear_origins(use.receiver, flow) <= cols), None)
+    if following is None:
+        return None
+    if following.method == "unflatten":
+        if not following.arg_vals or following.arg_vals[0].const not in (-2, len(dims) - 2):
+            return None
+        suffix = [*flat_dims(following.arg_vals[1:]), heads.head_dim]
+        if None in suffix or -1 in suffix:
+            return None
+        q, kv, head_dim = heads
+        lead = suffix[0]
+        if len(suffix) == 3 and lead in (q, kv) and suffix[1] in (2, 3) and lead * suffix[1] * head_dim == n:
+            return grouped(lead)  # [heads, 3, head_dim]: interleaved per head
+        return None
+    if following.method not in ("view", "reshape"):
+        return None
+    layout = layout_of(following, n, heads)
+    return layout if layout is not None and layout.grouped else None
 
 
 def first_reshape(flow: Flow, origin: str, layers: AbstractSet[str]) -> ShapeUse | None:
@@ -134,7 +168,8 @@ def sharded_counts(
     if heads is not None:
         q, kv, head_dim = heads
         counts |= {q, kv, q * head_dim, kv * head_dim}
-        counts.discard(head_dim)
+        if head_dim not in (q, kv):  # a head count equal to head_dim (8 heads of 8) is still a count to divide
+            counts.discard(head_dim)
     counts.discard(1)
     counts.discard(0)
     return counts

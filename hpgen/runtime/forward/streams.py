@@ -368,7 +368,11 @@ def install_streams(
     branches = frozenset(branches)
     for item, form in bodies:
         entry = item.entry
-        sharded = [a for a in plan.mesh_dim_names if axes[a].size > 1 and body_is_sharded(entry, a)]
+        # a summed block computes on its branches' shards even where its own inputs and outputs are whole
+        sharded = [
+            a for a in plan.mesh_dim_names
+            if axes[a].size > 1 and (body_is_sharded(entry, a) or (a == "tp" and entry.summed_reduction is not None))
+        ]
         if not sharded:
             continue
         if form == "linear":  # a wrapped nn.Linear: its output sharded (column) or its sharded input reduced (row)

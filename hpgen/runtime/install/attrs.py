@@ -21,7 +21,9 @@ heads (an ``RS`` projection), the query heads of every rank must be exactly the 
 that its key/value heads serve, in ``repeat_kv``'s order, with the module's
 ``num_key_value_groups`` after the divisions: a plan that forgets to divide it (or
 replicates the wrong way) is refused, naming the module, the sizes and the axis, instead
-of attending with the wrong heads.
+of attending with the wrong heads. Where a ``B`` layout keeps the key/value heads whole on
+every rank (multi-query Falcon), ``num_key_value_groups`` must follow the cut ``num_heads``
+on every rank (``num_heads = num_key_value_groups * num_kv_heads``), or it is refused alike.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def survey_attrs(
             local[attr] = _local_values(item, plan, axes, attr, count, where)
             found.append((item.module, attr, local[attr][tuple(axes[a].rank for a in plan.mesh_dim_names)]))
         _check_head_groups(item, plan, axes, values, local, where)
+        _check_whole_kv_groups(item, plan, axes, values, local, where)
     return found
 
 
@@ -154,6 +157,48 @@ def _check_head_groups(
                 f"replicated as RS(0,r), divide it by r (divide_attrs: {{\"num_key_value_groups\": r}}), or, where "
                 "ranks hold different numbers of query heads, count it per rank (local_attrs: the query rows per "
                 "key/value row); the query heads of each rank must all belong to its key/value heads"
+            )
+
+
+def _check_whole_kv_groups(
+    item: Matched,
+    plan: Plan,
+    axes: Mapping[str, AxisCollectives],
+    values: Mapping[str, int],
+    local: Mapping[str, Mapping[tuple[int, ...], int]],
+    where: str,
+) -> None:
+    """Key/value heads kept whole on every rank by a ``B`` layout (multi-query Falcon's fused ``[queries | key |
+    value]``): each rank repeats its ``num_kv_heads`` to its own query heads, so where the plan divides or counts
+    ``num_heads``, ``num_key_value_groups`` must follow it (``num_heads = num_key_value_groups * num_kv_heads`` on
+    every rank). transformers 5.25's Falcon reads the groups in eager attention's ``repeat_kv``; a plan that left
+    them global attended with twice the key/value heads (``The size of tensor a (2) must match ... (4)``)."""
+    module = item.module
+    counts = [getattr(module, name, None) for name in ("num_heads", "num_kv_heads", "num_key_value_groups")]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in counts):
+        return
+    heads, kv_heads, groups = counts
+    if "num_heads" not in values and "num_heads" not in local:
+        return  # the query heads are not cut per rank here
+    if "num_kv_heads" in values or "num_kv_heads" in local:
+        return  # the key/value heads are cut too: the grouped layouts (and _check_head_groups) hold them
+    if not any(p.kind == "B" for layout in item.entry.params.values() for _, p in layout.placements):
+        return
+    mesh = plan.mesh_dim_names
+    for ranks in itertools.product(*(range(axes[a].size) for a in mesh)):
+        held = local["num_heads"][ranks] if "num_heads" in local else values["num_heads"]
+        repeat = groups
+        if "num_key_value_groups" in local:
+            repeat = local["num_key_value_groups"][ranks]
+        elif "num_key_value_groups" in values:
+            repeat = values["num_key_value_groups"]
+        if held != repeat * kv_heads:
+            coordinate = ", ".join(f"{a}={r}" for a, r in zip(mesh, ranks))
+            raise ParallelizeError(
+                f"{where}: at {coordinate} a rank holds {held} of {heads} query heads and all {kv_heads} key/value "
+                f"head(s), but its num_key_value_groups would be {repeat}: repeat_kv would make {repeat * kv_heads} "
+                "key/value heads. Divide num_key_value_groups with num_heads (tp_divide_attrs), or count it per rank "
+                "like num_heads (local_attrs)"
             )
 
 

@@ -107,6 +107,32 @@ class HeadRules:
                         f"--tp {self.tp}"
                     )
 
+    def check_mask_heads(self, cols: AbstractSet[str], rows: AbstractSet[str], heads: Heads) -> None:
+        """Refuse an attention whose ``attention_mask`` carries one slice per head: transformers 5.25's ALiBi
+        Falcon adds its per-head bias, made by the model for all heads, into the mask. A rank holding some heads
+        would add every head's bias (a crash, or the wrong heads' bias), and hpgen does not cut a mask to a
+        rank's heads, so the attention stays whole. Asked only where the config turns ALiBi on (a meta forward)."""
+        if self.tp is None or self.config("alibi") is not True or heads.query < 2:
+            return
+        import inspect
+
+        from hpgen.planner.derive.heads.input_dims import head_layouts
+
+        common = lca(cols | rows)
+        module = self.modules.get(common)
+        if module is None or "attention_mask" not in inspect.signature(type(module).forward).parameters:
+            return
+        try:
+            layout = head_layouts(self.model, {common: ("attention_mask",)}, heads.query, recorded=self.meta_arguments)
+        except RuntimeError as error:
+            raise Refused(f"ALiBi is on and hpgen cannot tell whether the attention_mask carries the heads: {error}") from None
+        found = layout[(common, "attention_mask")]
+        if found.kind != "none":
+            raise Refused(
+                f"its attention_mask {found.shape} carries ALiBi's bias for all {heads.query} heads, made outside "
+                "the attention; hpgen does not cut a mask to a rank's heads"
+            )
+
     def per_head(self, fqn: str) -> bool:
         """A layer that works on whole heads: 1-D parameters of one head's size (a per-head ``q_norm``), or a
         weightless torch norm over a whole number of heads' features (:func:`normalized_heads`)."""

@@ -120,7 +120,11 @@ def test_multi_query_falcon_7b_shards_its_query_heads_and_reduces_once_a_layer(t
     plan = json.loads(out.read_text())
     attention = _entry(plan, "self_attention")
     assert _tp(attention) == {"query_key_value.weight": "B(0,4544:S(0,64),64:R,64:R)", "dense.weight": "S(1,64)"}
-    assert attention["local_attrs"] == {"num_heads": {"of": "dense.weight", "dim": 1, "unit": 64}}
+    counted = {"of": "dense.weight", "dim": 1, "unit": 64}  # each rank's query heads: 36 and 35
+    expected = {"num_heads": counted}
+    if _reads_key_value_groups():  # transformers 5.25: repeat_kv repeats the one key/value head per rank
+        expected["num_key_value_groups"] = counted
+    assert attention["local_attrs"] == expected
     layer = plan["param_plan"]["transformer.h.*"]
     assert set(layer["summed_reduction"]["branches"]) == {"self_attention", "mlp"}
     assert "query heads per rank 36, 35 of 71" in result.stderr
@@ -187,3 +191,11 @@ def test_heads_that_do_not_divide_are_cut_whole_by_the_derivation() -> None:
     # each rank's num_heads, counted from its shard of out_proj's input in heads of 16
     assert attention["local_attrs"] == {"num_heads": {"of": "out_proj.weight", "dim": 1, "unit": 16}}
     assert "tp_divide_attrs" not in attention and plan["format"] == "hpgen.plan/2"
+
+
+def _reads_key_value_groups() -> bool:
+    """Whether the installed Falcon attention has ``num_key_value_groups`` (transformers' attention interface)."""
+    from transformers import FalconConfig
+    from transformers.models.falcon.modeling_falcon import FalconAttention
+
+    return hasattr(FalconAttention(FalconConfig(hidden_size=64, num_attention_heads=4), 0), "num_key_value_groups")
