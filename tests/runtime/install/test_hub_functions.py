@@ -9,25 +9,14 @@ functions, never a bound kernel, and ``parallelize`` says so once.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
+from tests.runtime.install.test_kernel_stubs import mesh  # noqa: F401  (a one-rank gloo mesh, the same fixture)
 from tests.support.derived_configs import tiny
 
 pytest.importorskip("kernels")  # transformers' hub functions exist only with the package installed
-
-
-@pytest.fixture
-def mesh(tmp_path: Path) -> Iterator[object]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_parallelize_drops_a_hub_kernel_bound_to_a_planned_layer(tmp_path: Path, mesh: object, capsys) -> None:
