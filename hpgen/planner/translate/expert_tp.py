@@ -76,7 +76,6 @@ def _rules(pattern: str, module: Any, ep_plan: Mapping[str, str], hidden: int) -
     return rules
 
 
-
 def model_tp_plan(model: Any, modules: Mapping[str, Any] | None = None) -> dict[str, str]:
     """``model``'s ``tp_plan`` with the experts' rules :func:`experts_tp_plan` adds (``{}``: no tp_plan)."""
     tp_plan = dict(getattr(model, "tp_plan", None) or {})
