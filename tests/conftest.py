@@ -62,6 +62,7 @@ RELEASE_FILES = (
     "generator/with_models/test_transformers_lowering.py",  # lowering the installed modeling files
     "runtime/forward/test_parity.py",  # one gloo parity run per family of the parity table
     "runtime/forward/test_parity_qwen.py",  # MoE parity: tensor- and expert-parallel experts
+    "runtime/forward/test_parity_derived.py",  # derived plans at parity: mamba, mamba2, kimi_linear, ...
     "runtime/install/test_kernel_stubs.py",  # kernels bound in place of a modeling file's stubs
     "runtime/install/test_hub_functions.py",  # the kernels hub's function layers
 )
