@@ -20,7 +20,7 @@ import sys
 from functools import lru_cache
 from typing import Any
 
-__all__ = ["returns_none", "runs_stub", "stub_lines"]
+__all__ = ["hub_layer_function", "returns_none", "runs_stub", "stub_lines"]
 
 
 def returns_none(module: Any, name: str) -> bool:
@@ -46,7 +46,10 @@ def runs_stub(live: Any, path: str, name: str) -> bool:
         if _is_stub(live, path, lines):
             return True
         if not inspect.isfunction(live):
-            return False
+            live = hub_layer_function(live)  # with ``kernels`` installed the wrapper is a function layer
+            if live is None:
+                return False
+            continue
         try:
             nonlocals = inspect.getclosurevars(live).nonlocals
         except (TypeError, ValueError):
@@ -55,6 +58,23 @@ def runs_stub(live: Any, path: str, name: str) -> bool:
             return False
         live = nonlocals["implementation"]
     return False
+
+
+def hub_layer_function(live: Any) -> Any:
+    """The function a kernels-hub function layer calls, or ``None`` where ``live`` is not one or runs a kernel.
+
+    With the ``kernels`` package installed, transformers' ``use_kernel_forward_from_hub`` turns a
+    module-level function into an instance of a small ``nn.Module`` class (``kernel_layer_name``
+    on the class) whose ``forward`` calls the function it closes over as ``func``; ``kernelize``
+    replaces that ``forward`` on the instance with a hub kernel.
+    """
+    if inspect.isfunction(live) or not hasattr(type(live), "kernel_layer_name") or "forward" in vars(live):
+        return None
+    try:
+        function = inspect.getclosurevars(type(live).forward).nonlocals.get("func")
+    except (TypeError, ValueError):
+        return None
+    return function if inspect.isfunction(function) else None
 
 
 def _is_stub(function: Any, path: str, lines: tuple[int, ...]) -> bool:

@@ -1,4 +1,4 @@
-"""Shared paths, and the ``fast`` marker by folder.
+"""Shared paths, the ``fast`` marker by folder and the ``releases`` marker by file.
 
 The tree mirrors the package (core, generator, planner, runtime/{install, forward,
 checkpoint, training}, verify, cli), with package/ for the package as a whole, scripts/
@@ -46,9 +46,34 @@ def fast_modules() -> list[str]:
     return sorted(f"tests.{folder}.{path.stem}" for folder in FAST_FOLDERS for path in (TESTS / folder).glob("test_*.py"))
 
 
+# The files CI also runs against the newest transformers 5.x it can install (``-m releases``,
+# .ci/run; docs/compatibility.md says what each covers and how long it takes): one or more per
+# path of the planner that reads a modeling file differently, so a release that changes such a
+# file fails here before users meet it.
+RELEASE_FILES = (
+    "planner/test_snapshot.py",  # what the planner writes for eleven types, per release
+    "planner/translate/test_translator.py",  # transformers' plans translated (Qwen3-MoE experts, --ep)
+    "planner/translate/test_corrections.py",  # a plan's style corrected from the forward's dataflow
+    "planner/translate/test_style_blocks.py",  # experts boundaries (identity experts)
+    "planner/derive/channels/test_state_space.py",  # mamba, mamba2: derived state-space channels
+    "planner/derive/test_linear_mixers.py",  # kimi_linear and other linear-attention mixers
+    "planner/derive/heads/test_uneven.py",  # heads that do not divide tp, multi-query (Falcon)
+    "planner/derive/heads/test_per_head_params.py",  # per-head tensors completed with the heads (inkling)
+    "generator/with_models/test_transformers_lowering.py",  # lowering the installed modeling files
+    "runtime/forward/test_parity.py",  # one gloo parity run per family of the parity table
+    "runtime/forward/test_parity_qwen.py",  # MoE parity: tensor- and expert-parallel experts
+    "runtime/forward/test_parity_derived.py",  # derived plans at parity: mamba, mamba2, kimi_linear, ...
+    "runtime/install/test_kernel_stubs.py",  # kernels bound in place of a modeling file's stubs
+    "runtime/install/test_hub_functions.py",  # the kernels hub's function layers
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark ``fast`` the tests whose file sits directly in one of :data:`FAST_FOLDERS`."""
+    """Mark ``fast`` the tests whose file sits directly in one of :data:`FAST_FOLDERS`, ``releases`` those of
+    :data:`RELEASE_FILES`."""
     for item in items:
         folder = item.path.parent
         if folder.parent == TESTS and folder.name in FAST_FOLDERS:
             item.add_marker(pytest.mark.fast)
+        if item.path.relative_to(TESTS).as_posix() in RELEASE_FILES:
+            item.add_marker(pytest.mark.releases)

@@ -22,7 +22,7 @@ every module, each once:
   ``state_leaves``;
 - ``hpgen.planner.translate`` (transformers' ``base_model_tp_plan`` / ``base_model_ep_plan``
   translated into boundaries, and the steps both planners write a plan with): ``translator``,
-  ``plan_context``, ``styles``, ``corrections``, ``style_blocks``, ``axis_checks``,
+  ``plan_context``, ``styles``, ``expert_tp``, ``corrections``, ``style_blocks``, ``axis_checks``,
   ``sequence_parallel``, ``forwards``, ``signatures``, ``boundary_record``, ``document``, ``draft``,
   ``derived_plan``;
 - ``hpgen.planner.passes`` (what runs after either planner): ``crosscheck``,

@@ -13,10 +13,16 @@ path on the default config). The types are chosen to cover the planner's paths:
   ``--sp``;
 - ``--sp`` and ``--tp 4`` (more ranks than key/value heads: replicated-sharded layouts) for each.
 
-After an intended change to what the planner writes, update the expected records and
-review their diff like any other code change (tests/planner/snapshot/README.md):
+The records are kept per transformers release (``snapshot/<major>.<minor>/``): the test
+compares against the installed release's, so a new release that changes a plan fails here
+until its records are stored (a decision, reviewed), and the previous release's keep
+guarding the pin. After an intended change to what the planner writes, update the installed
+release's records and review their diff like any other code change
+(tests/planner/snapshot/README.md):
 
     HPGEN_UPDATE_PLANNER_SNAPSHOT=1 python -m pytest tests/planner/test_snapshot.py
+
+run once with each venv whose release has records (the pinned one and the newest).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-EXPECTED = Path(__file__).resolve().parent / "snapshot"
+SNAPSHOTS = Path(__file__).resolve().parent / "snapshot"
 MODEL_TYPES = (
     "llama",
     "qwen3_moe",
@@ -42,8 +48,19 @@ MODEL_TYPES = (
     "mpt",
     "gpt_bigcode",
 )
-VERSION = EXPECTED / "transformers_version.txt"  # the transformers the records were made with
 UPDATE = os.environ.get("HPGEN_UPDATE_PLANNER_SNAPSHOT") == "1"
+
+
+def release(version: str) -> str:
+    """``5.25.0`` -> ``5.25``: the records' key (a patch release is expected to plan the same)."""
+    return ".".join(version.split(".")[:2])
+
+
+def expected_dir() -> Path:
+    """The installed transformers release's records (``snapshot/<major>.<minor>``)."""
+    import transformers
+
+    return SNAPSHOTS / release(transformers.__version__)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -65,12 +82,19 @@ def test_the_planner_writes_what_it_wrote(model_type):
     import transformers
 
     text = "".join(json.dumps(row, sort_keys=True) + "\n" for row in records(model_type))
-    expected = EXPECTED / f"{model_type}.jsonl"
+    directory = expected_dir()
+    expected, version = directory / f"{model_type}.jsonl", directory / "transformers_version.txt"
     if UPDATE:
+        directory.mkdir(exist_ok=True)
         expected.write_text(text)
-        VERSION.write_text(transformers.__version__ + "\n")
-    assert expected.exists(), f"missing {expected.name}: run HPGEN_UPDATE_PLANNER_SNAPSHOT=1 python -m pytest {__file__}"
-    made_with = VERSION.read_text().strip()
+        version.write_text(transformers.__version__ + "\n")
+    stored = sorted(path.name for path in SNAPSHOTS.iterdir() if path.is_dir())
+    assert expected.exists(), (
+        f"no planner snapshot for transformers {transformers.__version__} ({directory.name}/{expected.name}; "
+        f"stored: {', '.join(stored)}): a new release may plan differently. Review what it plans and store it with "
+        f"HPGEN_UPDATE_PLANNER_SNAPSHOT=1 python -m pytest {__file__}"
+    )
+    made_with = version.read_text().strip()
     assert text == expected.read_text(), (
         f"{model_type}: the planner's output changed (snapshot made with transformers {made_with}, "
         f"installed {transformers.__version__}); see tests/planner/snapshot/README.md"
@@ -79,7 +103,8 @@ def test_the_planner_writes_what_it_wrote(model_type):
 
 def test_the_snapshot_covers_the_planner_paths():
     """The stored records hold what the module docstring promises, so a type that stopped covering a path is noticed."""
-    rows = [json.loads(line) for path in sorted(EXPECTED.glob("*.jsonl")) for line in path.read_text().splitlines()]
+    assert expected_dir().is_dir(), f"no planner snapshot for the installed release ({expected_dir().name})"
+    rows = [json.loads(line) for path in sorted(expected_dir().glob("*.jsonl")) for line in path.read_text().splitlines()]
     variants = {(row["model_type"], row["variant"]) for row in rows if "plan" in row}
     assert {("qwen3_moe", "ep"), ("qwen3_moe", "ep_axis"), ("llama", "sp"), ("gpt2", "tp4")} <= variants
     assert any('"RS(' in row.get("plan", "") for row in rows if row["variant"] == "tp4")

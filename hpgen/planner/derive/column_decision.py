@@ -30,7 +30,7 @@ from hpgen.planner.derive.column_layouts import PLAIN, ColumnLayout
 from hpgen.planner.derive.derive_context import DeriveContext
 from hpgen.planner.derive.gathered import check_gathered
 from hpgen.planner.derive.heads.counts import Heads
-from hpgen.planner.derive.heads.parts import Parts, head_parts
+from hpgen.planner.derive.heads.parts import Parts, head_parts, token_splits
 from hpgen.planner.derive.heads.rules import HeadRules
 from hpgen.planner.derive.heads.shares import HeadShares
 from hpgen.planner.derive.heads.uneven import UnevenHeads, uneven_layouts
@@ -51,6 +51,7 @@ class Columns:
     parts: Parts | None  # the heads split into parts working together
     uneven: UnevenHeads | None  # the heads cut whole where they do not divide over --tp
     replicated: frozenset[str]  # columns every rank holds whole (a part's single key/value head)
+    tokens: frozenset[tuple[str, int]] = frozenset()  # (module, line) of splits of the batch or sequence
 
 
 def decide_columns(
@@ -63,6 +64,7 @@ def decide_columns(
     if heads is not None:
         rules.check_mask_heads(cols, rows, heads)  # ALiBi added into the mask: the attention stays whole
     parts = head_parts(ctx, group, heads)
+    tokens = token_splits(ctx, group, heads) if parts is None else frozenset()
     replicated = frozenset(c for c, layout in (parts.layouts if parts else {}).items() if layout.replicated)
     shares = _shares(rules, heads, lca(cols | rows)) if attention and heads is not None and parts is None else None
     if shares is None:
@@ -72,7 +74,7 @@ def decide_columns(
         layouts = dict(parts.layouts)  # the parts rule checked the heads against --tp itself
     else:
         plain = sorted(cols - set(gathered))
-        layouts = {col: column_layout(modules, group, col, heads, attention) for col in plain}
+        layouts = {col: column_layout(modules, group, col, heads, attention, tokens) for col in plain}
         layouts.update({col: PLAIN for col in gathered})  # its outputs are whole values, one per head
     check_gathered(gathered, modules, layouts, heads if attention else None, ctx.tp, layer)
     uneven = None
@@ -82,7 +84,7 @@ def decide_columns(
         else:
             uneven = uneven_layouts(modules, cols, rows, layouts, shares, layer)
             layouts = dict(uneven.columns)
-    return Columns(heads, layouts, parts, uneven, replicated)
+    return Columns(heads, layouts, parts, uneven, replicated, tokens)
 
 
 def _shares(rules: HeadRules, heads: Heads, where: str) -> HeadShares | None:

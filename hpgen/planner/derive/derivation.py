@@ -282,7 +282,7 @@ def _place_group(
         sharded | {f"param:{n}" for n, p in direct.items() if p != REPLICATE},
         counts,
         layer,
-        parts.lines if parts else set(),
+        (parts.lines if parts else set()) | columns.tokens,
     )
     for module, attrs in (parts.divide if parts else {}).items():
         divide.setdefault(module, set()).update(attrs)

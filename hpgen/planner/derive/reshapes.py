@@ -51,12 +51,20 @@ __all__ = [
 
 
 def column_layout(
-    modules: Mapping[str, Any], group: Group, col: str, heads: Heads | None, attention: bool
+    modules: Mapping[str, Any],
+    group: Group,
+    col: str,
+    heads: Heads | None,
+    attention: bool,
+    tokens: AbstractSet[tuple[str, int]] = frozenset(),
 ) -> ColumnLayout:
-    """The layout of one column projection of ``group``, read from the first reshape of its output."""
+    """The layout of one column projection of ``group``, read from the first reshape of its output.
+
+    ``tokens``: ``(module, line)`` of splits of the batch or sequence, passed over (they say nothing of it).
+    """
     flow, layer = group.flow, group.layer
     n = out_features(modules[col])
-    first = first_reshape(flow, col, group.cols)
+    first = first_reshape(flow, col, group.cols, tokens)
     if first is None:
         return PLAIN
     try:
@@ -105,11 +113,21 @@ def _after_head_view(
     return layout if layout is not None and layout.grouped else None
 
 
-def first_reshape(flow: Flow, origin: str, layers: AbstractSet[str]) -> ShapeUse | None:
+def first_reshape(
+    flow: Flow, origin: str, layers: AbstractSet[str], skip: AbstractSet[tuple[str, int]] = frozenset()
+) -> ShapeUse | None:
     """The first reshape-like call on a value computed from ``origin`` (a layer's FQN, or ``param:<fqn>`` for a
-    weight the code reads directly) and from no layer outside ``layers`` (a group's columns)."""
+    weight the code reads directly) and from no layer outside ``layers`` (a group's columns), but those at the
+    ``(module, line)`` of ``skip``."""
     return next(
-        (use for use in flow.shapes if origin in use.receiver and linear_origins(use.receiver, flow) <= layers), None
+        (
+            use
+            for use in flow.shapes
+            if origin in use.receiver
+            and linear_origins(use.receiver, flow) <= layers
+            and (use.module, use.line) not in skip
+        ),
+        None,
     )
 
 

@@ -55,8 +55,14 @@ def make_plan(
 
 
 def transformers_shards_layers(model: Any) -> bool:
-    """Whether the model's transformers tp_plan shards something inside the layers (a ``*`` key)."""
-    plan = dict(getattr(model, "tp_plan", None) or {})
+    """Whether the model's transformers tp_plan shards something inside the layers (a ``*`` key).
+
+    The experts count where only the EP plan names them (transformers >= 5.25, see
+    :mod:`hpgen.planner.translate.expert_tp`).
+    """
+    from hpgen.planner.translate.expert_tp import model_tp_plan
+
+    plan = model_tp_plan(model)
     return any("*" in key or any(part.isdigit() for part in key.split(".")) for key in plan)
 
 

@@ -233,11 +233,33 @@ class Expressions:
                 paired = tuple_function(self, func.id, args, kwargs)
                 if paired is not None:
                     return paired
-            return union(operands)
+            return union([*operands, *self._passed_module_params(operands)])
         callee = self.expr(func)  # self.layers[i](x), a call's result called
         if callee.modules is not None:
             return self._call_modules(callee.modules, args, kwargs)
         return union([callee, *operands])
+
+    def _passed_module_params(self, operands: list[Val]) -> list[Val]:
+        """The own parameters of child modules handed to a function, read as ``self.<child>.<param>`` would be.
+
+        transformers 5.25 moves a layer's short convolution into a module-level function that
+        takes the layer (``causal_conv1d_forward(self.conv1d, x, ...)`` reads ``conv1d.weight``)
+        where 5.24 read ``self.conv1d.weight`` in the ``forward``: the result depends on them,
+        and they are the layer's raw parameters (Inkling's taps, sharded with the heads).
+        """
+        found = []
+        for value in operands:
+            if value.modules is None or method_name(value) is not None:
+                continue
+            for fqn in value.modules:
+                if fqn == self.fqn or not fqn.startswith(f"{self.fqn}." if self.fqn else ""):
+                    continue  # the module itself (its parameters are read by name) or not below it
+                relative = fqn[len(self.fqn) + 1 :] if self.fqn else fqn
+                own = [name for name, _ in self.runner.model.get_submodule(fqn).named_parameters(recurse=False)]
+                for name in own:
+                    self.runner.flow.raw_params.setdefault(self.fqn, set()).add(f"{relative}.{name}")
+                found.append(Val(frozenset(f"param:{fqn}.{name}" for name in own)))
+        return found
 
     def _call_modules(
         self, modules: tuple[str, ...], args: list[Val], kwargs: Mapping[str, Val], nones: frozenset[str] = frozenset()

@@ -3,6 +3,7 @@
 - ``hpgen.planner.translate.translator``: ``translated_draft``, one function per step;
 - ``hpgen.planner.translate.plan_context``: what every step reads (the model, its modules, files, the mesh);
 - ``hpgen.planner.translate.styles``: each style of transformers' plans, on concrete modules and axes;
+- ``hpgen.planner.translate.expert_tp``: the experts' tensor-parallel rules a release's tp_plan leaves out (5.25);
 - ``hpgen.planner.translate.corrections``: styles the source contradicts, corrected;
 - ``hpgen.planner.translate.style_blocks``: the boundaries the styles imply, and the parameters inside them;
 - ``hpgen.planner.translate.axis_checks``: the mesh axes divide heads, experts and vocabulary rows;

@@ -42,10 +42,24 @@ def correct_packed_chunks(
     owner's dataflow), once per owner class; a split into another number of blocks, which ``packed_colwise``
     does not express, is refused rather than translated into wrong numbers.
     """
-    corrected = dict(rules.rules)
     why: dict[str, str] = {}
     blocks_by_class: dict[tuple[type, str], PackedBlocks | None] = {}
-    for fqn, rule in sorted(rules.rules.items()):
+    # the experts' own tp rules (experts on an axis of their own) hold the same fused projections
+    corrected = _corrected(rules.rules, modules, forwards, why, blocks_by_class)
+    expert_tp = _corrected(rules.expert_tp, modules, forwards, why, blocks_by_class)
+    return replace(rules, rules=corrected, expert_tp=expert_tp), why
+
+
+def _corrected(
+    found: Mapping[str, Rule],
+    modules: Mapping[str, Any],
+    forwards: Forwards,
+    why: dict[str, str],
+    blocks_by_class: dict[tuple[type, str], PackedBlocks | None],
+) -> dict[str, Rule]:
+    """``found`` with each ``colwise`` on two packed blocks made ``packed_colwise`` (the why into ``why``)."""
+    corrected = dict(found)
+    for fqn, rule in sorted(found.items()):
         if rule.style != "colwise" or rule.via_module:
             continue
         owner_fqn, _, attr = fqn.rpartition(".")
@@ -77,7 +91,7 @@ def correct_packed_chunks(
             f"transformers' plan says colwise, but {name}.forward splits the output of {attr} with "
             f"{blocks.says()}: two packed blocks, so packed_colwise (each rank takes its chunk of both)"
         )
-    return replace(rules, rules=corrected), why
+    return corrected
 
 
 def _packed(modules: Mapping[str, Any], owner_fqn: str, attr: str, forwards: Forwards) -> PackedBlocks | None:

@@ -20,6 +20,7 @@ from typing import Any
 from hpgen.errors import HpgenError
 from hpgen.placement import REPLICATE, Placement, shard, strided_shard
 from hpgen.planner.model.modules import generic
+from hpgen.planner.translate.expert_tp import model_tp_plan
 
 __all__ = [
     "COLWISE",
@@ -156,7 +157,7 @@ def style_rules(
     (``packed_colwise``/``rowwise``: the intermediate dim) on ``tp``.
     """
     config = getattr(model, "config", None)
-    tp_plan = dict(getattr(model, "tp_plan", None) or {})
+    tp_plan = model_tp_plan(model, modules)  # transformers >= 5.25 leaves the experts out (see expert_tp)
     ep_plan = dict(getattr(model, "ep_plan", None) or {})
     use_tp = tp is not None or ep is None
     if use_tp and not tp_plan:

@@ -20,6 +20,13 @@ that ``parallelize`` refuses them rather than silently skipping the collectives.
 Where the local shards do not suit the configured kernel (``grouped_mm`` needs 16-byte
 strides), :func:`fit_experts_kernel` switches that module to its eager body, and
 ``parallelize`` says so in one line.
+With the ``kernels`` package (transformers 5.25 requires it), a layer class decorated with
+``use_kernelized_func`` holds per-instance wrappers of the file's hub functions
+(``causal_conv1d_forward``, ``mamba_scan_forward``) in ``_kernel_funcs``, made by the class
+the instance was built as, and its ``forward`` routes the file's calls to them: after the
+class swap they would call the *original* file's functions, or the hub kernel ``kernelize``
+bound, on this rank's shards. :func:`fit_hub_functions` rebinds them to the generated
+file's functions, dropping a bound kernel, and ``parallelize`` says so once.
 Attention implementations (``sdpa``, ``flash_attention_2``, ...) are chosen inside the
 attention body, on the local heads, and need nothing here.
 """
@@ -28,12 +35,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-__all__ = ["fit_experts_kernel", "instance_forward_problem", "route_dispatch"]
+__all__ = ["fit_experts_kernel", "fit_hub_functions", "instance_forward_problem", "route_dispatch"]
 
 
 def _experts_dispatch(function: Any) -> tuple[Any, Callable[..., Any]] | None:
@@ -113,3 +121,29 @@ def instance_forward_problem(module: nn.Module) -> str | None:
         "generated forward and its collectives would not run. Build the model without hub kernels for the "
         "modules the plan names (use_kernels=False), or delete the instance attribute 'forward'"
     )
+
+
+def fit_hub_functions(module: nn.Module) -> str | None:
+    """Point ``module``'s hub-function wrappers (``_kernel_funcs``) at its own class's file; what was dropped.
+
+    Returns the names of the hub kernels ``kernelize`` had bound (now replaced by the file's
+    function, which the generated ``forward`` runs on the local shards), or ``None``.
+    """
+    wrappers = vars(module).get("_kernel_funcs")
+    if not isinstance(wrappers, dict) or not wrappers:
+        return None
+    namespace = vars(sys.modules.get(type(module).__module__) or sys)
+    layers = {
+        getattr(type(value), "kernel_layer_name", None): value
+        for value in namespace.values()
+        if isinstance(value, nn.Module) and getattr(type(value), "kernel_layer_name", None)
+    }
+    dropped = []
+    for name, wrapper in list(wrappers.items()):
+        own = layers.get(getattr(type(wrapper), "kernel_layer_name", None))
+        if own is None or (type(wrapper) is type(own) and "forward" not in vars(wrapper)):
+            continue
+        if "forward" in vars(wrapper):  # kernelize bound a hub kernel to this instance
+            dropped.append(name)
+        wrappers[name] = type(own)()
+    return ", ".join(sorted(dropped)) or None

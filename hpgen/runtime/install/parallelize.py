@@ -88,7 +88,7 @@ from hpgen.runtime.install.hooks import (
     survey_grad_reduce,
 )
 from hpgen.runtime.install.inputs import InputCheck
-from hpgen.runtime.install.kernels import fit_experts_kernel
+from hpgen.runtime.install.kernels import fit_experts_kernel, fit_hub_functions
 from hpgen.runtime.install.launch_checks import refuse_lone_batch_splits, refuse_ranks_outside, reworded
 from hpgen.runtime.install.module_installs import ModuleInstall, module_install
 from hpgen.runtime.install.params import Matched, ParamShard, shard_params, survey_params
@@ -327,12 +327,23 @@ class Survey:
         Hooks go on the parameters registered now, so anything that replaces them (a
         checkpoint read into the shards) comes before."""
         model, plan, mesh, axes = self.model, self.plan, self.mesh, self.axes
-        switched = []
+        switched, hub = [], []
         for target in self.targets:
             target.install(axes, plan.mesh_dim_names)
             why = fit_experts_kernel(target.item.module) if target.form != "identity" else None
             if why is not None:
                 switched.append((target.item.fqn, why))
+            dropped = fit_hub_functions(target.item.module) if target.form != "identity" else None
+            if dropped is not None:
+                hub.append((target.item.fqn, dropped))
+        if hub and (not dist.is_initialized() or dist.get_rank() == 0):
+            first, names = hub[0]
+            more = f" and {len(hub) - 1} more like it" if len(hub) > 1 else ""
+            print(
+                f"hpgen: {first}{more} run the modeling file's {names} instead of the hub kernel kernelize bound, "
+                "which would compute on this rank's shards past the plan's collectives",
+                file=sys.stderr,
+            )
         if switched and (not dist.is_initialized() or dist.get_rank() == 0):
             first, why = switched[0]
             more = f" and {len(switched) - 1} more like it" if len(switched) > 1 else ""

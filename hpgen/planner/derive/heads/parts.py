@@ -41,7 +41,7 @@ from hpgen.planner.derive.placed import Refused
 from hpgen.planner.derive.projection_groups import Group
 from hpgen.planner.model.modules import in_features, lca, out_features, relative
 
-__all__ = ["Parts", "head_parts", "traced_calls"]
+__all__ = ["Parts", "head_parts", "token_splits", "traced_calls"]
 
 SPLITS = ("chunk", "split", "tensor_split")
 JOINS = ("cat", "concat", "concatenate")
@@ -166,6 +166,24 @@ def _parts_layouts(
         why += f"; one key/value head per part, on every rank ({kv_layout.placement(0)}), num_key_value_groups divided"
     parts.why = why
     return parts
+
+
+def token_splits(ctx: DeriveContext, group: Group, heads: Heads | None) -> frozenset[tuple[str, int]]:
+    """``(module, line)`` of the group's splits that one meta-device forward shows cutting the batch or the
+    sequence, not the heads (transformers 5.25's KimiDeltaAttention: ``tensor_split(query, [n], dim=1)`` of a
+    ``(batch, seq, heads, head_dim)`` value at the cached positions): they say nothing of the heads' layout."""
+    if heads is None or not any(_may_split_heads(use, group.cols) for use in group.flow.shapes):
+        return frozenset()
+    q, kv, _ = heads
+    calls = _traced(ctx, q)
+    if calls is None:
+        return frozenset()
+    tokens = set(probe_sizes(q)) - {q, kv}
+    return frozenset(
+        (call.module, call.line)
+        for call in calls
+        if call.op in SPLITS and call.dim is not None and call.shapes[0][call.dim] in tokens
+    )
 
 
 def _traced(ctx: DeriveContext, heads: int) -> list[TracedCall] | None:
