@@ -15,8 +15,8 @@ A page reads as one walk-through, so its blocks become programs, in page order:
 
 Each program runs in a folder of its page made the way README's walk-through makes it
 (``make_ckpt.py``, ``hpgen plan ckpt/ --tp 2 -o plan.json``, ``hpgen lower`` into
-``modeling_llama_tp.py``), then the page's own ``hpgen plan ckpt/`` (its first) and
-``hpgen lower "$MODELING"`` commands, if its bash blocks have any. The placeholders the pages
+``modeling_llama_tp.py``), then the page's own ``hpgen plan ckpt/`` (the first for each
+plan file it names) and ``hpgen lower "$MODELING"`` commands, if its bash blocks have any. The placeholders the pages
 tell a reader to replace are replaced as their comments say (:data:`PLACEHOLDERS`).
 """
 
