@@ -159,12 +159,25 @@ def falcon_plan(config: Any) -> dict[str, Any]:
                     "query_key_value.weight": {"tp": f"B(0, {heads * head_dim}:S(0,{head_dim}), {head_dim}:R, {head_dim}:R)"},
                     "dense.weight": {"tp": f"S(1,{head_dim})"},
                 },
-                "local_attrs": {
-                    "num_heads": {"of": "query_key_value.weight", "dim": 0, "block": 0, "unit": head_dim}
-                },
+                "local_attrs": _falcon_query_counts(head_dim),
             },
         },
     }
+
+
+def _falcon_query_counts(head_dim: int) -> dict[str, Any]:
+    """The per-rank counts of multi-query Falcon's attention: its query heads, and (transformers 5.25's
+    attention interface) ``num_key_value_groups``, the queries per key/value head, which with one key/value
+    head equals the query heads a rank holds."""
+    import inspect
+
+    from transformers.models.falcon import modeling_falcon
+
+    query = {"of": "query_key_value.weight", "dim": 0, "block": 0, "unit": head_dim}
+    counts = {"num_heads": query}
+    if "self.num_key_value_groups" in inspect.getsource(modeling_falcon.FalconAttention.__init__):
+        counts["num_key_value_groups"] = query
+    return counts
 
 
 def lowered(config: Any, plan: dict[str, Any], path: str) -> str:
