@@ -30,6 +30,9 @@ class Run:
     name: str
     tp: int = 2
     dp: int = 1
+    pp: int = 1  # pipeline stages (outermost on the mesh); tp 1 with pp: transformers' own class, nothing lowered
+    microbatches: int | None = None  # the Trainer's pipeline_microbatches (None: its default)
+    schedule: str = "1F1B"
     sp: bool = False
     kv_heads: int = 2
     fsdp: bool = False
@@ -182,6 +185,26 @@ def reference_key(run: Run) -> str:
     return f"kv{run.kv_heads}{'-lora' if run.lora else ''}{'-defaults' if run.defaults else ''}"
 
 
+def parity_table(references: dict[str, Any], runs: dict[str, Any], cases: list[Run]) -> list[tuple[str, float, float, float, float, list[int]]]:
+    """Each case against its reference: the largest per-step loss and grad_norm differences, the train_loss difference
+    and the final weights' largest difference, printed as a table; rows ``(name, loss, norm, mean, weights, steps)``."""
+    rows = []
+    for run in cases:
+        reference = references[reference_key(run)]
+        mine = runs[run.name]
+        steps = sorted(mine["steps"])
+        loss = max((abs(mine["steps"][s][0] - reference["steps"][s][0]) for s in steps), default=0.0)
+        norm = max((abs(mine["steps"][s][1] - reference["steps"][s][1]) for s in steps), default=0.0)
+        # a resumed run's train_loss is the mean of its own steps (3 and 4): not comparable
+        mean = 0.0 if run.resume else abs(mine["training_loss"] - reference["training_loss"])
+        weights = max((mine["weights"][k] - v).abs().max().item() for k, v in reference["weights"].items())
+        rows.append((run.name, loss, norm, mean, weights, steps))
+    print("\n| loop | max loss diff | max grad_norm diff | train_loss diff | final weights max diff |\n|---|---:|---:|---:|---:|")
+    for name, loss, norm, mean, weights, _ in rows:
+        print(f"| {name} | {loss:.1e} | {norm:.1e} | {mean:.1e} | {weights:.1e} |")
+    return rows
+
+
 def _predictions(trainer: Any) -> Any:
     """trainer.predict's logits and labels on the eval set (gathered as transformers gathers them for metrics)."""
     output = trainer.predict(eval_dataset())
@@ -199,9 +222,9 @@ def _torchrun_environment(rank: int, world_size: int) -> None:
 def _mesh(run: Run) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
-    if run.dp > 1:
-        return init_device_mesh("cpu", (run.dp, run.tp), mesh_dim_names=("dp", "tp"))
-    return init_device_mesh("cpu", (run.tp,), mesh_dim_names=("tp",))
+    dims = [("dp", run.dp), ("pp", run.pp), ("tp", run.tp)]
+    dims = [(name, size) for name, size in dims if size > 1] or [("tp", 1)]
+    return init_device_mesh("cpu", tuple(size for _, size in dims), mesh_dim_names=tuple(name for name, _ in dims))
 
 
 def parallel_model(run: Run, mesh: Any) -> Any:
@@ -210,7 +233,14 @@ def parallel_model(run: Run, mesh: Any) -> Any:
     from tests.support.models import generated_model, import_file
 
     base = reference_model(run.kv_heads, lora=False)
-    model = generated_model(import_file(run.generated), "llama", config(run.kv_heads), base).train()
+    if run.generated:
+        model = generated_model(import_file(run.generated), "llama", config(run.kv_heads), base).train()
+    else:  # a plan of pipeline stages alone: transformers' own class
+        from transformers import LlamaForCausalLM
+
+        model = LlamaForCausalLM(config(run.kv_heads))
+        model.load_state_dict(base.state_dict())
+        model.train()
     if run.lora:
         from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
@@ -246,9 +276,10 @@ def parallel(rank: int, world_size: int, runs: list[Run], workdir: str) -> dict[
     """Rank body: each run in its loop; rank 0 returns its steps and gathered weights (or the error it stopped with)."""
     _torchrun_environment(rank, world_size)
     results: dict[str, Any] = {}
-    meshes: dict[tuple[int, int], Any] = {}
+    meshes: dict[tuple[int, int, int], Any] = {}
     for run in runs:
-        mesh = meshes.get((run.dp, run.tp)) or meshes.setdefault((run.dp, run.tp), _mesh(run))
+        key = (run.dp, run.pp, run.tp)
+        mesh = meshes.get(key) or meshes.setdefault(key, _mesh(run))
         model = parallel_model(run, mesh)
         if run.loop == "hpgen, no torchrun environment":  # torch.distributed as the spawner made it, and nothing else
             saved = {name: os.environ.pop(name) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
@@ -269,7 +300,10 @@ def _train(run: Run, model: Any, workdir: str) -> dict[str, Any]:
     recorder = _Recorder()
     output = str(Path(workdir) / (run.resume or run.name))
     args = arguments(output, BATCH // run.dp, run.save, defaults=run.defaults)
-    trainer = Trainer(model=model, args=args, train_dataset=dataset(), eval_dataset=eval_dataset(), callbacks=[recorder])
+    pipeline = dict(pipeline_microbatches=run.microbatches, pipeline_schedule=run.schedule) if run.pp > 1 else {}
+    trainer = Trainer(
+        model=model, args=args, train_dataset=dataset(), eval_dataset=eval_dataset(), callbacks=[recorder], **pipeline
+    )
     before = trainer.evaluate() if run.evaluate else None
     trained = trainer.train(resume_from_checkpoint=str(Path(output) / "checkpoint-2") if run.resume else None)
     result = {"steps": dict(recorder.steps), "weights": _full_weights(model), "training_loss": trained.training_loss}
