@@ -33,6 +33,8 @@ class Run:
     pp: int = 1  # pipeline stages (outermost on the mesh); tp 1 with pp: transformers' own class, nothing lowered
     microbatches: int | None = None  # the Trainer's pipeline_microbatches (None: its default)
     schedule: str = "1F1B"
+    accumulate: int = 1  # gradient_accumulation_steps (the reference accumulates alike)
+    ignored: bool = False  # labels -100 over an unequal part of each sequence (a mean per batch would differ)
     sp: bool = False
     kv_heads: int = 2
     fsdp: bool = False
@@ -73,10 +75,16 @@ class _Recorder:
         return Recorder()
 
 
-def dataset() -> list[dict[str, torch.Tensor]]:
+def dataset(ignored: bool = False) -> list[dict[str, torch.Tensor]]:
+    """The training sequences; with ``ignored``, sample ``i``'s first ``i % 7`` labels are -100 (batches and their
+    halves count unequal label tokens)."""
     generator = torch.Generator().manual_seed(11)
     ids = torch.randint(0, 127, (SAMPLES, SEQ), generator=generator)
-    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+    rows = [{"input_ids": row, "labels": row.clone()} for row in ids]
+    if ignored:
+        for index, row in enumerate(rows):
+            row["labels"][: index % 7] = -100
+    return rows
 
 
 def config(kv_heads: int = 2) -> Any:
@@ -165,9 +173,9 @@ def reference(rank: int, world_size: int, runs: list[Run], workdir: str) -> dict
         model = reference_model(run.kv_heads, bool(run.lora))
         recorder = _Recorder()
         output = str(Path(workdir) / f"reference-{key}")
-        args = arguments(output, BATCH, save=not run.defaults, defaults=run.defaults)
+        args = arguments(output, BATCH, save=not run.defaults, defaults=run.defaults, **_accumulation(run))
         trainer = Trainer(
-            model=model, args=args, train_dataset=dataset(), eval_dataset=eval_dataset(), callbacks=[recorder]
+            model=model, args=args, train_dataset=dataset(run.ignored), eval_dataset=eval_dataset(), callbacks=[recorder]
         )
         before = trainer.evaluate() if run.evaluate else None
         trained = trainer.train()
@@ -182,7 +190,13 @@ def reference(rank: int, world_size: int, runs: list[Run], workdir: str) -> dict
 
 
 def reference_key(run: Run) -> str:
-    return f"kv{run.kv_heads}{'-lora' if run.lora else ''}{'-defaults' if run.defaults else ''}"
+    accumulated = f"-accumulate{run.accumulate}" if run.accumulate > 1 else ""
+    ignored = "-ignored" if run.ignored else ""
+    return f"kv{run.kv_heads}{'-lora' if run.lora else ''}{'-defaults' if run.defaults else ''}{accumulated}{ignored}"
+
+
+def _accumulation(run: Run) -> dict[str, int]:
+    return {"gradient_accumulation_steps": run.accumulate} if run.accumulate > 1 else {}
 
 
 def parity_table(references: dict[str, Any], runs: dict[str, Any], cases: list[Run]) -> list[tuple[str, float, float, float, float, list[int]]]:
@@ -299,10 +313,11 @@ def _train(run: Run, model: Any, workdir: str) -> dict[str, Any]:
 
     recorder = _Recorder()
     output = str(Path(workdir) / (run.resume or run.name))
-    args = arguments(output, BATCH // run.dp, run.save, defaults=run.defaults)
+    args = arguments(output, BATCH // run.dp, run.save, defaults=run.defaults, **_accumulation(run))
     pipeline = dict(pipeline_microbatches=run.microbatches, pipeline_schedule=run.schedule) if run.pp > 1 else {}
     trainer = Trainer(
-        model=model, args=args, train_dataset=dataset(), eval_dataset=eval_dataset(), callbacks=[recorder], **pipeline
+        model=model, args=args, train_dataset=dataset(run.ignored), eval_dataset=eval_dataset(), callbacks=[recorder],
+        **pipeline,
     )
     before = trainer.evaluate() if run.evaluate else None
     trained = trainer.train(resume_from_checkpoint=str(Path(output) / "checkpoint-2") if run.resume else None)

@@ -4,7 +4,9 @@ The runs of ``test_trainer.py`` (``tests.support.trainer_runs``: the same tiny L
 4 AdamW steps with clipping active, a log per step) on a ``pp 2`` mesh (transformers' own
 class, one decoder layer a stage) and a ``pp 2 x tp 2`` mesh (the lowered model): each step's
 logged loss and ``grad_norm`` and the final weights must match the unsharded model's; the
-``pp 2`` run saves at step 2, where a fresh run resumes and must end on the same weights.
+``pp 2`` run saves at step 2, where a fresh run resumes and must end on the same weights; one
+run accumulates two batches a step (the reference alike); two have labels ignored over unequal
+parts of the sequences, so a loss averaged per batch or microbatch would differ.
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         Run("pp 2 (1F1B, 2 microbatches: the stage count)", pp=2, tp=1, save=True, **pp),
         Run("pp 2, resumed at step 2", pp=2, tp=1, resume="pp 2 (1F1B, 2 microbatches: the stage count)", **pp),
         Run("pp 2 (GPipe, 4 microbatches)", pp=2, tp=1, microbatches=4, schedule="GPipe", **pp),
+        # each optimizer step two batches whose label tokens differ: the loss is over both batches' tokens
+        Run("pp 2, gradient_accumulation_steps=2, -100 labels", pp=2, tp=1, accumulate=2, ignored=True, **pp),
     ]
-    four = [Run("pp 2 x tp 2 (1F1B, 4 microbatches)", pp=2, tp=2, microbatches=4, **_staged(2, directory / "pp2tp2"))]
+    four = [Run("pp 2 x tp 2 (1F1B, 4 microbatches), -100 labels", pp=2, tp=2, microbatches=4, ignored=True, **_staged(2, directory / "pp2tp2"))]
     work = str(directory)
     references = run_distributed(trainer_runs.reference, two + four, work, world_size=1, timeout=600)[0]
     runs = run_distributed(trainer_runs.parallel, two, work, world_size=2, timeout=600)[0]
