@@ -156,6 +156,12 @@ def _run_case(case: Prepared, mesh: Any, outcome: Outcome) -> None:
         outcome.raised = Raised("parallelize", "", "", _short(error))
         return
     axes = {mesh.get_group(name): name for name in mesh.mesh_dim_names}
+    if plan.pipeline is not None:  # stages: gradients through pipeline_step (hpgen.verify.staged)
+        from hpgen.verify.staged import staged_checks
+
+        with CollectiveWatch(model, axes):
+            staged_checks(model, reference, plan, mesh, ids, layouts, outcome)
+        return
     with CollectiveWatch(model, axes):  # a collective that never completes is named per rank
         _checks(model, reference, reference_recorder, plan, mesh, ids, ref_logits, projection, layouts, outcome)
 
