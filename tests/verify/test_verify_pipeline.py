@@ -55,3 +55,22 @@ def test_a_staged_plan_verifies_exact(verdicts: dict[str, Any], name: str) -> No
     stages = json.loads(json.dumps(verdict.case.plan["pipeline"]["stages"]))
     assert stages[0][-1] == "model.layers.0" and stages[1][0] == "model.layers.1", stages  # one tiny layer a stage
     assert dict(verdict.case.mesh) == ({"pp": 2, "tp": 2} if "tp2" in name else {"pp": 2})
+
+
+def test_more_stages_than_tiny_layers_grow_the_copy() -> None:
+    """Four stages of an uneven cut on a two-layer copy: four layers, one a stage, the other modules kept in place;
+    the copy's per-layer lists grow with it."""
+    from transformers import Qwen3Config
+
+    from hpgen.verify.shrink import more_layers, stages_for_layers
+
+    plan = {"pipeline": {"axis": "pp", "stages": [["model.embed_tokens", "model.layers.0-9"], ["model.layers.10-15"],
+                                                  ["model.layers.16-21"], ["model.layers.22-31", "model.norm", "lm_head"]]}}
+    rewritten, count = stages_for_layers(plan, 2)
+    assert count == 4
+    assert rewritten["pipeline"]["stages"] == [["model.embed_tokens", "model.layers.0"], ["model.layers.1"],
+                                               ["model.layers.2"], ["model.layers.3", "model.norm", "lm_head"]]
+    assert stages_for_layers(plan, 6)[0]["pipeline"]["stages"][0] == ["model.embed_tokens", "model.layers.0-1"]
+    config = Qwen3Config(num_hidden_layers=2)
+    more_layers(config, count)
+    assert config.num_hidden_layers == 4 and len(config.layer_types) == 4
