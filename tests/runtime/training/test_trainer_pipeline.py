@@ -2,7 +2,8 @@
 
 The runs of ``test_trainer.py`` (``tests.support.trainer_runs``: the same tiny Llama, data,
 4 AdamW steps with clipping active, a log per step) on a ``pp 2`` mesh (transformers' own
-class, one decoder layer a stage) and a ``pp 2 x tp 2`` mesh (the lowered model): each step's
+class, one decoder layer a stage), a ``pp 2 x tp 2`` mesh (the lowered model) and a ``dp 2 x pp 2``
+mesh with FSDP2 on ``dp``: each step's
 logged loss and ``grad_norm`` and the final weights must match the unsharded model's; the
 ``pp 2`` run saves at step 2, where a fresh run resumes and must end on the same weights; one
 run accumulates two batches a step (the reference alike); two have labels ignored over unequal
@@ -48,7 +49,11 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         # each optimizer step two batches whose label tokens differ: the loss is over both batches' tokens
         Run("pp 2, gradient_accumulation_steps=2, -100 labels", pp=2, tp=1, accumulate=2, ignored=True, **pp),
     ]
-    four = [Run("pp 2 x tp 2 (1F1B, 4 microbatches), -100 labels", pp=2, tp=2, microbatches=4, ignored=True, **_staged(2, directory / "pp2tp2"))]
+    four = [
+        Run("pp 2 x tp 2 (1F1B, 4 microbatches), -100 labels", pp=2, tp=2, microbatches=4, ignored=True,
+            **_staged(2, directory / "pp2tp2")),
+        Run("dp 2 x pp 2 (FSDP2 on dp), -100 labels", dp=2, pp=2, tp=1, fsdp=True, ignored=True, **pp),
+    ]
     work = str(directory)
     references = run_distributed(trainer_runs.reference, two + four, work, world_size=1, timeout=600)[0]
     runs = run_distributed(trainer_runs.parallel, two, work, world_size=2, timeout=600)[0]
