@@ -3,7 +3,7 @@
 The runs of ``test_trainer.py`` (``tests.support.trainer_runs``: the same tiny Llama, data,
 4 AdamW steps with clipping active, a log per step) on a ``pp 2`` mesh (transformers' own
 class, one decoder layer a stage), a ``pp 2 x tp 2`` mesh (the lowered model) and a ``dp 2 x pp 2``
-mesh with FSDP2 on ``dp``: each step's
+mesh with FSDP2 on ``dp`` (and ``dp 2 x pp 2 x tp 2``, 8 ranks): each step's
 logged loss and ``grad_norm`` and the final weights must match the unsharded model's; the
 ``pp 2`` run saves at step 2, where a fresh run resumes and must end on the same weights; one
 run accumulates two batches a step (the reference alike); two have labels ignored over unequal
@@ -54,11 +54,14 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             **_staged(2, directory / "pp2tp2")),
         Run("dp 2 x pp 2 (FSDP2 on dp), -100 labels", dp=2, pp=2, tp=1, fsdp=True, ignored=True, **pp),
     ]
+    eight = [Run("dp 2 x pp 2 x tp 2 (FSDP2 on dp), -100 labels", dp=2, pp=2, tp=2, fsdp=True, ignored=True,
+                 **_staged(2, directory / "pp2tp2"))]
     work = str(directory)
-    references = run_distributed(trainer_runs.reference, two + four, work, world_size=1, timeout=600)[0]
+    references = run_distributed(trainer_runs.reference, two + four + eight, work, world_size=1, timeout=600)[0]
     runs = run_distributed(trainer_runs.parallel, two, work, world_size=2, timeout=600)[0]
     runs.update(run_distributed(trainer_runs.parallel, four, work, world_size=4, timeout=600)[0])
-    return dict(references=references, runs=runs, cases=two + four)
+    runs.update(run_distributed(trainer_runs.parallel, eight, work, world_size=8, timeout=600)[0])
+    return dict(references=references, runs=runs, cases=two + four + eight)
 
 
 def test_the_pipeline_trains_as_one_process(trained: dict[str, Any]) -> None:
