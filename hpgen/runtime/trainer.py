@@ -23,6 +23,12 @@ steps, where the Trainer and accelerate offer them:
   preparation (``hpgen.runtime.install.wrapped.AccelerateCheck``);
 - clipping and the logged ``grad_norm``: :func:`hpgen.runtime.clip_grad_norm_`, the unsharded
   model's norm;
+- a model cut into pipeline stages (a plan made with ``--pp``): each training step runs
+  :func:`hpgen.runtime.pipeline.pipeline_step` on the batch (every stage fed the same one) in
+  place of the forward and ``accelerator.backward``, over ``pipeline_microbatches``
+  microbatches with ``pipeline_schedule``; the loss is divided by the label tokens of the
+  whole optimizer step (every accumulated batch of every data-parallel rank), as transformers'
+  ``num_items_in_batch`` is;
 - checkpoints: every rank joins ``save_pretrained`` (one writer, loadable by plain
   transformers), each rank writes its own optimizer state, rank 0 the scheduler, and
   ``hpgen_trainer.json`` the mesh and the model's random-stream step; resuming checks that
@@ -66,7 +72,14 @@ class Trainer(transformers.Trainer):
     torchrun, every rank alike. See docs/training.md.
     """
 
-    def __init__(self, model: nn.Module | None = None, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        *args: Any,
+        pipeline_microbatches: int | None = None,
+        pipeline_schedule: str = "1F1B",
+        **kwargs: Any,
+    ) -> None:
         if model is None:
             raise ValueError(
                 "hpgen.runtime.trainer.Trainer needs the parallelized model itself (model=...): model_init is not "
@@ -86,6 +99,7 @@ class Trainer(transformers.Trainer):
                 f"({', '.join(data_axes)}); it takes at most one data-parallel axis (flatten them into one)"
             )
         self._hp_data_axis = data_axes[0] if data_axes else None
+        self._hp_pipeline = _pipeline_settings(model, found, pipeline_microbatches, pipeline_schedule)
         if args:
             args = (_on_the_mesh_device(args[0], found), *args[1:])
         else:
@@ -101,6 +115,8 @@ class Trainer(transformers.Trainer):
         accelerator.prepare_data_loader = self._prepare_data_loader_over_dp
         accelerator.prepare = _as_hpgen_trainer(accelerator, accelerator.prepare)
         accelerator.prepare_model = _as_hpgen_trainer(accelerator, accelerator.prepare_model)
+        if self._hp_pipeline is not None:  # no DDP over the world: the stages hold different parameters
+            accelerator.prepare_model = functools.partial(accelerator.prepare_model, evaluation_mode=True)
         accelerator.gather_for_metrics = self._gather_for_metrics_over_dp
         # transformers bound the original to gather_function already (and binds accelerator's again after each loop)
         self.gather_function = functools.partial(
@@ -187,6 +203,12 @@ class Trainer(transformers.Trainer):
         if self.accelerator.unwrap_model(model, keep_torch_compile=False) is not model or not training:
             return model
         if self.data_parallel_size > 1 and not any(isinstance(p, DTensor) for p in model.parameters()):
+            if self._hp_pipeline is not None:
+                raise ValueError(
+                    "hpgen.runtime.trainer.Trainer: DDP on the data-parallel axis of a model cut into pipeline stages "
+                    "is not covered (torch's pipeline schedules run each stage's module outside DDP's forward); "
+                    f"fully_shard the stage's layers and the model on mesh[{self._hp_data_axis!r}] (FSDP2) instead"
+                )
             kwargs = self.accelerator.ddp_handler.to_kwargs() if self.accelerator.ddp_handler is not None else {}
             device = self.accelerator.device
             model = DistributedDataParallel(
@@ -196,6 +218,55 @@ class Trainer(transformers.Trainer):
                 **kwargs,
             )
         return self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
+
+    # ---- the pipeline's training step ---------------------------------------------------------
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
+        """On a staged model: the label tokens of the optimizer step's batches on every data-parallel rank (the
+        causal shift counted: ``labels[..., 1:]``), which each ``pipeline_step`` divides its summed loss by, so the
+        accumulated gradients are the whole step's mean (transformers' ``average_tokens_across_devices``)."""
+        if self._hp_pipeline is None:
+            return super()._get_num_items_in_batch(batch_samples, device)
+        from hpgen.runtime.pipeline.schedule import IGNORE_INDEX
+
+        counted = sum((batch["labels"][..., 1:] != IGNORE_INDEX).sum() for batch in batch_samples if "labels" in batch)
+        counted = torch.as_tensor(counted, device=device)
+        if self._hp_data_axis is not None and self.data_parallel_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(counted, group=self._hp_mesh.mesh.get_group(self._hp_data_axis))
+        return counted
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        """transformers' step, or on a staged model ``pipeline_step`` (its forward and backward): the batch's part of
+        the step's loss, the same on every rank."""
+        if self._hp_pipeline is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        from hpgen.runtime.pipeline import pipeline_step
+
+        microbatches, schedule = self._hp_pipeline
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        inputs = self._prepare_inputs(inputs)
+        unexpected = sorted(set(inputs) - {"input_ids", "labels", "attention_mask"})
+        if unexpected or "labels" not in inputs:
+            raise ValueError(
+                "hpgen.runtime.trainer.Trainer: a model cut into pipeline stages trains on input_ids, labels and "
+                f"attention_mask; the batch has {sorted(inputs)}"
+            )
+        if num_items_in_batch is None:  # not counted by transformers: this batch's tokens, over the data-parallel ranks
+            num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
+        rows = int(inputs["input_ids"].shape[0])
+        return pipeline_step(
+            self.accelerator.unwrap_model(model, keep_torch_compile=False),
+            input_ids=inputs["input_ids"],
+            labels=inputs["labels"],
+            attention_mask=inputs.get("attention_mask"),
+            microbatches=_dividing(rows, microbatches),
+            schedule=schedule,
+            num_items_in_batch=num_items_in_batch,
+        ).detach()
 
     # ---- clipping -----------------------------------------------------------------------
 
@@ -294,6 +365,31 @@ class Trainer(transformers.Trainer):
             from hpgen.runtime import reseed_random_streams
 
             reseed_random_streams(_hpgen_model(self.model), *saved["streams"])
+
+
+def _pipeline_settings(model: nn.Module, mesh: MeshAxes, microbatches: int | None, schedule: str) -> tuple[int, str] | None:
+    """``(microbatches, schedule)`` for a staged model (microbatches defaulting to its stage count), else None."""
+    from hpgen.runtime.pipeline.attach import staged
+
+    pipeline = staged(model)
+    if pipeline is None:
+        if microbatches is not None:
+            raise ValueError(
+                "hpgen.runtime.trainer.Trainer: pipeline_microbatches is for a model cut into pipeline stages "
+                "(a plan made with --pp); this model has none"
+            )
+        return None
+    if microbatches is None:
+        microbatches = pipeline.cut.num_stages
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"hpgen.runtime.trainer.Trainer: pipeline_microbatches must be a positive integer, not {microbatches!r}")
+    return microbatches, schedule
+
+
+def _dividing(rows: int, microbatches: int) -> int:
+    """The largest count of equal microbatches, at most ``microbatches``, that a batch of ``rows`` cuts into (a
+    last, smaller batch of an epoch)."""
+    return max(count for count in range(1, min(rows, microbatches) + 1) if rows % count == 0)
 
 
 def _on_the_mesh_device(args: Any, mesh: MeshAxes) -> Any:

@@ -156,6 +156,10 @@ def _run_case(case: Prepared, mesh: Any, outcome: Outcome) -> None:
         outcome.raised = Raised("parallelize", "", "", _short(error))
         return
     axes = {mesh.get_group(name): name for name in mesh.mesh_dim_names}
+    if plan.pipeline is not None:  # pipeline stages: gradients through pipeline_step
+        with CollectiveWatch(model, axes):
+            _staged_checks(model, reference, plan, mesh, ids, layouts, outcome)
+        return
     with CollectiveWatch(model, axes):  # a collective that never completes is named per rank
         _checks(model, reference, reference_recorder, plan, mesh, ids, ref_logits, projection, layouts, outcome)
 
@@ -222,6 +226,47 @@ def _checks(
     outcome.checks.append(_train_parity(model, reference, ids, projection, layouts, plan, mesh))
     if _with_dropout(model, TRAIN_DROPOUT):
         outcome.checks.append(_train_mode(model, ids, layouts, plan, mesh))
+
+
+def _staged_checks(
+    model: nn.Module, reference: nn.Module, plan: Any, mesh: Any, ids: torch.Tensor, layouts: dict[str, dict[str, str]],
+    outcome: Any,
+) -> None:
+    """The checks of a model cut into pipeline stages: its ``model(input_ids)`` relays activations without
+    gradients (docs/pipeline.md), so the gradients are checked through ``pipeline_step`` against the unsharded
+    model's causal-LM loss on the same batch (labels: the ids), each rank's stage against the reference's
+    gradients of it; the logits (the relay) and greedy generation as for any plan."""
+    from hpgen.runtime.pipeline import pipeline_step
+    from hpgen.runtime.pipeline.attach import staged
+
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        ref_logits = reference(input_ids=ids).logits
+    tol = tolerance(ref_logits)
+    err = (logits.float() - ref_logits.float()).abs().max().item() if logits.shape == ref_logits.shape else float("inf")
+    outcome.checks.append(Check("logits", err, tol, err <= tol))
+    reference.zero_grad(set_to_none=True)
+    labels = ids.clone()
+    ref_loss = reference(input_ids=ids, labels=labels).loss
+    ref_loss.backward()
+    mine = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    for name, param in reference.named_parameters():
+        if name not in mine:  # another stage's: checked on its own ranks
+            param.grad = None
+    model.zero_grad(set_to_none=True)
+    several = len(staged(model).cut.stages) > 1
+    loss = pipeline_step(
+        model, input_ids=ids, labels=labels, microbatches=int(ids.shape[0]), schedule="Interleaved1F1B" if several else "1F1B"
+    )
+    loss_err, loss_tol = abs(float(loss) - float(ref_loss)), tolerance(ref_loss.detach())
+    outcome.checks.append(Check("pipeline loss", loss_err, loss_tol, loss_err <= loss_tol))
+    worst: list[tuple[float, float]] = []
+    outcome.params = gradient_differences(model, reference, layouts, plan, mesh, [], worst)
+    err, tol = max(worst, key=lambda pair: pair[0] / max(pair[1], 1e-30), default=(0.0, 0.0))
+    outcome.checks.append(
+        Check("gradients", err, tol, not outcome.params, f"pipeline_step: {len(outcome.params)} of {len(worst)} parameters differ")
+    )
+    outcome.checks.append(_generation(model, reference, ids))
 
 
 def _on_any_rank(flag: bool) -> bool:

@@ -67,7 +67,7 @@ def prepare(
     from hpgen.lower import lower
     from hpgen.plan import load_plan, plan_from_dict
     from hpgen.plan_trust import untrusted_target
-    from hpgen.verify.shrink import axis_sizes, kept_heads, scaled_units, shape_for, tiny_config
+    from hpgen.verify.shrink import axis_sizes, kept_heads, more_layers, scaled_units, shape_for, stages_for_layers, tiny_config
 
     if source is not None and not Path(source).is_file():
         raise HpgenError("no such modeling file", file=str(source))
@@ -109,6 +109,10 @@ def prepare(
         raise HpgenError(f"cannot shrink the config for the check: {type(error).__name__}: {error}") from None
     if len(layers) > 2:  # one tiny layer per distinct contract of the numbered layers
         config.num_hidden_layers = len(layers)
+    document, count = stages_for_layers(document, config.num_hidden_layers)  # the stages named on the tiny layers
+    if count != config.num_hidden_layers:
+        more_layers(config, count)
+    loaded = plan_from_dict(document, name=plan_name)
     cls = _model_class(loaded, config, plan_name)
     if source is None:
         source_path = Path(inspect.getsourcefile(cls) or "")

@@ -20,7 +20,18 @@ from typing import Any
 
 from hpgen.model_config import config_value
 
-__all__ = ["CONFIG_FIXES", "TINY", "all_configs", "axis_sizes", "kept_heads", "scaled_units", "shape_for", "tiny_config"]
+__all__ = [
+    "CONFIG_FIXES",
+    "TINY",
+    "all_configs",
+    "axis_sizes",
+    "kept_heads",
+    "more_layers",
+    "scaled_units",
+    "shape_for",
+    "stages_for_layers",
+    "tiny_config",
+]
 
 # The tiny shape, applied to the keys a config has: head_dim 16 with 4 query and 2 KV heads
 # (GQA), 4 experts of which 2 are routed per token, and odd sizes where a shard may be
@@ -474,3 +485,50 @@ def shape_for(plan: Any, sizes: dict[str, int]) -> dict[str, Any]:
     shape: dict[str, Any] = {key: 2 * largest for key in (*_HEADS, *_EXPERTS)}
     shape.update({key: largest // replicas for key in _KV_HEADS})
     return shape
+
+
+def stages_for_layers(document: dict[str, Any], layers: int) -> tuple[dict[str, Any], int]:
+    """The plan's pipeline stages rewritten for a copy of ``layers`` decoder layers, and that count.
+
+    A ``--pp`` plan names the full model's layers (``model.layers.16-31``); the tiny copy has a
+    few. Each stage keeps its other modules (embedding, norm, ``lm_head``) and gets a contiguous
+    run of the copy's layers in proportion to the layers it named, at least one: the copy has
+    at least as many layers as the plan has stages (more than ``layers`` where it has more
+    stages). A plan without stages is returned as it is.
+    """
+    from hpgen.plan_entries import expand_stage_item
+
+    pipeline = document.get("pipeline")
+    if not isinstance(pipeline, dict) or not isinstance(pipeline.get("stages"), list):
+        return document, layers
+    stages = [[name for item in stage for name in (expand_stage_item(item) or (item,))] for stage in pipeline["stages"]]
+    prefixes = {name.rpartition(".")[0] for stage in stages for name in stage if name.rpartition(".")[2].isdigit()}
+    if len(prefixes) != 1:  # no numbered layers named, or several lists: left for parallelize to judge
+        return document, layers
+    (prefix,) = prefixes
+    named = [sum(1 for name in stage if name.rpartition(".")[0] == prefix) for stage in stages]
+    count = max(layers, len(stages))
+    shares = [1] * len(stages)
+    total = sum(named) or 1
+    for _ in range(count - len(stages)):  # each further layer to the stage furthest below its share
+        best = max(range(len(stages)), key=lambda index: named[index] / total - shares[index] / count)
+        shares[best] += 1
+    rewritten, start = [], 0
+    for stage, share in zip(stages, shares):
+        run = f"{prefix}.{start}" + (f"-{start + share - 1}" if share > 1 else "")
+        kept = [name for name in stage if name.rpartition(".")[0] != prefix]
+        at = next((index for index, name in enumerate(stage) if name.rpartition(".")[0] == prefix), len(stage))
+        at = sum(1 for name in stage[:at] if name.rpartition(".")[0] != prefix)  # where the layers were
+        rewritten.append([*kept[:at], run, *kept[at:]])
+        start += share
+    return {**document, "pipeline": {**pipeline, "stages": rewritten}}, count
+
+
+def more_layers(config: Any, count: int) -> None:
+    """Grow the tiny ``config`` to ``count`` decoder layers (one a pipeline stage at least), its per-layer lists
+    (``layer_types``, ...) continued with their last value."""
+    before = config.num_hidden_layers
+    for key, value in list(vars(config).items()):
+        if isinstance(value, list) and len(value) == before and before > 0:
+            setattr(config, key, value + [value[-1]] * (count - before))
+    config.num_hidden_layers = count

@@ -30,6 +30,11 @@ class Run:
     name: str
     tp: int = 2
     dp: int = 1
+    pp: int = 1  # pipeline stages (outermost on the mesh); tp 1 with pp: transformers' own class, nothing lowered
+    microbatches: int | None = None  # the Trainer's pipeline_microbatches (None: its default)
+    schedule: str = "1F1B"
+    accumulate: int = 1  # gradient_accumulation_steps (the reference accumulates alike)
+    ignored: bool = False  # labels -100 over an unequal part of each sequence (a mean per batch would differ)
     sp: bool = False
     kv_heads: int = 2
     fsdp: bool = False
@@ -70,10 +75,16 @@ class _Recorder:
         return Recorder()
 
 
-def dataset() -> list[dict[str, torch.Tensor]]:
+def dataset(ignored: bool = False) -> list[dict[str, torch.Tensor]]:
+    """The training sequences; with ``ignored``, sample ``i``'s first ``i % 7`` labels are -100 (batches and their
+    halves count unequal label tokens)."""
     generator = torch.Generator().manual_seed(11)
     ids = torch.randint(0, 127, (SAMPLES, SEQ), generator=generator)
-    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+    rows = [{"input_ids": row, "labels": row.clone()} for row in ids]
+    if ignored:
+        for index, row in enumerate(rows):
+            row["labels"][: index % 7] = -100
+    return rows
 
 
 def config(kv_heads: int = 2) -> Any:
@@ -162,9 +173,9 @@ def reference(rank: int, world_size: int, runs: list[Run], workdir: str) -> dict
         model = reference_model(run.kv_heads, bool(run.lora))
         recorder = _Recorder()
         output = str(Path(workdir) / f"reference-{key}")
-        args = arguments(output, BATCH, save=not run.defaults, defaults=run.defaults)
+        args = arguments(output, BATCH, save=not run.defaults, defaults=run.defaults, **_accumulation(run))
         trainer = Trainer(
-            model=model, args=args, train_dataset=dataset(), eval_dataset=eval_dataset(), callbacks=[recorder]
+            model=model, args=args, train_dataset=dataset(run.ignored), eval_dataset=eval_dataset(), callbacks=[recorder]
         )
         before = trainer.evaluate() if run.evaluate else None
         trained = trainer.train()
@@ -179,7 +190,33 @@ def reference(rank: int, world_size: int, runs: list[Run], workdir: str) -> dict
 
 
 def reference_key(run: Run) -> str:
-    return f"kv{run.kv_heads}{'-lora' if run.lora else ''}{'-defaults' if run.defaults else ''}"
+    accumulated = f"-accumulate{run.accumulate}" if run.accumulate > 1 else ""
+    ignored = "-ignored" if run.ignored else ""
+    return f"kv{run.kv_heads}{'-lora' if run.lora else ''}{'-defaults' if run.defaults else ''}{accumulated}{ignored}"
+
+
+def _accumulation(run: Run) -> dict[str, int]:
+    return {"gradient_accumulation_steps": run.accumulate} if run.accumulate > 1 else {}
+
+
+def parity_table(references: dict[str, Any], runs: dict[str, Any], cases: list[Run]) -> list[tuple[str, float, float, float, float, list[int]]]:
+    """Each case against its reference: the largest per-step loss and grad_norm differences, the train_loss difference
+    and the final weights' largest difference, printed as a table; rows ``(name, loss, norm, mean, weights, steps)``."""
+    rows = []
+    for run in cases:
+        reference = references[reference_key(run)]
+        mine = runs[run.name]
+        steps = sorted(mine["steps"])
+        loss = max((abs(mine["steps"][s][0] - reference["steps"][s][0]) for s in steps), default=0.0)
+        norm = max((abs(mine["steps"][s][1] - reference["steps"][s][1]) for s in steps), default=0.0)
+        # a resumed run's train_loss is the mean of its own steps (3 and 4): not comparable
+        mean = 0.0 if run.resume else abs(mine["training_loss"] - reference["training_loss"])
+        weights = max((mine["weights"][k] - v).abs().max().item() for k, v in reference["weights"].items())
+        rows.append((run.name, loss, norm, mean, weights, steps))
+    print("\n| loop | max loss diff | max grad_norm diff | train_loss diff | final weights max diff |\n|---|---:|---:|---:|---:|")
+    for name, loss, norm, mean, weights, _ in rows:
+        print(f"| {name} | {loss:.1e} | {norm:.1e} | {mean:.1e} | {weights:.1e} |")
+    return rows
 
 
 def _predictions(trainer: Any) -> Any:
@@ -199,9 +236,9 @@ def _torchrun_environment(rank: int, world_size: int) -> None:
 def _mesh(run: Run) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
-    if run.dp > 1:
-        return init_device_mesh("cpu", (run.dp, run.tp), mesh_dim_names=("dp", "tp"))
-    return init_device_mesh("cpu", (run.tp,), mesh_dim_names=("tp",))
+    dims = [("dp", run.dp), ("pp", run.pp), ("tp", run.tp)]
+    dims = [(name, size) for name, size in dims if size > 1] or [("tp", 1)]
+    return init_device_mesh("cpu", tuple(size for _, size in dims), mesh_dim_names=tuple(name for name, _ in dims))
 
 
 def parallel_model(run: Run, mesh: Any) -> Any:
@@ -210,7 +247,14 @@ def parallel_model(run: Run, mesh: Any) -> Any:
     from tests.support.models import generated_model, import_file
 
     base = reference_model(run.kv_heads, lora=False)
-    model = generated_model(import_file(run.generated), "llama", config(run.kv_heads), base).train()
+    if run.generated:
+        model = generated_model(import_file(run.generated), "llama", config(run.kv_heads), base).train()
+    else:  # a plan of pipeline stages alone: transformers' own class
+        from transformers import LlamaForCausalLM
+
+        model = LlamaForCausalLM(config(run.kv_heads))
+        model.load_state_dict(base.state_dict())
+        model.train()
     if run.lora:
         from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
@@ -246,9 +290,10 @@ def parallel(rank: int, world_size: int, runs: list[Run], workdir: str) -> dict[
     """Rank body: each run in its loop; rank 0 returns its steps and gathered weights (or the error it stopped with)."""
     _torchrun_environment(rank, world_size)
     results: dict[str, Any] = {}
-    meshes: dict[tuple[int, int], Any] = {}
+    meshes: dict[tuple[int, int, int], Any] = {}
     for run in runs:
-        mesh = meshes.get((run.dp, run.tp)) or meshes.setdefault((run.dp, run.tp), _mesh(run))
+        key = (run.dp, run.pp, run.tp)
+        mesh = meshes.get(key) or meshes.setdefault(key, _mesh(run))
         model = parallel_model(run, mesh)
         if run.loop == "hpgen, no torchrun environment":  # torch.distributed as the spawner made it, and nothing else
             saved = {name: os.environ.pop(name) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
@@ -268,8 +313,12 @@ def _train(run: Run, model: Any, workdir: str) -> dict[str, Any]:
 
     recorder = _Recorder()
     output = str(Path(workdir) / (run.resume or run.name))
-    args = arguments(output, BATCH // run.dp, run.save, defaults=run.defaults)
-    trainer = Trainer(model=model, args=args, train_dataset=dataset(), eval_dataset=eval_dataset(), callbacks=[recorder])
+    args = arguments(output, BATCH // run.dp, run.save, defaults=run.defaults, **_accumulation(run))
+    pipeline = dict(pipeline_microbatches=run.microbatches, pipeline_schedule=run.schedule) if run.pp > 1 else {}
+    trainer = Trainer(
+        model=model, args=args, train_dataset=dataset(run.ignored), eval_dataset=eval_dataset(), callbacks=[recorder],
+        **pipeline,
+    )
     before = trainer.evaluate() if run.evaluate else None
     trained = trainer.train(resume_from_checkpoint=str(Path(output) / "checkpoint-2") if run.resume else None)
     result = {"steps": dict(recorder.steps), "weights": _full_weights(model), "training_loss": trained.training_loss}

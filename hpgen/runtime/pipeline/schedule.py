@@ -55,6 +55,7 @@ def pipeline_step(
     attention_mask: Tensor | None = None,
     microbatches: int,
     schedule: str = "1F1B",
+    num_items_in_batch: Tensor | int | None = None,
 ) -> Tensor:
     """Forward and backward of the whole batch through the pipeline; the batch's loss on every rank.
 
@@ -68,6 +69,10 @@ def pipeline_step(
     ``model(input_ids, labels=labels).loss.backward()`` would give them (added to what
     ``.grad`` held). ``schedule``: a torch schedule name (``GPipe``, ``1F1B``,
     ``Interleaved1F1B``, ``LoopedBFS``, ...); interleaved ones need several stages a rank.
+    ``num_items_in_batch``: the label tokens to divide by, where the loss is one part of a
+    larger batch (gradient accumulation: every accumulated batch of every data-parallel rank);
+    by default this batch's, over the data-parallel ranks. The loss returned is then this
+    batch's part of that mean.
     """
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
@@ -92,10 +97,13 @@ def pipeline_step(
             f"this plan has {cut.num_stages} stages on {cut.size} ranks"
         )
     # transformers' causal-LM loss shifts labels by one: the tokens counted are labels[:, 1:]
-    counted = (labels[..., 1:] != IGNORE_INDEX).sum()
     data = _data_parallel(cut)
-    if data is not None:  # each data-parallel rank passes its share: the loss is over every rank's tokens
-        dist.all_reduce(counted, group=data[0])
+    if num_items_in_batch is not None:
+        counted = torch.as_tensor(num_items_in_batch, device=input_ids.device)
+    else:
+        counted = (labels[..., 1:] != IGNORE_INDEX).sum()
+        if data is not None:  # each data-parallel rank passes its share: the loss is over every rank's tokens
+            dist.all_reduce(counted, group=data[0])
     # FSDP2 and DDP average the gradients over the data-parallel ranks: scaled up, the average is the sum
     scale = data[1] if data is not None else 1
     vocab = _vocab_size(model)

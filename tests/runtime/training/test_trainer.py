@@ -88,21 +88,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _table(trained: dict[str, Any]) -> list[tuple[str, float, float, float, float, list[int]]]:
-    rows = []
-    for run in trained["cases"]:
-        reference = trained["references"][trainer_runs.reference_key(run)]
-        mine = trained["runs"][run.name]
-        steps = sorted(mine["steps"])
-        loss = max((abs(mine["steps"][s][0] - reference["steps"][s][0]) for s in steps), default=0.0)
-        norm = max((abs(mine["steps"][s][1] - reference["steps"][s][1]) for s in steps), default=0.0)
-        # a resumed run's train_loss is the mean of its own steps (3 and 4): not comparable
-        mean = 0.0 if run.resume else abs(mine["training_loss"] - reference["training_loss"])
-        weights = max((mine["weights"][k] - v).abs().max().item() for k, v in reference["weights"].items())
-        rows.append((run.name, loss, norm, mean, weights, steps))
-    print("\n| loop | max loss diff | max grad_norm diff | train_loss diff | final weights max diff |\n|---|---:|---:|---:|---:|")
-    for name, loss, norm, mean, weights, _ in rows:
-        print(f"| {name} | {loss:.1e} | {norm:.1e} | {mean:.1e} | {weights:.1e} |")
-    return rows
+    return trainer_runs.parity_table(trained["references"], trained["runs"], trained["cases"])
 
 
 def test_every_loop_matches_the_one_process_trainer(trained: dict[str, Any]) -> None:
