@@ -29,7 +29,7 @@ on every rank (``num_heads = num_key_value_groups * num_kv_heads``), or it is re
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from torch import nn
 
@@ -98,7 +98,7 @@ def _local_values(
             layout = item.entry.params.get(name, Layout(()))
             return ShardLayout.of(shapes[name], [layout.on(a) for a in mesh], ranks, sizes)
 
-        coordinate = ", ".join(f"{a}={r}" for a, r in zip(mesh, ranks))
+        coordinate = _coordinate(mesh, ranks)
         try:
             value = count.value(shard_of)
         except ValueError as error:
@@ -143,12 +143,10 @@ def _check_head_groups(
         q0, q1 = (n // head_dim for n in _rows(item, query, mesh, ranks, sizes))
         k0, k1 = (n // head_dim for n in _rows(item, keys, mesh, ranks, sizes))
         wanted = [q // per_kv - k0 for q in range(q0, q1)]
-        groups = divided
-        if "num_key_value_groups" in local:  # this coordinate's own count
-            groups = local["num_key_value_groups"][ranks]
+        groups = _count_at("num_key_value_groups", ranks, {"num_key_value_groups": divided}, local)
         got = [j // groups for j in range(q1 - q0)] if groups > 0 else []
         if k1 - k0 < 1 or wanted != got or (q1 - q0) != groups * (k1 - k0):
-            coordinate = ", ".join(f"{a}={r}" for a, r in zip(mesh, ranks))
+            coordinate = _coordinate(mesh, ranks)
             axis = replicating[0]
             raise ParallelizeError(
                 f"{where}: at {coordinate} of axis {axis!r} (size {axes[axis].size}) a rank holds query heads "
@@ -186,14 +184,10 @@ def _check_whole_kv_groups(
         return
     mesh = plan.mesh_dim_names
     for ranks in itertools.product(*(range(axes[a].size) for a in mesh)):
-        held = local["num_heads"][ranks] if "num_heads" in local else values["num_heads"]
-        repeat = groups
-        if "num_key_value_groups" in local:
-            repeat = local["num_key_value_groups"][ranks]
-        elif "num_key_value_groups" in values:
-            repeat = values["num_key_value_groups"]
+        held = _count_at("num_heads", ranks, values, local)
+        repeat = _count_at("num_key_value_groups", ranks, {"num_key_value_groups": groups, **values}, local)
         if held != repeat * kv_heads:
-            coordinate = ", ".join(f"{a}={r}" for a, r in zip(mesh, ranks))
+            coordinate = _coordinate(mesh, ranks)
             raise ParallelizeError(
                 f"{where}: at {coordinate} a rank holds {held} of {heads} query heads and all {kv_heads} key/value "
                 f"head(s), but its num_key_value_groups would be {repeat}: repeat_kv would make {repeat * kv_heads} "
@@ -226,3 +220,16 @@ def _rows(item: Matched, name: str, mesh: tuple[str, ...], ranks: tuple[int, ...
     layout = item.entry.params[name]
     shape = item.module.get_parameter(name).shape
     return ShardLayout.of(shape, [layout.on(a) for a in mesh], ranks, sizes).range(0)
+
+
+def _count_at(
+    attr: str, ranks: tuple[int, ...], values: Mapping[str, int], local: Mapping[str, Mapping[tuple[int, ...], int]]
+) -> int:
+    """``attr`` at the mesh coordinate ``ranks``: its per-rank count (``local_attrs``) where the plan gives one,
+    else its one value for every rank (divided, or as the module has it)."""
+    return local[attr][ranks] if attr in local else values[attr]
+
+
+def _coordinate(mesh: Sequence[str], ranks: tuple[int, ...]) -> str:
+    """``tp=0, cp=1``: a mesh coordinate as the refusals name it."""
+    return ", ".join(f"{a}={r}" for a, r in zip(mesh, ranks))
