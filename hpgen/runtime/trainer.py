@@ -55,6 +55,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from hpgen.runtime.forward.handback import all_gather_object
 from hpgen.runtime.install.wrapped import AccelerateCheck, MeshAxes, mesh_axes_of, prepared_by_hpgen_trainer
 
 __all__ = ["LAYOUT_FILE", "Trainer"]
@@ -480,14 +481,10 @@ def _gather_tensor(tensor: torch.Tensor, group: Any) -> torch.Tensor:
 
 def _gather_objects(data: Any, group: Any) -> list[Any]:
     """The lists of each rank of ``group`` concatenated, as accelerate's ``gather_object``."""
-    import torch.distributed as dist
-
     items = data if isinstance(data, list) else [data]
     if group is None:
         return list(items)
-    every: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, items, group=group)
-    return [item for part in every for item in part]
+    return [item for part in all_gather_object(items, group) for item in part]
 
 
 def _hpgen_model(model: nn.Module) -> nn.Module:

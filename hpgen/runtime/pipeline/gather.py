@@ -9,8 +9,8 @@ which no rank keeps anything exchange nothing.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from hpgen.runtime.forward.handback import all_gather_object
 from hpgen.runtime.pipeline.attach import Staged
 
 __all__ = ["gather_stages"]
@@ -18,13 +18,10 @@ __all__ = ["gather_stages"]
 
 def gather_stages(pipeline: Staged, local: dict[str, torch.Tensor], keep: bool) -> dict[str, torch.Tensor]:
     """Every stage's ``local`` state dict, merged, where ``keep``; an empty dict elsewhere."""
-    size = dist.get_world_size(pipeline.group)
-    keepers = [None] * size
-    dist.all_gather_object(keepers, keep, group=pipeline.group)
-    if not any(keepers):
+    if not any(all_gather_object(keep, pipeline.group)):
         return {}
-    parts: list[dict[str, torch.Tensor] | None] = [None] * size
-    dist.all_gather_object(parts, {key: value.detach().cpu() for key, value in local.items()}, group=pipeline.group)
+    parts = all_gather_object({key: value.detach().cpu() for key, value in local.items()}, pipeline.group)
+    size = len(parts)
     if not keep:
         return {}
     merged: dict[str, torch.Tensor] = {}
