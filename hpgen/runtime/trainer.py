@@ -73,6 +73,8 @@ class Trainer(transformers.Trainer):
     torchrun, every rank alike. See docs/training.md.
     """
 
+    _hpgen_trainer = True  # let through by the parallelized model's checks of a stock Trainer (install.stock_loops)
+
     def __init__(
         self,
         model: nn.Module | None = None,
