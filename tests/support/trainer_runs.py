@@ -41,16 +41,10 @@ class Run:
     lora: str = ""  # "after": get_peft_model after parallelize; "before": parallelize the peft model
     save: bool = False  # a checkpoint at step 2 (and 4)
     resume: str = ""  # the name of a saved run: a fresh model resumes its checkpoint-2
-    # "hpgen": hpgen.runtime.trainer.Trainer; "stock": transformers.Trainer; "accelerate": Accelerator().prepare;
-    # "ddp, ignore list replaced": DistributedDataParallel(model) after the user replaced hpgen's ignore list;
-    # "hpgen, another mesh": hpgen's Trainer resuming ``resume``'s checkpoint, written on another mesh;
-    # "hpgen, no torchrun environment": hpgen's Trainer where accelerate cannot see the distributed run
+    # "hpgen": hpgen.runtime.trainer.Trainer; "hpgen, another mesh": hpgen's Trainer resuming ``resume``'s
+    # checkpoint, written on another mesh; "hpgen, no torchrun environment": hpgen's Trainer where accelerate cannot
+    # see the distributed run (the stock loops: tests.support.stock_loops)
     loop: str = "hpgen"
-    # how the stock loops are set up: "use_cpu" (TrainingArguments(use_cpu=True), Accelerator(cpu=True)), "tp
-    # attributes" (the model presents transformers' tensor-parallel size and DistributedConfig), "loaded sharded"
-    # (the model presents transformers' load-time sharding flag), "ParallelismConfig" (accelerate's tensor-parallel
-    # preparation, its state faked on the CPU); "": their defaults
-    variant: str = ""
     defaults: bool = False  # TrainingArguments(output_dir) as constructed, nothing else: 3 epochs, logged at the end
     evaluate: bool = False  # trainer.evaluate() on an eval set of 10 (a remainder: 10 = 8 + 2) before and after
     check_inputs: bool = True  # parallelize's input check
@@ -330,70 +324,23 @@ def _train(run: Run, model: Any, workdir: str) -> dict[str, Any]:
 
 
 def _refused(run: Run, model: Any, workdir: str, rank: int) -> dict[str, Any]:
-    """A stock loop on the parallelized model, which must stop before its first optimizer step: the error (the
-    same on every rank: all of them are returned) and how far the weights moved from the reference's (0: the
-    shards are unchanged and no step was taken)."""
+    """What hpgen's Trainer must refuse before its first optimizer step (another mesh's checkpoint, accelerate not
+    seeing the run): the error (the same on every rank: all of them are returned) and how far the weights moved from
+    the reference's (0: the shards are unchanged and no step was taken)."""
     import torch.distributed as dist
-    from torch.utils.data import DataLoader
+
+    from hpgen.runtime.trainer import Trainer
 
     error = None
-    cpu = run.variant.endswith("use_cpu")
-    if run.variant.startswith("tp attributes"):  # what transformers' from_pretrained(distributed_config=...) leaves
-        from transformers.distributed import DistributedConfig
-
-        model._tp_size = run.tp
-        model.config.distributed_config = DistributedConfig(tp_size=run.tp)
-    if run.variant == "loaded sharded":
-        model._is_distributed_loading_by_transformers = True
     try:
-        if run.loop == "stock":
-            from transformers import Trainer
-
-            args = arguments(str(Path(workdir) / run.name), BATCH, False, **({"use_cpu": True} if cpu else {}))
-            Trainer(model=model, args=args, train_dataset=dataset()).train()
-        elif run.loop == "hpgen, no torchrun environment":
-            from hpgen.runtime.trainer import Trainer
-
-            Trainer(model=model, args=arguments(str(Path(workdir) / run.name), BATCH, False), train_dataset=dataset()).train()
-        elif run.loop == "hpgen, another mesh":  # resume a checkpoint written on another mesh
-            from hpgen.runtime.trainer import Trainer
-
+        if run.loop == "hpgen, another mesh":  # resume a checkpoint written on another mesh
             output = str(Path(workdir) / run.resume)
             trainer = Trainer(model=model, args=arguments(output, BATCH // run.dp, False), train_dataset=dataset())
             trainer.train(resume_from_checkpoint=str(Path(output) / "checkpoint-2"))
-        elif run.loop == "ddp, ignore list replaced":  # DDP told to skip nothing: its constructor broadcasts the shards
-            from torch.nn.parallel import DistributedDataParallel
-
-            # uneven shards (127 vocabulary rows, 89 MLP columns) would fail DDP's own shape check on one rank only
-            # (and hang the other): the user lists those, DDP broadcasts the even ones
-            shapes = [None] * dist.get_world_size()
-            dist.all_gather_object(shapes, {name: tuple(p.shape) for name, p in model.named_parameters()})
-            uneven = [name for name in shapes[0] if len({tuple(other[name]) for other in shapes}) > 1]
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, uneven)
-            batch = torch.stack([row["input_ids"] for row in dataset()[:BATCH]])
-            DistributedDataParallel(model)(input_ids=batch, labels=batch)
-        else:
-            from accelerate import Accelerator
-
-            accelerator = Accelerator(cpu=cpu)
-            if run.variant == "ParallelismConfig":  # accelerate's tensor-parallel preparation (its GPU path), faked
-                from accelerate import ParallelismConfig
-
-                accelerator.state.parallelism_config = ParallelismConfig(tp_size=run.tp)  # reset below
-            optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-            loader = DataLoader(dataset(), batch_size=BATCH)
-            wrapped, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-            for batch in loader:
-                accelerator.backward(wrapped(**batch).loss)
-                accelerator.clip_grad_norm_(wrapped.parameters(), MAX_GRAD_NORM)
-                optimizer.step()
-                break
+        else:  # "hpgen, no torchrun environment"
+            Trainer(model=model, args=arguments(str(Path(workdir) / run.name), BATCH, False), train_dataset=dataset()).train()
     except Exception as caught:  # noqa: BLE001 - the test reads the message
         error = f"{type(caught).__name__}: {caught}"
-    if run.variant == "ParallelismConfig":
-        from accelerate.state import AcceleratorState
-
-        AcceleratorState().parallelism_config = None  # accelerate's state is the process's: the next run's is its own
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     initial = reference_model(run.kv_heads, lora=False).state_dict()
