@@ -179,25 +179,35 @@ class Trainer(transformers.Trainer):
 
     def _gather_for_metrics_over_dp(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """accelerate's ``gather_for_metrics`` over the data-parallel ranks only: the ranks of a tensor-parallel group
-        evaluate the same batch, so gathering over every rank would repeat each prediction once per rank of it."""
+        evaluate the same batch, so gathering over every rank would repeat each prediction once per rank of it.
+
+        What it returns is what one process's ``gather_for_metrics`` returns for the whole batch: tensors
+        concatenated along dim 0, also when gathered as objects (``eval_use_gather_object``, or data that is not all
+        tensors; the ranks' shapes may then differ), lists of per-sample items concatenated; with no data-parallel
+        axis, the data as given."""
         from accelerate.utils import recursively_apply
 
         accelerator = self.accelerator
+        # transformers binds eval_use_gather_object to the first evaluation's gather only (it puts back the bare
+        # gather_for_metrics after each loop): read here, it holds for every evaluation, as it does in one process
+        use_gather_object = use_gather_object or self.args.eval_use_gather_object
         try:
             recursively_apply(lambda x: x, input_data, error_on_other_type=True)
             all_tensors = True
         except TypeError:
             all_tensors = False
         group = self._hp_mesh.mesh.get_group(self._hp_data_axis) if self._hp_data_axis else None
-        if use_gather_object or not all_tensors:
+        if group is None:
+            data = input_data
+        elif use_gather_object or not all_tensors:
             data = _gather_objects(input_data, group)
         else:
             data = recursively_apply(lambda tensor: _gather_tensor(tensor, group), input_data)
         state = accelerator.gradient_state
         if state.end_of_dataloader and state.remainder > 0:  # the last batch was padded with repeated samples
-            if use_gather_object or not all_tensors:
+            if (use_gather_object or not all_tensors) and isinstance(data, list):  # one item per sample
                 return data[: state.remainder]
-            return recursively_apply(lambda tensor: tensor[: state.remainder], data)
+            return recursively_apply(lambda tensor: tensor[: state.remainder], data, error_on_other_type=False)
         return data
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
@@ -481,12 +491,27 @@ def _gather_tensor(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _gather_objects(data: Any, group: Any) -> list[Any]:
-    """The lists of each rank of ``group`` concatenated, as accelerate's ``gather_object``."""
-    items = data if isinstance(data, list) else [data]
-    if group is None:
-        return list(items)
-    return [item for part in all_gather_object(items, group) for item in part]
+def _gather_objects(data: Any, group: Any) -> Any:
+    """``data`` of each rank of ``group`` through ``all_gather_object``, joined as one process would hold the whole
+    batch (:func:`_joined`)."""
+    return _joined(all_gather_object(data, group))
+
+
+def _joined(parts: list[Any]) -> Any:
+    """The ranks' parts of one batch as one: tensors concatenated along dim 0 (a 0-d tensor counts as one row), lists
+    concatenated, tuples and dicts joined element by element; anything else listed, one item per rank."""
+    first = parts[0]
+    if all(isinstance(part, torch.Tensor) for part in parts):
+        return torch.cat([part.reshape(1) if part.ndim == 0 else part for part in parts])
+    if all(isinstance(part, list) for part in parts):
+        return [item for part in parts for item in part]
+    if all(isinstance(part, tuple) and len(part) == len(first) for part in parts):
+        return type(first)(*[_joined(list(items)) for items in zip(*parts)]) if hasattr(first, "_fields") else tuple(
+            _joined(list(items)) for items in zip(*parts)
+        )
+    if all(isinstance(part, dict) and part.keys() == first.keys() for part in parts):
+        return type(first)({key: _joined([part[key] for part in parts]) for key in first})
+    return list(parts)
 
 
 def _hpgen_model(model: nn.Module) -> nn.Module:

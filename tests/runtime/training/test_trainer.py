@@ -39,6 +39,7 @@ def _runs(directory: Path) -> tuple[list[Run], list[Run]]:
     two = [
         Run("tp 2", save=True, evaluate=True, **plan(2)),
         Run("tp 2, TrainingArguments(output_dir) as constructed", defaults=True, **plan(2)),
+        Run("tp 2, eval_use_gather_object, predictions as lists", gather_object=True, evaluate=True, **plan(2)),
         Run("tp 2, resumed at step 2", resume="tp 2", **plan(2)),
         Run("tp 2 + sp", sp=True, **plan(2, sp=True)),
         Run("tp 2, LoRA after parallelize", lora="after", save=True, **plan(2)),
@@ -50,6 +51,8 @@ def _runs(directory: Path) -> tuple[list[Run], list[Run]]:
         Run("tp 4 (RS key/value heads)", tp=4, **plan(4)),
         Run("dp 2 x tp 2 (DDP on dp)", dp=2, sp=True, save=True, evaluate=True, **plan(2, sp=True)),
         Run("dp 2 x tp 2 (DDP), resumed", dp=2, sp=True, resume="dp 2 x tp 2 (DDP on dp)", **plan(2, sp=True)),
+        Run("dp 2 x tp 2, eval_use_gather_object, predictions as lists", dp=2, sp=True, gather_object=True, evaluate=True,
+            **plan(2, sp=True)),
         Run("dp 2 x tp 2 (FSDP2 on dp)", dp=2, sp=True, fsdp=True, save=True, **plan(2, sp=True)),
         Run("dp 2 x tp 2 (FSDP2), resumed", dp=2, sp=True, fsdp=True, resume="dp 2 x tp 2 (FSDP2 on dp)", **plan(2, sp=True)),
     ]
@@ -105,7 +108,7 @@ def test_evaluate_matches_the_one_process_trainer(trained: dict[str, Any]) -> No
     print("\n| loop | eval_loss before | after | predictions | max logits diff |\n|---|---:|---:|---|---:|")
     checked = 0
     for run in trained["cases"]:
-        if not run.evaluate:
+        if not run.evaluate or run.gather_object:
             continue
         before, after, (logits, labels) = trained["runs"][run.name]["evaluated"]
         ref_before, ref_after, (ref_logits, ref_labels) = trained["references"][trainer_runs.reference_key(run)]["evaluated"]
@@ -116,6 +119,28 @@ def test_evaluate_matches_the_one_process_trainer(trained: dict[str, Any]) -> No
         assert labels.equal(ref_labels)
         assert abs(before - ref_before) < LOSS_TOL and abs(after - ref_after) < LOSS_TOL, (before, ref_before, after, ref_after)
         assert worst < WEIGHT_TOL, worst
+        checked += 1
+    assert checked == 2
+
+
+def test_evaluate_gathering_objects_matches_the_one_process_trainer(trained: dict[str, Any]) -> None:
+    """eval_use_gather_object with predictions that are not tensors (token rows as lists, batches kept apart): the
+    same loss, metrics of the rows, rows and labels as one process, at tp 2 and dp 2 x tp 2 (each row once, the last batch's
+    padding dropped)."""
+    print("\n| loop | eval_loss before | after | metrics before, after (one process) | rows |\n|---|---:|---:|---|---|")
+    checked = 0
+    for run in trained["cases"]:
+        if not run.gather_object:
+            continue
+        before, after, (rows, labels), metrics = trained["runs"][run.name]["evaluated"]
+        ref_before, ref_after, (ref_rows, ref_labels), ref_metrics = trained["references"][
+            trainer_runs.reference_key(run)]["evaluated"]
+        print(f"| {run.name} | {abs(before - ref_before):.1e} | {abs(after - ref_after):.1e} | {metrics} "
+              f"({ref_metrics}) | {len(rows)} ({len(ref_rows)}) |")
+        assert len(rows) == len(ref_rows) == trainer_runs.EVAL_SAMPLES and rows == ref_rows, (len(rows), len(ref_rows))
+        assert labels.equal(ref_labels), (labels.shape, ref_labels.shape)
+        assert metrics == ref_metrics and metrics[0]["eval_tokens"] > trainer_runs.EVAL_SAMPLES, (metrics, ref_metrics)
+        assert abs(before - ref_before) < LOSS_TOL and abs(after - ref_after) < LOSS_TOL, (before, ref_before, after, ref_after)
         checked += 1
     assert checked == 2
 
