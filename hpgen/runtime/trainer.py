@@ -421,6 +421,7 @@ def _on_the_mesh_device(args: Any, mesh: MeshAxes) -> Any:
 
     if args is None:
         args = transformers.TrainingArguments(output_dir="tmp_trainer")  # what transformers' Trainer makes
+    _refuse_accelerate_sharding(args)
     if mesh.mesh.device_type == "cpu" and not args.use_cpu:
         args = copy.copy(args)
         for cached in ("_setup_devices", "distributed_state", "_n_gpu"):
@@ -444,6 +445,26 @@ def _on_the_mesh_device(args: Any, mesh: MeshAxes) -> Any:
             "differently from the mesh"
         )
     return args
+
+
+def _refuse_accelerate_sharding(args: Any) -> None:
+    """Stop (every rank alike, before anything is made) where the arguments ask accelerate to shard or split the
+    model itself: it would do so over every rank, across the plan's shards (FSDP and DeepSpeed on GPUs; silently
+    nothing on the CPU)."""
+    asked = [
+        (name, value)
+        for name, value in (("fsdp", args.fsdp), ("parallelism_config", args.parallelism_config), ("deepspeed", args.deepspeed))
+        if value
+    ]
+    if asked:
+        name, value = asked[0]
+        shown = repr(value) if isinstance(value, (bool, str, list, dict)) else f"{type(value).__name__}(...)"
+        raise ValueError(
+            f"hpgen.runtime.trainer.Trainer: TrainingArguments({name}={shown}) asks accelerate to shard or split the "
+            "model over every rank, across the shards parallelize made. Leave it unset: the mesh's data-parallel axis "
+            "takes DDP (the default) or FSDP2 (fully_shard the model's layers and the model on mesh['dp'] after "
+            "parallelize), and the plan's axes are hpgen's"
+        )
 
 
 @contextlib.contextmanager

@@ -6,8 +6,9 @@ configuration (its defaults, ``use_cpu``, accelerate's ``ParallelismConfig``, ``
 presenting transformers' tensor-parallel attributes, resuming a checkpoint, a peft model), or
 accelerate's ``Accelerator().prepare`` (its defaults, ``cpu=True``, an FSDP plugin, and its
 tensor-parallel, FSDP and FSDP2 preparations with the state set as on GPUs), or a DDP whose ignore
-list was replaced. Each rank returns the error it stopped with; rank 0 also how far the weights
-moved from the ones loaded (0: unchanged).
+list was replaced; and hpgen's own Trainer asked for accelerate's sharding (``fsdp=``,
+``parallelism_config=``). Each rank returns the error it stopped with; rank 0 also how far the
+weights moved from the ones loaded (0: unchanged).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class Case:
     """One stock loop: which (``loop``), how it is set up (``variant``), and the model (``run``'s plan, mesh, LoRA)."""
 
     name: str
-    loop: str  # "trainer", "accelerate", "ddp, ignore list replaced"
+    loop: str  # "trainer", "accelerate", "ddp, ignore list replaced"; "hpgen trainer": what hpgen's Trainer refuses
     variant: str = ""
     arguments: dict = field(default_factory=dict)  # TrainingArguments beyond trainer_runs.arguments'
     run: Run | None = None
@@ -101,7 +102,7 @@ def _stock_loop(case: Case, model: Any, workdir: str) -> None:
         model.config.distributed_config = DistributedConfig(tp_size=case.run.tp)
     if case.variant == "loaded sharded":
         model._is_distributed_loading_by_transformers = True
-    if case.loop == "trainer":
+    if case.loop in ("trainer", "hpgen trainer"):
         _trainer(case, model, workdir)
     elif case.loop == "accelerate":
         _accelerate(case, model)
@@ -110,7 +111,10 @@ def _stock_loop(case: Case, model: Any, workdir: str) -> None:
 
 
 def _trainer(case: Case, model: Any, workdir: str) -> None:
-    from transformers import Trainer
+    if case.loop == "hpgen trainer":
+        from hpgen.runtime.trainer import Trainer
+    else:
+        from transformers import Trainer
 
     extra = dict(case.arguments)
     if extra.pop("parallelism_config", None):

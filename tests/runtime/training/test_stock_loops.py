@@ -8,7 +8,8 @@ and its tensor-parallel, FSDP and FSDP2 preparations (their state set on the CPU
 ``prepare_model`` called directly. Each stops on every rank with the same message naming
 ``hpgen.runtime.trainer.Trainer``, the weights exactly as loaded (a resume would have loaded other
 ones). A DDP whose ignore list was replaced stops at its first forward, saying the shards were
-overwritten.
+overwritten. hpgen's own Trainer asked for accelerate's sharding (``fsdp=``, ``parallelism_config=``)
+stops when it is made.
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ def _cases(directory: Path) -> tuple[list[Case], list[Case]]:
         Case("Accelerator().prepare_model", "accelerate", variant="prepare_model", run=tp2),
         Case("Accelerator().prepare, peft model", "accelerate", run=lora),
         Case("DistributedDataParallel(model), ignore list replaced", "ddp, ignore list replaced", run=tp2),
+        Case("hpgen Trainer, fsdp='full_shard' (FSDP2)", "hpgen trainer",
+             arguments={"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2}}, run=tp2),
+        Case("hpgen Trainer, ParallelismConfig(tp_size=2)", "hpgen trainer", arguments={"parallelism_config": True},
+             run=tp2),
     ]
     dp2tp2 = Run("dp 2 x tp 2", dp=2, sp=True, **plans[(2, True)])
     four = [
@@ -90,7 +95,7 @@ def stopped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_every_stock_loop_stops_on_every_rank_with_the_weights_as_loaded(stopped: dict[str, Any]) -> None:
     for name, result in stopped.items():
-        if name.startswith("DistributedDataParallel"):
+        if name.startswith(("DistributedDataParallel", "hpgen Trainer")):
             continue
         errors = result["errors"]
         assert errors[0] is not None and len(set(errors)) == 1, (name, errors)  # the same error on every rank
@@ -119,3 +124,15 @@ def test_a_ddp_whose_ignore_list_was_replaced_says_the_shards_were_overwritten(s
     error = result["errors"][0]
     assert len(set(result["errors"])) == 1 and "OVERWRITTEN" in error and "hpgen.runtime.trainer.Trainer" in error, error
     assert result["drift"] > 0, result["drift"]
+
+
+def test_hpgen_trainer_refuses_accelerate_sharding_the_model(stopped: dict[str, Any]) -> None:
+    """fsdp= or parallelism_config= would have accelerate shard the model over every rank (on the CPU it ignores FSDP
+    silently): stopped when the Trainer is made, naming the option and the fix."""
+    for name, option in (("hpgen Trainer, fsdp='full_shard' (FSDP2)", "fsdp="),
+                         ("hpgen Trainer, ParallelismConfig(tp_size=2)", "parallelism_config=")):
+        result = stopped[name]
+        error = result["errors"][0]
+        assert len(set(result["errors"])) == 1 and error.startswith("ValueError: hpgen.runtime.trainer.Trainer"), error
+        assert f"TrainingArguments({option}" in error and "fully_shard" in error, error
+        assert result["drift"] == 0.0, result["drift"]
