@@ -19,8 +19,10 @@ steps, where the Trainer and accelerate offer them:
   scaling (``average_tokens_across_devices``) and batch sizes;
 - ``evaluate``/``predict``: predictions gathered over the data-parallel ranks only (the ranks
   of a tensor-parallel group hold the same ones);
-- accelerate's ``prepare``/``prepare_model`` let through the model's guard against stock
-  preparation (``hpgen.runtime.install.wrapped.AccelerateCheck``);
+- accelerate's ``prepare``/``prepare_model`` let through the model's guards against stock
+  loops (``hpgen.runtime.install.stock_loops``, ``wrapped.AccelerateCheck``), which refuse a stock
+  ``transformers.Trainer`` in its constructor; ``fsdp=``, ``parallelism_config=`` and
+  ``deepspeed=`` in the arguments are refused (accelerate would shard the model over every rank);
 - clipping and the logged ``grad_norm``: :func:`hpgen.runtime.clip_grad_norm_`, the unsharded
   model's norm;
 - a model cut into pipeline stages (a plan made with ``--pp``): each training step runs

@@ -222,8 +222,9 @@ class AccelerateCheck:
     """``model._is_accelerate_prepared`` of a parallelized model: refuses a stock accelerate preparation.
 
     accelerate's ``prepare_model`` tests this attribute's truth before it moves, wraps or records the
-    model, in every configuration (DDP or none, ``ParallelismConfig``, evaluation only). There is no
-    public hook on accelerate's preparation; this attribute is the one thing every path reads first.
+    model, in every configuration that reaches it (DDP or none, ``ParallelismConfig``, evaluation
+    only; FSDP2's preparation does not, and ``Accelerator.prepare`` is stopped earlier by
+    ``stock_loops``): called directly, or in a process accelerate does not see as distributed.
     Inside :func:`prepared_by_hpgen_trainer` it answers whether that accelerator has prepared the model
     already (accelerate's own meaning); anywhere else it raises, the same message on every rank, since
     every rank prepares alike.
