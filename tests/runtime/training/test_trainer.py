@@ -124,9 +124,9 @@ def test_evaluate_matches_the_one_process_trainer(trained: dict[str, Any]) -> No
 
 
 def test_evaluate_gathering_objects_matches_the_one_process_trainer(trained: dict[str, Any]) -> None:
-    """eval_use_gather_object with predictions that are not tensors (token rows as lists, batches kept apart): the
-    same loss, metrics of the rows, rows and labels as one process, at tp 2 and dp 2 x tp 2 (each row once, the last batch's
-    padding dropped)."""
+    """eval_use_gather_object with predictions that are not one tensor (a list of each row's tokens, rows of unequal
+    lengths, batches kept apart): the same loss, metrics, rows and labels as one process, at tp 2 and dp 2 x tp 2
+    (each row once, the last batch's padding dropped)."""
     print("\n| loop | eval_loss before | after | metrics before, after (one process) | rows |\n|---|---:|---:|---|---|")
     checked = 0
     for run in trained["cases"]:
