@@ -25,7 +25,7 @@ docstring says what each of its modules does. docs/runtime.md has the same table
 - ``hpgen.runtime.install`` (survey and install: what ``parallelize`` runs): ``parallelize``,
   ``pretrained``, ``agreement``, ``launch_checks``, ``module_installs``, ``counterparts``, ``params``, ``attrs``,
   ``groups``, ``hooks``, ``summed``, ``kernels``, ``replaced_stubs``, ``inputs``, ``tuners``,
-  ``adapters``, ``wrapped``, ``context_checks``;
+  ``adapters``, ``wrapped``, ``stock_loops``, ``context_checks``;
 - ``hpgen.runtime.forward`` (what generated forwards call): ``collectives``,
   ``traced_collectives``, ``moves``, ``shard_records``, ``handback``, ``devices``, ``boundary``,
   ``ops``, ``wrappers``, ``streams``, ``sampling``, ``context_axis``;

@@ -19,8 +19,10 @@ steps, where the Trainer and accelerate offer them:
   scaling (``average_tokens_across_devices``) and batch sizes;
 - ``evaluate``/``predict``: predictions gathered over the data-parallel ranks only (the ranks
   of a tensor-parallel group hold the same ones);
-- accelerate's ``prepare``/``prepare_model`` let through the model's guard against stock
-  preparation (``hpgen.runtime.install.wrapped.AccelerateCheck``);
+- accelerate's ``prepare``/``prepare_model`` let through the model's guards against stock
+  loops (``hpgen.runtime.install.stock_loops``, ``wrapped.AccelerateCheck``), which refuse a stock
+  ``transformers.Trainer`` in its constructor; ``fsdp=``, ``parallelism_config=`` and
+  ``deepspeed=`` in the arguments are refused (accelerate would shard the model over every rank);
 - clipping and the logged ``grad_norm``: :func:`hpgen.runtime.clip_grad_norm_`, the unsharded
   model's norm;
 - a model cut into pipeline stages (a plan made with ``--pp``): each training step runs
@@ -72,6 +74,8 @@ class Trainer(transformers.Trainer):
     axis, if you want FSDP2 there), then pass it as to ``transformers.Trainer``; run under
     torchrun, every rank alike. See docs/training.md.
     """
+
+    _hpgen_trainer = True  # let through by the parallelized model's checks of a stock Trainer (install.stock_loops)
 
     def __init__(
         self,
@@ -177,25 +181,35 @@ class Trainer(transformers.Trainer):
 
     def _gather_for_metrics_over_dp(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """accelerate's ``gather_for_metrics`` over the data-parallel ranks only: the ranks of a tensor-parallel group
-        evaluate the same batch, so gathering over every rank would repeat each prediction once per rank of it."""
+        evaluate the same batch, so gathering over every rank would repeat each prediction once per rank of it.
+
+        What it returns is what one process's ``gather_for_metrics`` returns for the whole batch: tensors
+        concatenated along dim 0, also when gathered as objects (``eval_use_gather_object``, or data that is not all
+        tensors; the ranks' shapes may then differ), lists of per-sample items concatenated; with no data-parallel
+        axis, the data as given."""
         from accelerate.utils import recursively_apply
 
         accelerator = self.accelerator
+        # transformers binds eval_use_gather_object to the first evaluation's gather only (it puts back the bare
+        # gather_for_metrics after each loop): read here, it holds for every evaluation, as it does in one process
+        use_gather_object = use_gather_object or self.args.eval_use_gather_object
         try:
             recursively_apply(lambda x: x, input_data, error_on_other_type=True)
             all_tensors = True
         except TypeError:
             all_tensors = False
         group = self._hp_mesh.mesh.get_group(self._hp_data_axis) if self._hp_data_axis else None
-        if use_gather_object or not all_tensors:
+        if group is None:
+            data = input_data
+        elif use_gather_object or not all_tensors:
             data = _gather_objects(input_data, group)
         else:
             data = recursively_apply(lambda tensor: _gather_tensor(tensor, group), input_data)
         state = accelerator.gradient_state
         if state.end_of_dataloader and state.remainder > 0:  # the last batch was padded with repeated samples
-            if use_gather_object or not all_tensors:
+            if (use_gather_object or not all_tensors) and isinstance(data, list):  # one item per sample
                 return data[: state.remainder]
-            return recursively_apply(lambda tensor: tensor[: state.remainder], data)
+            return recursively_apply(lambda tensor: tensor[: state.remainder], data, error_on_other_type=False)
         return data
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
@@ -409,6 +423,7 @@ def _on_the_mesh_device(args: Any, mesh: MeshAxes) -> Any:
 
     if args is None:
         args = transformers.TrainingArguments(output_dir="tmp_trainer")  # what transformers' Trainer makes
+    _refuse_accelerate_sharding(args)
     if mesh.mesh.device_type == "cpu" and not args.use_cpu:
         args = copy.copy(args)
         for cached in ("_setup_devices", "distributed_state", "_n_gpu"):
@@ -432,6 +447,26 @@ def _on_the_mesh_device(args: Any, mesh: MeshAxes) -> Any:
             "differently from the mesh"
         )
     return args
+
+
+def _refuse_accelerate_sharding(args: Any) -> None:
+    """Stop (every rank alike, before anything is made) where the arguments ask accelerate to shard or split the
+    model itself: it would do so over every rank, across the plan's shards (FSDP and DeepSpeed on GPUs; silently
+    nothing on the CPU)."""
+    asked = [
+        (name, value)
+        for name, value in (("fsdp", args.fsdp), ("parallelism_config", args.parallelism_config), ("deepspeed", args.deepspeed))
+        if value
+    ]
+    if asked:
+        name, value = asked[0]
+        shown = repr(value) if isinstance(value, (bool, str, list, dict)) else f"{type(value).__name__}(...)"
+        raise ValueError(
+            f"hpgen.runtime.trainer.Trainer: TrainingArguments({name}={shown}) asks accelerate to shard or split the "
+            "model over every rank, across the shards parallelize made. Leave it unset: the mesh's data-parallel axis "
+            "takes DDP (the default) or FSDP2 (fully_shard the model's layers and the model on mesh['dp'] after "
+            "parallelize), and the plan's axes are hpgen's"
+        )
 
 
 @contextlib.contextmanager
@@ -479,12 +514,27 @@ def _gather_tensor(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _gather_objects(data: Any, group: Any) -> list[Any]:
-    """The lists of each rank of ``group`` concatenated, as accelerate's ``gather_object``."""
-    items = data if isinstance(data, list) else [data]
-    if group is None:
-        return list(items)
-    return [item for part in all_gather_object(items, group) for item in part]
+def _gather_objects(data: Any, group: Any) -> Any:
+    """``data`` of each rank of ``group`` through ``all_gather_object``, joined as one process would hold the whole
+    batch (:func:`_joined`)."""
+    return _joined(all_gather_object(data, group))
+
+
+def _joined(parts: list[Any]) -> Any:
+    """The ranks' parts of one batch as one: tensors concatenated along dim 0 (a 0-d tensor counts as one row), lists
+    concatenated, tuples and dicts joined element by element; anything else listed, one item per rank."""
+    first = parts[0]
+    if all(isinstance(part, torch.Tensor) for part in parts):
+        return torch.cat([part.reshape(1) if part.ndim == 0 else part for part in parts])
+    if all(isinstance(part, list) for part in parts):
+        return [item for part in parts for item in part]
+    if all(isinstance(part, tuple) and len(part) == len(first) for part in parts):
+        return type(first)(*[_joined(list(items)) for items in zip(*parts)]) if hasattr(first, "_fields") else tuple(
+            _joined(list(items)) for items in zip(*parts)
+        )
+    if all(isinstance(part, dict) and part.keys() == first.keys() for part in parts):
+        return type(first)({key: _joined([part[key] for part in parts]) for key in first})
+    return list(parts)
 
 
 def _hpgen_model(model: nn.Module) -> nn.Module:

@@ -41,18 +41,15 @@ class Run:
     lora: str = ""  # "after": get_peft_model after parallelize; "before": parallelize the peft model
     save: bool = False  # a checkpoint at step 2 (and 4)
     resume: str = ""  # the name of a saved run: a fresh model resumes its checkpoint-2
-    # "hpgen": hpgen.runtime.trainer.Trainer; "stock": transformers.Trainer; "accelerate": Accelerator().prepare;
-    # "ddp, ignore list replaced": DistributedDataParallel(model) after the user replaced hpgen's ignore list;
-    # "hpgen, another mesh": hpgen's Trainer resuming ``resume``'s checkpoint, written on another mesh;
-    # "hpgen, no torchrun environment": hpgen's Trainer where accelerate cannot see the distributed run
+    # "hpgen": hpgen.runtime.trainer.Trainer; "hpgen, another mesh": hpgen's Trainer resuming ``resume``'s
+    # checkpoint, written on another mesh; "hpgen, no torchrun environment": hpgen's Trainer where accelerate cannot
+    # see the distributed run (the stock loops: tests.support.stock_loops)
     loop: str = "hpgen"
-    # how the stock loops are set up: "use_cpu" (TrainingArguments(use_cpu=True), Accelerator(cpu=True)), "tp
-    # attributes" (the model presents transformers' tensor-parallel size and DistributedConfig), "loaded sharded"
-    # (the model presents transformers' load-time sharding flag), "ParallelismConfig" (accelerate's tensor-parallel
-    # preparation, its state faked on the CPU); "": their defaults
-    variant: str = ""
     defaults: bool = False  # TrainingArguments(output_dir) as constructed, nothing else: 3 epochs, logged at the end
     evaluate: bool = False  # trainer.evaluate() on an eval set of 10 (a remainder: 10 = 8 + 2) before and after
+    # evaluate() and predict() gathering as objects (eval_use_gather_object) predictions that are not one tensor
+    # (each row's argmax tokens, rows of unequal lengths, batches kept apart) with a metric of them
+    gather_object: bool = False
     check_inputs: bool = True  # parallelize's input check
     generated: str = ""  # the generated file (lowered by the parent)
     plan: dict = field(default_factory=dict)
@@ -175,13 +172,16 @@ def reference(rank: int, world_size: int, runs: list[Run], workdir: str) -> dict
         output = str(Path(workdir) / f"reference-{key}")
         args = arguments(output, BATCH, save=not run.defaults, defaults=run.defaults, **_accumulation(run))
         trainer = Trainer(
-            model=model, args=args, train_dataset=dataset(run.ignored), eval_dataset=eval_dataset(), callbacks=[recorder]
+            model=model, args=args, train_dataset=dataset(run.ignored), eval_dataset=eval_dataset(), callbacks=[recorder],
+            **_object_metrics(run),
         )
+        if run.gather_object:
+            _gather_objects_in_every_loop(trainer)
         before = trainer.evaluate() if run.evaluate else None
         trained = trainer.train()
         result = {"steps": dict(recorder.steps), "weights": _weights(model), "training_loss": trained.training_loss}
         if run.evaluate:
-            result["evaluated"] = (before["eval_loss"], trainer.evaluate()["eval_loss"], _predictions(trainer))
+            result["evaluated"] = _evaluated(run, trainer, before)
         if not run.lora and not run.defaults:  # the step-2 checkpoint as plain transformers loads it
             saved = LlamaForCausalLM.from_pretrained(str(Path(output) / "checkpoint-2"))
             result["checkpoint_2"] = {name: value.clone() for name, value in saved.state_dict().items()}
@@ -192,11 +192,40 @@ def reference(rank: int, world_size: int, runs: list[Run], workdir: str) -> dict
 def reference_key(run: Run) -> str:
     accumulated = f"-accumulate{run.accumulate}" if run.accumulate > 1 else ""
     ignored = "-ignored" if run.ignored else ""
-    return f"kv{run.kv_heads}{'-lora' if run.lora else ''}{'-defaults' if run.defaults else ''}{accumulated}{ignored}"
+    objects = "-objects" if run.gather_object else ""
+    return f"kv{run.kv_heads}{'-lora' if run.lora else ''}{'-defaults' if run.defaults else ''}{accumulated}{ignored}{objects}"
 
 
-def _accumulation(run: Run) -> dict[str, int]:
-    return {"gradient_accumulation_steps": run.accumulate} if run.accumulate > 1 else {}
+def _accumulation(run: Run) -> dict[str, Any]:
+    """The run's TrainingArguments beyond ``arguments``': accumulation, and gathering evaluation objects."""
+    more: dict[str, Any] = {"gradient_accumulation_steps": run.accumulate} if run.accumulate > 1 else {}
+    if run.gather_object:  # the batches kept apart: a list of token rows per batch, not concatenated
+        more.update(eval_use_gather_object=True, eval_do_concat_batches=False)
+    return more
+
+
+def _object_metrics(run: Run) -> dict[str, Any]:
+    """The Trainer's arguments for predictions that are not one tensor (``run.gather_object``)."""
+    if not run.gather_object:
+        return {}
+    return dict(preprocess_logits_for_metrics=token_rows, compute_metrics=token_checksum)
+
+
+def token_rows(logits: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+    """Each row's predicted tokens, of a length set by its first label: predictions that are not one tensor, whose
+    ranks' shapes differ (what eval_use_gather_object is for)."""
+    return [row[: 1 + int(label[0]) % SEQ] for row, label in zip(logits.argmax(-1), labels)]
+
+
+def token_checksum(prediction: Any) -> dict[str, float]:
+    """How many tokens were predicted and a checksum of them and their places: any row missing, repeated, cut short or
+    out of order changes it (batches kept apart)."""
+    count = checksum = 0
+    for rows in prediction.predictions:
+        for row in rows:
+            count += len(row)
+            checksum += sum((place + 1) * int(token) for place, token in enumerate(row)) * (count % 97 + 1)
+    return {"tokens": float(count), "checksum": float(checksum)}
 
 
 def parity_table(references: dict[str, Any], runs: dict[str, Any], cases: list[Run]) -> list[tuple[str, float, float, float, float, list[int]]]:
@@ -217,6 +246,33 @@ def parity_table(references: dict[str, Any], runs: dict[str, Any], cases: list[R
     for name, loss, norm, mean, weights, _ in rows:
         print(f"| {name} | {loss:.1e} | {norm:.1e} | {mean:.1e} | {weights:.1e} |")
     return rows
+
+
+def _gather_objects_in_every_loop(trainer: Any) -> None:
+    """The one-process reference's ``eval_use_gather_object`` for every evaluation loop, not the first only.
+
+    transformers binds the flag to the gather of the first loop and puts back the bare ``gather_for_metrics``
+    after each (5.24, 5.25); a later loop then cuts every row of the last batch to the remainder's length, where
+    the first loop keeps the rows whole. The reference is the first loop's behaviour in every loop.
+    """
+    import functools
+
+    accelerator = trainer.accelerator
+    accelerator.gather_for_metrics = functools.partial(accelerator.gather_for_metrics, use_gather_object=True)
+
+
+def _evaluated(run: Run, trainer: Any, before: dict[str, float]) -> tuple:
+    """``(eval_loss before training, after, predict's (predictions, labels))``; with ``run.gather_object`` the
+    predictions as the token rows of every batch in order, and the metrics of them before and after."""
+    after = trainer.evaluate()
+    if not run.gather_object:
+        return before["eval_loss"], after["eval_loss"], _predictions(trainer)
+    output = trainer.predict(eval_dataset())
+    rows = [[int(token) for token in row] for batch in output.predictions for row in batch]
+    labels = torch.cat([torch.as_tensor(batch) for batch in output.label_ids])
+    metrics = [{name: value for name, value in found.items() if name in ("eval_tokens", "eval_checksum")}
+               for found in (before, after)]
+    return before["eval_loss"], after["eval_loss"], (rows, labels), metrics
 
 
 def _predictions(trainer: Any) -> Any:
@@ -317,83 +373,36 @@ def _train(run: Run, model: Any, workdir: str) -> dict[str, Any]:
     pipeline = dict(pipeline_microbatches=run.microbatches, pipeline_schedule=run.schedule) if run.pp > 1 else {}
     trainer = Trainer(
         model=model, args=args, train_dataset=dataset(run.ignored), eval_dataset=eval_dataset(), callbacks=[recorder],
-        **pipeline,
+        **pipeline, **_object_metrics(run),
     )
     before = trainer.evaluate() if run.evaluate else None
     trained = trainer.train(resume_from_checkpoint=str(Path(output) / "checkpoint-2") if run.resume else None)
     result = {"steps": dict(recorder.steps), "weights": _full_weights(model), "training_loss": trained.training_loss}
     if run.evaluate:
-        result["evaluated"] = (before["eval_loss"], trainer.evaluate()["eval_loss"], _predictions(trainer))
+        result["evaluated"] = _evaluated(run, trainer, before)
     if run.save:
         result["checkpoint_2"] = str(Path(output) / "checkpoint-2")
     return result
 
 
 def _refused(run: Run, model: Any, workdir: str, rank: int) -> dict[str, Any]:
-    """A stock loop on the parallelized model, which must stop before its first optimizer step: the error (the
-    same on every rank: all of them are returned) and how far the weights moved from the reference's (0: the
-    shards are unchanged and no step was taken)."""
+    """What hpgen's Trainer must refuse before its first optimizer step (another mesh's checkpoint, accelerate not
+    seeing the run): the error (the same on every rank: all of them are returned) and how far the weights moved from
+    the reference's (0: the shards are unchanged and no step was taken)."""
     import torch.distributed as dist
-    from torch.utils.data import DataLoader
+
+    from hpgen.runtime.trainer import Trainer
 
     error = None
-    cpu = run.variant.endswith("use_cpu")
-    if run.variant.startswith("tp attributes"):  # what transformers' from_pretrained(distributed_config=...) leaves
-        from transformers.distributed import DistributedConfig
-
-        model._tp_size = run.tp
-        model.config.distributed_config = DistributedConfig(tp_size=run.tp)
-    if run.variant == "loaded sharded":
-        model._is_distributed_loading_by_transformers = True
     try:
-        if run.loop == "stock":
-            from transformers import Trainer
-
-            args = arguments(str(Path(workdir) / run.name), BATCH, False, **({"use_cpu": True} if cpu else {}))
-            Trainer(model=model, args=args, train_dataset=dataset()).train()
-        elif run.loop == "hpgen, no torchrun environment":
-            from hpgen.runtime.trainer import Trainer
-
-            Trainer(model=model, args=arguments(str(Path(workdir) / run.name), BATCH, False), train_dataset=dataset()).train()
-        elif run.loop == "hpgen, another mesh":  # resume a checkpoint written on another mesh
-            from hpgen.runtime.trainer import Trainer
-
+        if run.loop == "hpgen, another mesh":  # resume a checkpoint written on another mesh
             output = str(Path(workdir) / run.resume)
             trainer = Trainer(model=model, args=arguments(output, BATCH // run.dp, False), train_dataset=dataset())
             trainer.train(resume_from_checkpoint=str(Path(output) / "checkpoint-2"))
-        elif run.loop == "ddp, ignore list replaced":  # DDP told to skip nothing: its constructor broadcasts the shards
-            from torch.nn.parallel import DistributedDataParallel
-
-            # uneven shards (127 vocabulary rows, 89 MLP columns) would fail DDP's own shape check on one rank only
-            # (and hang the other): the user lists those, DDP broadcasts the even ones
-            shapes = [None] * dist.get_world_size()
-            dist.all_gather_object(shapes, {name: tuple(p.shape) for name, p in model.named_parameters()})
-            uneven = [name for name in shapes[0] if len({tuple(other[name]) for other in shapes}) > 1]
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, uneven)
-            batch = torch.stack([row["input_ids"] for row in dataset()[:BATCH]])
-            DistributedDataParallel(model)(input_ids=batch, labels=batch)
-        else:
-            from accelerate import Accelerator
-
-            accelerator = Accelerator(cpu=cpu)
-            if run.variant == "ParallelismConfig":  # accelerate's tensor-parallel preparation (its GPU path), faked
-                from accelerate import ParallelismConfig
-
-                accelerator.state.parallelism_config = ParallelismConfig(tp_size=run.tp)  # reset below
-            optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-            loader = DataLoader(dataset(), batch_size=BATCH)
-            wrapped, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-            for batch in loader:
-                accelerator.backward(wrapped(**batch).loss)
-                accelerator.clip_grad_norm_(wrapped.parameters(), MAX_GRAD_NORM)
-                optimizer.step()
-                break
+        else:  # "hpgen, no torchrun environment"
+            Trainer(model=model, args=arguments(str(Path(workdir) / run.name), BATCH, False), train_dataset=dataset()).train()
     except Exception as caught:  # noqa: BLE001 - the test reads the message
         error = f"{type(caught).__name__}: {caught}"
-    if run.variant == "ParallelismConfig":
-        from accelerate.state import AcceleratorState
-
-        AcceleratorState().parallelism_config = None  # accelerate's state is the process's: the next run's is its own
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     initial = reference_model(run.kv_heads, lora=False).state_dict()

@@ -19,5 +19,7 @@
 - ``hpgen.runtime.install.tuners``: peft's tuner layers as a plan sees them, and the methods refused;
 - ``hpgen.runtime.install.adapters``: peft's LoRA adapters laid out like their base layers;
 - ``hpgen.runtime.install.wrapped``: the mesh a model was parallelized on, and the refusal of a DDP spanning its plan axes.
+- ``hpgen.runtime.install.stock_loops``: a stock ``transformers.Trainer`` or ``Accelerator.prepare`` refused at the first
+  thing each reads of a parallelized model.
 - ``hpgen.runtime.install.context_checks``: what a ``cp`` axis refuses, and decode steps run replicated on it.
 """

@@ -28,20 +28,20 @@ decision on each of its ranks, so none is left in a collective the others skip.
 A stock ``transformers.Trainer`` or ``Accelerator().prepare(model)`` is wrong even where no DDP
 is built (accelerate sees one process on the CPU without ``use_cpu``, or the model presents
 transformers' tensor-parallel attributes): it clips by each rank's local norm, which moves the
-replicated weights apart, and scales the loss by its own process count. Every such loop hands
-the model to accelerate's ``Accelerator.prepare_model``, whose first act is to test
-``model._is_accelerate_prepared``: :class:`AccelerateCheck` is that attribute, and its truth
-test refuses, on every rank alike, before anything is moved or stepped, unless
-``hpgen.runtime.trainer.Trainer`` is the one preparing (:func:`prepared_by_hpgen_trainer`).
+replicated weights apart, and scales the loss by its own process count. Each is stopped at the
+first thing it reads of the model (:mod:`hpgen.runtime.install.stock_loops`); where accelerate's
+``Accelerator.prepare_model`` is reached otherwise (called directly, or in a process that is not
+distributed), its first act is to test ``model._is_accelerate_prepared``: :class:`AccelerateCheck`
+is that attribute, and its truth test refuses, on every rank alike, before anything is moved or
+stepped, unless ``hpgen.runtime.trainer.Trainer`` is the one preparing
+(:func:`prepared_by_hpgen_trainer`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import sys
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +52,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hpgen.runtime.forward.handback import all_gather_object
 from hpgen.runtime.install.inputs import _tensor_digest
+from hpgen.runtime.install.stock_loops import install_stock_loop_checks, prepared_by_hpgen_trainer, preparing, stock_loop_message
 
 __all__ = [
     "AccelerateCheck",
@@ -217,25 +218,13 @@ def _message(
     )
 
 
-_PREPARING: contextvars.ContextVar[Any] = contextvars.ContextVar("hpgen_trainer_preparing", default=None)
-
-
-@contextlib.contextmanager
-def prepared_by_hpgen_trainer(accelerator: Any) -> Iterator[None]:
-    """While ``hpgen.runtime.trainer.Trainer``'s own accelerator prepares a model, :class:`AccelerateCheck` lets it."""
-    token = _PREPARING.set(accelerator)
-    try:
-        yield
-    finally:
-        _PREPARING.reset(token)
-
-
 class AccelerateCheck:
     """``model._is_accelerate_prepared`` of a parallelized model: refuses a stock accelerate preparation.
 
     accelerate's ``prepare_model`` tests this attribute's truth before it moves, wraps or records the
-    model, in every configuration (DDP or none, ``ParallelismConfig``, evaluation only). There is no
-    public hook on accelerate's preparation; this attribute is the one thing every path reads first.
+    model, in every configuration that reaches it (DDP or none, ``ParallelismConfig``, evaluation
+    only; FSDP2's preparation does not, and ``Accelerator.prepare`` is stopped earlier by
+    ``stock_loops``): called directly, or in a process accelerate does not see as distributed.
     Inside :func:`prepared_by_hpgen_trainer` it answers whether that accelerator has prepared the model
     already (accelerate's own meaning); anywhere else it raises, the same message on every rank, since
     every rank prepares alike.
@@ -246,9 +235,9 @@ class AccelerateCheck:
         self.prepared: weakref.WeakSet = weakref.WeakSet()  # the hpgen Trainers' accelerators that have
 
     def __bool__(self) -> bool:
-        accelerator = _PREPARING.get()
+        accelerator = preparing()
         if accelerator is None:
-            raise RuntimeError(_accelerate_message(self.model_name))
+            raise RuntimeError(stock_loop_message(self.model_name, "accelerate's Accelerator.prepare_model"))
         return accelerator in self.prepared
 
     def __deepcopy__(self, memo: dict) -> AccelerateCheck:
@@ -283,20 +272,9 @@ class AccelerateCheck:
 
 
 def install_accelerate_check(model: nn.Module) -> None:
-    """Make ``model._is_accelerate_prepared`` an :class:`AccelerateCheck` (kept also as ``_hp_accelerate_check``)."""
+    """Make ``model._is_accelerate_prepared`` an :class:`AccelerateCheck` (kept also as ``_hp_accelerate_check``), and
+    put the checks of what a stock Trainer and ``Accelerator.prepare`` read first on its class (``stock_loops``)."""
     check = AccelerateCheck(type(model).__name__)
     model.__dict__["_hp_accelerate_check"] = check
     model.__dict__["_is_accelerate_prepared"] = check
-
-
-def _accelerate_message(model_name: str) -> str:
-    return (
-        f"hpgen: {model_name} was handed to accelerate's Accelerator.prepare (what a stock transformers.Trainer does, "
-        "and Accelerator().prepare(model)). Neither knows the model is parallelized: they clip by each rank's own "
-        "gradient norm (the replicated weights move apart), scale the loss by their own process count, and shard the "
-        "data over ranks that must see the same batch, or wrap the model in DDP over them. Nothing was moved and no "
-        "optimizer step was taken.\nTrain it with hpgen.runtime.trainer.Trainer (transformers' Trainer, same "
-        "constructor: DDP or FSDP2 on the data-parallel mesh axis only, data sharded over those ranks, clipping by the "
-        "whole model's norm), or in your own loop leave the model out of accelerator.prepare and use "
-        "hpgen.runtime.clip_grad_norm_ instead of torch.nn.utils.clip_grad_norm_."
-    )
+    install_stock_loop_checks(type(model))
