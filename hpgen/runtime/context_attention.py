@@ -36,6 +36,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from hpgen.runtime.context.cache import keep_prefill
+from hpgen.runtime.context.decode import decode_attention
+
 __all__ = ["AttentionConfig", "GatheringCache", "LocalKVCache", "RecomputedAttention", "chunked_causal_sdpa", "gathered_kv_attention", "recomputed_attention"]
 
 CHUNKED_CAUSAL = "hpgen_cp_chunked_causal_sdpa"  # its name in transformers' AttentionInterface
@@ -53,11 +56,11 @@ class GatheringCache:
         self.cache = cache
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        key_states = self.axis.all_gather(key_states, dim=2)
-        value_states = self.axis.all_gather(value_states, dim=2)
-        if self.cache is None:
-            return key_states, value_states
-        return self.cache.update(key_states, value_states, *args, **kwargs)
+        gathered = self.axis.all_gather(key_states, dim=2), self.axis.all_gather(value_states, dim=2)
+        if self.cache is not None:  # this rank's positions (or the whole, for caches that keep it)
+            layout = self.axis.current or self.axis.held_layout(key_states, 2)
+            keep_prefill(self.cache, key_states, value_states, layout, self.axis, lambda: gathered, args, kwargs)
+        return gathered
 
     def __getattr__(self, name: str) -> Any:
         cache = self.__dict__.get("cache")
@@ -82,7 +85,8 @@ class LocalKVCache:
         with torch.no_grad():
             key = self.axis.all_gather(key_states, dim=2, total=self.n)
             value = self.axis.all_gather(value_states, dim=2, total=self.n)
-        self.cache.update(key, value, *args, **kwargs)
+        layout = self.axis.layout(self.n, key_states.device)
+        keep_prefill(self.cache, key_states, value_states, layout, self.axis, lambda: (key, value), args, kwargs)
         self.module._hp_cp_gathered = (key, value)  # the forward's attention uses them, saves nothing of them
         return key_states, value_states
 
@@ -244,8 +248,8 @@ def gathered_kv_attention(module: nn.Module, *args: Any, axis: str = "cp", **kwa
     (``{"_target_": "hpgen.runtime.context_attention.gathered_kv_attention", "axis": "cp"}``).
     """
     ax = getattr(module, f"_hp_{axis}")
-    if not ax.active:
-        return module._forward_impl(*args, **kwargs)
+    if not ax.active:  # one rank, or a decode step: over the split cache if there is one
+        return decode_attention(module, ax, args, kwargs)
     layout = ax.current
     if layout is None and torch._C._current_graph_task_id() != -1:
         layout = _recomputed_layout(ax, _first_tensor(args, kwargs))
