@@ -146,24 +146,32 @@ def partial_attention(
     query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scaling: float | None
 ) -> tuple[Tensor, Tensor]:
     """Softmax attention of ``query`` ``[b, h, m, d]`` over ``key``/``value`` ``[b, kv_h, k, d]``
-    (grouped heads repeated) in float32: the output and the log-sum-exp of each query's scores
-    (``-inf`` and a zero output where the mask leaves it no key)."""
-    scale = query.size(-1) ** -0.5 if scaling is None else scaling
-    groups = query.size(1) // key.size(1)
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
+    (query head ``i`` reads key head ``i // (h // kv_h)``) in float32, with ``mask``
+    ``[b or 1, 1, m, k]`` (boolean: True attends; or additive): the output and the log-sum-exp
+    of each query's scores (``-inf`` and a zero output where the mask leaves it no key).
+
+    Grouped query heads are folded into the query rows of their key head, so the keys and
+    values (the cache) are read as they are, never repeated per head.
+    """
+    b, h, m, d = query.shape
+    kv_heads, k = key.size(1), key.size(2)
+    groups = h // kv_heads
+    scale = d**-0.5 if scaling is None else scaling
+    rows = query.float().reshape(b, kv_heads, groups * m, d)
+    scores = (torch.matmul(rows, key.float().transpose(-1, -2)) * scale).view(b, kv_heads, groups, m, k)
+    # a mask of one head row for all ([b, 1, m, k]), or one per query head
+    mask = mask.unsqueeze(2) if mask.size(1) == 1 else mask.reshape(mask.size(0), kv_heads, groups, m, k)
     if mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, float("-inf"))
     else:
         scores = scores + mask.float()
-    if scores.size(-1) == 0:
-        lse = scores.new_full(scores.shape[:-1], float("-inf"))
-        return scores.new_zeros((*scores.shape[:-1], value.size(-1))), lse
+    if k == 0:
+        lse = scores.new_full((b, h, m), float("-inf"))
+        return scores.new_zeros((b, h, m, value.size(-1))), lse
     top = scores.amax(-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     weights = torch.exp(scores - top)
     total = weights.sum(-1, keepdim=True)
-    out = torch.matmul(weights, value.float()) / total.clamp_min(torch.finfo(torch.float32).tiny)
-    return out, (top + torch.log(total)).squeeze(-1)
+    out = torch.matmul(weights.view(b, kv_heads, groups * m, k), value.float()).view(b, h, m, -1)
+    out = out / total.view(b, h, m, 1).clamp_min(torch.finfo(torch.float32).tiny)
+    return out, (top + torch.log(total)).view(b, h, m)
