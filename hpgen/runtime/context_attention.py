@@ -9,8 +9,9 @@ body with two changes, both made where the body already hands values over:
 
 - its ``cache`` argument becomes :class:`GatheringCache`, whose ``update`` (which the body
   calls with its rotated keys and values) all-gathers them along the sequence, in
-  sequence order, and then updates the caller's cache, if any, with the whole keys and
-  values (Llama 3's all-gather form; the gradient of the gather is a reduce-scatter);
+  sequence order (Llama 3's all-gather form; the gradient of the gather is a
+  reduce-scatter), and puts this rank's own keys and values into the caller's cache, if
+  any (:mod:`hpgen.runtime.context.cache`);
 - its ``attention_mask`` becomes this rank's query rows of the unsharded model's mask
   (transformers builds it for the whole sequence before the first decoder layer, so
   padding, packed documents by ``position_ids`` and a user's 4-D mask are all in it).
@@ -23,7 +24,8 @@ body with two changes, both made where the body already hands values over:
 
 The body's attention implementation (sdpa or eager) then runs this rank's queries over all
 keys. A forward that continues a filled cache (a decode step) runs replicated on every
-rank (:meth:`~hpgen.runtime.forward.context_axis.ContextAxis.replicate`), the body as it is.
+rank (:meth:`~hpgen.runtime.forward.context_axis.ContextAxis.replicate`), its attention
+over the cache split across ranks (:mod:`hpgen.runtime.context.decode`).
 Under activation checkpointing a layer's body reruns in backward, after the forward ended:
 its layout then comes from the ranks' token counts.
 """
@@ -49,7 +51,8 @@ _CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 class GatheringCache:
     """Stands in for the attention body's cache: ``update`` gathers the keys and values of
-    every rank along the sequence (dim 2), then updates the caller's ``cache`` if there is one."""
+    every rank along the sequence (dim 2), after putting this rank's into the caller's ``cache``
+    if there is one (:func:`~hpgen.runtime.context.cache.keep_prefill`)."""
 
     def __init__(self, axis: Any, cache: Any) -> None:
         self.axis = axis
@@ -72,8 +75,7 @@ class GatheringCache:
 class LocalKVCache:
     """Stands in for the attention body's cache in a cp training step: ``update`` returns this
     rank's keys and values as they are (:class:`RecomputedAttention` gathers them), after
-    putting every rank's, gathered outside autograd, into the caller's cache (the cache the
-    unsharded model would fill)."""
+    putting them into the caller's cache (:mod:`hpgen.runtime.context.cache`)."""
 
     def __init__(self, axis: Any, cache: Any, module: nn.Module, n: int) -> None:
         self.axis = axis

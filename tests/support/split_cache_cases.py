@@ -41,7 +41,7 @@ class DecodeResult:
     reference: dict[str, list[list[int]]] = field(default_factory=dict)  # what -> the unsharded model's
     positions: dict[str, list[list[int]]] = field(default_factory=dict)  # when -> each layer's held positions
     lengths: dict[str, list[int]] = field(default_factory=dict)  # when -> each layer's reported length
-    layer_types: list[str] = field(default_factory=list)
+    layer_types: list[str] = field(default_factory=list)  # the cache's layers after a prefill, and after one with grad
     cp_rank: int = 0
 
 
@@ -106,8 +106,9 @@ def run_decode_cases(rank: int, world_size: int, cases: list[DecodeCase]) -> dic
             ref_out = ref.generate(ids, **greedy, return_dict_in_generate=True, output_scores=True)
             _compare(result, "generate scores", torch.stack(ref_out.scores), torch.stack(out.scores))
 
-            result.reference["own loop"] = _own_loop(ref, ids, mask)
-            result.tokens["own loop"] = _own_loop(model, ids, mask)
+            result.reference["own loop"], _ = _own_loop(ref, ids, mask)
+            result.tokens["own loop"], types = _own_loop(model, ids, mask)
+            result.layer_types += types
 
             sampled = dict(attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=0, pad_token_id=0)
             torch.manual_seed(17)
@@ -118,13 +119,16 @@ def run_decode_cases(rank: int, world_size: int, cases: list[DecodeCase]) -> dic
     return results
 
 
-def _own_loop(model: Any, ids: torch.Tensor, mask: torch.Tensor, steps: int = 5) -> list[list[int]]:
-    """Greedy decoding written by hand: the cache and the mask carried from step to step."""
-    out = model(ids, attention_mask=mask, use_cache=True)
+def _own_loop(model: Any, ids: torch.Tensor, mask: torch.Tensor, steps: int = 5) -> tuple[list[list[int]], list[str]]:
+    """Greedy decoding written by hand: the cache and the mask carried from step to step; the
+    prefill with gradients enabled (a cp model's training-step attention fills the cache)."""
+    with torch.enable_grad():
+        out = model(ids, attention_mask=mask, use_cache=True)
+    types = [type(layer).__name__ for layer in out.cache.layers]
     tokens = []
     for _ in range(steps):
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         tokens.append(token)
         mask = torch.cat([mask, torch.ones_like(token)], dim=1)
         out = model(token, attention_mask=mask, cache=out.cache, use_cache=True)
-    return torch.cat(tokens, dim=1).tolist()
+    return torch.cat(tokens, dim=1).tolist(), types
