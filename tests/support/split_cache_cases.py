@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from tests.support.models import generated_model, import_file, make_config, reference_model, tolerance
+from tests.support.models import make_config, parallelized_pair, tolerance
 
 PROMPT = 64
 NEW = 16
@@ -67,18 +67,10 @@ def _compare(result: DecodeResult, what: str, want: torch.Tensor, got: torch.Ten
 
 
 def run_decode_cases(rank: int, world_size: int, cases: list[DecodeCase]) -> dict[str, DecodeResult]:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from hpgen.runtime import parallelize
-
     results = {}
     for case in cases:
-        names = tuple(axis for axis, _ in case.mesh)
-        mesh = init_device_mesh("cpu", tuple(size for _, size in case.mesh), mesh_dim_names=names)
         config = make_config(case.family)
-        ref = reference_model(case.family, config, seed=3)
-        model = generated_model(import_file(case.generated), case.family, config, ref)
-        parallelize(model, case.plan, mesh)
+        mesh, ref, model = parallelized_pair(case.family, case.generated, case.plan, case.mesh, config)
         result = DecodeResult(cp_rank=mesh["cp"].get_local_rank())
         generator = torch.Generator().manual_seed(5)
         ids = torch.randint(1, config.vocab_size, (2, PROMPT), generator=generator)
