@@ -60,10 +60,11 @@ class GatheringCache:
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
         gathered = self.axis.all_gather(key_states, dim=2), self.axis.all_gather(value_states, dim=2)
-        if self.cache is not None:  # this rank's positions (or the whole, for caches that keep it)
-            layout = self.axis.current or self.axis.held_layout(key_states, 2)
-            keep_prefill(self.cache, key_states, value_states, layout, self.axis, lambda: gathered, args, kwargs)
-        return gathered
+        if self.cache is None:
+            return gathered
+        # this rank's positions into the cache (or the whole, for caches that keep it: then what it returns)
+        layout = self.axis.current or self.axis.held_layout(key_states, 2)
+        return keep_prefill(self.cache, key_states, value_states, layout, self.axis, lambda: gathered, args, kwargs)
 
     def __getattr__(self, name: str) -> Any:
         cache = self.__dict__.get("cache")

@@ -4,8 +4,9 @@ Each case builds the unsharded transformers model and the generated one with the
 weights, parallelizes the generated one on its mesh (``cp``, or ``cp x tp``) and decodes
 with both from a 64-token batch whose second row is left-padded: the logits of a cached
 forward and of a 3-token forward continuing its cache, greedy tokens after 16 new ones
-(``generate`` and ``return_dict_in_generate``), a decode loop of one's own, sampled tokens
-under one seed, and the positions each rank's cache holds. The numbers come back to the
+(``generate`` and ``return_dict_in_generate``), a decode loop of one's own, beam search, a
+``StaticCache`` (which keeps every position on every rank), sampled tokens under one seed,
+and the positions each rank's cache holds. The numbers come back to the
 parent, which asserts.
 """
 
@@ -101,6 +102,13 @@ def run_decode_cases(rank: int, world_size: int, cases: list[DecodeCase]) -> dic
             result.reference["own loop"], _ = _own_loop(ref, ids, mask)
             result.tokens["own loop"], types = _own_loop(model, ids, mask)
             result.layer_types += types
+
+            beams = dict(attention_mask=mask, max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
+            result.reference["beam search"] = ref.generate(ids, **beams)[:, PROMPT:].tolist()
+            result.tokens["beam search"] = model.generate(ids, **beams)[:, PROMPT:].tolist()  # reorders the split cache
+            static = dict(greedy, max_new_tokens=6, cache_implementation="static")  # a cache that keeps the whole
+            result.reference["static cache"] = ref.generate(ids, **static)[:, PROMPT:].tolist()
+            result.tokens["static cache"] = model.generate(ids, **static)[:, PROMPT:].tolist()
 
             sampled = dict(attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=0, pad_token_id=0)
             torch.manual_seed(17)

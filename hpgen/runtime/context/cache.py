@@ -139,15 +139,16 @@ def split_layer(cache: Any, layer_idx: int, axis: Any) -> SplitLayer | None:
 def keep_prefill(
     cache: Any, key: Tensor, value: Tensor, layout: Any, axis: Any,
     whole: Callable[[], tuple[Tensor, Tensor]], args: tuple, kwargs: dict,
-) -> None:
+) -> tuple[Tensor, Tensor]:
     """Put a cp prefill's keys and values into the caller's ``cache`` (``args``/``kwargs``: the
     rest of the body's ``update`` call, the layer index first): ``key``/``value`` are this rank's
-    tokens (``layout.local``); a cache that keeps whole positions gets ``whole()``."""
+    tokens (``layout.local``); a cache that keeps whole positions gets ``whole()``, every rank's
+    keys and values. Returns what attention reads: ``whole()``, or what such a cache's
+    ``update`` returns (a ``StaticCache`` returns its whole buffer)."""
     layer_idx = args[0] if args else kwargs["layer_idx"]
     layer = split_layer(cache, layer_idx, axis)
     if layer is None:
-        cache.update(*whole(), *args, **kwargs)
-        return
+        return cache.update(*whole(), *args, **kwargs)
     if layer.get_seq_length():
         raise RuntimeError(f"cache layer {layer_idx}: a cut prefill continues a filled split cache")
     owners = torch.empty(layout.n, dtype=layer.owners.dtype)
@@ -155,6 +156,7 @@ def keep_prefill(
         torch.arange(layout.size, dtype=owners.dtype), torch.tensor(layout.sizes)
     )
     layer.keep(key.detach(), value.detach(), layout.local, owners)
+    return whole()
 
 
 def keep_whole_cache(model: nn.Module, whole: bool = True) -> None:
