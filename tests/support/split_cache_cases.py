@@ -5,7 +5,8 @@ weights, parallelizes the generated one on its mesh (``cp``, or ``cp x tp``) and
 with both from a 64-token batch whose second row is left-padded: the logits of a cached
 forward and of a 3-token forward continuing its cache, greedy tokens after 16 new ones
 (``generate`` and ``return_dict_in_generate``), a decode loop of one's own, beam search, a
-``StaticCache`` (which keeps every position on every rank), sampled tokens under one seed,
+``StaticCache`` and ``keep_whole_cache`` (which keep every position on every rank), sampled
+tokens under one seed,
 and the positions each rank's cache holds. The numbers come back to the
 parent, which asserts.
 """
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from hpgen.runtime.context.cache import keep_whole_cache
 from tests.support.models import make_config, parallelized_pair, tolerance
 
 PROMPT = 64
@@ -44,6 +46,7 @@ class DecodeResult:
     lengths: dict[str, list[int]] = field(default_factory=dict)  # when -> each layer's reported length
     layer_types: list[str] = field(default_factory=list)  # the cache's layers after a prefill, and after one with grad
     cp_rank: int = 0
+    whole_cache_lengths: list[int] = field(default_factory=list)  # keys held per layer under keep_whole_cache
 
 
 def _cache(output: Any) -> Any:
@@ -109,6 +112,13 @@ def run_decode_cases(rank: int, world_size: int, cases: list[DecodeCase]) -> dic
             static = dict(greedy, max_new_tokens=6, cache_implementation="static")  # a cache that keeps the whole
             result.reference["static cache"] = ref.generate(ids, **static)[:, PROMPT:].tolist()
             result.tokens["static cache"] = model.generate(ids, **static)[:, PROMPT:].tolist()
+
+            keep_whole_cache(model)  # every position on every rank, decode steps replicated: as before the split
+            whole = model.generate(ids, **greedy, return_dict_in_generate=True)
+            result.tokens["whole cache"] = whole.sequences[:, PROMPT:].tolist()
+            result.reference["whole cache"] = result.reference["greedy"]
+            result.whole_cache_lengths = [layer.keys.size(-2) for layer in whole.cache.layers]
+            keep_whole_cache(model, False)
 
             sampled = dict(attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=0, pad_token_id=0)
             torch.manual_seed(17)

@@ -116,9 +116,17 @@ class SplitLayer(DynamicLayer):
 
 def split_layer(cache: Any, layer_idx: int, axis: Any) -> SplitLayer | None:
     """The :class:`SplitLayer` of ``cache`` at ``layer_idx`` for this rank of ``axis``, made from
-    an empty plain ``DynamicLayer`` if need be; ``None`` where the cache keeps whole positions."""
+    an empty plain ``DynamicLayer`` if need be (unless :func:`keep_whole_cache` asked for whole
+    caches); ``None`` where the cache keeps whole positions."""
     layers = getattr(cache, "layers", None)
-    if layers is None or getattr(axis, "whole_cache", False):
+    if layers is None:
+        return None
+    if isinstance(layers[layer_idx] if layer_idx < len(layers) else None, SplitLayer):  # split already: stays split
+        layer = layers[layer_idx]
+        if layer.size != axis.size or layer.rank != axis.rank:
+            raise RuntimeError(f"cache layer {layer_idx} is split over {layer.size} ranks, this cp axis has {axis.size}")
+        return layer
+    if getattr(axis, "whole_cache", False):
         return None
     if getattr(cache, "layer_class_to_replicate", None) is not None:  # DynamicCache() without a config
         while len(layers) <= layer_idx:
@@ -126,10 +134,6 @@ def split_layer(cache: Any, layer_idx: int, axis: Any) -> SplitLayer | None:
     if layer_idx >= len(layers):
         return None
     layer = layers[layer_idx]
-    if isinstance(layer, SplitLayer):
-        if layer.size != axis.size or layer.rank != axis.rank:
-            raise RuntimeError(f"cache layer {layer_idx} is split over {layer.size} ranks, this cp axis has {axis.size}")
-        return layer
     if type(layer) is not DynamicLayer or layer.get_seq_length():
         return None
     layers[layer_idx] = layer = SplitLayer(axis.rank, axis.size)
@@ -161,8 +165,9 @@ def keep_prefill(
 
 def keep_whole_cache(model: nn.Module, whole: bool = True) -> None:
     """Make ``model``'s cp prefills keep every position's keys and values on every rank and its
-    decode steps run replicated (``whole=False``: split over cp again, the default). Replicated
-    decoding needs no collective per step; the split cache needs ``1/cp`` of the memory."""
+    decode steps run replicated (``whole=False``: split over cp again, the default); a cache
+    already split stays split. Replicated decoding needs no collective per step; the split
+    cache needs ``1/cp`` of the memory."""
     axes = {id(m._hp_cp): m._hp_cp for m in model.modules() if hasattr(m, "_hp_cp")}
     if not axes:
         raise ValueError(f"{type(model).__name__}: no cp axis: parallelize it on a mesh with a 'cp' axis first")
