@@ -61,7 +61,10 @@ class DecodeCache:
         return self.step.layer.add(key_states, value_states)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["cache"], name)
+        cache = self.__dict__.get("cache")
+        if cache is None:
+            raise AttributeError(name)
+        return getattr(cache, name)
 
 
 @functools.lru_cache(maxsize=None)
