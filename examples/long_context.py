@@ -95,7 +95,7 @@ def main() -> None:
         model.eval()
         reference.eval()
         options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
-        with torch.no_grad():  # prefill cut over cp; the decode steps run on every rank with the gathered cache
+        with torch.no_grad():  # prefill cut over cp; each rank caches its positions, decode merges the ranks' attention
             same = torch.equal(model.generate(ids[:, :40], **options), reference.generate(ids[:, :40], **options))
     if rank == 0:
         print(f"{world} ranks on cp, {TOKENS} tokens ({TOKENS // world} or so per rank in each layer)")

@@ -9,8 +9,9 @@ body with two changes, both made where the body already hands values over:
 
 - its ``cache`` argument becomes :class:`GatheringCache`, whose ``update`` (which the body
   calls with its rotated keys and values) all-gathers them along the sequence, in
-  sequence order, and then updates the caller's cache, if any, with the whole keys and
-  values (Llama 3's all-gather form; the gradient of the gather is a reduce-scatter);
+  sequence order (Llama 3's all-gather form; the gradient of the gather is a
+  reduce-scatter), and puts this rank's own keys and values into the caller's cache, if
+  any (:mod:`hpgen.runtime.context.cache`);
 - its ``attention_mask`` becomes this rank's query rows of the unsharded model's mask
   (transformers builds it for the whole sequence before the first decoder layer, so
   padding, packed documents by ``position_ids`` and a user's 4-D mask are all in it).
@@ -23,7 +24,8 @@ body with two changes, both made where the body already hands values over:
 
 The body's attention implementation (sdpa or eager) then runs this rank's queries over all
 keys. A forward that continues a filled cache (a decode step) runs replicated on every
-rank (:meth:`~hpgen.runtime.forward.context_axis.ContextAxis.replicate`), the body as it is.
+rank (:meth:`~hpgen.runtime.forward.context_axis.ContextAxis.replicate`), its attention
+over the cache split across ranks (:mod:`hpgen.runtime.context.decode`).
 Under activation checkpointing a layer's body reruns in backward, after the forward ended:
 its layout then comes from the ranks' token counts.
 """
@@ -36,6 +38,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from hpgen.runtime.context.cache import keep_prefill
+from hpgen.runtime.context.decode import decode_attention
+
 __all__ = ["AttentionConfig", "GatheringCache", "LocalKVCache", "RecomputedAttention", "chunked_causal_sdpa", "gathered_kv_attention", "recomputed_attention"]
 
 CHUNKED_CAUSAL = "hpgen_cp_chunked_causal_sdpa"  # its name in transformers' AttentionInterface
@@ -46,18 +51,20 @@ _CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 class GatheringCache:
     """Stands in for the attention body's cache: ``update`` gathers the keys and values of
-    every rank along the sequence (dim 2), then updates the caller's ``cache`` if there is one."""
+    every rank along the sequence (dim 2), after putting this rank's into the caller's ``cache``
+    if there is one (:func:`~hpgen.runtime.context.cache.keep_prefill`)."""
 
     def __init__(self, axis: Any, cache: Any) -> None:
         self.axis = axis
         self.cache = cache
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        key_states = self.axis.all_gather(key_states, dim=2)
-        value_states = self.axis.all_gather(value_states, dim=2)
+        gathered = self.axis.all_gather(key_states, dim=2), self.axis.all_gather(value_states, dim=2)
         if self.cache is None:
-            return key_states, value_states
-        return self.cache.update(key_states, value_states, *args, **kwargs)
+            return gathered
+        # this rank's positions into the cache (or the whole, for caches that keep it: then what it returns)
+        layout = self.axis.current or self.axis.held_layout(key_states, 2)
+        return keep_prefill(self.cache, key_states, value_states, layout, self.axis, lambda: gathered, args, kwargs)
 
     def __getattr__(self, name: str) -> Any:
         cache = self.__dict__.get("cache")
@@ -69,8 +76,7 @@ class GatheringCache:
 class LocalKVCache:
     """Stands in for the attention body's cache in a cp training step: ``update`` returns this
     rank's keys and values as they are (:class:`RecomputedAttention` gathers them), after
-    putting every rank's, gathered outside autograd, into the caller's cache (the cache the
-    unsharded model would fill)."""
+    putting them into the caller's cache (:mod:`hpgen.runtime.context.cache`)."""
 
     def __init__(self, axis: Any, cache: Any, module: nn.Module, n: int) -> None:
         self.axis = axis
@@ -82,7 +88,8 @@ class LocalKVCache:
         with torch.no_grad():
             key = self.axis.all_gather(key_states, dim=2, total=self.n)
             value = self.axis.all_gather(value_states, dim=2, total=self.n)
-        self.cache.update(key, value, *args, **kwargs)
+        layout = self.axis.layout(self.n, key_states.device)
+        keep_prefill(self.cache, key_states, value_states, layout, self.axis, lambda: (key, value), args, kwargs)
         self.module._hp_cp_gathered = (key, value)  # the forward's attention uses them, saves nothing of them
         return key_states, value_states
 
@@ -244,8 +251,8 @@ def gathered_kv_attention(module: nn.Module, *args: Any, axis: str = "cp", **kwa
     (``{"_target_": "hpgen.runtime.context_attention.gathered_kv_attention", "axis": "cp"}``).
     """
     ax = getattr(module, f"_hp_{axis}")
-    if not ax.active:
-        return module._forward_impl(*args, **kwargs)
+    if not ax.active:  # one rank, or a decode step: over the split cache if there is one
+        return decode_attention(module, ax, args, kwargs)
     layout = ax.current
     if layout is None and torch._C._current_graph_task_id() != -1:
         layout = _recomputed_layout(ax, _first_tensor(args, kwargs))

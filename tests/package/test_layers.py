@@ -290,6 +290,7 @@ def test_the_runtime_maps_put_every_module_in_exactly_one_group():
         "hpgen.runtime",
         "hpgen.runtime.install",
         "hpgen.runtime.forward",
+        "hpgen.runtime.context",
         "hpgen.runtime.checkpoint",
         "hpgen.runtime.training",
         "hpgen.runtime.pipeline",
@@ -304,7 +305,9 @@ def test_the_runtime_maps_put_every_module_in_exactly_one_group():
 def test_each_runtime_group_names_its_modules():
     """Each subpackage's docstring says what every one of its modules does, and names no other."""
     groups = _runtime_groups()
-    for package in set(groups) - {"hpgen.runtime"}:  # the package's own docstring is the map, checked above
+    # the package's own docstring is the map, checked above; hpgen.runtime.context's is one fixed line
+    # while issue 45's branches each add modules to it (the map above and docs/runtime.md name them)
+    for package in set(groups) - {"hpgen.runtime", "hpgen.runtime.context"}:
         docstring = ast.get_docstring(ast.parse(MODULES[package].read_text())) or ""
         listed = set(re.findall(rf"{re.escape(package)}\.([a-z_]+)", docstring))
         assert listed == groups[package], (package, sorted(listed ^ groups[package]))

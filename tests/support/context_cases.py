@@ -22,6 +22,7 @@ from tests.support.models import (
     import_file,
     make_config,
     param_layouts,
+    parallelized_pair,
     reference_model,
     tolerance,
 )
@@ -190,19 +191,10 @@ def run_cp_spawn(
 
 
 def run_cp_cases(rank: int, world_size: int, cases: list[CpCase]) -> dict[str, CpResult]:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from hpgen.runtime import parallelize
-
     results = {}
     for case in cases:
-        names = tuple(axis for axis, _ in case.mesh)
-        mesh = init_device_mesh("cpu", tuple(size for _, size in case.mesh), mesh_dim_names=names)
-        module = import_file(case.generated)
         config = make_config(case.family, **case.config)
-        ref = reference_model(case.family, config, seed=3)
-        model = generated_model(module, case.family, config, ref)
-        parallelize(model, case.plan, mesh)
+        mesh, ref, model = parallelized_pair(case.family, case.generated, case.plan, case.mesh, config)
         layouts = param_layouts(model, case.plan)
         result = CpResult({}, [], 0, [])
         seen: list[int] = []

@@ -395,6 +395,21 @@ def case_mesh(dims: tuple[tuple[str, int], ...], plan: Mapping[str, Any], world_
     return made[dims]
 
 
+def parallelized_pair(
+    family: str, generated: str, plan: Mapping[str, Any], dims: tuple[tuple[str, int], ...], config: Any
+) -> tuple[Any, nn.Module, nn.Module]:
+    """(mesh, the unsharded reference, the generated model with its weights parallelized on the mesh of ``dims``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hpgen.runtime import parallelize
+
+    mesh = init_device_mesh("cpu", tuple(size for _, size in dims), mesh_dim_names=tuple(axis for axis, _ in dims))
+    ref = reference_model(family, config, seed=3)
+    model = generated_model(import_file(generated), family, config, ref)
+    parallelize(model, plan, mesh)
+    return mesh, ref, model
+
+
 def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, Result]:
     """Rank body for ``run_distributed``: every case on its mesh (by default 1-D over all ranks)."""
     made: dict = {}

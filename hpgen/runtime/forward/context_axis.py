@@ -17,7 +17,8 @@ forward (:class:`~hpgen.runtime.forward.collectives.ShardScope`).
 
 A forward whose tokens follow a filled key/value cache (a decode step) runs replicated
 over ``cp`` (:meth:`ContextAxis.replicate`): every op returns its input, every rank
-computes the new tokens whole.
+computes the new tokens whole, except attention over a cache split over ``cp``
+(:mod:`hpgen.runtime.context.decode`).
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ class ContextAxis(AxisCollectives):
         self._layout: HeadTail | None = None  # the sequence this forward cut
         self._replicated = False  # this forward runs whole on every rank (a decode step)
         self._layouts: dict[tuple[int, torch.device], HeadTail] = {}
+        self.whole_cache = False  # prefills keep every position's keys/values (hpgen.runtime.context.cache)
 
     def layout(self, n: int, device: torch.device) -> HeadTail:
         """The head-tail layout of ``n`` tokens (its index tensors built once per length and device)."""

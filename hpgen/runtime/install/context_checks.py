@@ -9,9 +9,9 @@ causality from lengths), sliding windows, ALiBi, recurrent and linear-attention 
 and attention dropout (the unsharded model's dropout mask cannot be drawn in pieces).
 
 :class:`DecodeReplicates`, a forward pre-hook of the model, runs a forward that continues
-a filled key/value cache replicated over ``cp`` (a decode step after a cp prefill): the
-cache holds every token's keys and values on every rank, so each rank computes the new
-tokens whole.
+a filled key/value cache replicated over ``cp`` (a decode step after a cp prefill): each
+rank computes the new tokens whole, and attention over a cache split across the ranks
+merges their partial results (:mod:`hpgen.runtime.context.decode`).
 """
 
 from __future__ import annotations

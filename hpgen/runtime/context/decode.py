@@ -1,0 +1,180 @@
+"""A decode step over the key/value cache split across ``cp``: each rank attends over its own
+positions, and the ranks' partial results are merged exactly by log-sum-exp.
+
+A forward that continues a filled cache (a decode step) runs its hidden states whole on
+every rank (:class:`~hpgen.runtime.install.context_checks.DecodeReplicates`: every op of
+the ``cp`` axis returns its input, so norms, projections and the MLP are replicated).
+Only attention differs from one process's, where the cache is split
+(:mod:`hpgen.runtime.context.cache`):
+
+- the body's cache is :class:`DecodeCache`: its ``update`` keeps the new tokens placed on
+  this rank and returns the keys and values this rank holds;
+- the body's attention call goes to :func:`split_cache_attention` (named through the
+  module's ``AttentionConfig``): the queries over the held keys, with the columns of the
+  mask transformers built for the whole sequence taken at the held positions (the causal
+  mask of those positions where it built none), giving an output and its log-sum-exp;
+  one all-gather of both over ``cp`` and :func:`~hpgen.runtime.context.merge.merge_partials`
+  make the attention over every position.
+
+The partial attention is computed in float32 with plain tensor ops (any device and dtype;
+a decode step has few queries, so nothing quadratic is large).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from hpgen.runtime.context.cache import SplitLayer, split_layer
+from hpgen.runtime.context.merge import merge_partials
+
+__all__ = ["DecodeCache", "DecodeStep", "decode_attention", "split_cache_attention"]
+
+SPLIT_CACHE = "hpgen_cp_split_cache_attention"  # its name in transformers' AttentionInterface
+STEP = "hp_cp_decode_step"  # the keyword the body passes on to the attention call
+
+_CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+class DecodeStep:
+    """What the attention call of one layer's decode step needs: the axis and the layer it keeps."""
+
+    def __init__(self, axis: Any, layer: SplitLayer) -> None:
+        self.axis = axis
+        self.layer = layer
+        self.start = layer.get_seq_length()  # the first new token's position
+
+
+class DecodeCache:
+    """Stands in for the attention body's cache in a decode step: ``update`` keeps this rank's new
+    tokens in the split layer and returns every key and value this rank holds."""
+
+    def __init__(self, cache: Any, step: DecodeStep) -> None:
+        self.cache = cache
+        self.step = step
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        return self.step.layer.add(key_states, value_states)
+
+    def __getattr__(self, name: str) -> Any:
+        cache = self.__dict__.get("cache")
+        if cache is None:
+            raise AttributeError(name)
+        return getattr(cache, name)
+
+
+@functools.lru_cache(maxsize=None)
+def _signature(cls: type) -> tuple[inspect.Signature, str | None, str | None]:
+    """The attention body's signature, its cache argument and its ``**kwargs`` name."""
+    signature = inspect.signature(cls._forward_impl)
+    params = list(signature.parameters.values())[1:]  # without self
+    cache = next((p.name for p in params if p.name in _CACHE_NAMES), None)
+    var_kw = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
+    return signature.replace(parameters=params), cache, var_kw
+
+
+def decode_attention(module: nn.Module, axis: Any, args: tuple, kwargs: dict) -> Any:
+    """The attention module's body in a forward the ``cp`` axis runs whole: over the split cache
+    with the ranks' partial results merged, or the body as it is (no split cache)."""
+    signature, cache_name, var_kw = _signature(type(module))
+    layer_idx = getattr(module, "layer_idx", None)
+    if axis.size == 1 or cache_name is None or var_kw is None or layer_idx is None:
+        return module._forward_impl(*args, **kwargs)
+    bound = signature.bind(*args, **kwargs)
+    arguments = bound.arguments
+    extra = dict(arguments.get(var_kw) or {})
+    cache = arguments.get(cache_name, extra.get(cache_name))
+    layer = None if cache is None else split_layer(cache, layer_idx, axis)
+    if layer is None or not layer.get_seq_length():
+        return module._forward_impl(*args, **kwargs)
+    config = module.config
+    if not hasattr(config, "_hp_route"):
+        raise RuntimeError(f"{type(module).__name__}: a split cache needs the cp attention's config (parallelize the model)")
+    step = DecodeStep(axis, layer)
+    if cache_name in extra:
+        extra[cache_name] = DecodeCache(cache, step)
+    else:
+        arguments[cache_name] = DecodeCache(cache, step)
+    extra[STEP] = step
+    arguments[var_kw] = extra
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(SPLIT_CACHE, split_cache_attention)
+    config._hp_route = SPLIT_CACHE
+    try:
+        return module._forward_impl(*bound.args, **bound.kwargs)
+    finally:
+        config._hp_route = None
+
+
+def split_cache_attention(
+    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, *,
+    scaling: float | None = None, dropout: float = 0.0, **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """The attention call of a decode step (an ``AttentionInterface`` function): this rank's
+    partial attention over the keys it holds, merged with the other ranks' by log-sum-exp."""
+    step: DecodeStep = kwargs.pop(STEP)
+    if dropout:
+        raise RuntimeError("context parallelism: a decode step over a split cache runs without attention dropout")
+    for name in ("softcap", "s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise RuntimeError(f"context parallelism: a split cache's decode attention does not cover {name!r}")
+    if kwargs.get("sliding_window") is not None:
+        raise RuntimeError("context parallelism: a split cache's decode attention does not cover sliding windows")
+    out, lse = partial_attention(query, key, value, _held_mask(attention_mask, step, query.size(2)), scaling)
+    axis = step.axis
+    mine = torch.cat([out, lse.unsqueeze(-1)], dim=-1).contiguous()  # one gather for both
+    every = mine.new_empty((axis.size, *mine.shape))
+    axis._gather_into(every, mine)
+    merged, _ = merge_partials(every[..., :-1], every[..., -1])
+    return merged.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _held_mask(mask: Tensor | None, step: DecodeStep, m: int) -> Tensor:
+    """The mask's columns at this rank's held positions (boolean: True attends, or additive float)."""
+    positions = step.layer.positions
+    if mask is None:  # transformers left causality to sdpa: the causal mask of the held positions
+        queries = torch.arange(step.start, step.start + m, device=positions.device)
+        return (positions[None, :] <= queries[:, None])[None, None]
+    if mask.dim() != 4:
+        raise ValueError(f"context parallelism needs the 4-D attention mask transformers builds, got {mask.dim()}-D")
+    return mask.index_select(-1, positions.to(mask.device))
+
+
+def partial_attention(
+    query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scaling: float | None
+) -> tuple[Tensor, Tensor]:
+    """Softmax attention of ``query`` ``[b, h, m, d]`` over ``key``/``value`` ``[b, kv_h, k, d]``
+    (query head ``i`` reads key head ``i // (h // kv_h)``) in float32, with ``mask``
+    ``[b or 1, 1, m, k]`` (boolean: True attends; or additive): the output and the log-sum-exp
+    of each query's scores (``-inf`` and a zero output where the mask leaves it no key).
+
+    Grouped query heads are folded into the query rows of their key head, so the keys and
+    values (the cache) are read as they are, never repeated per head.
+    """
+    b, h, m, d = query.shape
+    kv_heads, k = key.size(1), key.size(2)
+    groups = h // kv_heads
+    scale = d**-0.5 if scaling is None else scaling
+    rows = query.float().reshape(b, kv_heads, groups * m, d)
+    scores = (torch.matmul(rows, key.float().transpose(-1, -2)) * scale).view(b, kv_heads, groups, m, k)
+    # a mask of one head row for all ([b, 1, m, k]), or one per query head
+    mask = mask.unsqueeze(2) if mask.size(1) == 1 else mask.reshape(mask.size(0), kv_heads, groups, m, k)
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask.float()
+    if k == 0:
+        lse = scores.new_full((b, h, m), float("-inf"))
+        return scores.new_zeros((b, h, m, value.size(-1))), lse
+    top = scores.amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weights = torch.exp(scores - top)
+    total = weights.sum(-1, keepdim=True)
+    out = torch.matmul(weights.view(b, kv_heads, groups * m, k), value.float()).view(b, h, m, -1)
+    out = out / total.view(b, h, m, 1).clamp_min(torch.finfo(torch.float32).tiny)
+    return out, (top + torch.log(total)).view(b, h, m)
