@@ -20,11 +20,13 @@ every rank is then skipped too.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from hpgen.runtime.context.grad_scale import scale_grad
 from hpgen.runtime.errors import ParallelizeError
 
 __all__ = ["install_logits", "local_positions", "shard_logits"]
@@ -39,6 +41,7 @@ class _LogitsState:
         self.sharded = False  # the user asked for sequence-sharded logits (shard_logits)
         self.n = 0  # the whole sequence's length in this forward
         self.as_tuple = False  # the caller asked for a tuple (return_dict=False): made after the gather
+        self.engine_scale = 0  # a data-parallel engine sums the head's gradient over cp: scale by this, no all-reduce
 
 
 class _LocalLoss:
@@ -122,8 +125,12 @@ class _LocalHead:
         if not state.local or hidden.size(1) != state.n:
             return nn.Linear.forward(head, hidden)
         axis = state.axis
-        bias = None if head.bias is None else axis.copy(head.bias)
-        return nn.functional.linear(axis.split(hidden, 1), axis.copy(head.weight), bias)
+        if state.engine_scale:  # each rank's share, times cp: the engine's average over cp is the sum
+            share = functools.partial(scale_grad, factor=state.engine_scale)
+        else:
+            share = axis.copy  # the sum over cp, in backward
+        bias = None if head.bias is None else share(head.bias)
+        return nn.functional.linear(axis.split(hidden, 1), share(head.weight), bias)
 
 
 class _Begin:
