@@ -84,3 +84,37 @@ def test_a_ddp_over_cp_built_by_hand_is_refused(two_ranks: list[dict[str, Any]])
     assert len(set(messages)) == 1 and messages[0] is not None, messages  # the same error on each rank
     assert "runs inside DistributedDataParallel over global ranks 0, 1" in messages[0] and "'cp'" in messages[0]
     assert "hpgen.runtime.training.data_parallel" in messages[0] and "The shards are unchanged" in messages[0]
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("engines4")
+    dp_cp = _spec(tmp, "llama", (("dp", 2), ("cp", 2)), {}, cp=2)
+    cp_tp = _spec(tmp, "llama", (("cp", 2), ("tp", 2)), {}, cp=2, tp=2)
+    cases = [
+        EngineCase("llama_dp2_cp2_ddp", engine="ddp", batch=4, **dp_cp),
+        EngineCase("llama_dp2_cp2_fsdp2", engine="fsdp2", batch=4, **dp_cp),
+        EngineCase("llama_cp2_tp2_ddp", engine="ddp", **cp_tp),
+    ]
+    return run_distributed(run_engine_cases, cases, guard_checks(cp_tp, "tp"), world_size=4, timeout=600)
+
+
+@pytest.mark.parametrize("name", ["llama_dp2_cp2_ddp", "llama_dp2_cp2_fsdp2", "llama_cp2_tp2_ddp"])
+def test_dp_x_cp_and_cp_x_tp_training_steps_equal_one_process(four_ranks: list[dict[str, Any]], name: str) -> None:
+    _check(four_ranks, name)
+
+
+def test_the_engine_sums_over_cp_beside_dp_and_tp(four_ranks: list[dict[str, Any]]) -> None:
+    for name in ("llama_dp2_cp2_ddp", "llama_cp2_tp2_ddp"):
+        assert all(by_case[name].shares_while_accumulating is True for by_case in four_ranks), name
+    for by_case in four_ranks:  # FSDP2 over dp x cp: a quarter of the state on each rank
+        result = by_case["llama_dp2_cp2_fsdp2"]
+        assert result.optimizer_bytes <= 0.3 * result.reference_optimizer_bytes
+
+
+def test_a_ddp_over_tp_is_still_refused_with_the_shards_kept(four_ranks: list[dict[str, Any]]) -> None:
+    # "unchanged": the ignore list found the DDP being built (its caller's frame, in this torch) and kept the
+    # tp-sharded parameters from its broadcast
+    messages = [by_case["guard_tp"] for by_case in four_ranks]
+    assert all(message is not None and "'tp'" in message for message in messages), messages
+    assert all("The shards are unchanged" in message for message in messages), messages[0]
