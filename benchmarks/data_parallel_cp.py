@@ -1,0 +1,157 @@
+"""Gradient sums over ``cp`` by hpgen's hooks or by the data-parallel engine: collectives, optimizer state, time.
+
+    torchrun --nproc-per-node 2 benchmarks/data_parallel_cp.py [--length 1024] [--steps 3]
+
+A 4-layer Llama (the model of ``benchmarks/context_parallel.py``: hidden 256, 8 heads, 4 key/value
+heads, vocabulary 1000, sdpa, float32), batch 1, one thread a rank. A training step is 4 micro-batches
+(gradient accumulation, each loss divided by 4), ``clip_grad_norm_`` (hpgen's; torch's for one
+process) and an AdamW step. Side by side in one run:
+
+- one process: rank 0 trains the unsharded model alone (rank 1 waits);
+- cp 2, hooks: the model parallelized by ``hpgen plan --cp 2``, no engine: hpgen's tensor hooks
+  all-reduce each parameter's gradient over cp at every micro-batch;
+- cp 2, DDP / FSDP2: the same model under ``hpgen.runtime.training.data_parallel(model, engine)``,
+  DDP's ``no_sync()`` / FSDP2's ``set_requires_gradient_sync(False)`` on the first 3 micro-batches.
+
+Measured on rank 0: the gradient collectives each micro-batch's backward runs (torch.profiler's
+backend events, ``gloo:all_reduce`` and the like, of a step after the first: a collective whose
+input is 1-D or 2-D is a gradient's or a bucket's, the attention's key/value collectives are 4-D),
+the AdamW state bytes on the rank (``exp_avg`` and ``exp_avg_sq``, local shards), and the median
+step time over ``--steps`` steps after a warm-up step and the profiled one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.profiler import ProfilerActivity, profile
+from transformers import LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.context_parallel import CONFIG, lower_llama  # noqa: E402
+from hpgen.planner.entry.make import plan_model  # noqa: E402
+from hpgen.planner.model.load import meta_model  # noqa: E402
+from hpgen.runtime import clip_grad_norm_, parallelize  # noqa: E402
+from hpgen.runtime.training import data_parallel  # noqa: E402
+
+ACCUMULATION = 4
+
+
+def gradient_collectives(events: list) -> tuple[int, int]:
+    """(count, bytes) of the gradient collectives among profiler ``events`` (1-D or 2-D inputs)."""
+    count = nbytes = 0
+    for event in events:
+        backend, _, op = event.name.partition(":")
+        if backend not in ("gloo", "nccl") or op == "barrier":
+            continue
+        shapes = [shape for shape in event.input_shapes if shape]
+        if shapes and len(shapes[0]) in (1, 2) and op in ("all_reduce", "reduce_scatter", "reduce_scatter_tensor"):
+            count += 1
+            numel = 1
+            for size in shapes[0]:
+                numel *= size
+            nbytes += 4 * numel
+    return count, nbytes
+
+
+def accumulating(wrapped: torch.nn.Module, engine: str, last: bool) -> contextlib.AbstractContextManager:
+    if engine == "ddp" and not last:
+        return wrapped.no_sync()
+    if engine == "fsdp2":
+        wrapped.set_requires_gradient_sync(last)
+    return contextlib.nullcontext()
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    total = 0
+    for state in optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = state[key]
+            local = value._local_tensor if hasattr(value, "_local_tensor") else value
+            total += local.numel() * local.element_size()
+    return total
+
+
+def train(wrapped: torch.nn.Module, model: torch.nn.Module, engine: str, batches: list[torch.Tensor], steps: int,
+          clip: object) -> tuple[list[tuple[int, int]], int, float]:
+    """Per-micro-batch gradient collectives of step 2 (profiled, not timed), optimizer bytes, and the median
+    seconds of ``steps`` steps after it."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    per_micro: list[tuple[int, int]] = []
+    times = []
+    for step in range(steps + 2):
+        start = time.perf_counter()
+        for micro, ids in enumerate(batches):
+            last = micro == len(batches) - 1
+            with accumulating(wrapped, engine, last):
+                loss = wrapped(ids, labels=ids).loss / len(batches)
+                if step == 1:
+                    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                        loss.backward()
+                    per_micro.append(gradient_collectives(prof.events()))
+                else:
+                    loss.backward()
+        clip(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step >= 2:
+            times.append(time.perf_counter() - start)
+    return per_micro, state_bytes(optimizer), statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    config = LlamaConfig(**CONFIG)
+    plan = plan_model(meta_model(config), cp=world)
+    torch.manual_seed(0)
+    full = LlamaForCausalLM(config)
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, config.vocab_size, (1, args.length), generator=generator) for _ in range(ACCUMULATION)]
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        generated = lower_llama(plan, Path(folder))
+        if rank == 0:  # one process
+            single = LlamaForCausalLM(config)
+            single.load_state_dict(full.state_dict())
+            rows.append(("one process", *train(single, single, "none", batches, args.steps, torch.nn.utils.clip_grad_norm_)))
+        dist.barrier()
+        for label, engine in (("cp 2, hooks", "none"), ("cp 2, DDP", "ddp"), ("cp 2, FSDP2", "fsdp2")):
+            model = generated.LlamaForCausalLM(config)
+            model.load_state_dict(full.state_dict())
+            parallelize(model, plan, mesh)
+            wrapped = model if engine == "none" else data_parallel(model, engine)
+            rows.append((label, *train(wrapped, model, engine, batches, args.steps, clip_grad_norm_)))
+            dist.barrier()
+    if rank == 0:
+        base_bytes, base_time = rows[0][2], rows[0][3]
+        print(f"{args.length} tokens x {ACCUMULATION} micro-batches a step, {args.steps} steps, rank 0\n")
+        print("| variant | gradient collectives per micro-batch (1, 2, 3, 4) | MiB they move, per micro-batch "
+              "| AdamW state per rank | ratio | step s (median) | ratio |")
+        print("|---|---|---|---:|---:|---:|---:|")
+        for label, per_micro, nbytes, seconds in rows:
+            counts = ", ".join(str(count) for count, _ in per_micro)
+            moved = ", ".join(f"{b / 2**20:.1f}" for _, b in per_micro)
+            print(f"| {label} | {counts} | {moved} | {nbytes / 2**20:.2f} MiB | {nbytes / base_bytes:.2f} "
+                  f"| {seconds:.2f} | {seconds / base_time:.2f} |")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
