@@ -17,7 +17,8 @@ Measured on rank 0: the gradient collectives each micro-batch's backward runs (t
 backend events, ``gloo:all_reduce`` and the like, of a step after the first: a collective whose
 input is 1-D or 2-D is a gradient's or a bucket's, the attention's key/value collectives are 4-D),
 the AdamW state bytes on the rank (``exp_avg`` and ``exp_avg_sq``, local shards), and the median
-step time over ``--steps`` steps after a warm-up step and the profiled one.
+step time over ``--steps`` rounds, each variant stepping once a round in turn (after a warm-up round
+and the profiled one; interleaved, so that the load of a shared machine falls on all alike).
 """
 
 from __future__ import annotations
@@ -82,31 +83,31 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-def train(wrapped: torch.nn.Module, model: torch.nn.Module, engine: str, batches: list[torch.Tensor], steps: int,
-          clip: object) -> tuple[list[tuple[int, int]], int, float]:
-    """Per-micro-batch gradient collectives of step 2 (profiled, not timed), optimizer bytes, and the median
-    seconds of ``steps`` steps after it."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    per_micro: list[tuple[int, int]] = []
-    times = []
-    for step in range(steps + 2):
+class Variant:
+    """One model and its optimizer, stepped one whole training step at a time."""
+
+    def __init__(self, label: str, wrapped: torch.nn.Module, model: torch.nn.Module, engine: str, clip: object) -> None:
+        self.label, self.wrapped, self.model, self.engine, self.clip = label, wrapped, model, engine, clip
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        self.per_micro: list[tuple[int, int]] = []  # gradient collectives of the profiled step, per micro-batch
+        self.times: list[float] = []
+
+    def step(self, batches: list[torch.Tensor], profiled: bool = False, timed: bool = False) -> None:
         start = time.perf_counter()
         for micro, ids in enumerate(batches):
-            last = micro == len(batches) - 1
-            with accumulating(wrapped, engine, last):
-                loss = wrapped(ids, labels=ids).loss / len(batches)
-                if step == 1:
+            with accumulating(self.wrapped, self.engine, micro == len(batches) - 1):
+                loss = self.wrapped(ids, labels=ids).loss / len(batches)
+                if profiled:
                     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
                         loss.backward()
-                    per_micro.append(gradient_collectives(prof.events()))
+                    self.per_micro.append(gradient_collectives(prof.events()))
                 else:
                     loss.backward()
-        clip(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step >= 2:
-            times.append(time.perf_counter() - start)
-    return per_micro, state_bytes(optimizer), statistics.median(times)
+        self.clip(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if timed:
+            self.times.append(time.perf_counter() - start)
 
 
 def main() -> None:
@@ -124,21 +125,28 @@ def main() -> None:
     full = LlamaForCausalLM(config)
     generator = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, config.vocab_size, (1, args.length), generator=generator) for _ in range(ACCUMULATION)]
-    rows = []
     with tempfile.TemporaryDirectory() as folder:
         generated = lower_llama(plan, Path(folder))
+        variants = []
         if rank == 0:  # one process
             single = LlamaForCausalLM(config)
             single.load_state_dict(full.state_dict())
-            rows.append(("one process", *train(single, single, "none", batches, args.steps, torch.nn.utils.clip_grad_norm_)))
-        dist.barrier()
+            variants.append(Variant("one process", single, single, "none", torch.nn.utils.clip_grad_norm_))
         for label, engine in (("cp 2, hooks", "none"), ("cp 2, DDP", "ddp"), ("cp 2, FSDP2", "fsdp2")):
             model = generated.LlamaForCausalLM(config)
             model.load_state_dict(full.state_dict())
             parallelize(model, plan, mesh)
             wrapped = model if engine == "none" else data_parallel(model, engine)
-            rows.append((label, *train(wrapped, model, engine, batches, args.steps, clip_grad_norm_)))
+            variants.append(Variant(label, wrapped, model, engine, clip_grad_norm_))
+    # rounds: each variant one step in turn (the machine's load drifts; interleaving shares it out); round 0
+    # warms up, round 1 is profiled, the others are timed
+    for round_ in range(args.steps + 2):
+        if rank != 0:
+            dist.barrier()  # rank 0 runs one process alone
+        for variant in variants:
+            variant.step(batches, profiled=round_ == 1, timed=round_ >= 2)
             dist.barrier()
+    rows = [(v.label, v.per_micro, state_bytes(v.optimizer), statistics.median(v.times)) for v in variants]
     if rank == 0:
         base_bytes, base_time = rows[0][2], rows[0][3]
         print(f"{args.length} tokens x {ACCUMULATION} micro-batches a step, {args.steps} steps, rank 0\n")

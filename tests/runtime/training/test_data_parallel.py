@@ -118,3 +118,14 @@ def test_a_ddp_over_tp_is_still_refused_with_the_shards_kept(four_ranks: list[di
     messages = [by_case["guard_tp"] for by_case in four_ranks]
     assert all(message is not None and "'tp'" in message for message in messages), messages
     assert all("The shards are unchanged" in message for message in messages), messages[0]
+
+
+def test_data_parallel_refuses_what_it_cannot_build() -> None:
+    from torch import nn
+
+    from hpgen.runtime.training import data_parallel
+
+    with pytest.raises(ValueError, match="engine='zero3'; one of 'ddp', 'fsdp2'"):
+        data_parallel(nn.Linear(2, 2), "zero3")
+    with pytest.raises(ValueError, match="Linear was not parallelized by hpgen"):
+        data_parallel(nn.Linear(2, 2))
