@@ -83,8 +83,8 @@ def data_parallel(model: nn.Module, engine: str = "ddp", **options: Any) -> nn.M
 def engine_mesh(mesh: DeviceMesh, over: tuple[str, ...]) -> tuple[DeviceMesh, list[tuple[int, ...]]]:
     """A one-dimensional mesh over this rank's ranks of ``mesh`` that differ only on the axes ``over``, and
     every such group (sorted global ranks). One axis is ``mesh[axis]``; several are flattened into one process
-    group by ``dist.new_subgroups_by_enumeration`` and ``DeviceMesh.from_group`` (public, unlike
-    ``DeviceMesh._flatten``): a collective of every rank of the world."""
+    group, made by its own ranks only (``new_group(..., use_local_synchronization=True)``), and a mesh of it
+    by ``DeviceMesh.from_group`` (both public, unlike ``DeviceMesh._flatten``)."""
     names = tuple(mesh.mesh_dim_names or ())
     dims = [names.index(axis) for axis in over]
     others = [dim for dim in range(mesh.ndim) if dim not in dims]
@@ -92,9 +92,9 @@ def engine_mesh(mesh: DeviceMesh, over: tuple[str, ...]) -> tuple[DeviceMesh, li
     groups = [tuple(sorted(row)) for row in rows]
     if len(over) == 1:
         return mesh[over[0]], groups
-    mine, _ = dist.new_subgroups_by_enumeration(rows)
-    row = next(row for row in rows if dist.get_rank() in row)
-    return DeviceMesh.from_group(mine, mesh.device_type, mesh=row, mesh_dim_names=("_".join(over),)), groups
+    row = next(row for row in groups if dist.get_rank() in row)
+    group = dist.new_group(list(row), use_local_synchronization=True)
+    return DeviceMesh.from_group(group, mesh.device_type, mesh=list(row), mesh_dim_names=("_".join(over),)), groups
 
 
 def _hand_over(model: nn.Module, axes: MeshAxes, handed: tuple[str, ...], rows: list[tuple[int, ...]]) -> None:
