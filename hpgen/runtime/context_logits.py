@@ -20,13 +20,11 @@ every rank is then skipped too.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from hpgen.runtime.context.grad_scale import scale_grad
 from hpgen.runtime.errors import ParallelizeError
 
 __all__ = ["install_logits", "local_positions", "shard_logits"]
@@ -125,12 +123,32 @@ class _LocalHead:
         if not state.local or hidden.size(1) != state.n:
             return nn.Linear.forward(head, hidden)
         axis = state.axis
-        if state.engine_scale:  # each rank's share, times cp: the engine's average over cp is the sum
-            share = functools.partial(scale_grad, factor=state.engine_scale)
-        else:
-            share = axis.copy  # the sum over cp, in backward
+        scale = state.engine_scale
+
+        def share(x: Tensor) -> Tensor:
+            if scale:  # each rank's share, times cp: the engine's average over cp is the sum
+                return _ScaleGrad.apply(x, scale)
+            return axis.copy(x)  # the sum over cp, in backward
+
         bias = None if head.bias is None else share(head.bias)
         return nn.functional.linear(axis.split(hidden, 1), share(head.weight), bias)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """The head's weight (or bias) as it is, its gradient times ``factor`` in backward.
+
+    When a data-parallel engine makes the sum over cp (:func:`hpgen.runtime.training.data_parallel`)
+    it AVERAGES over its ranks; this rank's share of the head's gradient (its own tokens'), times the
+    cp size, averages to the sum of the shares, with no collective of hpgen's."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, factor: float) -> Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.factor, None
 
 
 class _Begin:

@@ -14,7 +14,7 @@ The factors: both engines AVERAGE over their group, while ``cp`` wants a SUM (hp
 the whole batch's on every cp rank, each rank's gradient a share of it). So the hooks hpgen keeps
 multiply each share by the cp size (:meth:`~hpgen.runtime.install.hooks.GradAllReduce.hand_to_engine`),
 and the head that runs on a rank's own tokens does the same in its backward
-(:mod:`hpgen.runtime.context.grad_scale`); parameters whose gradient is already whole on every
+(:mod:`hpgen.runtime.context_logits`); parameters whose gradient is already whole on every
 cp rank (the embeddings, which run before the sequence is cut) need nothing, since the average
 of equal values is that value. The engines run with their defaults: no comm hook, no divide factor.
 For ``cp`` 2 the scaling is by a power of two, so the result is one process's up to the order of
