@@ -11,7 +11,8 @@ process) and an AdamW step. Side by side in one run:
 - cp 2, hooks: the model parallelized by ``hpgen plan --cp 2``, no engine: hpgen's tensor hooks
   all-reduce each parameter's gradient over cp at every micro-batch;
 - cp 2, DDP / FSDP2: the same model under ``hpgen.runtime.training.data_parallel(model, engine)``,
-  DDP's ``no_sync()`` / FSDP2's ``set_requires_gradient_sync(False)`` on the first 3 micro-batches.
+  ``hpgen.runtime.training.no_sync`` (DDP's ``no_sync()``, FSDP2's ``set_requires_gradient_sync(False)``) on the
+  first 3 micro-batches.
 
 Measured on rank 0: the gradient collectives each micro-batch's backward runs (torch.profiler's
 backend events, ``gloo:all_reduce`` and the like, of a step after the first: a collective whose
@@ -43,7 +44,8 @@ from benchmarks.context_parallel import CONFIG, lower_llama  # noqa: E402
 from hpgen.planner.entry.make import plan_model  # noqa: E402
 from hpgen.planner.model.load import meta_model  # noqa: E402
 from hpgen.runtime import clip_grad_norm_, parallelize  # noqa: E402
-from hpgen.runtime.training import data_parallel  # noqa: E402
+from hpgen.runtime.training import data_parallel, no_sync  # noqa: E402
+from tests.support.engine_runs import state_bytes  # noqa: E402
 
 ACCUMULATION = 4
 
@@ -65,29 +67,11 @@ def gradient_collectives(events: list) -> tuple[int, int]:
     return count, nbytes
 
 
-def accumulating(wrapped: torch.nn.Module, engine: str, last: bool) -> contextlib.AbstractContextManager:
-    if engine == "ddp" and not last:
-        return wrapped.no_sync()
-    if engine == "fsdp2":
-        wrapped.set_requires_gradient_sync(last)
-    return contextlib.nullcontext()
-
-
-def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    total = 0
-    for state in optimizer.state.values():
-        for key in ("exp_avg", "exp_avg_sq"):
-            value = state[key]
-            local = value._local_tensor if hasattr(value, "_local_tensor") else value
-            total += local.numel() * local.element_size()
-    return total
-
-
 class Variant:
     """One model and its optimizer, stepped one whole training step at a time."""
 
-    def __init__(self, label: str, wrapped: torch.nn.Module, model: torch.nn.Module, engine: str, clip: object) -> None:
-        self.label, self.wrapped, self.model, self.engine, self.clip = label, wrapped, model, engine, clip
+    def __init__(self, label: str, wrapped: torch.nn.Module, model: torch.nn.Module, clip: object) -> None:
+        self.label, self.wrapped, self.model, self.clip = label, wrapped, model, clip
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.per_micro: list[tuple[int, int]] = []  # gradient collectives of the profiled step, per micro-batch
         self.times: list[float] = []
@@ -95,7 +79,7 @@ class Variant:
     def step(self, batches: list[torch.Tensor], profiled: bool = False, timed: bool = False) -> None:
         start = time.perf_counter()
         for micro, ids in enumerate(batches):
-            with accumulating(self.wrapped, self.engine, micro == len(batches) - 1):
+            with contextlib.nullcontext() if micro == len(batches) - 1 else no_sync(self.wrapped):
                 loss = self.wrapped(ids, labels=ids).loss / len(batches)
                 if profiled:
                     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -131,13 +115,13 @@ def main() -> None:
         if rank == 0:  # one process
             single = LlamaForCausalLM(config)
             single.load_state_dict(full.state_dict())
-            variants.append(Variant("one process", single, single, "none", torch.nn.utils.clip_grad_norm_))
+            variants.append(Variant("one process", single, single, torch.nn.utils.clip_grad_norm_))
         for label, engine in (("cp 2, hooks", "none"), ("cp 2, DDP", "ddp"), ("cp 2, FSDP2", "fsdp2")):
             model = generated.LlamaForCausalLM(config)
             model.load_state_dict(full.state_dict())
             parallelize(model, plan, mesh)
             wrapped = model if engine == "none" else data_parallel(model, engine)
-            variants.append(Variant(label, wrapped, model, engine, clip_grad_norm_))
+            variants.append(Variant(label, wrapped, model, clip_grad_norm_))
     # rounds: each variant one step in turn (the machine's load drifts; interleaving shares it out); round 0
     # warms up, round 1 is profiled, the others are timed
     for round_ in range(args.steps + 2):

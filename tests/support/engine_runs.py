@@ -63,17 +63,9 @@ class EngineResult:
     reference_optimizer_bytes: int
 
 
-def _accumulating(wrapped: Any, engine: str, last: bool) -> Any:
-    """The engine's own knob: no gradient sync but on the step's last micro-batch."""
-    if engine == "ddp" and not last:
-        return wrapped.no_sync()
-    if engine == "fsdp2":
-        wrapped.set_requires_gradient_sync(last)
-    return contextlib.nullcontext()
-
-
-def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     total = 0
+    """AdamW's ``exp_avg`` and ``exp_avg_sq`` bytes on this rank (their local shards under FSDP2)."""
     for state in optimizer.state.values():
         for key in ("exp_avg", "exp_avg_sq"):
             value = state[key]
@@ -95,7 +87,7 @@ def _cp_grads_differ(model: torch.nn.Module, mesh: Any) -> bool:
 
 def run_engine_case(case: EngineCase, mesh: Any) -> EngineResult:
     from hpgen.runtime import clip_grad_norm_, parallelize
-    from hpgen.runtime.training import data_parallel
+    from hpgen.runtime.training import data_parallel, no_sync
 
     config = make_config(case.family, **case.config)
     reference = reference_model(case.family, config, seed=3).train()
@@ -115,7 +107,7 @@ def run_engine_case(case: EngineCase, mesh: Any) -> EngineResult:
             ids = torch.randint(0, config.vocab_size, (case.batch, case.seq_len), generator=generator)
             (reference(ids, labels=ids).loss / case.accumulation).backward()
             last = micro == case.accumulation - 1
-            with _accumulating(wrapped, case.engine, last):
+            with contextlib.nullcontext() if last else no_sync(wrapped):
                 (wrapped(ids[rows], labels=ids[rows]).loss / case.accumulation).backward()
             if case.engine == "ddp" and micro == 0 and shares is None and "cp" in names:  # FSDP2 keeps its own
                 shares = _cp_grads_differ(model, mesh)
@@ -133,7 +125,7 @@ def run_engine_case(case: EngineCase, mesh: Any) -> EngineResult:
     ref_weights = {name: p.detach() for name, p in reference.named_parameters()}
     failures, checked, worst = _compare(weights, ref_weights, param_layouts(reference, case.plan), axes, mesh)
     return EngineResult(
-        failures, checked, worst, norm_errs, norm_tols, clipped, shares, _state_bytes(opt), _state_bytes(ref_opt)
+        failures, checked, worst, norm_errs, norm_tols, clipped, shares, state_bytes(opt), state_bytes(ref_opt)
     )
 
 

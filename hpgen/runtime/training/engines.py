@@ -23,7 +23,9 @@ the sums.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -33,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from hpgen.runtime.install.hooks import reducers_of
 from hpgen.runtime.install.wrapped import DataParallelCheck, EngineGroups, KeptFromDDP, MeshAxes, mesh_axes_of
 
-__all__ = ["ENGINES", "data_parallel", "engine_mesh"]
+__all__ = ["ENGINES", "data_parallel", "engine_mesh", "no_sync"]
 
 ENGINES = ("ddp", "fsdp2")
 HANDED_AXES = ("cp",)  # the plan axes whose gradient sums an engine can make: replicated parameters, a share each
@@ -78,6 +80,26 @@ def data_parallel(model: nn.Module, engine: str = "ddp", **options: Any) -> nn.M
             fully_shard(module, mesh=flat, **options)
     fully_shard(model, mesh=flat, **options)
     return model
+
+
+@contextlib.contextmanager
+def no_sync(wrapped: nn.Module) -> Iterator[None]:
+    """No gradient sums by the engine inside the block (accumulate the micro-batches before the step's last
+    one): DDP's ``no_sync()``, or FSDP2's ``set_requires_gradient_sync(False)`` (True again after it). A model
+    under no engine sums every micro-batch in hpgen's hooks: the block changes nothing then."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(wrapped, DistributedDataParallel):
+        with wrapped.no_sync():
+            yield
+    elif callable(getattr(wrapped, "set_requires_gradient_sync", None)):  # fully_shard's FSDPModule
+        wrapped.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            wrapped.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 def engine_mesh(mesh: DeviceMesh, over: tuple[str, ...]) -> tuple[DeviceMesh, list[tuple[int, ...]]]:
