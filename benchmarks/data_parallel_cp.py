@@ -45,26 +45,9 @@ from hpgen.planner.entry.make import plan_model  # noqa: E402
 from hpgen.planner.model.load import meta_model  # noqa: E402
 from hpgen.runtime import clip_grad_norm_, parallelize  # noqa: E402
 from hpgen.runtime.training import data_parallel, no_sync  # noqa: E402
-from tests.support.engine_runs import state_bytes  # noqa: E402
+from tests.support.engine_runs import gradient_collectives, state_bytes  # noqa: E402
 
 ACCUMULATION = 4
-
-
-def gradient_collectives(events: list) -> tuple[int, int]:
-    """(count, bytes) of the gradient collectives among profiler ``events`` (1-D or 2-D inputs)."""
-    count = nbytes = 0
-    for event in events:
-        backend, _, op = event.name.partition(":")
-        if backend not in ("gloo", "nccl") or op == "barrier":
-            continue
-        shapes = [shape for shape in event.input_shapes if shape]
-        if shapes and len(shapes[0]) in (1, 2) and op in ("all_reduce", "reduce_scatter", "reduce_scatter_tensor"):
-            count += 1
-            numel = 1
-            for size in shapes[0]:
-                numel *= size
-            nbytes += 4 * numel
-    return count, nbytes
 
 
 class Variant:

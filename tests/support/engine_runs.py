@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 
 from tests.support.compose import _compare, _full
 from tests.support.models import (
@@ -59,13 +60,33 @@ class EngineResult:
     norm_tols: list[float]
     clipped: bool  # the reference's norm exceeded max_norm on some step (the clip did something)
     shares_while_accumulating: bool | None  # gradients differed across cp after a no_sync micro-batch (DDP only)
+    collectives: list[int]  # gradient collectives in each micro-batch's backward, first step (gradient_collectives)
     optimizer_bytes: int  # this rank's AdamW state (exp_avg, exp_avg_sq), local shards
     reference_optimizer_bytes: int
 
 
+def gradient_collectives(events: list) -> tuple[int, int]:
+    """(count, bytes) of the gradient collectives among torch.profiler ``events``: the backend's all-reduces
+    and reduce-scatters whose input is 1-D or 2-D (a parameter's gradient, or an engine's flat bucket; the
+    attention's key/value collectives are 4-D)."""
+    count = nbytes = 0
+    for event in events:
+        backend, _, op = event.name.partition(":")
+        if backend not in ("gloo", "nccl") or op == "barrier":
+            continue
+        shapes = [shape for shape in event.input_shapes if shape]
+        if shapes and len(shapes[0]) in (1, 2) and op in ("all_reduce", "reduce_scatter", "reduce_scatter_tensor"):
+            count += 1
+            numel = 1
+            for size in shapes[0]:
+                numel *= size
+            nbytes += 4 * numel  # float32
+    return count, nbytes
+
+
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    total = 0
     """AdamW's ``exp_avg`` and ``exp_avg_sq`` bytes on this rank (their local shards under FSDP2)."""
+    total = 0
     for state in optimizer.state.values():
         for key in ("exp_avg", "exp_avg_sq"):
             value = state[key]
@@ -101,14 +122,18 @@ def run_engine_case(case: EngineCase, mesh: Any) -> EngineResult:
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
     generator = torch.Generator().manual_seed(17)
-    norm_errs, norm_tols, clipped, shares = [], [], False, None
+    norm_errs, norm_tols, clipped, shares, collectives = [], [], False, None, []
     for _ in range(case.steps):
         for micro in range(case.accumulation):
             ids = torch.randint(0, config.vocab_size, (case.batch, case.seq_len), generator=generator)
             (reference(ids, labels=ids).loss / case.accumulation).backward()
             last = micro == case.accumulation - 1
             with contextlib.nullcontext() if last else no_sync(wrapped):
-                (wrapped(ids[rows], labels=ids[rows]).loss / case.accumulation).backward()
+                loss = wrapped(ids[rows], labels=ids[rows]).loss / case.accumulation
+                with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                    loss.backward()
+                if len(collectives) < case.accumulation:
+                    collectives.append(gradient_collectives(prof.events())[0])
             if case.engine == "ddp" and micro == 0 and shares is None and "cp" in names:  # FSDP2 keeps its own
                 shares = _cp_grads_differ(model, mesh)
         want = torch.nn.utils.clip_grad_norm_(reference.parameters(), case.max_norm)
@@ -125,7 +150,8 @@ def run_engine_case(case: EngineCase, mesh: Any) -> EngineResult:
     ref_weights = {name: p.detach() for name, p in reference.named_parameters()}
     failures, checked, worst = _compare(weights, ref_weights, param_layouts(reference, case.plan), axes, mesh)
     return EngineResult(
-        failures, checked, worst, norm_errs, norm_tols, clipped, shares, state_bytes(opt), state_bytes(ref_opt)
+        failures, checked, worst, norm_errs, norm_tols, clipped, shares, collectives, state_bytes(opt),
+        state_bytes(ref_opt),
     )
 
 

@@ -68,6 +68,15 @@ def test_the_engine_not_hpgen_sums_over_cp(two_ranks: list[dict[str, Any]], name
     assert all(by_case[name].shares_while_accumulating is True for by_case in two_ranks)
 
 
+@pytest.mark.parametrize("name", ["llama_cp2_ddp", "llama_cp2_fsdp2", "qwen3_tied_cp2_ddp"])
+def test_no_gradient_collective_until_the_last_micro_batch(two_ranks: list[dict[str, Any]], name: str) -> None:
+    for by_case in two_ranks:
+        *accumulating, last = by_case[name].collectives
+        assert accumulating == [0, 0, 0] and last > 0, by_case[name].collectives
+        hooks = by_case["llama_cp2_hooks"].collectives  # hpgen's hooks: every parameter, every micro-batch
+        assert len(set(hooks)) == 1 and hooks[0] > last, hooks
+
+
 def test_fsdp2_over_cp_shards_the_optimizer_state(two_ranks: list[dict[str, Any]]) -> None:
     for by_case in two_ranks:
         result = by_case["llama_cp2_fsdp2"]
