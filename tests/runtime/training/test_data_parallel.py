@@ -104,11 +104,12 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]
         EngineCase("llama_dp2_cp2_ddp", engine="ddp", batch=4, **dp_cp),
         EngineCase("llama_dp2_cp2_fsdp2", engine="fsdp2", batch=4, **dp_cp),
         EngineCase("llama_cp2_tp2_ddp", engine="ddp", **cp_tp),
+        EngineCase("llama_cp2_tp2_fsdp2", engine="fsdp2", **cp_tp),
     ]
     return run_distributed(run_engine_cases, cases, guard_checks(cp_tp, "tp"), world_size=4, timeout=600)
 
 
-@pytest.mark.parametrize("name", ["llama_dp2_cp2_ddp", "llama_dp2_cp2_fsdp2", "llama_cp2_tp2_ddp"])
+@pytest.mark.parametrize("name", ["llama_dp2_cp2_ddp", "llama_dp2_cp2_fsdp2", "llama_cp2_tp2_ddp", "llama_cp2_tp2_fsdp2"])
 def test_dp_x_cp_and_cp_x_tp_training_steps_equal_one_process(four_ranks: list[dict[str, Any]], name: str) -> None:
     _check(four_ranks, name)
 
@@ -119,6 +120,9 @@ def test_the_engine_sums_over_cp_beside_dp_and_tp(four_ranks: list[dict[str, Any
     for by_case in four_ranks:  # FSDP2 over dp x cp: a quarter of the state on each rank
         result = by_case["llama_dp2_cp2_fsdp2"]
         assert result.optimizer_bytes <= 0.3 * result.reference_optimizer_bytes
+        for name in ("llama_dp2_cp2_ddp", "llama_dp2_cp2_fsdp2", "llama_cp2_tp2_ddp", "llama_cp2_tp2_fsdp2"):
+            *accumulating, last = by_case[name].collectives
+            assert accumulating == [0, 0, 0] and last > 0, (name, by_case[name].collectives)
 
 
 def test_a_ddp_over_tp_is_still_refused_with_the_shards_kept(four_ranks: list[dict[str, Any]]) -> None:
