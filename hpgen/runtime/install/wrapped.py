@@ -202,6 +202,16 @@ class DataParallelCheck:
         return self
 
 
+def _not_the_engine_message(module: nn.Module, ranks: Sequence[int], handed: EngineGroups) -> str:
+    axes = ", ".join(repr(axis) for axis in handed.axes)
+    return (
+        f"hpgen: {type(module).__name__} runs inside DistributedDataParallel over global ranks "
+        f"{', '.join(map(str, ranks))}, but hpgen.runtime.training.data_parallel handed the gradient sums over {axes} "
+        "to an engine over other ranks: hpgen's hooks no longer make them, and this DDP does not either, so the "
+        "gradients would be this rank's share only. Train the model data_parallel returned."
+    )
+
+
 def _overwritten(module: nn.Module, ddp: DistributedDataParallel, spanned: Sequence[tuple[str, tuple[int, ...]]]) -> list[str]:
     """Sharded parameters whose shards are now equal on two DDP ranks of one plan-axis group (rank 0's broadcast)."""
     from hpgen.runtime.checkpoint.state_dict import sharded_params
@@ -246,16 +256,6 @@ def _message(
         "process_group=mesh.get_group('dp')) on the data-parallel axis only, or "
         "hpgen.runtime.training.data_parallel(model) (DDP or FSDP2 over dp and cp), and hpgen.runtime.clip_grad_norm_ "
         "instead of torch.nn.utils.clip_grad_norm_."
-    )
-
-
-def _not_the_engine_message(module: nn.Module, ranks: Sequence[int], handed: EngineGroups) -> str:
-    axes = ", ".join(repr(axis) for axis in handed.axes)
-    return (
-        f"hpgen: {type(module).__name__} runs inside DistributedDataParallel over global ranks "
-        f"{', '.join(map(str, ranks))}, but hpgen.runtime.training.data_parallel handed the gradient sums over {axes} "
-        "to an engine over other ranks: hpgen's hooks no longer make them, and this DDP does not either, so the "
-        "gradients would be this rank's share only. Train the model data_parallel returned."
     )
 
 
