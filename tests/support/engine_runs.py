@@ -8,8 +8,9 @@ accumulation over 4 micro-batches (DDP's ``no_sync`` / FSDP2's ``set_requires_gr
 all but the last), the loss divided by 4, ``clip_grad_norm_`` (hpgen's on the parallel model,
 torch's on the reference) and AdamW. Each ``dp`` rank takes its rows of every micro-batch. What
 comes back: the worst weight and norm errors against the reference, whether the cp ranks'
-gradients were still this rank's share after a micro-batch inside ``no_sync`` (no sum made), and
-the optimizer's state bytes on this rank.
+gradients were still this rank's share after a micro-batch inside ``no_sync`` (no sum made), the
+gradient collectives each micro-batch's backward ran (torch.profiler's backend events), and the
+optimizer's state bytes on this rank.
 """
 
 from __future__ import annotations
