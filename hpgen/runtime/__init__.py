@@ -34,7 +34,7 @@ docstring says what each of its modules does. docs/runtime.md has the same table
 - ``hpgen.runtime.checkpoint`` (checkpoints and state dicts: read, presented to DCP and
   FSDP2, written): ``loading``, ``registrations``, ``checkpoint_files``, ``file_maps``,
   ``conversions``, ``state_dict``, ``sharded_param``, ``fsdp_state``, ``dcp_files``, ``saving``;
-- ``hpgen.runtime.training`` (what training loops call beside the optimizer): ``clipping``;
+- ``hpgen.runtime.training`` (what training loops call beside the optimizer): ``clipping``, ``engines``;
 - ``hpgen.runtime.pipeline`` (pipeline stages: the stage kept, the schedule step, the inference relay):
   ``stages``, ``tied``, ``attach``, ``stage_forward``, ``schedule``, ``relay``, ``gather``.
 

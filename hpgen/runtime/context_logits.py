@@ -39,6 +39,7 @@ class _LogitsState:
         self.sharded = False  # the user asked for sequence-sharded logits (shard_logits)
         self.n = 0  # the whole sequence's length in this forward
         self.as_tuple = False  # the caller asked for a tuple (return_dict=False): made after the gather
+        self.engine_scale = 0  # a data-parallel engine sums the head's gradient over cp: scale by this, no all-reduce
 
 
 class _LocalLoss:
@@ -122,8 +123,32 @@ class _LocalHead:
         if not state.local or hidden.size(1) != state.n:
             return nn.Linear.forward(head, hidden)
         axis = state.axis
-        bias = None if head.bias is None else axis.copy(head.bias)
-        return nn.functional.linear(axis.split(hidden, 1), axis.copy(head.weight), bias)
+        scale = state.engine_scale
+
+        def share(x: Tensor) -> Tensor:
+            if scale:  # each rank's share, times cp: the engine's average over cp is the sum
+                return _ScaleGrad.apply(x, scale)
+            return axis.copy(x)  # the sum over cp, in backward
+
+        bias = None if head.bias is None else share(head.bias)
+        return nn.functional.linear(axis.split(hidden, 1), share(head.weight), bias)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """The head's weight (or bias) as it is, its gradient times ``factor`` in backward.
+
+    When a data-parallel engine makes the sum over cp (:func:`hpgen.runtime.training.data_parallel`)
+    it AVERAGES over its ranks; this rank's share of the head's gradient (its own tokens'), times the
+    cp size, averages to the sum of the shares, with no collective of hpgen's."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, factor: float) -> Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.factor, None
 
 
 class _Begin:

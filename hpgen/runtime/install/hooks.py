@@ -19,6 +19,12 @@ other mesh axes see a complete gradient and need no extra step: DDP (same Parame
 averages it over its axis; FSDP2, which swaps in Parameters of its own for the forward,
 is followed by :class:`FollowReducedParameters`, a pre-hook of the boundary that hooks
 whatever tensor is registered when the body runs. Apply both after ``parallelize``.
+
+A sum over ``cp`` can instead be handed to the data-parallel engine
+(:func:`hpgen.runtime.training.data_parallel` builds DDP or FSDP2 over ``dp x cp``):
+:meth:`GradAllReduce.hand_to_engine` then makes the hook multiply this rank's share by the
+axis size instead of all-reducing it, so the engine's average over ``dp x cp`` is the sum
+over ``cp`` (bucketed, overlapped with backward, skipped while accumulating).
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ __all__ = [
     "GradReduce",
     "block_regions",
     "install_grad_reduce",
+    "reducers_of",
     "survey_deferred_biases",
     "survey_grad_reduce",
 ]
@@ -98,9 +105,26 @@ class GradAllReduce:
         self.groups = tuple(groups)
         self.where = where  # the parameter's FQN, for debugging
         self.regions = tuple(regions)
+        self.scale = 1  # the product of the sizes of the groups handed to a data-parallel engine
+
+    def hand_to_engine(self, ranks: Sequence[int]) -> bool:
+        """Leave the sum over the group of global ``ranks`` to a data-parallel engine that AVERAGES over it
+        (and over its other ranks): this hook multiplies the share by the group's size instead, so that
+        the average is the sum. False when this reducer sums over no such group."""
+        wanted = sorted(ranks)
+        kept = [group for group in self.groups if sorted(dist.get_process_group_ranks(group)) != wanted]
+        if len(kept) == len(self.groups):
+            return False
+        self.groups = tuple(kept)
+        self.scale *= len(wanted)
+        return True
 
     def __call__(self, grad: Tensor) -> Tensor:
+        if not self.groups and not self.regions:
+            return grad * self.scale  # every sum is the engine's
         total = grad.clone(memory_format=torch.contiguous_format)
+        if self.scale != 1:
+            total.mul_(self.scale)
         for group in self.groups:
             call(dist.all_reduce, total, group=group)
         for dim, start, stop, group in self.regions:
@@ -114,7 +138,7 @@ class GradAllReduce:
         return total
 
     def __repr__(self) -> str:
-        return f"GradAllReduce({self.where}, groups={len(self.groups)}, regions={len(self.regions)})"
+        return f"GradAllReduce({self.where}, groups={len(self.groups)}, regions={len(self.regions)}, scale={self.scale})"
 
     def __deepcopy__(self, memo: dict) -> GradAllReduce:
         return self  # holds process-group handles, shared by copies of a model
@@ -401,3 +425,15 @@ def install_grad_reduce(records: Iterable[GradReduce], axes: Mapping[str, AxisCo
             follows.setdefault(id(item.module), (item, []))[1].append((owner, attr, reducer))
     for item, uses in follows.values():
         item.module.register_forward_pre_hook(FollowReducedParameters(item.fqn, uses))
+
+
+def reducers_of(model: nn.Module) -> list[GradAllReduce]:
+    """Every :class:`GradAllReduce` of ``model`` (its boundaries' and its adapters'), once each, in module order:
+    each one is held by the :class:`FollowReducedParameters` pre-hook of a module using its Parameter."""
+    found: dict[int, GradAllReduce] = {}
+    for module in model.modules():
+        for hook in module._forward_pre_hooks.values():
+            if isinstance(hook, FollowReducedParameters):
+                for _, _, reducer in hook.uses:
+                    found.setdefault(id(reducer), reducer)
+    return list(found.values())

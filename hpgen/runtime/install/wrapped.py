@@ -25,6 +25,12 @@ Both decide from every group of the plan's axes, read from the mesh (the same on
 not from this rank's own: a DDP over some ranks of the world (a subgroup) then makes the same
 decision on each of its ranks, so none is left in a collective the others skip.
 
+One DDP spanning a plan axis is accepted: the one :func:`hpgen.runtime.training.data_parallel`
+builds over ``dp x cp`` after handing the sum over ``cp`` to it (:class:`EngineGroups`, set on
+both guards as ``handed``). Its ranks hold the same parameters (``cp`` replicates them), see
+the same batch within each ``cp`` group, and hpgen's hooks no longer sum over ``cp``. Any other
+DDP spanning ``cp``, or one spanning another plan axis, is refused as before.
+
 A stock ``transformers.Trainer`` or ``Accelerator().prepare(model)`` is wrong even where no DDP
 is built (accelerate sees one process on the CPU without ``use_cpu``, or the model presents
 transformers' tensor-parallel attributes): it clips by each rank's local norm, which moves the
@@ -57,6 +63,7 @@ from hpgen.runtime.install.stock_loops import install_stock_loop_checks, prepare
 __all__ = [
     "AccelerateCheck",
     "DataParallelCheck",
+    "EngineGroups",
     "KeptFromDDP",
     "MeshAxes",
     "install_accelerate_check",
@@ -104,9 +111,26 @@ def mesh_axes_of(model: nn.Module) -> MeshAxes | None:
     return None
 
 
-def _spanned(groups: Sequence[tuple[str, tuple[int, ...]]], ranks: Sequence[int]) -> list[tuple[str, tuple[int, ...]]]:
-    """The plan axes two or more of whose group's ranks are among ``ranks`` (a DDP's)."""
-    return [(axis, members) for axis, members in groups if len(set(members) & set(ranks)) > 1]
+@dataclass(frozen=True)
+class EngineGroups:
+    """Plan axes whose gradient sums a data-parallel engine makes instead of hpgen (``cp``), and that
+    engine's groups of global ranks (every group, sorted ranks each: the same on every rank)."""
+
+    axes: tuple[str, ...]
+    groups: frozenset[tuple[int, ...]]
+
+
+def _spanned(
+    groups: Sequence[tuple[str, tuple[int, ...]]], ranks: Sequence[int], handed: EngineGroups | None = None
+) -> list[tuple[str, tuple[int, ...]]]:
+    """The plan axes two or more of whose group's ranks are among ``ranks`` (a DDP's), but for the axes
+    handed to an engine when the DDP is over exactly one of that engine's groups."""
+    own = handed is not None and tuple(sorted(ranks)) in handed.groups
+    return [
+        (axis, members)
+        for axis, members in groups
+        if len(set(members) & set(ranks)) > 1 and not (own and axis in handed.axes)
+    ]
 
 
 def _every_group(groups: Sequence[tuple[str, Any]], mesh: DeviceMesh) -> tuple[tuple[str, tuple[int, ...]], ...]:
@@ -130,17 +154,21 @@ class KeptFromDDP:
     def __init__(self, groups: Sequence[tuple[str, Any]], mesh: DeviceMesh, listed: Sequence[str] = ()) -> None:
         self.groups = _every_group(groups, mesh)
         self.listed = tuple(listed)  # what the user had set before parallelize
+        self.handed: EngineGroups | None = None  # set by hpgen.runtime.training.data_parallel
 
     def __iter__(self) -> Any:
-        # DistributedDataParallel.__init__, reading the list. torch offers no public way to learn which DDP (which
-        # process group) is reading a module's ignore list, and the answer differs per DDP: the caller's frame is the
-        # only place it is found (where it is not, the user's own list is all that is named)
+        # DistributedDataParallel.__init__, reading the list (`set(module._ddp_params_and_buffers_to_ignore)`).
+        # torch 2.13 documents no way to learn which DDP (which process group) is reading a module's ignore list:
+        # the list is a plain attribute, and the one setter (DDP._set_params_and_buffers_to_ignore_for_model) is
+        # private and takes no group either. The answer differs per DDP, so the caller's frame is the only place it
+        # is found (where it is not, the user's own list is all that is named). tests/runtime/training/
+        # test_data_parallel.py checks against the installed torch that a DDP over tp still finds it here.
         caller = sys._getframe(1).f_locals
         ddp, module = caller.get("self"), caller.get("module")
         names = list(self.listed)
         if isinstance(ddp, DistributedDataParallel) and isinstance(module, nn.Module):
             ranks = dist.get_process_group_ranks(ddp.process_group)
-            if _spanned(self.groups, ranks):
+            if _spanned(self.groups, ranks, self.handed):
                 from hpgen.runtime.checkpoint.state_dict import sharded_params
 
                 names += sorted(sharded_params(module))
@@ -156,13 +184,16 @@ class DataParallelCheck:
     def __init__(self, groups: Sequence[tuple[str, Any]], mesh: DeviceMesh) -> None:
         self.groups = _every_group(groups, mesh)
         self.allowed: set[int] = set()  # id() of DDPs already found to span no plan axis
+        self.handed: EngineGroups | None = None  # set by hpgen.runtime.training.data_parallel
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         ddp = DistributedDataParallel._active_ddp_module
         if ddp is None or id(ddp) in self.allowed:
             return None
         ranks = tuple(dist.get_process_group_ranks(ddp.process_group))
-        spanned = _spanned(self.groups, ranks)
+        if self.handed is not None and tuple(sorted(ranks)) not in self.handed.groups:
+            raise RuntimeError(_not_the_engine_message(module, ranks, self.handed))
+        spanned = _spanned(self.groups, ranks, self.handed)
         if not spanned:
             self.allowed.add(id(ddp))
             return None
@@ -170,6 +201,16 @@ class DataParallelCheck:
 
     def __deepcopy__(self, memo: dict) -> DataParallelCheck:
         return self
+
+
+def _not_the_engine_message(module: nn.Module, ranks: Sequence[int], handed: EngineGroups) -> str:
+    axes = ", ".join(repr(axis) for axis in handed.axes)
+    return (
+        f"hpgen: {type(module).__name__} runs inside DistributedDataParallel over global ranks "
+        f"{', '.join(map(str, ranks))}, but hpgen.runtime.training.data_parallel handed the gradient sums over {axes} "
+        "to an engine over other ranks: hpgen's hooks no longer make them, and this DDP does not either, so the "
+        "gradients would be this rank's share only. Train the model data_parallel returned."
+    )
 
 
 def _overwritten(module: nn.Module, ddp: DistributedDataParallel, spanned: Sequence[tuple[str, tuple[int, ...]]]) -> list[str]:
@@ -213,7 +254,8 @@ def _message(
         f"Accelerator().prepare(model) does under torchrun). {state}\nTrain it with hpgen.runtime.trainer.Trainer "
         "(transformers' Trainer: DDP or FSDP2 on the data-parallel mesh axis only, data sharded over those ranks, "
         "clipping by the whole model's norm), or in your own loop: DistributedDataParallel(model, "
-        "process_group=mesh.get_group('dp')) on the data-parallel axis only, and hpgen.runtime.clip_grad_norm_ "
+        "process_group=mesh.get_group('dp')) on the data-parallel axis only, or "
+        "hpgen.runtime.training.data_parallel(model) (DDP or FSDP2 over dp and cp), and hpgen.runtime.clip_grad_norm_ "
         "instead of torch.nn.utils.clip_grad_norm_."
     )
 
