@@ -34,7 +34,9 @@ docstring says what each of its modules does. docs/runtime.md has the same table
   ``conversions``, ``state_dict``, ``sharded_param``, ``fsdp_state``, ``dcp_files``, ``saving``;
 - ``hpgen.runtime.training`` (what training loops call beside the optimizer): ``clipping``;
 - ``hpgen.runtime.pipeline`` (pipeline stages: the stage kept, the schedule step, the inference relay):
-  ``stages``, ``tied``, ``attach``, ``stage_forward``, ``schedule``, ``relay``, ``gather``.
+  ``stages``, ``tied``, ``attach``, ``stage_forward``, ``schedule``, ``relay``, ``gather``;
+- ``hpgen.runtime.context`` (context parallelism: attention by blocks, the layout handed to it):
+  ``blockwise``, ``sequence``.
 
 The subpackages import the top level and each other in one direction: ``install``
 imports ``checkpoint`` (``parallelize`` installs the state-dict hooks, ``from_pretrained``

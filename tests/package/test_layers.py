@@ -293,6 +293,7 @@ def test_the_runtime_maps_put_every_module_in_exactly_one_group():
         "hpgen.runtime.checkpoint",
         "hpgen.runtime.training",
         "hpgen.runtime.pipeline",
+        "hpgen.runtime.context",
     }
     for where, listed in (("hpgen/runtime/__init__.py", _docstring_groups()), ("docs/runtime.md", _page_groups())):
         names = [name for _, modules in listed for name in modules]
