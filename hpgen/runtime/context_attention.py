@@ -119,13 +119,18 @@ def _query_rows(mask: Tensor | None, layout: Any, dtype: torch.dtype, eager: boo
 class AttentionConfig:
     """An attention module's ``config``: the model's own, read and written through, except that
     where it names sdpa, ``_attn_implementation`` names :func:`context_attention` (registered in
-    transformers' ``AttentionInterface`` as ``CONTEXT_ATTENTION``), which is sdpa with the layout."""
+    transformers' ``AttentionInterface`` as ``CONTEXT_ATTENTION``), which is sdpa with the layout.
+    ``_hp_route``, while set, names another function for the call (the decode step's, which
+    sets and clears it around the body); the prefill and training steps set none."""
 
     def __init__(self, config: Any) -> None:
         object.__setattr__(self, "_hp_config", config)
+        object.__setattr__(self, "_hp_route", None)
 
     @property
     def _attn_implementation(self) -> Any:
+        if self._hp_route:
+            return self._hp_route
         implementation = self._hp_config._attn_implementation
         return CONTEXT_ATTENTION if implementation == "sdpa" else implementation
 
@@ -133,7 +138,10 @@ class AttentionConfig:
         return getattr(object.__getattribute__(self, "_hp_config"), name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._hp_config, name, value)
+        if name.startswith("_hp_"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._hp_config, name, value)
 
 
 def context_attention(
