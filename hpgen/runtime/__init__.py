@@ -29,14 +29,14 @@ docstring says what each of its modules does. docs/runtime.md has the same table
 - ``hpgen.runtime.forward`` (what generated forwards call): ``collectives``,
   ``traced_collectives``, ``moves``, ``shard_records``, ``handback``, ``devices``, ``boundary``,
   ``ops``, ``wrappers``, ``streams``, ``sampling``, ``context_axis``;
+- ``hpgen.runtime.context`` (context parallelism: attention by blocks, the layout handed to it):
+  ``blockwise``, ``sequence``;
 - ``hpgen.runtime.checkpoint`` (checkpoints and state dicts: read, presented to DCP and
   FSDP2, written): ``loading``, ``registrations``, ``checkpoint_files``, ``file_maps``,
   ``conversions``, ``state_dict``, ``sharded_param``, ``fsdp_state``, ``dcp_files``, ``saving``;
 - ``hpgen.runtime.training`` (what training loops call beside the optimizer): ``clipping``;
 - ``hpgen.runtime.pipeline`` (pipeline stages: the stage kept, the schedule step, the inference relay):
-  ``stages``, ``tied``, ``attach``, ``stage_forward``, ``schedule``, ``relay``, ``gather``;
-- ``hpgen.runtime.context`` (context parallelism: attention by blocks, the layout handed to it):
-  ``blockwise``, ``sequence``.
+  ``stages``, ``tied``, ``attach``, ``stage_forward``, ``schedule``, ``relay``, ``gather``.
 
 The subpackages import the top level and each other in one direction: ``install``
 imports ``checkpoint`` (``parallelize`` installs the state-dict hooks, ``from_pretrained``

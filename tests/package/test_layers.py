@@ -290,10 +290,10 @@ def test_the_runtime_maps_put_every_module_in_exactly_one_group():
         "hpgen.runtime",
         "hpgen.runtime.install",
         "hpgen.runtime.forward",
+        "hpgen.runtime.context",
         "hpgen.runtime.checkpoint",
         "hpgen.runtime.training",
         "hpgen.runtime.pipeline",
-        "hpgen.runtime.context",
     }
     for where, listed in (("hpgen/runtime/__init__.py", _docstring_groups()), ("docs/runtime.md", _page_groups())):
         names = [name for _, modules in listed for name in modules]
@@ -305,8 +305,8 @@ def test_the_runtime_maps_put_every_module_in_exactly_one_group():
 def test_each_runtime_group_names_its_modules():
     """Each subpackage's docstring says what every one of its modules does, and names no other."""
     groups = _runtime_groups()
-    # the package's own docstring is the map, checked above; hpgen.runtime.context's is one line that its
-    # branches share while issue 45 lands in parts (docs/runtime.md's table and each module's docstring name them)
+    # the package's own docstring is the map, checked above; hpgen.runtime.context's is one fixed line
+    # while issue 45's branches each add modules to it (the map above and docs/runtime.md name them)
     for package in set(groups) - {"hpgen.runtime", "hpgen.runtime.context"}:
         docstring = ast.get_docstring(ast.parse(MODULES[package].read_text())) or ""
         listed = set(re.findall(rf"{re.escape(package)}\.([a-z_]+)", docstring))
