@@ -29,8 +29,9 @@ docstring says what each of its modules does. docs/runtime.md has the same table
 - ``hpgen.runtime.forward`` (what generated forwards call): ``collectives``,
   ``traced_collectives``, ``moves``, ``shard_records``, ``handback``, ``devices``, ``boundary``,
   ``ops``, ``wrappers``, ``streams``, ``sampling``, ``context_axis``;
-- ``hpgen.runtime.context`` (context parallelism's key/value cache and decode attention): ``cache``,
-  ``decode``, ``merge``;
+- ``hpgen.runtime.context`` (context parallelism: attention by blocks and the layout handed to it,
+  the key/value cache split for decoding, decode attention, the log-sum-exp merge): ``blockwise``,
+  ``sequence``, ``cache``, ``decode``, ``merge``;
 - ``hpgen.runtime.checkpoint`` (checkpoints and state dicts: read, presented to DCP and
   FSDP2, written): ``loading``, ``registrations``, ``checkpoint_files``, ``file_maps``,
   ``conversions``, ``state_dict``, ``sharded_param``, ``fsdp_state``, ``dcp_files``, ``saving``;

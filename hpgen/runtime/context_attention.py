@@ -5,29 +5,30 @@ rotary embedding's output (``R -> S(1)`` on ``cp``, the head-tail layout of
 :mod:`hpgen.runtime.forward.context_axis`) and gather it at the final norm's output. In
 between, each rank computes its own tokens; only attention mixes positions, so it needs
 every rank's keys and values. ``gathered_kv_attention`` runs the attention module's own
-body with two changes, both made where the body already hands values over:
+body; the sequence's layout reaches it as a keyword argument of the call
+(:mod:`hpgen.runtime.context.sequence`: the model passes it to every decoder layer, so a
+layer recomputed under activation checkpointing gets it with its other inputs).
 
-- its ``cache`` argument becomes :class:`GatheringCache`, whose ``update`` (which the body
-  calls with its rotated keys and values) all-gathers them along the sequence, in
-  sequence order (Llama 3's all-gather form; the gradient of the gather is a
-  reduce-scatter), and puts this rank's own keys and values into the caller's cache, if
-  any (:mod:`hpgen.runtime.context.cache`);
-- its ``attention_mask`` becomes this rank's query rows of the unsharded model's mask
-  (transformers builds it for the whole sequence before the first decoder layer, so
-  padding, packed documents by ``position_ids`` and a user's 4-D mask are all in it).
-  Where transformers left causality to sdpa's ``is_causal`` (no mask), the body's
-  attention call goes to :func:`chunked_causal_sdpa` instead (the module reads its config
-  through :class:`AttentionConfig`, which names that function for the call): each of the
-  rank's two chunks attends to the keys up to its end with sdpa's ``is_causal``, no mask
-  materialized, so nothing quadratic in the sequence is saved for backward. (With eager
-  attention, the causal mask of this rank's global positions is built.)
+- sdpa (transformers' default): the module reads its config through :class:`AttentionConfig`,
+  whose ``_attn_implementation`` names :func:`context_attention` (one entry of transformers'
+  ``AttentionInterface``: the body picks its attention function by that name, and this is
+  the public way to give it another). The body's ``cache`` argument becomes
+  :class:`LocalKVCache`, so the attention call gets this rank's rotated keys and values and
+  the layout (the keyword argument), and computes this rank's queries over every rank's keys
+  by blocks merged by log-sum-exp (:mod:`hpgen.runtime.context.blockwise`): no attention over
+  padding, exact in forward and backward, saving only this rank's share for backward.
+- eager: the body's ``cache`` becomes :class:`GatheringCache`, whose ``update`` all-gathers the
+  keys and values along the sequence (Llama 3's all-gather form; the gradient of the gather is
+  a reduce-scatter), and its ``attention_mask`` becomes this rank's query rows of the
+  unsharded model's mask (the causal mask of its positions where there is none); the body's
+  eager attention then runs this rank's queries over all keys.
 
-The body's attention implementation (sdpa or eager) then runs this rank's queries over all
-keys. A forward that continues a filled cache (a decode step) runs replicated on every
-rank (:meth:`~hpgen.runtime.forward.context_axis.ContextAxis.replicate`), its attention
-over the cache split across ranks (:mod:`hpgen.runtime.context.decode`).
-Under activation checkpointing a layer's body reruns in backward, after the forward ended:
-its layout then comes from the ranks' token counts.
+transformers builds the mask for the whole sequence before the first decoder layer, so
+padding, packed documents by ``position_ids`` and a user's 4-D mask are all in it. A forward
+that continues a filled cache (a decode step) runs replicated on every rank
+(:meth:`~hpgen.runtime.forward.context_axis.ContextAxis.replicate`), its attention over the
+cache split across ranks (:mod:`hpgen.runtime.context.decode`). Either stand-in puts this
+rank's own keys and values into the caller's cache, if any (:mod:`hpgen.runtime.context.cache`).
 """
 
 from __future__ import annotations
@@ -38,13 +39,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from hpgen.runtime.context.blockwise import BlockwiseAttention
 from hpgen.runtime.context.cache import keep_prefill
 from hpgen.runtime.context.decode import decode_attention
+from hpgen.runtime.context.sequence import KEYWORD
 
-__all__ = ["AttentionConfig", "GatheringCache", "LocalKVCache", "RecomputedAttention", "chunked_causal_sdpa", "gathered_kv_attention", "recomputed_attention"]
+__all__ = ["AttentionConfig", "GatheringCache", "LocalKVCache", "context_attention", "gathered_kv_attention"]
 
-CHUNKED_CAUSAL = "hpgen_cp_chunked_causal_sdpa"  # its name in transformers' AttentionInterface
-RECOMPUTED = "hpgen_cp_recomputed_attention"
+CONTEXT_ATTENTION = "hpgen_cp_attention"  # context_attention's name in transformers' AttentionInterface
 
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")
 
@@ -54,17 +56,18 @@ class GatheringCache:
     every rank along the sequence (dim 2), after putting this rank's into the caller's ``cache``
     if there is one (:func:`~hpgen.runtime.context.cache.keep_prefill`)."""
 
-    def __init__(self, axis: Any, cache: Any) -> None:
+    def __init__(self, axis: Any, cache: Any, layout: Any) -> None:
         self.axis = axis
         self.cache = cache
+        self.layout = layout  # the sequence this forward cut (its keys and values are this rank's share)
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        gathered = self.axis.all_gather(key_states, dim=2), self.axis.all_gather(value_states, dim=2)
+        n = self.layout.n
+        gathered = self.axis.all_gather(key_states, dim=2, total=n), self.axis.all_gather(value_states, dim=2, total=n)
         if self.cache is None:
             return gathered
         # this rank's positions into the cache (or the whole, for caches that keep it: then what it returns)
-        layout = self.axis.current or self.axis.held_layout(key_states, 2)
-        return keep_prefill(self.cache, key_states, value_states, layout, self.axis, lambda: gathered, args, kwargs)
+        return keep_prefill(self.cache, key_states, value_states, self.layout, self.axis, lambda: gathered, args, kwargs)
 
     def __getattr__(self, name: str) -> Any:
         cache = self.__dict__.get("cache")
@@ -74,23 +77,26 @@ class GatheringCache:
 
 
 class LocalKVCache:
-    """Stands in for the attention body's cache in a cp training step: ``update`` returns this
-    rank's keys and values as they are (:class:`RecomputedAttention` gathers them), after
-    putting them into the caller's cache (:mod:`hpgen.runtime.context.cache`)."""
+    """Stands in for the attention body's cache under sdpa: ``update`` returns this rank's keys
+    and values as they are (:func:`context_attention` gathers them), after putting them into the
+    caller's cache (:func:`~hpgen.runtime.context.cache.keep_prefill`; a cache that keeps every
+    position gets every rank's, gathered outside autograd)."""
 
-    def __init__(self, axis: Any, cache: Any, module: nn.Module, n: int) -> None:
+    def __init__(self, axis: Any, cache: Any, n: int) -> None:
         self.axis = axis
         self.cache = cache
-        self.module = module
         self.n = n
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        with torch.no_grad():
-            key = self.axis.all_gather(key_states, dim=2, total=self.n)
-            value = self.axis.all_gather(value_states, dim=2, total=self.n)
+        def gathered() -> tuple[Tensor, Tensor]:  # only a cache that keeps every position asks (alike on every rank)
+            with torch.no_grad():
+                return (
+                    self.axis.all_gather(key_states, dim=2, total=self.n),
+                    self.axis.all_gather(value_states, dim=2, total=self.n),
+                )
+
         layout = self.axis.layout(self.n, key_states.device)
-        keep_prefill(self.cache, key_states, value_states, layout, self.axis, lambda: (key, value), args, kwargs)
-        self.module._hp_cp_gathered = (key, value)  # the forward's attention uses them, saves nothing of them
+        keep_prefill(self.cache, key_states, value_states, layout, self.axis, gathered, args, kwargs)
         return key_states, value_states
 
     def __getattr__(self, name: str) -> Any:
@@ -100,17 +106,21 @@ class LocalKVCache:
         return getattr(cache, name)
 
 
+def _check_mask(mask: Tensor, layout: Any) -> None:
+    if mask.dim() != 4:
+        raise ValueError(f"context parallelism needs the 4-D attention mask transformers builds, got {mask.dim()}-D")
+    if mask.size(-2) not in (1, layout.n):
+        raise ValueError(
+            f"context parallelism: the attention mask has {mask.size(-2)} query rows for a sequence of {layout.n}"
+        )
+
+
 def _query_rows(mask: Tensor | None, layout: Any, dtype: torch.dtype, eager: bool) -> Tensor:
     """This rank's rows of the whole sequence's mask; the causal mask of its positions if there is none."""
     if mask is not None:
-        if mask.dim() != 4:
-            raise ValueError(f"context parallelism needs the 4-D attention mask transformers builds, got {mask.dim()}-D")
+        _check_mask(mask, layout)
         if mask.size(-2) == 1:  # one row for every query
             return mask
-        if mask.size(-2) != layout.n:
-            raise ValueError(
-                f"context parallelism: the attention mask has {mask.size(-2)} query rows for a sequence of {layout.n}"
-            )
         return mask.index_select(-2, layout.local)
     keys = torch.arange(layout.n, device=layout.local.device)
     allowed = (keys[None, :] <= layout.local[:, None])[None, None]
@@ -121,8 +131,10 @@ def _query_rows(mask: Tensor | None, layout: Any, dtype: torch.dtype, eager: boo
 
 class AttentionConfig:
     """An attention module's ``config``: the model's own, read and written through, except that
-    while :func:`gathered_kv_attention` runs its ``_attn_implementation`` names hpgen's
-    function for the call (:func:`chunked_causal_sdpa`, or :func:`recomputed_attention`)."""
+    where it names sdpa, ``_attn_implementation`` names :func:`context_attention` (registered in
+    transformers' ``AttentionInterface`` as ``CONTEXT_ATTENTION``), which is sdpa with the layout.
+    ``_hp_route``, while set, names another function for the call (the decode step's, which
+    sets and clears it around the body); the prefill and training steps set none."""
 
     def __init__(self, config: Any) -> None:
         object.__setattr__(self, "_hp_config", config)
@@ -130,7 +142,10 @@ class AttentionConfig:
 
     @property
     def _attn_implementation(self) -> Any:
-        return self._hp_route or self._hp_config._attn_implementation
+        if self._hp_route:
+            return self._hp_route
+        implementation = self._hp_config._attn_implementation
+        return CONTEXT_ATTENTION if implementation == "sdpa" else implementation
 
     def __getattr__(self, name: str) -> Any:
         return getattr(object.__getattribute__(self, "_hp_config"), name)
@@ -142,170 +157,85 @@ class AttentionConfig:
             setattr(self._hp_config, name, value)
 
 
-def chunked_causal_sdpa(
-    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, **kwargs: Any
+def context_attention(
+    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+    dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None, **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    """Causal sdpa of this rank's two chunks of queries over the whole sequence's keys, without a mask.
+    """sdpa of this rank's queries over every rank's keys (an ``AttentionInterface`` function).
 
-    A chunk starting at global position ``s`` with ``L`` tokens attends to keys ``[0, s + L)``
-    causally, aligned at the end: its queries are put after ``s`` zero rows and run through
-    sdpa's ``is_causal`` (a square causal mask, which no kernel materializes), and the zero
-    rows' outputs are dropped. Exact; it saves nothing quadratic for backward, at the cost of
-    the zero rows' attention work.
+    ``key`` and ``value`` are this rank's; the layout comes as the keyword argument
+    ``hpgen_cp_sequence`` (without it, as outside a cut forward, this is transformers' sdpa).
+    Causal or masked attention without dropout runs :class:`~hpgen.runtime.context.blockwise.BlockwiseAttention`.
+    What that form cannot do exactly falls back to the whole keys and values gathered under
+    autograd and sdpa over this rank's mask rows: attention dropout (the blocks' kernel draws
+    none; sdpa draws its mask over this rank's rows), a ``position_bias`` or ``softcap``, and a
+    forward traced by ``torch.compile`` (the blocks' Function calls collectives inside).
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    layout = module._hp_cp_layout
-    size = layout.size
-    pieces = []
-    offset = 0
-    for chunk in (layout.rank, 2 * size - 1 - layout.rank):
-        start, length = layout.chunks[chunk]
-        if length == 0:
-            continue
-        rows = query.narrow(2, offset, length)
-        offset += length
-        if start:
-            rows = torch.cat([rows.new_zeros((*rows.shape[:2], start, rows.shape[3])), rows], dim=2)
-        out, _ = sdpa_attention_forward(
-            module, rows, key.narrow(2, 0, start + length), value.narrow(2, 0, start + length), None,
-            is_causal=True, **kwargs,
+    sequence = kwargs.pop(KEYWORD, None)
+    if sequence is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-        pieces.append(out.narrow(1, start, length))  # [batch, length, heads, head_dim]
-    if not pieces:
-        return query.new_zeros((query.shape[0], 0, query.shape[1], query.shape[3])), None
-    return torch.cat(pieces, dim=1), None
-
-
-def _sdpa_core(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, kwargs: dict) -> Tensor:
-    """sdpa of this rank's queries over the whole sequence's keys: chunked causal without a mask, else the mask's rows."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if mask is None:
-        return chunked_causal_sdpa(module, query, key, value, None, **kwargs)[0]
-    return sdpa_attention_forward(module, query, key, value, mask, **kwargs)[0]
-
-
-class RecomputedAttention(torch.autograd.Function):
-    """sdpa over the gathered keys and values that saves only this rank's queries, keys and
-    values for backward: backward gathers the keys and values again and recomputes the
-    attention (its gradients reach the local keys and values through the gather's own
-    backward, a reduce-scatter). What a rank saves is then a share of the sequence, where
-    saving the gathered keys and values (and sdpa's outputs over them) would be the whole.
-
-    The attention call's keyword tensors that require grad (``names``, their values after
-    the fixed arguments: a learned ``position_bias``) are inputs of the Function too, so
-    they get their gradients from the recomputation; other keywords travel in ``kwargs``.
-    """
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, module: nn.Module, ax: Any,
-        layout: Any, kwargs: dict, names: tuple[str, ...], *tensors: Tensor,
-    ) -> Tensor:
-        gathered = module.__dict__.pop("_hp_cp_gathered", None)
-        with torch.no_grad():
-            if gathered is None:
-                gathered = (ax.all_gather(key, 2, total=layout.n), ax.all_gather(value, 2, total=layout.n))
-            out = _sdpa_core(module, query, *gathered, mask, {**kwargs, **dict(zip(names, tensors))})
-        ctx.save_for_backward(query, key, value, mask, *tensors)
-        ctx.context = (module, ax, layout, kwargs, names)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        query, key, value, mask, *tensors = ctx.saved_tensors
-        module, ax, layout, kwargs, names = ctx.context
-        inputs = [t.detach().requires_grad_(t.requires_grad) for t in (query, key, value, *tensors)]
-        with torch.enable_grad():
-            module._hp_cp_layout = layout
-            out = _sdpa_core(
-                module, inputs[0], ax.all_gather(inputs[1], 2, total=layout.n), ax.all_gather(inputs[2], 2, total=layout.n),
-                mask, {**kwargs, **dict(zip(names, inputs[3:]))},
-            )
-            wanted = [t for t in inputs if t.requires_grad]
-            found = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
-        grads = [next(found) if t.requires_grad else None for t in inputs]
-        return (*grads[:3], None, None, None, None, None, None, *grads[3:])
-
-
-def recomputed_attention(
-    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, **kwargs: Any
-) -> tuple[Tensor, None]:
-    """The attention call of a cp training step (an ``AttentionInterface`` function): this rank's
-    keys and values, gathered inside :class:`RecomputedAttention`."""
-    layout = module._hp_cp_layout
-    names = tuple(name for name, v in kwargs.items() if isinstance(v, Tensor) and v.requires_grad)
-    rest = {name: v for name, v in kwargs.items() if name not in names}
-    tensors = [kwargs[name] for name in names]
-    out = RecomputedAttention.apply(
-        query, key, value, attention_mask, module, module._hp_cp_axis, layout, rest, names, *tensors
+    axis, layout = sequence.axis, sequence.layout
+    if attention_mask is not None:
+        _check_mask(attention_mask, layout)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+    if plain and not dropout and (causal or attention_mask is not None) and not torch.compiler.is_compiling():
+        scale = scaling if scaling is not None else query.size(-1) ** -0.5
+        groups = query.size(1) // key.size(1)
+        return BlockwiseAttention.apply(query, key, value, attention_mask, axis, layout, scale, groups), None
+    keys = axis.all_gather(key, 2, total=layout.n)
+    values = axis.all_gather(value, 2, total=layout.n)
+    rows = attention_mask if attention_mask is None and not causal else _query_rows(attention_mask, layout, query.dtype, False)
+    return sdpa_attention_forward(
+        module, query, keys, values, rows, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
     )
-    return out, None
 
 
 def gathered_kv_attention(module: nn.Module, *args: Any, axis: str = "cp", **kwargs: Any) -> Any:
-    """The attention module's body with every rank's keys and values and this rank's mask rows.
+    """The attention module's body with every rank's keys and values and this rank's queries.
 
     Bound as ``__hp_compute__`` of attention modules by an injection
     (``{"_target_": "hpgen.runtime.context_attention.gathered_kv_attention", "axis": "cp"}``).
+    The sequence's layout is the keyword argument ``hpgen_cp_sequence`` the model passes down.
     """
     ax = getattr(module, f"_hp_{axis}")
+    sequence = kwargs.pop(KEYWORD, None)
     if not ax.active:  # one rank, or a decode step: over the split cache if there is one
         return decode_attention(module, ax, args, kwargs)
-    layout = ax.current
-    if layout is None and torch._C._current_graph_task_id() != -1:
-        layout = _recomputed_layout(ax, _first_tensor(args, kwargs))
-    if layout is None:
+    if sequence is None:
         raise RuntimeError(
             f"{type(module).__name__}: context parallelism on {axis!r}: no sequence was cut in this forward "
             "(call the whole model, not the attention module alone)"
         )
+    layout = sequence.layout
     bound = module._hp_cp_signature.bind(*args, **kwargs)
     arguments = bound.arguments
-    cache_name = module._hp_cp_cache
+    cache_name, var_kw = module._hp_cp_cache, module._hp_cp_kwargs
+    extra = (arguments.get(var_kw) or {}) if var_kw else {}
     cache = arguments.get(cache_name)
-    extra = arguments.get(module._hp_cp_kwargs) or {}
     if cache is None and cache_name in extra:
         cache = extra[cache_name]
-    config = module.config
-    implementation = config._attn_implementation
-    mask = arguments.get("attention_mask")
-    routed = implementation == "sdpa" and isinstance(config, AttentionConfig)
-    chunked = mask is None and routed
-    if not chunked:
-        dtype = _first_tensor(args, kwargs).dtype
-        arguments["attention_mask"] = _query_rows(mask, layout, dtype, implementation == "eager")
-    # a training step: the attention call gathers (and gathers again in backward) itself
-    recompute = routed and torch.is_grad_enabled() and not torch.compiler.is_compiling()
-    if not recompute:
-        stand_in = GatheringCache(ax, cache)
+    config = getattr(module, "config", None)
+    blockwise = var_kw is not None and isinstance(config, AttentionConfig)
+    blockwise = blockwise and config._attn_implementation == CONTEXT_ATTENTION
+    if blockwise:  # the attention call gathers, by blocks; the layout travels with the body's keywords
+        stand_in = None if cache is None else LocalKVCache(ax, cache, layout.n)
+        arguments[var_kw] = {**extra, KEYWORD: sequence}
+        extra = arguments[var_kw]
     else:
-        stand_in = None if cache is None else LocalKVCache(ax, cache, module, layout.n)
+        stand_in = GatheringCache(ax, cache, layout)
+        dtype = _first_tensor(args, kwargs).dtype
+        eager = getattr(config, "_attn_implementation", "eager") == "eager"
+        arguments["attention_mask"] = _query_rows(arguments.get("attention_mask"), layout, dtype, eager)
     if cache_name in extra:
         extra[cache_name] = stand_in
     else:
         arguments[cache_name] = stand_in
-    if not routed:
-        return module._forward_impl(*bound.args, **bound.kwargs)
-    module._hp_cp_layout = layout
-    module._hp_cp_axis = ax
-    config._hp_route = RECOMPUTED if recompute else CHUNKED_CAUSAL if chunked else None
-    try:
-        return module._forward_impl(*bound.args, **bound.kwargs)
-    finally:
-        config._hp_route = None
-
-
-def _recomputed_layout(ax: Any, hidden_states: Tensor) -> Any:
-    """The layout of the sequence whose forward this backward recomputes (activation checkpointing).
-
-    Torch's checkpoint (reentrant or not) reruns a layer during backward, after the model's
-    forward ended and the axis forgot the sequence it cut. The ranks' token counts (one
-    exchange; every rank recomputes the same layers in the same order) give its length, so
-    the layout is the forward's own, never one remembered from another forward.
-    """
-    return ax.held_layout(hidden_states, 1)
+    return module._forward_impl(*bound.args, **bound.kwargs)
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> Tensor:
@@ -331,8 +261,7 @@ def _prepare(module: nn.Module, *, axis: str = "cp") -> None:
     if hasattr(module, "config") and not isinstance(module.config, AttentionConfig):
         from transformers import AttentionInterface
 
-        AttentionInterface.register(CHUNKED_CAUSAL, chunked_causal_sdpa)
-        AttentionInterface.register(RECOMPUTED, recomputed_attention)
+        AttentionInterface.register(CONTEXT_ATTENTION, context_attention)
         module.config = AttentionConfig(module.config)
 
 

@@ -73,6 +73,10 @@ def _compare_step(
         m.zero_grad(set_to_none=True)
     expected = ref(**inputs)
     got = model(**inputs)
+    if model.config._attn_implementation == "sdpa" and model.training and not _checkpointing(model):
+        # the cp step's attention runs by blocks (no attention over padding), one call a layer
+        blocks = _graph_nodes(got.loss, "BlockwiseAttentionBackward")
+        result.checks[f"{label} attention by blocks"] = (float(blocks != model.config.num_hidden_layers), 0.0)
     expected.loss.backward()
     got.loss.backward()
     if positions is not None:  # sequence-sharded logits: this rank's tokens, in the order it holds them
@@ -95,6 +99,23 @@ def _compare_step(
         result.grads_checked += 1
         if not err <= tol:
             result.grad_failures.append(f"{label} {name}: {err:.2e} > {tol:.2e}")
+
+
+def _checkpointing(model: Any) -> bool:
+    return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+def _graph_nodes(output: torch.Tensor, name: str) -> int:
+    """How many nodes of ``output``'s autograd graph are named ``name``."""
+    seen, stack, count = set(), [output.grad_fn], 0
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        count += type(node).__name__ == name
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return count
 
 
 def run_cp_refusals(case: CpCase, configs: dict[str, dict[str, Any]]) -> dict[str, str]:

@@ -177,11 +177,6 @@ class ContextAxis(AxisCollectives):
         layout = self._gather_layout(x, dim, total)
         return super().all_gather(x, dim, backward=backward, sizes=layout.sizes)
 
-    def held_layout(self, x: Tensor, dim: int) -> HeadTail:
-        """The layout whose shard ``x`` holds on ``dim``: the one cut in this forward, else the
-        ranks' sizes of ``dim`` (one exchange; every rank must call it alike)."""
-        return self._gather_layout(x, dim, None)
-
     def _gather_layout(self, x: Tensor, dim: int, total: Size | None) -> HeadTail:
         if total is not None:
             return self.layout(int(total), x.device)

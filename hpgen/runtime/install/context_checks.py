@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from hpgen.context_coverage import CONTEXT_AXIS, context_refusal
+from hpgen.runtime.context.sequence import install_sequence_keyword
 from hpgen.runtime.context_logits import install_logits
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.context_axis import ContextAxis
@@ -104,12 +105,16 @@ def _filled(cache: Any) -> bool:
 
 
 def install_context(model: nn.Module, axes: dict[str, Any], plan: Any) -> None:
-    """The decode-step hook and the head and loss on each rank's tokens
-    (:mod:`hpgen.runtime.context_logits`), on a model with a ``cp`` axis of more than one rank."""
+    """The decode-step hook, the layout handed to attention (:mod:`hpgen.runtime.context.sequence`)
+    and the head and loss on each rank's tokens (:mod:`hpgen.runtime.context_logits`), on a model
+    with a ``cp`` axis of more than one rank."""
     ax = axes.get(CONTEXT_AXIS)
     if not isinstance(ax, ContextAxis) or ax.size == 1:
         return
     hook = DecodeReplicates(ax)
     model.register_forward_pre_hook(hook.before, with_kwargs=True)
     model.register_forward_hook(hook.after, with_kwargs=True, always_call=True)
+    attention = [name for name, module in model.named_modules() if hasattr(module, "_hp_cp_signature")]
+    if attention:  # after the decode hook, so that a replicated forward passes no layout
+        install_sequence_keyword(model, ax, attention)
     install_logits(model, ax, plan)

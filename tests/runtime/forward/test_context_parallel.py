@@ -4,7 +4,8 @@ Plans from ``hpgen plan`` for the tiny Llama and Qwen3 configs, the installed mo
 files lowered under them. Two spawns: 2 ranks (``cp`` 2) and 4 ranks (``cp`` 4, ``cp`` 2 x
 ``tp`` 2 with and without ``--sp``, FSDP2 on ``dp`` 2 over ``cp`` 2). Every case compares
 logits, loss and every gradient in train mode (13 tokens: uneven head-tail shards; the
-2-rank cases also 16), and the 2-rank cases also a left-padded batch, packed documents by
+2-rank cases also 16; under sdpa each step's attention runs by blocks), Llama under eager
+attention at cp 2, and the 2-rank cases also a left-padded batch, packed documents by
 ``position_ids``, a user's 4-D mask, greedy generation after a cp prefill, a
 ``torch.compile(fullgraph=True)`` step and steps under ``gradient_checkpointing_enable()``
 (Llama), a DCP round trip and the refusals.
@@ -63,6 +64,9 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, CpResu
                 sharded_logits=True, checkpointed=family == "llama", config=tied,
             )
         )
+    # eager attention keeps its own path (the gathered keys and values, this rank's mask rows), layout included
+    spec = _case(tmp, "llama_cp2_eager", "llama", (("cp", 2),), cp=2)
+    cases.append(CpCase(**spec, lengths=(13,), padded=True, checkpointed=True, config=dict(attn_implementation="eager")))
     refused = {
         "sliding window": dict(use_sliding_window=True, sliding_window=4, max_window_layers=0),
         "attention dropout": dict(attention_dropout=0.1),
@@ -101,6 +105,13 @@ def test_cp2_matches_the_unsharded_model(two_ranks: list[dict[str, CpResult]], f
     checkpointed = {"checkpointed loss", "checkpointed reentrant loss", "attention alone refused"}
     assert family != "llama" or checkpointed <= set(result.checks)
     assert len(result.tokens[0]) == 6
+
+
+def test_cp2_eager_attention_matches_the_unsharded_model(two_ranks: list[dict[str, CpResult]]) -> None:
+    _check(two_ranks, "llama_cp2_eager")
+    result = two_ranks[0]["llama_cp2_eager"]
+    assert {"left-padded logits", "checkpointed loss", "checkpointed reentrant loss"} <= set(result.checks)
+    assert not any("by blocks" in what for what in result.checks)  # eager: no blocks
 
 
 def test_cp2_cuts_the_sequence_head_tail(two_ranks: list[dict[str, CpResult]]) -> None:
