@@ -114,7 +114,8 @@ def test_context_attention_matches_sdpa_on_the_whole_sequence() -> None:
 
 
 def test_the_blocks_plain_math_matches_torchs_cpu_kernel() -> None:
-    from hpgen.runtime.context.blockwise import math_block, math_block_backward, merge_blocks, run_block, run_block_backward
+    from hpgen.runtime.context.blockwise import math_block, math_block_backward, run_block, run_block_backward
+    from hpgen.runtime.context.merge import merge_partials
 
     generator = torch.Generator().manual_seed(2)
     query = torch.randn(2, 3, 5, 8, generator=generator)
@@ -129,7 +130,7 @@ def test_the_blocks_plain_math_matches_torchs_cpu_kernel() -> None:
         assert (lse.nan_to_num(neginf=0) - want_lse.nan_to_num(neginf=0)).abs().max() <= 1e-5
     # the blocks of the masked rows merged, and each block's backward from the merged output
     parts = [run_block(query, key[:, :, f : f + c], value[:, :, f : f + c], p, z, 0.3) for f, c, z, p in blocks[:2]]
-    out, lse = merge_blocks(*zip(*parts))
+    out, lse = merge_partials([o for o, _ in parts], [l for _, l in parts])
     whole = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.3)
     assert (out - whole).abs().max() <= 1e-5
     grad = torch.randn(out.shape, generator=generator)

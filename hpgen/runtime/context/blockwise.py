@@ -31,7 +31,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["BlockwiseAttention", "math_block", "math_block_backward", "merge_blocks", "run_block", "run_block_backward"]
+from hpgen.runtime.context.merge import merge_partials
+
+__all__ = ["BlockwiseAttention", "math_block", "math_block_backward", "run_block", "run_block_backward"]
 
 _KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -119,16 +121,6 @@ def run_block_backward(
     )
 
 
-def merge_blocks(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """The attention over the union of the blocks' keys from each block's output ``[..., L, D]`` and
-    log-sum-exp ``[..., L]``: ``sum_i exp(lse_i - lse) · out_i`` with ``lse = logsumexp_i lse_i``
-    (float32; a query that sees no key gets 0 and ``-inf``)."""
-    lse = torch.logsumexp(torch.stack(lses), 0)
-    base = _finite(lse)
-    out = sum(o.float() * torch.exp(l - base)[..., None] for o, l in zip(outs, lses))
-    return out, lse
-
-
 def _blocks(start: int, length: int, n: int, mask: Tensor | None) -> Iterator[tuple[int, int, bool, Tensor | None]]:
     """``(key start, key count, causal, mask slice)`` of the blocks one chunk's queries attend to."""
     if mask is None:  # causal: the keys before the chunk, all of them; the chunk's own, causally
@@ -188,7 +180,7 @@ class BlockwiseAttention(torch.autograd.Function):
             ]
             if not parts:  # a mask that hides every key from the chunk
                 parts = [(rows.new_zeros(rows.shape), rows.new_full(rows.shape[:-1], float("-inf"), dtype=torch.float32))]
-            out, lse = merge_blocks(*zip(*parts)) if len(parts) > 1 else (parts[0][0], parts[0][1].float())
+            out, lse = merge_partials([o.float() for o, _ in parts], [l for _, l in parts])
             outs.append(out.to(query.dtype))
             lses.append(lse)
         out = torch.cat(outs, 2) if outs else query.new_zeros(query.shape)
