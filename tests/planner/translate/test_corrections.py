@@ -15,13 +15,13 @@ def test_a_packed_gate_up_split_by_chunk_is_corrected_to_packed_colwise() -> Non
         experts = entry(plan, "model.layers.*.mlp.experts")
         assert experts["params"]["gate_up_proj"] == {"tp": "SS(1,2)"}, model_type
         assert "chunk(2)" in plan["comments"]["corrected"]["model.layers.*.mlp.experts.gate_up_proj"]
-    # the shared experts' gating weights, a second input of a sharded MLP-like block, get R -> R too
+    # the shared experts' gating weights, a second input of a sharded MLP-like block, get R -> R too; transformers
+    # <= 5.24's plan shards them, 5.25's leaves them out and hpgen reads the same rules from their shapes
     model, inkling = translated("inkling_text")
-    if "model.layers.*.mlp.shared_experts" in (model.tp_plan or {}):  # transformers <= 5.24's plan shards them
-        assert entry(inkling, "model.layers.*.mlp.shared_experts")["in_src"] == {
-            "hidden_states": {"tp": "R"},
-            "gammas": {"tp": "R"},
-        }
+    shared = entry(inkling, "model.layers.*.mlp.shared_experts")
+    assert shared["in_src"] == {"hidden_states": {"tp": "R"}, "gammas": {"tp": "R"}}
+    assert shared["params"] == {"gate_proj": {"tp": "S(1)"}, "up_proj": {"tp": "S(1)"}, "down_proj": {"tp": "S(2)"}}
+    assert shared["out_src"] == {"output": {"tp": "P(sum)"}}
     model, qwen3_moe = translated("qwen3_moe")
     if "model.layers.*.mlp.experts" in (model.tp_plan or {}):  # transformers <= 5.24: packed_colwise already
         assert "corrected" not in qwen3_moe["comments"]
