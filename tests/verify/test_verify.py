@@ -142,6 +142,32 @@ def test_the_command_line(tmp_path: Path) -> None:
         assert "Traceback" not in result.output and where in result.output, result.output
 
 
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_the_command_line_runs_the_attention_implementation_asked_for(tmp_path: Path, attention: str) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(written_plan("llama")))
+    done = _hpgen("verify", str(plan), "llama", "--attn-implementation", attention, "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    assert report["exact"] is True and report["attn_implementation"] == attention
+    text = _hpgen("verify", str(plan), "llama", "--attn-implementation", "flash", cwd=tmp_path)
+    assert text.returncode == 2 and "Traceback" not in text.stderr and "--attn-implementation" in text.stderr
+
+
+def test_prepare_sets_the_attention_on_the_tiny_config(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from hpgen.errors import HpgenError
+    from hpgen.verify.prepare import prepare
+
+    for attention in ("eager", "sdpa"):
+        case = prepare(written_plan("llama"), tmp_path / attention, model="llama", attn_implementation=attention)
+        model = AutoModelForCausalLM.from_config(case.config)  # what each rank builds, unsharded and generated
+        assert model.config._attn_implementation == attention
+    with pytest.raises(HpgenError, match="choose one of eager, sdpa"):
+        prepare(written_plan("llama"), tmp_path / "x", model="llama", attn_implementation="flash")
+
+
 def test_the_tiny_copy_keeps_the_users_options(tmp_path: Path) -> None:
     # a config.json (as in a checkpoint folder): its own options stay, its sizes shrink
     from transformers import LlamaConfig
