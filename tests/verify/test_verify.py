@@ -168,6 +168,24 @@ def test_prepare_sets_the_attention_on_the_tiny_config(tmp_path: Path) -> None:
         prepare(written_plan("llama"), tmp_path / "x", model="llama", attn_implementation="flash")
 
 
+def test_the_tiny_copy_keeps_key_value_heads_under_another_name_valid(tmp_path: Path) -> None:
+    # Falcon counts key/value heads in num_kv_heads: per head (as many as query heads) they shrink with the
+    # query heads, grouped they become the tiny key/value count; transformers' own model runs either copy
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hpgen.verify.shrink import tiny_config
+
+    for arguments, expected in (
+        ({"hidden_size": 64, "num_attention_heads": 8, "multi_query": False}, (4, 4)),
+        ({"hidden_size": 512, "num_attention_heads": 32, "new_decoder_architecture": True, "num_kv_heads": 8}, (4, 2)),
+    ):
+        config = tiny_config(falcon_config(arguments))
+        assert (config.num_attention_heads, config.num_kv_heads) == expected, arguments
+        model = AutoModelForCausalLM.from_config(config)
+        assert model(torch.arange(7)[None]).logits.shape == (1, 7, 127)
+
+
 def test_the_tiny_copy_keeps_the_users_options(tmp_path: Path) -> None:
     # a config.json (as in a checkpoint folder): its own options stay, its sizes shrink
     from transformers import LlamaConfig
