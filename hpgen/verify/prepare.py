@@ -75,7 +75,9 @@ def prepare(
     from hpgen.lower import lower
     from hpgen.plan import load_plan, plan_from_dict
     from hpgen.plan_trust import untrusted_target
-    from hpgen.verify.shrink import axis_sizes, kept_heads, more_layers, scaled_units, shape_for, stages_for_layers, tiny_config
+    from hpgen.verify.shrink import (
+        axis_sizes, fold_layers, kept_heads, more_layers, scaled_units, shape_for, stages_for_layers, tiny_config,
+    )
 
     if source is not None and not Path(source).is_file():
         raise HpgenError("no such modeling file", file=str(source))
@@ -113,6 +115,7 @@ def prepare(
     if any(getattr(config, key, None) for key in _EXPERT_COUNTS):
         # transformers' default experts kernel (grouped_mm) needs 16-byte rows: the tiny 89 is odd
         shape = {**shape, "intermediate_size": 96}
+    given = config
     try:
         config = tiny_config(config, shape)
     except HpgenError:
@@ -121,8 +124,8 @@ def prepare(
         raise HpgenError(f"cannot shrink the config for the check: {type(error).__name__}: {error}") from None
     if attn_implementation is not None:  # transformers' setter passes it on to the sub-configs
         config._attn_implementation = attn_implementation
-    if len(layers) > 2:  # one tiny layer per distinct contract of the numbered layers
-        config.num_hidden_layers = len(layers)
+    if len(layers) > 2:  # one tiny layer per distinct contract of the numbered layers, of the kind it stands for
+        fold_layers(config, given, [int(name.rpartition(".")[2].split("-")[0]) for name in layers])
     document, count = stages_for_layers(document, config.num_hidden_layers)  # the stages named on the tiny layers
     if count != config.num_hidden_layers:
         more_layers(config, count)

@@ -25,6 +25,7 @@ __all__ = [
     "TINY",
     "all_configs",
     "axis_sizes",
+    "fold_layers",
     "kept_heads",
     "more_layers",
     "scaled_units",
@@ -251,7 +252,7 @@ def _follow_key_value_heads(
         overrides[key] = tiny_heads if given == heads else {**TINY, **(shape or {})}["num_key_value_heads"]
 
 
-def key_value_heads(config: Any) -> Any:
+def _key_value_heads(config: Any) -> Any:
     """The config's key/value head count: ``num_key_value_heads``, or its other name (:data:`KEY_VALUE_HEAD_KEYS`)."""
     found = config_value(config, "num_key_value_heads")
     for key in KEY_VALUE_HEAD_KEYS:
@@ -436,7 +437,7 @@ def kept_heads(config: Any, plan: Any, sizes: dict[str, int]) -> tuple[dict[str,
     at 4 ranks are proven on 6 heads, each of a head_dim small enough for a quick run, the hidden
     size that many heads of it.
     """
-    heads, kv = config_value(config, "num_attention_heads"), key_value_heads(config)
+    heads, kv = config_value(config, "num_attention_heads"), _key_value_heads(config)
     head_dim = _head_dim(config)
     largest = max(sizes.values(), default=1)
     if not isinstance(heads, int) or head_dim is None or largest < 2:
@@ -556,6 +557,28 @@ def stages_for_layers(document: dict[str, Any], layers: int) -> tuple[dict[str, 
         rewritten.append([*kept[:at], run, *kept[at:]])
         start += share
     return {**document, "pipeline": {**pipeline, "stages": rewritten}}, count
+
+
+def fold_layers(config: Any, given: Any, firsts: list[int]) -> None:
+    """Give the tiny ``config`` one decoder layer for each folded run of the ``given`` config's layers (``firsts``:
+    each run's first layer, :func:`hpgen.verify.prepare.fewer_layers`).
+
+    A per-layer list of kinds (``layer_types``: which layer is sliding, hybrid, ...) takes the given config's value
+    at each run's first layer, so that tiny layer ``i`` is of the kind it stands for (a list left at the tiny
+    count made transformers' model index past its end: Inkling's 66 layers folded to 22); a list of sizes, which
+    the shrink made tiny, keeps its tiny value, continued with its last one.
+    """
+    before, total = config.num_hidden_layers, config_value(given, "num_hidden_layers")
+    for key, value in list(vars(config).items()):
+        if not (isinstance(value, list) and len(value) == before and before > 0):
+            continue
+        original = getattr(given, key, None)
+        sizes = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        if isinstance(original, list) and len(original) == total and not sizes:
+            setattr(config, key, [original[index] for index in firsts])
+        else:
+            setattr(config, key, [value[min(index, before - 1)] for index in range(len(firsts))])
+    config.num_hidden_layers = len(firsts)
 
 
 def more_layers(config: Any, count: int) -> None:

@@ -186,6 +186,21 @@ def test_the_tiny_copy_keeps_key_value_heads_under_another_name_valid(tmp_path: 
         assert model(torch.arange(7)[None]).logits.shape == (1, 7, 127)
 
 
+def test_folded_layers_are_of_the_kind_they_stand_for(tmp_path: Path) -> None:
+    # Inkling's plan names its 66 layers (sliding and hybrid ones differ): folded to 22 tiny layers, whose
+    # layer_types must say what each stands for; left at the tiny count, transformers' model indexed past the end
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hpgen.verify.prepare import prepare
+
+    case = prepare(written_plan("inkling_text"), tmp_path, model="inkling_text")
+    given = AutoConfig.for_model("inkling_text")
+    firsts = [int(name.rpartition(".")[2].split("-")[0]) for name in case.layers]
+    assert len(firsts) > 2 and case.config.num_hidden_layers == len(firsts)
+    assert case.config.layer_types == [given.layer_types[index] for index in firsts]
+    AutoModelForCausalLM.from_config(case.config)
+
+
 def test_the_tiny_copy_keeps_the_users_options(tmp_path: Path) -> None:
     # a config.json (as in a checkpoint folder): its own options stay, its sizes shrink
     from transformers import LlamaConfig
