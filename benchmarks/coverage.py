@@ -585,8 +585,8 @@ NOTES: dict[str, str] = {
     "corrected to SS(1,2) (the experts split it with `chunk(2)`), and the shared experts' gating weights "
     "(`gammas`, a second input of the sharded block) are declared R -> R so their gradient is reduced; the "
     "attention, which transformers' plan leaves replicated, is completed from the source: q/k/v/r columns, the "
-    "short convolutions on k and v sharded with their channels, the relative-logits matrix (the same map for each head) replicated with its "
-    "gradient reduced.",
+    "short convolutions on k and v sharded with their channels, the relative-logits matrix (the same map for "
+    "each head) replicated with its gradient reduced.",
     "inkling2_text": "the `colwise` on the packed `experts.gate_up_proj` (transformers' plan up to 5.24, hpgen's "
     "rule read from the weights' shapes from 5.25) is corrected to SS(1,2) (`_apply_gate` splits it with "
     "`chunk(2)`); transformers' plan shards only the experts, and the attention is "
