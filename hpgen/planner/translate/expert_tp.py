@@ -60,6 +60,8 @@ def _covered(pattern: str, tp_plan: Mapping[str, str]) -> bool:
 
 def _rules(pattern: str, module: Any, ep_plan: Mapping[str, str], hidden: int) -> dict[str, str] | None:
     """The rules of one experts module, or ``None`` when its weights are not all readable as column/row."""
+    if getattr(module, "is_transposed", False):  # [n, in, out] weights (Aria's): the shapes would read them crosswise
+        return None
     params = _own_params(module)
     named = {key[len(pattern) + 1 :] for key in ep_plan if key.startswith(pattern + ".")}
     if params is None or set(params) != named:

@@ -121,3 +121,20 @@ def test_a_colwise_split_into_other_than_two_blocks_is_refused(tmp_path, monkeyp
     assert "Block.forward splits the output of gate_up with chunk(2)" in why["block.gate_up"]
     with pytest.raises(HpgenError, match=r"block.qkv: .* into 3 packed blocks with chunk\(3\).* --from-source"):
         correct_packed_chunks(rules("block.qkv"), modules, forwards)
+
+
+def test_transposed_experts_are_not_read_crosswise() -> None:
+    # Aria's experts hold [n, in, out] weights (is_transposed): gate_up_proj [n, hidden, 2 x intermediate] read by
+    # shape alone looked row-parallel and down_proj column-parallel, and the plan lost parity on 5.25 (logits off
+    # by 6.6). transformers <= 5.24's plan shards them itself (packed_rowwise / colwise); where a release's plan
+    # leaves them out, hpgen keeps them whole rather than guess the packed halves
+    from hpgen.planner.model.load import meta_model
+    from hpgen.planner.translate.expert_tp import model_tp_plan
+    from hpgen.verify.shrink import tiny_config
+
+    model = meta_model(tiny_config("aria_text"))
+    plan = model_tp_plan(model)
+    if "model.layers.*.mlp.experts" in (model.tp_plan or {}):
+        assert plan["model.layers.*.mlp.experts.gate_up_proj"] == "packed_rowwise"
+    else:
+        assert not any(key.startswith("model.layers.*.mlp.experts") for key in plan), plan
