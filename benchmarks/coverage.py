@@ -580,14 +580,16 @@ def load_results(path: Path) -> dict[str, Row]:
 
 # Failures whose cause was found by hand, each checked by changing exactly that one thing.
 NOTES: dict[str, str] = {
-    "inkling_text": "transformers' `colwise` on the packed `experts.gate_up_proj` is corrected to SS(1,2) (the "
-    "experts split it with `chunk(2)`), and the shared experts' gating weights (`gammas`, a second input of the "
-    "sharded block) are declared R -> R so their gradient is reduced; the attention, which transformers' plan "
-    "leaves replicated, is completed from the source: q/k/v/r columns, the short convolutions on k and v "
-    "sharded with their channels, the relative-logits matrix (the same map for each head) replicated with its "
-    "gradient reduced.",
-    "inkling2_text": "transformers' `colwise` on the packed `experts.gate_up_proj` is corrected to SS(1,2) "
-    "(`_apply_gate` splits it with `chunk(2)`); transformers' plan shards only the experts, and the attention is "
+    "inkling_text": "the `colwise` on the packed `experts.gate_up_proj` (transformers' plan up to 5.24; from 5.25, "
+    "whose plan leaves the experts and shared experts out, hpgen's rules read from their weights' shapes) is "
+    "corrected to SS(1,2) (the experts split it with `chunk(2)`), and the shared experts' gating weights "
+    "(`gammas`, a second input of the sharded block) are declared R -> R so their gradient is reduced; the "
+    "attention, which transformers' plan leaves replicated, is completed from the source: q/k/v/r columns, the "
+    "short convolutions on k and v sharded with their channels, the relative-logits matrix (the same map for "
+    "each head) replicated with its gradient reduced.",
+    "inkling2_text": "the `colwise` on the packed `experts.gate_up_proj` (transformers' plan up to 5.24, hpgen's "
+    "rule read from the weights' shapes from 5.25) is corrected to SS(1,2) (`_apply_gate` splits it with "
+    "`chunk(2)`); transformers' plan shards only the experts, and the attention is "
     "completed from the source: the q/k/v/relative/sink/gate projections as columns, the short convolutions "
     "(static and dynamic taps) and the per-head L2-clip scales sharded with their heads, the relative-position "
     "matrix (the same map for each head) replicated with its gradient reduced.",

@@ -476,6 +476,11 @@ def plan_command(
     multiple=True,
     help="Let the plan's injections import functions of module NAME and the modules under it (repeatable).",
 )
+@click.option(
+    "--attn-implementation",
+    type=click.Choice(["eager", "sdpa"]),
+    help="transformers' attention path both models run (default: transformers' default, sdpa).",
+)
 def verify_command(
     plan: str,
     model: str | None,
@@ -484,6 +489,7 @@ def verify_command(
     as_json: bool,
     trust_plan_code: bool,
     trusted_modules: tuple[str, ...],
+    attn_implementation: str | None,
 ) -> None:
     """Prove PLAN exact on a tiny copy of its model, on gloo ranks on the CPU.
 
@@ -499,7 +505,7 @@ def verify_command(
         with plan_extra("hpgen verify"):
             from hpgen.verify.command import verify_command as body
 
-            return body(plan, model, source, ranks, as_json, trust_plan_code, trusted_modules)
+            return body(plan, model, source, ranks, as_json, trust_plan_code, trusted_modules, attn_implementation)
 
     run_guarded(run)
 

@@ -41,6 +41,7 @@ def verify_command(
     as_json: bool,
     trust_plan_code: bool = False,
     trusted_modules: tuple[str, ...] = (),
+    attn_implementation: str | None = None,
 ) -> int:
     """Exit 0 when the plan is exact on the tiny model, 1 with the report; bad input (and a tiny copy that
     transformers' own model cannot run) raises HpgenError."""
@@ -59,7 +60,7 @@ def verify_command(
         _progress(f"shrinking the config and lowering the modeling file with {plan}")
         case = prepare(
             plan, Path(folder), model=model, source=source, ranks=ranks,
-            trust_plan_code=trust_plan_code, trusted_modules=trusted_modules,
+            trust_plan_code=trust_plan_code, trusted_modules=trusted_modules, attn_implementation=attn_implementation,
         )  # fmt: skip
         _progress(f"lowered {Path(case.source).name}; spawning {case.world_size} gloo ranks")
         (verdict,) = verify_many([case])

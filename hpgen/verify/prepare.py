@@ -17,7 +17,12 @@ from typing import Any
 
 from hpgen.errors import HpgenError
 
-__all__ = ["Prepared", "prepare"]
+__all__ = ["ATTENTION_IMPLEMENTATIONS", "Prepared", "prepare"]
+
+# ``hpgen verify --attn-implementation``: transformers' attention paths a plan is proven on. They differ in
+# what a sharded attention meets (eager repeats key/value heads by ``num_key_value_groups``, sdpa may not), so a
+# plan exact under one can crash under the other; without the option the config keeps transformers' default.
+ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
 
 
 @dataclass(frozen=True)
@@ -58,19 +63,28 @@ def prepare(
     name: str | None = None,
     trust_plan_code: bool = False,
     trusted_modules: tuple[str, ...] = (),
+    attn_implementation: str | None = None,
 ) -> Prepared:
     """Shrink the config, lower the source with ``plan`` into ``directory``; the case to run.
 
     A plan whose injections name functions the user has not trusted (``trust_plan_code``,
-    ``trusted_modules``: as for ``parallelize``) is refused here, before any rank imports them."""
+    ``trusted_modules``: as for ``parallelize``) is refused here, before any rank imports them.
+    ``attn_implementation`` (one of :data:`ATTENTION_IMPLEMENTATIONS`) is set on the tiny config, so that both
+    the unsharded and the parallelized model run that attention path (``None``: transformers' default)."""
     from hpgen.generate import infer_package, read_source
     from hpgen.lower import lower
     from hpgen.plan import load_plan, plan_from_dict
     from hpgen.plan_trust import untrusted_target
-    from hpgen.verify.shrink import axis_sizes, kept_heads, more_layers, scaled_units, shape_for, stages_for_layers, tiny_config
+    from hpgen.verify.shrink import (
+        axis_sizes, fold_layers, kept_heads, more_layers, scaled_units, shape_for, stages_for_layers, tiny_config,
+    )
 
     if source is not None and not Path(source).is_file():
         raise HpgenError("no such modeling file", file=str(source))
+    if attn_implementation is not None and attn_implementation not in ATTENTION_IMPLEMENTATIONS:
+        raise HpgenError(
+            f"--attn-implementation {attn_implementation!r}: choose one of {', '.join(ATTENTION_IMPLEMENTATIONS)}"
+        )
     if isinstance(plan, dict):
         document, plan_name = plan, f"{name or 'plan'}.json"
         loaded = plan_from_dict(document, name=plan_name)
@@ -101,14 +115,17 @@ def prepare(
     if any(getattr(config, key, None) for key in _EXPERT_COUNTS):
         # transformers' default experts kernel (grouped_mm) needs 16-byte rows: the tiny 89 is odd
         shape = {**shape, "intermediate_size": 96}
+    given = config
     try:
         config = tiny_config(config, shape)
     except HpgenError:
         raise
     except Exception as error:  # noqa: BLE001 - transformers refuses the shrunk config
         raise HpgenError(f"cannot shrink the config for the check: {type(error).__name__}: {error}") from None
-    if len(layers) > 2:  # one tiny layer per distinct contract of the numbered layers
-        config.num_hidden_layers = len(layers)
+    if attn_implementation is not None:  # transformers' setter passes it on to the sub-configs
+        config._attn_implementation = attn_implementation
+    if len(layers) > 2:  # one tiny layer per distinct contract of the numbered layers, of the kind it stands for
+        fold_layers(config, given, [int(name.rpartition(".")[2].split("-")[0]) for name in layers])
     document, count = stages_for_layers(document, config.num_hidden_layers)  # the stages named on the tiny layers
     if count != config.num_hidden_layers:
         more_layers(config, count)

@@ -279,6 +279,7 @@ def report_json(verdict: Verdict, found: Finding | None, seconds: float | None =
         "plan": verdict.case.plan_name,
         "model_class": verdict.case.class_name,
         "mesh": dict(verdict.case.mesh),
+        "attn_implementation": _attention(verdict.case),
         "layers": list(verdict.case.layers),
         "exact": verdict.exact,
         "checks": [asdict(check) for check in verdict.checks],
@@ -298,10 +299,17 @@ def _stands_for(layers: tuple[str, ...], fqn: str) -> str:
     return ""
 
 
+def _attention(case: Any) -> str | None:
+    """The attention implementation the case's config asks for (``None``: transformers' default)."""
+    return getattr(case.config, "_attn_implementation", None)
+
+
 def report_text(verdict: Verdict, found: Finding | None) -> str:
     """The verdict as lines: one a check, then where the plan is wrong."""
     mesh = " x ".join(f"{axis} {size}" for axis, size in verdict.case.mesh)
-    lines = [f"{verdict.case.plan_name}: {verdict.case.class_name} (tiny config) on {mesh} gloo ranks "
+    attention = _attention(verdict.case)
+    lines = [f"{verdict.case.plan_name}: {verdict.case.class_name} (tiny config"
+             + (f", {attention} attention" if attention else "") + f") on {mesh} gloo ranks "
              "against the unsharded model (tolerance 1e-5 + 1e-4 x max |reference|)"]
     if verdict.case.layers:
         lines.append(f"  numbered layers folded to one tiny layer per distinct contract: {', '.join(verdict.case.layers)}")

@@ -25,6 +25,7 @@ __all__ = [
     "TINY",
     "all_configs",
     "axis_sizes",
+    "fold_layers",
     "kept_heads",
     "more_layers",
     "scaled_units",
@@ -195,6 +196,7 @@ def _overrides(defaults: dict[str, Any], aliases: dict[str, str], shape: dict[st
         key = aliases.get(key, key)
         if key in defaults:
             overrides[key] = _fit(value, defaults[key])
+    _follow_key_value_heads(overrides, defaults, aliases, shape)
     mla = "kv_lora_rank" in defaults
     if mla and "num_key_value_heads" in defaults:  # MLA: as many key/value heads as query heads
         overrides["num_key_value_heads"] = TINY["num_attention_heads"]
@@ -224,6 +226,39 @@ def _overrides(defaults: dict[str, Any], aliases: dict[str, str], shape: dict[st
         rotary = overrides.get("qk_rope_head_dim") if mla else overrides.get("head_dim", TINY["head_dim"])
         overrides["rope_parameters"] = {**rope, "mrope_section": _rescaled(rope["mrope_section"], rotary // 2)}
     return overrides
+
+
+# Key/value head counts a config sets under another name than ``num_key_value_heads``, which the modeling code
+# reads in its place (Falcon's ``num_kv_heads``; transformers 5.25's FalconConfig derives num_key_value_heads from it).
+KEY_VALUE_HEAD_KEYS = ("num_kv_heads",)
+
+
+def _follow_key_value_heads(
+    overrides: dict[str, Any], defaults: dict[str, Any], aliases: dict[str, str], shape: dict[str, Any] | None
+) -> None:
+    """Shrink the key/value head counts of :data:`KEY_VALUE_HEAD_KEYS` with the query heads, into ``overrides``.
+
+    Left as the given config has them, they no longer fit the tiny query heads: Falcon's per-head attention (one
+    key/value head a query head) with 8 heads shrunk to 4 kept ``num_kv_heads`` 8, a config transformers' own model
+    fails on. A count equal to the query heads stays equal to the tiny ones; any other is the tiny
+    ``num_key_value_heads`` (2, or the count :func:`kept_heads` keeps).
+    """
+    heads_key = aliases.get("num_attention_heads", "num_attention_heads")
+    heads, tiny_heads = defaults.get(heads_key), overrides.get(heads_key)
+    for key in KEY_VALUE_HEAD_KEYS:
+        given = defaults.get(key)
+        if not isinstance(given, int) or not isinstance(tiny_heads, int):
+            continue
+        overrides[key] = tiny_heads if given == heads else {**TINY, **(shape or {})}["num_key_value_heads"]
+
+
+def _key_value_heads(config: Any) -> Any:
+    """The config's key/value head count: ``num_key_value_heads``, or its other name (:data:`KEY_VALUE_HEAD_KEYS`)."""
+    found = config_value(config, "num_key_value_heads")
+    for key in KEY_VALUE_HEAD_KEYS:
+        if not isinstance(found, int):
+            found = config_value(config, key)
+    return found
 
 
 def tiny_config(model: str | Any, shape: dict[str, Any] | None = None) -> Any:
@@ -402,7 +437,7 @@ def kept_heads(config: Any, plan: Any, sizes: dict[str, int]) -> tuple[dict[str,
     at 4 ranks are proven on 6 heads, each of a head_dim small enough for a quick run, the hidden
     size that many heads of it.
     """
-    heads, kv = config_value(config, "num_attention_heads"), config_value(config, "num_key_value_heads")
+    heads, kv = config_value(config, "num_attention_heads"), _key_value_heads(config)
     head_dim = _head_dim(config)
     largest = max(sizes.values(), default=1)
     if not isinstance(heads, int) or head_dim is None or largest < 2:
@@ -522,6 +557,28 @@ def stages_for_layers(document: dict[str, Any], layers: int) -> tuple[dict[str, 
         rewritten.append([*kept[:at], run, *kept[at:]])
         start += share
     return {**document, "pipeline": {**pipeline, "stages": rewritten}}, count
+
+
+def fold_layers(config: Any, given: Any, firsts: list[int]) -> None:
+    """Give the tiny ``config`` one decoder layer for each folded run of the ``given`` config's layers (``firsts``:
+    each run's first layer, :func:`hpgen.verify.prepare.fewer_layers`).
+
+    A per-layer list of kinds (``layer_types``: which layer is sliding, hybrid, ...) takes the given config's value
+    at each run's first layer, so that tiny layer ``i`` is of the kind it stands for (a list left at the tiny
+    count made transformers' model index past its end: Inkling's 66 layers folded to 22); a list of sizes, which
+    the shrink made tiny, keeps its tiny value, continued with its last one.
+    """
+    before, total = config.num_hidden_layers, config_value(given, "num_hidden_layers")
+    for key, value in list(vars(config).items()):
+        if not (isinstance(value, list) and len(value) == before and before > 0):
+            continue
+        original = getattr(given, key, None)
+        sizes = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        if isinstance(original, list) and len(original) == total and not sizes:
+            setattr(config, key, [original[index] for index in firsts])
+        else:
+            setattr(config, key, [value[min(index, before - 1)] for index in range(len(firsts))])
+    config.num_hidden_layers = len(firsts)
 
 
 def more_layers(config: Any, count: int) -> None:

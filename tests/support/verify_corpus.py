@@ -212,6 +212,8 @@ FALCON_SHAPES: dict[str, dict[str, Any]] = {
     "grouped_8_kv2": {"hidden_size": 64, "num_attention_heads": 8, "new_decoder_architecture": True, "num_kv_heads": 2},
     "grouped_6_kv3": {"hidden_size": 96, "num_attention_heads": 6, "new_decoder_architecture": True, "num_kv_heads": 3},
     "per_head_3": {"hidden_size": 48, "num_attention_heads": 3, "multi_query": False},  # q, k, v interleaved per head
+    # heads that divide: the tiny copy has 4 heads, and num_kv_heads (8 in this config) must follow them
+    "per_head_8x8": {"hidden_size": 64, "num_attention_heads": 8, "multi_query": False},
 }
 FALCON: dict[str, tuple[dict[str, Any], str]] = {
     f"falcon_{shape}_{attention}": (config, attention)

@@ -142,6 +142,65 @@ def test_the_command_line(tmp_path: Path) -> None:
         assert "Traceback" not in result.output and where in result.output, result.output
 
 
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_the_command_line_runs_the_attention_implementation_asked_for(tmp_path: Path, attention: str) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(written_plan("llama")))
+    done = _hpgen("verify", str(plan), "llama", "--attn-implementation", attention, "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    assert report["exact"] is True and report["attn_implementation"] == attention
+    text = _hpgen("verify", str(plan), "llama", "--attn-implementation", "flash", cwd=tmp_path)
+    assert text.returncode == 2 and "Traceback" not in text.stderr and "--attn-implementation" in text.stderr
+
+
+def test_prepare_sets_the_attention_on_the_tiny_config(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from hpgen.errors import HpgenError
+    from hpgen.verify.prepare import prepare
+
+    for attention in ("eager", "sdpa"):
+        case = prepare(written_plan("llama"), tmp_path / attention, model="llama", attn_implementation=attention)
+        model = AutoModelForCausalLM.from_config(case.config)  # what each rank builds, unsharded and generated
+        assert model.config._attn_implementation == attention
+    with pytest.raises(HpgenError, match="choose one of eager, sdpa"):
+        prepare(written_plan("llama"), tmp_path / "x", model="llama", attn_implementation="flash")
+
+
+def test_the_tiny_copy_keeps_key_value_heads_under_another_name_valid(tmp_path: Path) -> None:
+    # Falcon counts key/value heads in num_kv_heads: per head (as many as query heads) they shrink with the
+    # query heads, grouped they become the tiny key/value count; transformers' own model runs either copy
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hpgen.verify.shrink import tiny_config
+
+    for arguments, expected in (
+        ({"hidden_size": 64, "num_attention_heads": 8, "multi_query": False}, (4, 4)),
+        ({"hidden_size": 512, "num_attention_heads": 32, "new_decoder_architecture": True, "num_kv_heads": 8}, (4, 2)),
+    ):
+        config = tiny_config(falcon_config(arguments))
+        assert (config.num_attention_heads, config.num_kv_heads) == expected, arguments
+        model = AutoModelForCausalLM.from_config(config)
+        assert model(torch.arange(7)[None]).logits.shape == (1, 7, 127)
+
+
+def test_folded_layers_are_of_the_kind_they_stand_for(tmp_path: Path) -> None:
+    # Inkling's plan names its 66 layers (sliding and hybrid ones differ): folded to 22 tiny layers, whose
+    # layer_types must say what each stands for; left at the tiny count, transformers' model indexed past the end
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hpgen.verify.prepare import prepare
+
+    case = prepare(written_plan("inkling_text"), tmp_path, model="inkling_text")
+    given = AutoConfig.for_model("inkling_text")
+    firsts = [int(name.rpartition(".")[2].split("-")[0]) for name in case.layers]
+    assert len(firsts) > 2 and case.config.num_hidden_layers == len(firsts)
+    assert case.config.layer_types == [given.layer_types[index] for index in firsts]
+    AutoModelForCausalLM.from_config(case.config)
+
+
 def test_the_tiny_copy_keeps_the_users_options(tmp_path: Path) -> None:
     # a config.json (as in a checkpoint folder): its own options stay, its sizes shrink
     from transformers import LlamaConfig

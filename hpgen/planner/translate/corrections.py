@@ -12,6 +12,9 @@ in the plan's ``comments`` (``corrected``):
   the other the up half; ``packed_colwise`` (``SS(d,2)``) gives each rank its chunk of both.
   The blocks are read from the owner's dataflow as a derived plan reads a fused column's
   (:func:`hpgen.planner.derive.reshapes.packed_blocks`), not by a reading of their own.
+
+The note names whose ``colwise`` it corrects: transformers' plan's, or the rule hpgen wrote itself
+from the experts' shapes where the release's plan leaves them out (``StyleRules.written``).
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ def correct_packed_chunks(
     why: dict[str, str] = {}
     blocks_by_class: dict[tuple[type, str], PackedBlocks | None] = {}
     # the experts' own tp rules (experts on an axis of their own) hold the same fused projections
-    corrected = _corrected(rules.rules, modules, forwards, why, blocks_by_class)
-    expert_tp = _corrected(rules.expert_tp, modules, forwards, why, blocks_by_class)
+    corrected = _corrected(rules.rules, modules, forwards, why, blocks_by_class, rules.written)
+    expert_tp = _corrected(rules.expert_tp, modules, forwards, why, blocks_by_class, rules.written)
     return replace(rules, rules=corrected, expert_tp=expert_tp), why
 
 
@@ -56,6 +59,7 @@ def _corrected(
     forwards: Forwards,
     why: dict[str, str],
     blocks_by_class: dict[tuple[type, str], PackedBlocks | None],
+    written: frozenset[str],
 ) -> dict[str, Rule]:
     """``found`` with each ``colwise`` on two packed blocks made ``packed_colwise`` (the why into ``why``)."""
     corrected = dict(found)
@@ -66,9 +70,10 @@ def _corrected(
         owner = modules.get(owner_fqn)
         if owner is None:
             continue
+        says = _says_colwise(fqn, written)
         key = (type(owner), attr)
         if key not in blocks_by_class:
-            blocks_by_class[key] = _packed(modules, owner_fqn, attr, forwards)
+            blocks_by_class[key] = _packed(modules, owner_fqn, attr, forwards, says)
         blocks = blocks_by_class[key]
         if blocks is None:
             continue
@@ -78,7 +83,7 @@ def _corrected(
             continue
         if blocks.count != 2:
             raise HpgenError(
-                f"{fqn}: transformers' plan says colwise, but {name}.forward splits its output into {blocks.count} "
+                f"{fqn}: {says}, but {name}.forward splits its output into {blocks.count} "
                 f"packed blocks with {blocks.says()}, which no style of transformers' plan shards; plan it with "
                 "--from-source"
             )
@@ -88,13 +93,25 @@ def _corrected(
             ):
                 corrected[other_name] = Rule("packed_colwise", other.axis, other.via_module)
         why[generic(fqn)] = (
-            f"transformers' plan says colwise, but {name}.forward splits the output of {attr} with "
+            f"{says}, but {name}.forward splits the output of {attr} with "
             f"{blocks.says()}: two packed blocks, so packed_colwise (each rank takes its chunk of both)"
         )
     return corrected
 
 
-def _packed(modules: Mapping[str, Any], owner_fqn: str, attr: str, forwards: Forwards) -> PackedBlocks | None:
+def _says_colwise(fqn: str, written: frozenset[str]) -> str:
+    """Whose ``colwise`` rule on ``fqn`` this is, as the note says it."""
+    if generic(fqn) in written:
+        return (
+            "hpgen's experts rule (read from the weights' shapes: this release's plan leaves the experts out) "
+            "says colwise"
+        )
+    return "transformers' plan says colwise"
+
+
+def _packed(
+    modules: Mapping[str, Any], owner_fqn: str, attr: str, forwards: Forwards, says: str
+) -> PackedBlocks | None:
     """The packed blocks the owner's code splits ``attr``'s output into (None: one run, or not read)."""
     import torch
 
@@ -116,4 +133,4 @@ def _packed(modules: Mapping[str, Any], owner_fqn: str, attr: str, forwards: For
     try:
         return packed_blocks(flow, owner_fqn, {attr: features}).get(attr)
     except UnequalBlocks as reason:
-        raise HpgenError(f"{owner_fqn}.{attr}: transformers' plan says colwise, but {reason}") from None
+        raise HpgenError(f"{owner_fqn}.{attr}: {says}, but {reason}") from None

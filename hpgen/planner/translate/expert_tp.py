@@ -11,6 +11,13 @@ the translator's correction makes a fused ``gate_up_proj`` ``packed_colwise`` fr
 forward's dataflow), one whose second-to-last dim is the hidden size is row-parallel. An
 experts module it cannot read so (transposed weights, biases, submodules such as an identity expert) is left
 as transformers' plan leaves it: whole.
+
+5.25 also dropped the rules of shared experts held as stacked weights of their own (Inkling's
+``shared_experts``: ``gate_proj``/``up_proj`` ``[n, intermediate, hidden]``, ``down_proj``
+``[n, hidden, intermediate]``, rules 5.24 wrote as ``colwise``/``rowwise`` under an ``all_reduce``
+module), which left them whole on every rank. A sibling of the experts module (a child of the same
+MoE block) that no rule names and whose parameters read so by the same shapes gets those rules back:
+column- and row-parallel weights, and its output, a partial sum per rank, reduced at its boundary.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ __all__ = ["experts_tp_plan", "model_tp_plan"]
 
 _EXPERTS_STYLE = "ep_dispatch_experts"
 _TP_EXPERTS_STYLE = "moe_tp_experts"
+_REDUCED_STYLE = "all_reduce"  # a module whose output is a partial sum per rank, reduced at its boundary
 
 
 def experts_tp_plan(
@@ -36,10 +44,13 @@ def experts_tp_plan(
         if style != _EXPERTS_STYLE or _covered(pattern, tp_plan):
             continue
         matched = re.compile(re.escape(pattern).replace(r"\*", r"\d+")).fullmatch
-        found = next((module for name, module in modules.items() if name and matched(name)), None)
-        rules = None if found is None else _rules(pattern, found, ep_plan, hidden_size)
+        found = next((name for name in modules if name and matched(name)), None)
+        if found is None:
+            continue
+        rules = _rules(pattern, modules[found], ep_plan, hidden_size)
         if rules:
             plan.update(rules)
+        plan.update(_sibling_rules(pattern, found, modules, tp_plan, ep_plan, hidden_size))
     return plan
 
 
@@ -49,15 +60,55 @@ def _covered(pattern: str, tp_plan: Mapping[str, str]) -> bool:
 
 def _rules(pattern: str, module: Any, ep_plan: Mapping[str, str], hidden: int) -> dict[str, str] | None:
     """The rules of one experts module, or ``None`` when its weights are not all readable as column/row."""
+    if getattr(module, "is_transposed", False):  # [n, in, out] weights (Aria's): the shapes would read them crosswise
+        return None
+    params = _own_params(module)
+    named = {key[len(pattern) + 1 :] for key in ep_plan if key.startswith(pattern + ".")}
+    if params is None or set(params) != named:
+        return None
+    rules = _column_row(pattern, params, hidden)
+    return None if rules is None else {**rules, pattern: _TP_EXPERTS_STYLE}
+
+
+def _sibling_rules(
+    pattern: str,
+    found: str,
+    modules: Mapping[str, Any],
+    tp_plan: Mapping[str, str],
+    ep_plan: Mapping[str, str],
+    hidden: int,
+) -> dict[str, str]:
+    """Rules for the children of the experts' MoE block (``found``'s parent) that hold stacked expert weights of
+    their own (shared experts) and that neither plan names: column/row by shape, the module's output reduced."""
+    parent, parent_pattern = found.rpartition(".")[0], pattern.rpartition(".")[0]
+    rules: dict[str, str] = {}
+    for name, module in modules.items():
+        owner, _, leaf = name.rpartition(".")
+        sibling = f"{parent_pattern}.{leaf}"
+        if owner != parent or sibling == pattern or _covered(sibling, tp_plan) or _covered(sibling, ep_plan):
+            continue
+        params = _own_params(module)
+        found_rules = None if params is None else _column_row(sibling, params, hidden)
+        if found_rules:
+            rules.update(found_rules)
+            rules[sibling] = _REDUCED_STYLE
+    return rules
+
+
+def _own_params(module: Any) -> dict[str, Any] | None:
+    """``module``'s parameters when they are all its own (no child with parameters, no identity expert), or None."""
     from torch import nn
 
     # an identity expert (transformers' moe_identity_expert), a norm, ...: each needs a rule not read here
     if any(isinstance(child, nn.Identity) or any(True for _ in child.parameters()) for child in module.children()):
         return None
     params = dict(module.named_parameters())
-    named = {key[len(pattern) + 1 :] for key in ep_plan if key.startswith(pattern + ".")}
-    if not params or set(params) != named:
-        return None
+    return params or None
+
+
+def _column_row(pattern: str, params: Mapping[str, Any], hidden: int) -> dict[str, str] | None:
+    """``colwise``/``rowwise`` for stacked ``[n, out, in]`` weights read by where the hidden size is; ``None``
+    unless every weight reads so and both halves are there (one reduction, at the module's boundary)."""
     rules: dict[str, str] = {}
     for leaf, param in params.items():
         if param.dim() != 3:
@@ -69,11 +120,7 @@ def _rules(pattern: str, module: Any, ep_plan: Mapping[str, str], hidden: int) -
             rules[f"{pattern}.{leaf}"] = "rowwise"
         else:
             return None
-    styles = set(rules.values())
-    if styles != {"colwise", "rowwise"}:  # a column- and a row-parallel half: one reduction, at the boundary
-        return None
-    rules[pattern] = _TP_EXPERTS_STYLE
-    return rules
+    return rules if set(rules.values()) == {"colwise", "rowwise"} else None
 
 
 def model_tp_plan(model: Any, modules: Mapping[str, Any] | None = None) -> dict[str, str]:

@@ -125,13 +125,16 @@ class StyleRules:
     ``rules``: module or parameter name -> its rule. ``expert_tp``: with experts on an axis
     of their own, the TP plan's rules on their parameters (their intermediate dim, on
     ``tp``): a two-axis block. ``mesh``: the axes, in mesh order; ``sizes``: axis -> the
-    size the plan must divide (absent without ``--tp``).
+    size the plan must divide (absent without ``--tp``). ``written``: the patterns of the TP
+    rules hpgen wrote itself where transformers' plan leaves experts out
+    (:mod:`hpgen.planner.translate.expert_tp`), so that a note on them does not quote transformers.
     """
 
     rules: dict[str, Rule]
     mesh: tuple[str, ...]
     sizes: dict[str, int]
     expert_tp: dict[str, Rule] = field(default_factory=dict)
+    written: frozenset[str] = frozenset()
 
 
 def ep_axis_name(name: str, ep_axis: str | None, ep: int | None) -> str | None:
@@ -158,6 +161,7 @@ def style_rules(
     """
     config = getattr(model, "config", None)
     tp_plan = model_tp_plan(model, modules)  # transformers >= 5.25 leaves the experts out (see expert_tp)
+    written = frozenset(set(tp_plan) - set(getattr(model, "tp_plan", None) or {}))
     ep_plan = dict(getattr(model, "ep_plan", None) or {})
     use_tp = tp is not None or ep is None
     if use_tp and not tp_plan:
@@ -169,7 +173,7 @@ def style_rules(
         return _expand(modules, name, plan, axis)
 
     if ep is None:
-        return StyleRules(expand(tp_plan, "tp"), ("tp",), {"tp": tp} if tp is not None else {})
+        return StyleRules(expand(tp_plan, "tp"), ("tp",), {"tp": tp} if tp is not None else {}, written=written)
     if not use_tp:
         axis = ep_axis or "ep"
         return StyleRules(expand(ep_plan, axis), (axis,), {axis: ep})
@@ -183,11 +187,11 @@ def style_rules(
                 f"{name}: --ep {ep} differs from --tp {tp}, but without --ep-axis the experts share the "
                 "tp axis; give --ep-axis ep to put them on an axis of their own (mesh ep x tp)"
             )
-        return StyleRules({**expand(tp_plan, "tp"), **expand(ep_plan, "tp")}, ("tp",), {"tp": tp})
+        return StyleRules({**expand(tp_plan, "tp"), **expand(ep_plan, "tp")}, ("tp",), {"tp": tp}, written=written)
     assert tp is not None
     expert_tp = expand(expert_tp_plan, "tp")
     rules = {**expand(tp_plan, "tp"), **expand(ep_plan, ep_axis)}
-    return StyleRules(rules, (ep_axis, "tp"), {ep_axis: ep, "tp": tp}, expert_tp=expert_tp)
+    return StyleRules(rules, (ep_axis, "tp"), {ep_axis: ep, "tp": tp}, expert_tp=expert_tp, written=written)
 
 
 def _expand(modules: Mapping[str, Any], name: str, plan: Mapping[str, str], axis: str) -> dict[str, Rule]:

@@ -15,18 +15,24 @@ def test_a_packed_gate_up_split_by_chunk_is_corrected_to_packed_colwise() -> Non
         experts = entry(plan, "model.layers.*.mlp.experts")
         assert experts["params"]["gate_up_proj"] == {"tp": "SS(1,2)"}, model_type
         assert "chunk(2)" in plan["comments"]["corrected"]["model.layers.*.mlp.experts.gate_up_proj"]
-    # the shared experts' gating weights, a second input of a sharded MLP-like block, get R -> R too
+    # the shared experts' gating weights, a second input of a sharded MLP-like block, get R -> R too; transformers
+    # <= 5.24's plan shards them, 5.25's leaves them out and hpgen reads the same rules from their shapes
     model, inkling = translated("inkling_text")
-    if "model.layers.*.mlp.shared_experts" in (model.tp_plan or {}):  # transformers <= 5.24's plan shards them
-        assert entry(inkling, "model.layers.*.mlp.shared_experts")["in_src"] == {
-            "hidden_states": {"tp": "R"},
-            "gammas": {"tp": "R"},
-        }
-    model, qwen3_moe = translated("qwen3_moe")
-    if "model.layers.*.mlp.experts" in (model.tp_plan or {}):  # transformers <= 5.24: packed_colwise already
-        assert "corrected" not in qwen3_moe["comments"]
-    else:  # 5.25 leaves the experts out of its tp_plan: hpgen's colwise, corrected from the same dataflow
-        assert "chunk(2)" in qwen3_moe["comments"]["corrected"]["model.layers.*.mlp.experts.gate_up_proj"]
+    shared = entry(inkling, "model.layers.*.mlp.shared_experts")
+    assert shared["in_src"] == {"hidden_states": {"tp": "R"}, "gammas": {"tp": "R"}}
+    assert shared["params"] == {"gate_proj": {"tp": "S(1)"}, "up_proj": {"tp": "S(1)"}, "down_proj": {"tp": "S(2)"}}
+    assert shared["out_src"] == {"output": {"tp": "P(sum)"}}
+    # the note names whose colwise it corrects: transformers' where its plan has the experts, hpgen's otherwise
+    ours = "hpgen's experts rule (read from the weights' shapes: this release's plan leaves the experts out) says colwise"
+    for model, plan in ((model, inkling), translated("qwen3_moe")):
+        note = plan["comments"].get("corrected", {}).get("model.layers.*.mlp.experts.gate_up_proj")
+        if "model.layers.*.mlp.experts" not in (model.tp_plan or {}):  # 5.25: hpgen's colwise, corrected
+            assert note.startswith(ours) and "chunk(2)" in note, note
+        elif model.tp_plan["model.layers.*.mlp.experts.gate_up_proj"] == "colwise":  # inkling on 5.24
+            assert note.startswith("transformers' plan says colwise") and "chunk(2)" in note, note
+        else:  # qwen3_moe on 5.24: transformers' plan says packed_colwise already
+            assert note is None
+    qwen3_moe = plan
     assert entry(qwen3_moe, "model.layers.*.mlp.experts")["params"]["gate_up_proj"] == {"tp": "SS(1,2)"}
 
 
@@ -115,3 +121,20 @@ def test_a_colwise_split_into_other_than_two_blocks_is_refused(tmp_path, monkeyp
     assert "Block.forward splits the output of gate_up with chunk(2)" in why["block.gate_up"]
     with pytest.raises(HpgenError, match=r"block.qkv: .* into 3 packed blocks with chunk\(3\).* --from-source"):
         correct_packed_chunks(rules("block.qkv"), modules, forwards)
+
+
+def test_transposed_experts_are_not_read_crosswise() -> None:
+    # Aria's experts hold [n, in, out] weights (is_transposed): gate_up_proj [n, hidden, 2 x intermediate] read by
+    # shape alone looked row-parallel and down_proj column-parallel, and the plan lost parity on 5.25 (logits off
+    # by 6.6). transformers <= 5.24's plan shards them itself (packed_rowwise / colwise); where a release's plan
+    # leaves them out, hpgen keeps them whole rather than guess the packed halves
+    from hpgen.planner.model.load import meta_model
+    from hpgen.planner.translate.expert_tp import model_tp_plan
+    from hpgen.verify.shrink import tiny_config
+
+    model = meta_model(tiny_config("aria_text"))
+    plan = model_tp_plan(model)
+    if "model.layers.*.mlp.experts" in (model.tp_plan or {}):
+        assert plan["model.layers.*.mlp.experts.gate_up_proj"] == "packed_rowwise"
+    else:
+        assert not any(key.startswith("model.layers.*.mlp.experts") for key in plan), plan
