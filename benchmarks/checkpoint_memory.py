@@ -190,7 +190,7 @@ def lower_llama(out: Path) -> None:
     import transformers
 
     from hpgen.lower import lower
-    from hpgen.plan import load_plan
+    from hpgen.core.plan import load_plan
 
     source = Path(transformers.models.llama.modeling_llama.__file__)
     out.write_text(

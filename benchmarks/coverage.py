@@ -159,10 +159,10 @@ def dropout_keys(config: Any) -> list[str]:
 
 def prepare(model_type: str, directory: Path, *, variant: str = "tp") -> tuple[Row, Case | None]:
     """Plan and lower one architecture; the case to compare on ranks when it is a causal LM."""
-    from hpgen.errors import HpgenError
+    from hpgen.core.errors import HpgenError
     from hpgen.generate import infer_package
     from hpgen.lower import lower
-    from hpgen.plan import plan_from_dict
+    from hpgen.core.plan import plan_from_dict
     from hpgen.planner.model.load import meta_model, model_and_config
     from hpgen.planner.entry.make import plan_model, plan_source
 

@@ -163,7 +163,7 @@ def lower_all(options: Options, reference: nn.Module) -> None:
         return
     from hpgen.generate import infer_package
     from hpgen.lower import lower
-    from hpgen.plan import plan_from_dict
+    from hpgen.core.plan import plan_from_dict
     from hpgen.planner.entry.make import plan_model
 
     world = dist.get_world_size()

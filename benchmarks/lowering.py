@@ -52,8 +52,8 @@ import transformers
 from transformers.models.auto import configuration_auto
 
 import hpgen.lower
-from hpgen.errors import HpgenError
-from hpgen.plan import plan_from_dict
+from hpgen.core.errors import HpgenError
+from hpgen.core.plan import plan_from_dict
 from hpgen.write import write_file
 
 DEFAULT_TYPES = (

@@ -35,7 +35,7 @@ def main() -> None:
     import libcst as cst
 
     from hpgen.lower import lower
-    from hpgen.plan import plan_from_dict
+    from hpgen.core.plan import plan_from_dict
     from tests.generator.with_models.test_hardening_scale import synthetic_modeling_file
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -7,13 +7,11 @@ The generator pipeline reads as the package: ``plan`` (load, validate) → ``ind
 Layers, each importing only those below it (``tests/package/test_layers.py`` holds the rule;
 docs/architecture.md draws it):
 
-- core: ``plan`` (loading; ``plan_reader`` validates, ``plan_entries`` is the data,
-  ``plan_names`` the name checks and FQN patterns), ``placement``, ``classify``,
-  ``shards`` (shard arithmetic, ``ShardLayout``), ``header``,
-  ``stubs`` (kernel-stub detection), ``conv1d`` (transformers' ``Conv1D``), ``errors``,
-  ``durable``, ``context_coverage`` (the ``cp`` axis's names and what context
-  parallelism does not cover), ``model_config`` (a config attribute that may be per layer):
-  plain data every layer shares; no torch at import time, no libcst;
+- core: ``hpgen.core`` (its docstring maps its modules): the plan format (``plan``,
+  ``plan_reader``, ``plan_entries``, ``plan_names``, ``plan_trust``), ``placement``,
+  ``shards``, ``classify``, ``header``, ``stubs``, ``conv1d``, ``errors``, ``durable``,
+  ``model_config``, ``context_coverage``: plain data every layer shares; no torch at
+  import time, no libcst;
 - generator (core): ``index``, ``resolve``, ``emit``, ``lower``, ``write``, ``targets``,
   ``explain``, ``generate``, ``summed_edit``, ``param_dims``, ``entry_names``: libcst in,
   files out;

@@ -21,9 +21,9 @@ from pathlib import Path
 import click
 
 from hpgen import __version__
-from hpgen.errors import GeneratedCodeError, HpgenError, printable_path
+from hpgen.core.errors import GeneratedCodeError, HpgenError, printable_path
 from hpgen.generate import check_target, generate, read_source
-from hpgen.plan import is_dotted_path
+from hpgen.core.plan import is_dotted_path
 from hpgen.targets import MODES, BadTarget, Target, find_pyproject, load_targets
 from hpgen.write import EXIT_BAD_INPUT, EXIT_INTERNAL, Report, unified_diff, write_file
 
@@ -303,7 +303,7 @@ def explain_command(
     def run() -> int:
         from hpgen.explain import explain, explain_text
         from hpgen.lower import analyze
-        from hpgen.plan import load_plan
+        from hpgen.core.plan import load_plan
 
         text, _ = read_source(Path(source))
         loaded = load_plan(plan)

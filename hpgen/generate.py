@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpgen import __version__
-from hpgen.errors import HpgenError
-from hpgen.header import body_is_intact, display_name, read_header
+from hpgen.core.errors import HpgenError
+from hpgen.core.header import body_is_intact, display_name, read_header
 from hpgen.targets import Target
 
 
@@ -84,7 +84,7 @@ def import_package(target: Target, text: str) -> str | None:
 def generate(target: Target) -> str:
     """The generated text of ``target``."""
     from hpgen.lower import lower
-    from hpgen.plan import parse_plan
+    from hpgen.core.plan import parse_plan
 
     text, _ = read_source(target.source)
     plan = parse_plan(read_bytes(target.plan, "plan"), name=str(target.plan))

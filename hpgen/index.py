@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 
-from hpgen.errors import HpgenError
-from hpgen.header import MARKER as GENERATED_MARKER
+from hpgen.core.errors import HpgenError
+from hpgen.core.header import MARKER as GENERATED_MARKER
 
 RUNTIME_IMPORT_TEXT = "import hpgen.runtime.defaults as _hp_runtime"
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpgen.errors import HpgenError
+from hpgen.core.errors import HpgenError
 from hpgen.index import ClassInfo, ModuleIndex
-from hpgen.plan import Plan
+from hpgen.core.plan import Plan
 from hpgen.resolve import ResolvedClass, resolve_key
 
 # Parameters of torch's modules whose dims do not depend on the arguments.

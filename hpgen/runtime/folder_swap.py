@@ -24,7 +24,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from hpgen import durable
+from hpgen.core import durable
 
 __all__ = ["clean_leftovers", "leftovers", "recover", "replacing"]
 

@@ -33,8 +33,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement as DPlacement
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from hpgen.placement import REPLICATE, Placement
-from hpgen.shards import ShardLayout, normalize_dim
+from hpgen.core.placement import REPLICATE, Placement
+from hpgen.core.shards import ShardLayout, normalize_dim
 
 __all__ = ["DTensorForm", "PackedShard", "dtensor_form", "dtensor_placement", "hpgen_placement"]
 

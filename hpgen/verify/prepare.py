@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpgen.errors import HpgenError
+from hpgen.core.errors import HpgenError
 
 __all__ = ["Prepared", "prepare"]
 
@@ -65,8 +65,8 @@ def prepare(
     ``trusted_modules``: as for ``parallelize``) is refused here, before any rank imports them."""
     from hpgen.generate import infer_package, read_source
     from hpgen.lower import lower
-    from hpgen.plan import load_plan, plan_from_dict
-    from hpgen.plan_trust import untrusted_target
+    from hpgen.core.plan import load_plan, plan_from_dict
+    from hpgen.core.plan_trust import untrusted_target
     from hpgen.verify.shrink import axis_sizes, kept_heads, more_layers, scaled_units, shape_for, stages_for_layers, tiny_config
 
     if source is not None and not Path(source).is_file():

@@ -4,10 +4,10 @@ import textwrap
 
 import pytest
 
-from hpgen.classify import classify_contract, transition, value_ops
+from hpgen.core.classify import classify_contract, transition, value_ops
 from hpgen.index import ChildArgument, index_module, parse_source
-from hpgen.placement import Placement
-from hpgen.plan import plan_from_dict
+from hpgen.core.placement import Placement
+from hpgen.core.plan import plan_from_dict
 
 P = Placement.parse
 

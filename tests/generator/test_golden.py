@@ -12,7 +12,7 @@ import os
 import pytest
 
 from hpgen.lower import lower
-from hpgen.plan import load_plan
+from hpgen.core.plan import load_plan
 
 from tests.conftest import FIXTURES, GOLDEN, PLANS
 

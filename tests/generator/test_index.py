@@ -4,7 +4,7 @@ import textwrap
 
 import pytest
 
-from hpgen.errors import HpgenError
+from hpgen.core.errors import HpgenError
 from hpgen.index import index_module, parse_source
 
 

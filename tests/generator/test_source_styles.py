@@ -5,7 +5,7 @@ import ast
 import pytest
 
 from hpgen.lower import lower
-from hpgen.plan import plan_from_dict
+from hpgen.core.plan import plan_from_dict
 
 PLAN = plan_from_dict(
     {

@@ -187,7 +187,7 @@ def lowered(config: Any, plan: dict[str, Any], path: str) -> str:
 
     from hpgen.generate import infer_package
     from hpgen.lower import lower
-    from hpgen.plan import plan_from_dict
+    from hpgen.core.plan import plan_from_dict
     from hpgen.planner.model.load import model_class_for
 
     source = Path(inspect.getsourcefile(model_class_for(config)) or "")

@@ -16,7 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpgen.errors import HpgenError, did_you_mean
+from hpgen.core.errors import HpgenError, did_you_mean
 
 if TYPE_CHECKING:
     from torch import nn

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hpgen.errors import HpgenError
-from hpgen.plan_entries import Layout
+from hpgen.core.errors import HpgenError
+from hpgen.core.plan_entries import Layout
 from hpgen.planner.translate.draft import DraftEntry
 
 if TYPE_CHECKING:

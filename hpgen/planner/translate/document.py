@@ -14,8 +14,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from hpgen.errors import HpgenError
-from hpgen.plan_entries import Injection
+from hpgen.core.errors import HpgenError
+from hpgen.core.plan_entries import Injection
 from hpgen.planner.model.modules import generic
 from hpgen.planner.translate.boundary_record import Boundary
 from hpgen.planner.translate.draft import DraftEntry, DraftPlan, injection

@@ -19,9 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from hpgen.plan import PLAN_FORMAT, PLAN_FORMAT_2, Plan, plan_from_dict
-from hpgen.plan_entries import LAYOUT_KEYS, FunctionRef, Injection, Layout, LocalCount, SummedReduction
-from hpgen.plan_names import fqn_matches
+from hpgen.core.plan import PLAN_FORMAT, PLAN_FORMAT_2, Plan, plan_from_dict
+from hpgen.core.plan_entries import LAYOUT_KEYS, FunctionRef, Injection, Layout, LocalCount, SummedReduction
+from hpgen.core.plan_names import fqn_matches
 
 __all__ = ["DraftEntry", "DraftPlan", "injection"]
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpgen.errors import HpgenError
+from hpgen.core.errors import HpgenError
 from hpgen.index import is_record_call
 from hpgen.planner.model.load import index_source, source_file
 

@@ -82,7 +82,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from hpgen.errors import HpgenError
+from hpgen.core.errors import HpgenError
 from hpgen.planner.translate.axis_checks import check_sizes
 from hpgen.planner.translate.corrections import correct_packed_chunks
 from hpgen.planner.translate.document import expert_injections, grouped, plan_draft

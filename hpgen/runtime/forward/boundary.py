@@ -30,9 +30,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from hpgen.classify import ValueOps, value_ops
-from hpgen.placement import Placement
-from hpgen.plan import Layout, Plan, body_is_sharded
+from hpgen.core.classify import ValueOps, value_ops
+from hpgen.core.placement import Placement
+from hpgen.core.plan import Layout, Plan, body_is_sharded
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.collectives import AxisCollectives
 from hpgen.runtime.forward.handback import call
@@ -44,7 +44,7 @@ from hpgen.runtime.forward.ops import (
     run_steps,
     steps_for,
 )
-from hpgen.shards import chunk_sizes, normalize_dim, split_sizes
+from hpgen.core.shards import chunk_sizes, normalize_dim, split_sizes
 
 if TYPE_CHECKING:  # DTensor takes seconds to import: only values that need it load it
     from torch.distributed.tensor.placement_types import Placement as DPlacement

@@ -85,7 +85,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from hpgen.shards import split_sizes
+from hpgen.core.shards import split_sizes
 
 from .handback import call
 from .moves import Move as _Move

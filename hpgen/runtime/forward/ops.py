@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import Tensor
 
-from hpgen.classify import Op, ValueOps
+from hpgen.core.classify import Op, ValueOps
 from hpgen.runtime.forward.collectives import AxisCollectives
 
 __all__ = ["Address", "Step", "address_of", "get_output", "replace_output", "run_steps", "steps_for"]

@@ -33,12 +33,12 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
-from hpgen.model_config import config_value
-from hpgen.plan import Layout, LocalCount, Plan
+from hpgen.core.model_config import config_value
+from hpgen.core.plan import Layout, LocalCount, Plan
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.collectives import AxisCollectives
 from hpgen.runtime.install.params import Matched
-from hpgen.shards import ShardLayout
+from hpgen.core.shards import ShardLayout
 
 __all__ = ["survey_attrs"]
 

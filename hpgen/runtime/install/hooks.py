@@ -35,9 +35,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hpgen.conv1d import is_conv1d
-from hpgen.placement import REPLICATE
-from hpgen.plan import Layout, Plan, body_is_sharded
+from hpgen.core.conv1d import is_conv1d
+from hpgen.core.placement import REPLICATE
+from hpgen.core.plan import Layout, Plan, body_is_sharded
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.collectives import AxisCollectives
 from hpgen.runtime.forward.handback import call
@@ -45,7 +45,7 @@ from hpgen.runtime.forward.ops import address_of, get_output, replace_output
 from hpgen.runtime.forward.wrappers import BiasShare, subclass_with
 from hpgen.runtime.install.groups import replica_group
 from hpgen.runtime.install.params import Matched, rank_shard
-from hpgen.shards import ShardLayout
+from hpgen.core.shards import ShardLayout
 
 __all__ = [
     "BiasAdder",

@@ -63,10 +63,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from hpgen.context_coverage import CONTEXT_AXIS
-from hpgen.errors import HpgenError, did_you_mean
-from hpgen.plan import Plan, load_plan, plan_from_dict
-from hpgen.plan_trust import untrusted_target
+from hpgen.core.context_coverage import CONTEXT_AXIS
+from hpgen.core.errors import HpgenError, did_you_mean
+from hpgen.core.plan import Plan, load_plan, plan_from_dict
+from hpgen.core.plan_trust import untrusted_target
 from hpgen.runtime.checkpoint.saving import bind_save_pretrained
 from hpgen.runtime.checkpoint.state_dict import install_state_dict_hooks
 from hpgen.runtime.errors import ParallelizeError
@@ -99,7 +99,7 @@ from hpgen.runtime.install.wrapped import DataParallelCheck, KeptFromDDP, MeshAx
 from hpgen.runtime.pipeline.attach import install_stage
 from hpgen.runtime.pipeline.relay import install_relay
 from hpgen.runtime.pipeline.stages import StageCut, refuse_axes, survey_stage
-from hpgen.shards import ShardLayout
+from hpgen.core.shards import ShardLayout
 
 __all__ = ["ParallelizeError", "Survey", "parallelize", "survey_model"]
 

@@ -38,14 +38,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hpgen.conv1d import is_conv1d
-from hpgen.errors import did_you_mean
-from hpgen.placement import REPLICATE, Placement
-from hpgen.plan import Entry, Layout, Plan
+from hpgen.core.conv1d import is_conv1d
+from hpgen.core.errors import did_you_mean
+from hpgen.core.placement import REPLICATE, Placement
+from hpgen.core.plan import Entry, Layout, Plan
 from hpgen.runtime.checkpoint.registrations import registrations
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.collectives import AxisCollectives
-from hpgen.shards import (
+from hpgen.core.shards import (
     ShardLayout,
     block_ranges,
     blocks_problem,

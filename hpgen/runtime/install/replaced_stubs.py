@@ -18,7 +18,7 @@ import sys
 from functools import lru_cache
 from typing import Any
 
-from hpgen.stubs import runs_stub, stub_lines
+from hpgen.core.stubs import runs_stub, stub_lines
 
 __all__ = ["refuse_replaced_stubs", "replaced_stub_problem"]
 

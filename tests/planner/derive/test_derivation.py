@@ -110,7 +110,7 @@ def test_derived_plans_load_and_lower() -> None:
 
     from hpgen.generate import infer_package
     from hpgen.lower import lower
-    from hpgen.plan import plan_from_dict
+    from hpgen.core.plan import plan_from_dict
     from hpgen.planner.model.load import model_class_for
 
     for family in ("gpt2", "opt", "bert"):

@@ -22,7 +22,7 @@ from click.testing import CliRunner
 
 from hpgen.cli import cli
 from hpgen.lower import analyze, lower
-from hpgen.plan import contract_signature, load_plan
+from hpgen.core.plan import contract_signature, load_plan
 from tests.conftest import PLANS, transformers_modeling_file
 
 MODELS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
