@@ -95,8 +95,8 @@ def layer_plan(model_type: str, *, summed: bool) -> dict[str, Any]:
 
 
 def lower_into(model_type: str, plan: dict[str, Any], out: Path) -> None:
-    from hpgen.generate import infer_package
-    from hpgen.lower import lower
+    from hpgen.generator.generate import infer_package
+    from hpgen.generator.lower import lower
     from hpgen.core.plan import plan_from_dict
 
     source = Path(sys.modules[type(build_reference(model_type)).__module__].__file__)

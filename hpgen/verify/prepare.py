@@ -63,8 +63,8 @@ def prepare(
 
     A plan whose injections name functions the user has not trusted (``trust_plan_code``,
     ``trusted_modules``: as for ``parallelize``) is refused here, before any rank imports them."""
-    from hpgen.generate import infer_package, read_source
-    from hpgen.lower import lower
+    from hpgen.generator.generate import infer_package, read_source
+    from hpgen.generator.lower import lower
     from hpgen.core.plan import load_plan, plan_from_dict
     from hpgen.core.plan_trust import untrusted_target
     from hpgen.verify.shrink import axis_sizes, kept_heads, more_layers, scaled_units, shape_for, stages_for_layers, tiny_config

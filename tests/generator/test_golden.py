@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from hpgen.lower import lower
+from hpgen.generator.lower import lower
 from hpgen.core.plan import load_plan
 
 from tests.conftest import FIXTURES, GOLDEN, PLANS

@@ -24,7 +24,7 @@ from click.testing import CliRunner
 from hpgen.cli import cli
 from hpgen.core.errors import HpgenError
 from hpgen.core.header import HEADER_LINES, display_name, read_header
-from hpgen.lower import lower
+from hpgen.generator.lower import lower
 from hpgen.core.plan import plan_from_dict
 
 from tests.conftest import FIXTURES

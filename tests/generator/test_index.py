@@ -5,7 +5,7 @@ import textwrap
 import pytest
 
 from hpgen.core.errors import HpgenError
-from hpgen.index import index_module, parse_source
+from hpgen.generator.index import index_module, parse_source
 
 
 def index(source: str):

@@ -4,7 +4,7 @@ import ast
 
 import pytest
 
-from hpgen.lower import lower
+from hpgen.generator.lower import lower
 from hpgen.core.plan import plan_from_dict
 
 PLAN = plan_from_dict(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hpgen.lower import lower
+from hpgen.generator.lower import lower
 from hpgen.core.plan import load_plan
 from hpgen.core.plan_reader import ENTRY_KEYS, INJECTION_KEYS, TOP_LEVEL_KEYS
 from tests.support.doc_blocks import EXCERPT, python_blocks

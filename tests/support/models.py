@@ -150,7 +150,7 @@ def lower_family(family: str, plan: str | Mapping[str, Any], directory: Path, *,
 
     Relative imports become absolute (``package``), so the file imports from anywhere.
     """
-    from hpgen.lower import lower
+    from hpgen.generator.lower import lower
     from hpgen.core.plan import plan_from_dict
 
     spec = FAMILIES[family]

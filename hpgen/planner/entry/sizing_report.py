@@ -321,7 +321,7 @@ def _collectives(
 
     import torch.nn as nn
 
-    from hpgen.explain import made_shards, sizes_note
+    from hpgen.generator.explain import made_shards, sizes_note
 
     made = made_shards(plan)
     wrapped = isinstance(module, (nn.Linear, nn.Embedding))

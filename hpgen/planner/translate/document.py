@@ -87,7 +87,7 @@ def boundary_classes(context: PlanContext, groups: Grouped) -> dict[str, str]:
 
     An ``attrs`` entry of a derived plan (only ``tp_divide_attrs``) is no boundary: it has no class to name.
     """
-    from hpgen.resolve import resolve_boundaries
+    from hpgen.generator.resolve import resolve_boundaries
 
     index, source_name = context.forwards.index, context.forwards.source.name
     classes = {}

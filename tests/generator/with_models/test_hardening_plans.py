@@ -35,7 +35,7 @@ from hypothesis.errors import NoSuchExample
 
 from hpgen.cli import cli
 from hpgen.core.errors import HpgenError
-from hpgen.lower import analyze, lower
+from hpgen.generator.lower import analyze, lower
 from hpgen.core.placement import Placement
 from hpgen.core.plan import RESERVED_AXIS_NAMES, is_identifier, plan_from_dict
 

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from hpgen.lower import lower
+from hpgen.generator.lower import lower
 from hpgen.core.plan import plan_from_dict
 
 from tests.conftest import FIXTURES

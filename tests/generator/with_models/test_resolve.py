@@ -5,9 +5,9 @@ import textwrap
 import pytest
 
 from hpgen.core.errors import HpgenError
-from hpgen.index import index_module, parse_source
+from hpgen.generator.index import index_module, parse_source
 from hpgen.core.plan import plan_from_dict
-from hpgen.resolve import resolve_boundaries
+from hpgen.generator.resolve import resolve_boundaries
 
 from tests.conftest import transformers_modeling_file
 

@@ -14,7 +14,7 @@ import libcst as cst
 import pytest
 
 from hpgen.core.errors import HpgenError
-from hpgen.lower import lower
+from hpgen.generator.lower import lower
 from hpgen.core.plan import load_plan, plan_from_dict
 
 from tests.conftest import PLANS, transformers_modeling_file

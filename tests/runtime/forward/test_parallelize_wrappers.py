@@ -164,7 +164,7 @@ def _copy_only(rank: int, size: int, mesh: Any) -> dict[str, bool]:
     whose output stays sharded) is lowered, and its backward all-reduces the input's gradient."""
     import types
 
-    from hpgen.lower import lower
+    from hpgen.generator.lower import lower
     from hpgen.core.plan import plan_from_dict
     from hpgen.runtime import parallelize
 

@@ -15,8 +15,8 @@ from tests.support.parity_table import starcoder2_final_norm_gathered, starcoder
 
 
 def test_the_norm_class_is_left_alone_and_explained() -> None:
-    from hpgen.explain import explain
-    from hpgen.lower import analyze
+    from hpgen.generator.explain import explain
+    from hpgen.generator.lower import analyze
     from hpgen.core.plan import plan_from_dict
 
     source = FAMILIES["starcoder2"].source()
@@ -33,8 +33,8 @@ def test_the_residual_stream_is_sequence_sharded(parity: list[dict]) -> None:
 
 def test_the_final_norm_is_wrapped_to_gather_its_output() -> None:
     # a contract that moves a value on a class outside the file: lowered (not refused), run by the generic wrapper
-    from hpgen.explain import explain
-    from hpgen.lower import analyze
+    from hpgen.generator.explain import explain
+    from hpgen.generator.lower import analyze
     from hpgen.core.plan import plan_from_dict
 
     source = FAMILIES["starcoder2"].source()

@@ -20,7 +20,7 @@ import libcst as cst
 
 from hpgen.core.classify import Contract, ValueOps
 from hpgen.core.header import Header
-from hpgen.summed_edit import rewrite_summed
+from hpgen.generator.summed_edit import rewrite_summed
 
 
 @functools.lru_cache(maxsize=1)
