@@ -21,7 +21,7 @@ from hpgen.core.placement import REPLICATE, Placement
 from hpgen.core.plan import Plan, body_is_sharded, contract_signature, summed_branches
 
 if TYPE_CHECKING:
-    from hpgen.generator.index import ForwardInfo
+    from hpgen.generator.index_records import ForwardInfo
 
 # Each collective's default backward, as the runtime's AxisCollectives defines it.
 DEFAULT_BACKWARD = {

@@ -7,7 +7,11 @@ runtime never imports it (``tests/package/test_layers.py`` holds both).
 Module map, in the order a file goes through:
 
 - reading the source: ``hpgen.generator.index`` (a read-only index of a modeling file:
-  classes, forwards, returns, imports), ``hpgen.generator.resolve`` (which class each
+  parse it twice, walk its top level), ``hpgen.generator.index_records`` (the records the
+  index is made of: classes, forwards, returns, children, imports),
+  ``hpgen.generator.body_scan`` (a ``forward`` body: signature, returns, parameters handed
+  on whole), ``hpgen.generator.init_scan`` (what a class builds: children, attributes,
+  parameter dims), ``hpgen.generator.resolve`` (which class each
   boundary FQN is, from ``__init__`` assignments), ``hpgen.generator.entry_names`` (every
   plan entry names a module and parameters the source builds), ``hpgen.generator.param_dims``
   (a placement's dim against the parameter's dims);

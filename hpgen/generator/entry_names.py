@@ -20,7 +20,7 @@ plan that runs.
 from __future__ import annotations
 
 from hpgen.core.errors import HpgenError, did_you_mean
-from hpgen.generator.index import ClassInfo, ModuleIndex
+from hpgen.generator.index_records import ClassInfo, ModuleIndex
 from hpgen.core.plan import Plan
 from hpgen.generator.resolve import ResolvedClass, resolve_key, root_class
 

@@ -19,7 +19,8 @@ from hpgen.generator.entry_names import check_entry_names
 from hpgen.core.errors import GeneratedCodeError, HpgenError
 from hpgen.core.header import Header, display_name, sha256_text
 from hpgen.generator.index import RUNTIME_IMPORT_TEXT as RUNTIME_IMPORT
-from hpgen.generator.index import ClassInfo, ModuleIndex, ParsedSource, index_module, parse_source
+from hpgen.generator.index import index_module, parse_source
+from hpgen.generator.index_records import ClassInfo, ModuleIndex, ParsedSource
 from hpgen.generator.param_dims import check_param_dims
 from hpgen.core.plan import Plan, contract_signature, is_dotted_path
 from hpgen.generator.resolve import ResolvedClass, owned_by_children, resolve_boundaries

@@ -5,7 +5,7 @@ file was generated. Where the source says how many dims a parameter has, ``hpgen
 (and ``explain``, ``check``) refuses it at once, naming the plan's JSON path and the
 source line: a child built as ``nn.Linear(...)`` (``weight`` 2-D, ``bias`` 1-D) or
 ``nn.Embedding(...)`` (``weight`` 2-D), or ``self.x = nn.Parameter(torch.empty(a, b))``
-and the like (:func:`hpgen.generator.index._parameter_dims`). Anything else is left to the runtime.
+and the like (:func:`hpgen.generator.init_scan._parameter_dims`). Anything else is left to the runtime.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpgen.core.errors import HpgenError
-from hpgen.generator.index import ClassInfo, ModuleIndex
+from hpgen.generator.index_records import ClassInfo, ModuleIndex
 from hpgen.core.plan import Plan
 from hpgen.generator.resolve import ResolvedClass, resolve_key
 

@@ -24,7 +24,7 @@ from pathlib import PurePath
 
 from hpgen.core.classify import is_identity_contract
 from hpgen.core.errors import HpgenError, did_you_mean
-from hpgen.generator.index import ChildArgument, ClassInfo, ForwardInfo, ModuleIndex
+from hpgen.generator.index_records import ChildArgument, ClassInfo, ForwardInfo, ModuleIndex
 from hpgen.core.plan import Plan, fqn_matches
 
 # Classes not defined in the source that the runtime wraps with a wrapper of their own (others: the generic one).

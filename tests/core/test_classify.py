@@ -5,7 +5,8 @@ import textwrap
 import pytest
 
 from hpgen.core.classify import classify_contract, transition, value_ops
-from hpgen.generator.index import ChildArgument, index_module, parse_source
+from hpgen.generator.index import index_module, parse_source
+from hpgen.generator.index_records import ChildArgument
 from hpgen.core.placement import Placement
 from hpgen.core.plan import plan_from_dict
 

@@ -21,7 +21,7 @@ from hpgen.core.errors import HpgenError, did_you_mean
 if TYPE_CHECKING:
     from torch import nn
 
-    from hpgen.generator.index import ModuleIndex, ParsedSource
+    from hpgen.generator.index_records import ModuleIndex, ParsedSource
 
 __all__ = [
     "defined_in",

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpgen.core.errors import HpgenError
-from hpgen.generator.index import is_record_call
+from hpgen.generator.body_scan import is_record_call
 from hpgen.planner.model.load import index_source, source_file
 
 if TYPE_CHECKING:
-    from hpgen.generator.index import ClassInfo, ModuleIndex, ParsedSource
+    from hpgen.generator.index_records import ClassInfo, ModuleIndex, ParsedSource
 
 __all__ = ["Forwards", "return_names", "self_calls"]
 
