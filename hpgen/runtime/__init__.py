@@ -27,7 +27,7 @@ docstring says what each of its modules does. docs/runtime.md has the same table
   ``groups``, ``hooks``, ``summed``, ``kernels``, ``replaced_stubs``, ``inputs``, ``tuners``,
   ``adapters``, ``wrapped``, ``context_checks``;
 - ``hpgen.runtime.forward`` (what generated forwards call): ``collectives``,
-  ``traced_collectives``, ``moves``, ``shard_records``, ``handback``, ``devices``, ``boundary``,
+  ``eager_collectives``, ``traced_collectives``, ``moves``, ``shard_records``, ``handback``, ``devices``, ``boundary``,
   ``ops``, ``wrappers``, ``streams``, ``sampling``, ``context_axis``;
 - ``hpgen.runtime.checkpoint`` (checkpoints and state dicts: read, presented to DCP and
   FSDP2, written): ``loading``, ``registrations``, ``checkpoint_files``, ``file_maps``,
