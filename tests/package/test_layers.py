@@ -427,3 +427,42 @@ def test_the_size_checks_can_fail(tmp_path: Path):
     (tmp_path / "b.py").write_text("x = 1\n")
     assert _top_level_modules(tmp_path) == {"a", "b"}
     assert _long_modules(sorted(tmp_path.glob("*.py")), 2) == [f"{tmp_path / 'a.py'}: 3 lines"]
+
+
+def _package_modules(package: str) -> set[str]:
+    """The modules directly in ``package`` (a dotted name), from the tree."""
+    folder = PACKAGE.parent.joinpath(*package.split("."))
+    return _top_level_modules(folder)
+
+
+def _subpackages(package: str) -> set[str]:
+    folder = PACKAGE.parent.joinpath(*package.split("."))
+    return {init.parent.name for init in folder.glob("*/__init__.py")}
+
+
+def test_the_core_and_the_generator_name_their_modules():
+    """``hpgen.core``'s and ``hpgen.generator``'s docstrings say what every one of their modules does, and name no other."""
+    for package in ("hpgen.core", "hpgen.generator"):
+        docstring = ast.get_docstring(ast.parse(MODULES[package].read_text())) or ""
+        listed = set(re.findall(rf"{re.escape(package)}\.(\w+)", docstring))
+        assert listed == _package_modules(package), (package, sorted(listed ^ _package_modules(package)))
+
+
+def _architecture_rows() -> dict[str, set[str]]:
+    """package -> the names in backticks of its row's last cell, in docs/architecture.md's package map."""
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text().split("## Package map", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:-1] for line in page.splitlines() if line.startswith("| `")]
+    return {package.strip().strip("`"): set(re.findall(r"`(\w+)`", modules)) for package, _, modules in rows}
+
+
+def test_the_architecture_page_maps_every_package():
+    """The page's package map has a row per top-level package and the top level, each naming what the tree holds:
+    the modules of ``hpgen``, ``hpgen.core``, ``hpgen.generator`` and ``hpgen.verify``, and the subpackages of
+    ``hpgen.runtime`` and ``hpgen.planner`` (whose modules runtime.md and the planner's table map)."""
+    rows = _architecture_rows()
+    assert set(rows) == {"hpgen", *(f"hpgen.{name}" for name in _subpackages("hpgen"))}
+    for package in ("hpgen", "hpgen.core", "hpgen.generator", "hpgen.verify"):
+        assert rows[package] == _package_modules(package), (package, sorted(rows[package] ^ _package_modules(package)))
+    for package in ("hpgen.runtime", "hpgen.planner"):
+        nested = {name for sub in _subpackages(package) for name in _subpackages(f"{package}.{sub}")}
+        assert _subpackages(package) <= rows[package] <= _subpackages(package) | nested, package
