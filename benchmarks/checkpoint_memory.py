@@ -189,8 +189,8 @@ def write_checkpoint(folder: Path, layers: int) -> int:
 def lower_llama(out: Path) -> None:
     import transformers
 
-    from hpgen.lower import lower
-    from hpgen.plan import load_plan
+    from hpgen.generator.lower import lower
+    from hpgen.core.plan import load_plan
 
     source = Path(transformers.models.llama.modeling_llama.__file__)
     out.write_text(

@@ -38,8 +38,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hpgen.lower import lower
-from hpgen.plan import plan_from_dict
+from hpgen.generator.lower import lower
+from hpgen.core.plan import plan_from_dict
 from hpgen.planner.model.load import meta_model
 from hpgen.planner.entry.make import plan_model
 from hpgen.runtime import parallelize

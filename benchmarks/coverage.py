@@ -19,7 +19,7 @@ with or without a ``base_model_tp_plan``:
    ``--ep``: whole experts per rank, for the models that have an expert plan):
    transformers' plan where it shards the decoder layers, otherwise the plan derived from the
    modeling source (the ``plan source`` column);
-2. **lower**: ``hpgen.lower.lower`` of the file the model class comes from, under that
+2. **lower**: ``hpgen.generator.lower.lower`` of the file the model class comes from, under that
    plan (relative imports made absolute, so the generated file imports from anywhere);
 3. **parity** (decoder-only causal LMs): two gloo ranks on the CPU each build the
    transformers model from the tiny config with seeded, perturbed weights (transformers
@@ -159,10 +159,10 @@ def dropout_keys(config: Any) -> list[str]:
 
 def prepare(model_type: str, directory: Path, *, variant: str = "tp") -> tuple[Row, Case | None]:
     """Plan and lower one architecture; the case to compare on ranks when it is a causal LM."""
-    from hpgen.errors import HpgenError
-    from hpgen.generate import infer_package
-    from hpgen.lower import lower
-    from hpgen.plan import plan_from_dict
+    from hpgen.core.errors import HpgenError
+    from hpgen.generator.generate import infer_package
+    from hpgen.generator.lower import lower
+    from hpgen.core.plan import plan_from_dict
     from hpgen.planner.model.load import meta_model, model_and_config
     from hpgen.planner.entry.make import plan_model, plan_source
 

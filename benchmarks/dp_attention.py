@@ -70,8 +70,8 @@ def plan_for(layout: str, ranks: int) -> tuple[dict[str, Any], str]:
 
 
 def lower_to(plan: dict[str, Any], out: Path) -> None:
-    from hpgen.lower import lower
-    from hpgen.plan import plan_from_dict
+    from hpgen.generator.lower import lower
+    from hpgen.core.plan import plan_from_dict
 
     source = Path(transformers.models.qwen3_moe.modeling_qwen3_moe.__file__)
     text = lower(source.read_text(), plan_from_dict(plan, name="plan.json"), source_name=source.name,

@@ -161,9 +161,9 @@ def lower_all(options: Options, reference: nn.Module) -> None:
 
         lower_llama(PLAN, _generated("hpgen", options)[0])
         return
-    from hpgen.generate import infer_package
-    from hpgen.lower import lower
-    from hpgen.plan import plan_from_dict
+    from hpgen.generator.generate import infer_package
+    from hpgen.generator.lower import lower
+    from hpgen.core.plan import plan_from_dict
     from hpgen.planner.entry.make import plan_model
 
     world = dist.get_world_size()

@@ -2,12 +2,12 @@
 
     python benchmarks/lowering.py [--runs 5] [--only llama,qwen3] [--all] [--json out.json]
 
-For each modeling file it times the pipeline of ``hpgen.lower.lower`` stage by stage and
+For each modeling file it times the pipeline of ``hpgen.generator.lower.lower`` stage by stage and
 the write, and next to it ``libcst.parse_module`` of the same text (the floor for any
 libcst-based rewrite), taking turns file by file and run by run.
 
 The stages are timed from the outside: for the duration of a run, the functions that
-``hpgen.lower`` calls are replaced in that module's namespace by timing wrappers:
+``hpgen.generator.lower`` calls are replaced in that module's namespace by timing wrappers:
 
 - parse: ``parse_source`` (CPython's ``ast.parse``, then ``libcst.parse_module``);
 - index: ``index_module``; resolve: ``resolve_boundaries``; classify: ``_lower_class``;
@@ -15,7 +15,7 @@ The stages are timed from the outside: for the duration of a run, the functions 
   classes); "imports", ``_absolute_imports`` (relative imports made absolute); "text", the
   rest of ``lower()``: the module's text regenerated from the tree, and the header;
 - compile: the builtin ``compile`` proving the generated code compiles;
-- write: ``hpgen.write.write_file`` into a temporary folder (temp file, fsync, rename).
+- write: ``hpgen.generator.write.write_file`` into a temporary folder (temp file, fsync, rename).
 
 Times are the thread's CPU time (``time.thread_time``: other processes on a shared machine
 do not count), except the write, in wall time since it waits on fsync.
@@ -51,10 +51,10 @@ import libcst
 import transformers
 from transformers.models.auto import configuration_auto
 
-import hpgen.lower
-from hpgen.errors import HpgenError
-from hpgen.plan import plan_from_dict
-from hpgen.write import write_file
+import hpgen.generator.lower
+from hpgen.core.errors import HpgenError
+from hpgen.core.plan import plan_from_dict
+from hpgen.generator.write import write_file
 
 DEFAULT_TYPES = (
     "llama",
@@ -71,7 +71,7 @@ DEFAULT_TYPES = (
     "cohere",
 )
 STAGES = ("parse", "index", "resolve", "classify", "rewrite", "imports", "text", "compile", "write")
-# The functions hpgen.lower calls, by their name in its namespace -> the stage they time.
+# The functions hpgen.generator.lower calls, by their name in its namespace -> the stage they time.
 WRAPPED = {
     "parse_source": "parse",
     "index_module": "index",
@@ -150,15 +150,15 @@ def collect_cases(model_types: list[str] | None) -> tuple[list[Case], dict[str, 
 
 @contextlib.contextmanager
 def stage_timers(sink: dict[str, float]) -> Iterator[None]:
-    """Time the functions ``hpgen.lower`` calls, by replacing them in its namespace.
+    """Time the functions ``hpgen.generator.lower`` calls, by replacing them in its namespace.
 
     ``compile`` is the builtin: its wrapper goes into the module's globals, which shadow
     the builtins, and is deleted afterwards.
     """
-    namespace = vars(hpgen.lower)
+    namespace = vars(hpgen.generator.lower)
     missing = [name for name in WRAPPED if name != "compile" and name not in namespace]
     if missing:
-        raise SystemExit(f"hpgen.lower no longer calls {', '.join(missing)}: update WRAPPED in {__file__}")
+        raise SystemExit(f"hpgen.generator.lower no longer calls {', '.join(missing)}: update WRAPPED in {__file__}")
     saved = {name: namespace.get(name) for name in WRAPPED}
 
     def timed(function: Callable, stage: str) -> Callable:
@@ -195,7 +195,7 @@ def time_case(case: Case, folder: Path) -> None:
     sink = defaultdict(float)
     with stage_timers(sink):
         start = CLOCK()
-        code = hpgen.lower.lower(case.text, plan, source_name=case.source.name, package=case.package)
+        code = hpgen.generator.lower.lower(case.text, plan, source_name=case.source.name, package=case.package)
         total = CLOCK() - start
     target = folder / case.source.name
     target.unlink(missing_ok=True)  # write_file skips identical bytes; make it write

@@ -95,9 +95,9 @@ def layer_plan(model_type: str, *, summed: bool) -> dict[str, Any]:
 
 
 def lower_into(model_type: str, plan: dict[str, Any], out: Path) -> None:
-    from hpgen.generate import infer_package
-    from hpgen.lower import lower
-    from hpgen.plan import plan_from_dict
+    from hpgen.generator.generate import infer_package
+    from hpgen.generator.lower import lower
+    from hpgen.core.plan import plan_from_dict
 
     source = Path(sys.modules[type(build_reference(model_type)).__module__].__file__)
     out.write_text(lower(source.read_text(), plan_from_dict(plan), source_name=source.name, package=infer_package(source)))

@@ -30,9 +30,9 @@ import torch
 def build(directory: Path, layers: int, hidden: int) -> tuple[Any, dict, Any]:
     import transformers
 
-    from hpgen.generate import infer_package
-    from hpgen.lower import lower
-    from hpgen.plan import plan_from_dict
+    from hpgen.generator.generate import infer_package
+    from hpgen.generator.lower import lower
+    from hpgen.core.plan import plan_from_dict
     from hpgen.planner.model.load import meta_model
     from hpgen.planner.entry.make import plan_model
 

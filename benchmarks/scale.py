@@ -34,8 +34,8 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))  # the synthetic files are built by the test that checks them
     import libcst as cst
 
-    from hpgen.lower import lower
-    from hpgen.plan import plan_from_dict
+    from hpgen.generator.lower import lower
+    from hpgen.core.plan import plan_from_dict
     from tests.generator.with_models.test_hardening_scale import synthetic_modeling_file
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

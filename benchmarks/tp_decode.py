@@ -114,8 +114,8 @@ def build_handwritten(reference: nn.Module, mesh: DeviceMesh) -> nn.Module:
 
 def lower_llama(plan: Path, out: Path) -> None:
     """Lower the installed ``modeling_llama.py`` under ``plan`` into ``out`` (imports made absolute)."""
-    from hpgen.lower import lower
-    from hpgen.plan import load_plan
+    from hpgen.generator.lower import lower
+    from hpgen.core.plan import load_plan
 
     source = Path(transformers.models.llama.modeling_llama.__file__)
     text = lower(source.read_text(), load_plan(plan), source_name=source.name, package="transformers.models.llama")

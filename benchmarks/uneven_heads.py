@@ -60,8 +60,8 @@ MODELS: dict[str, tuple[str, dict[str, Any], int]] = {
 
 def _projection_share(model: Any, plan: dict[str, Any], tp: int) -> tuple[float, str] | None:
     """The largest share of one attention's projection weights a rank holds (their FLOPs per token), and the pattern."""
-    from hpgen.plan import plan_from_dict
-    from hpgen.shards import ShardLayout
+    from hpgen.core.plan import plan_from_dict
+    from hpgen.core.shards import ShardLayout
 
     loaded = plan_from_dict(plan)
     for fqn, module in model.named_modules():

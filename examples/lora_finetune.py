@@ -36,8 +36,8 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hpgen.lower import lower
-from hpgen.plan import plan_from_dict
+from hpgen.generator.lower import lower
+from hpgen.core.plan import plan_from_dict
 from hpgen.planner.model.load import meta_model
 from hpgen.planner.translate.translator import translated_plan
 from hpgen.runtime import parallelize

@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hpgen.lower import lower
-from hpgen.plan import plan_from_dict
+from hpgen.generator.lower import lower
+from hpgen.core.plan import plan_from_dict
 from hpgen.runtime import parallelize
 
 R, COLWISE, ROWWISE, PARTIAL = {"tp": "R"}, {"tp": "S(0)"}, {"tp": "S(1)"}, {"tp": "P(sum)"}

@@ -33,8 +33,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hpgen.lower import lower
-from hpgen.plan import plan_from_dict
+from hpgen.generator.lower import lower
+from hpgen.core.plan import plan_from_dict
 from hpgen.planner.model.load import meta_model
 from hpgen.planner.translate.translator import translated_plan
 from hpgen.runtime import parallelize

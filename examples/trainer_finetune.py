@@ -35,8 +35,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments
 
-from hpgen.lower import lower
-from hpgen.plan import plan_from_dict
+from hpgen.generator.lower import lower
+from hpgen.core.plan import plan_from_dict
 from hpgen.planner.model.load import meta_model
 from hpgen.planner.translate.translator import translated_plan
 from hpgen.runtime import parallelize

@@ -1,4 +1,4 @@
-"""The command line: a thin shell over ``hpgen.lower`` (docs/cli.md).
+"""The command line: a thin shell over ``hpgen.generator.lower`` (docs/cli.md).
 
 Messages go to stderr, generated code and diffs to stdout, so ``--diff > patch`` works.
 Bad input exits 2 with one line naming the file and the place; an hpgen bug (generated
@@ -21,11 +21,11 @@ from pathlib import Path
 import click
 
 from hpgen import __version__
-from hpgen.errors import GeneratedCodeError, HpgenError, printable_path
-from hpgen.generate import check_target, generate, read_source
-from hpgen.plan import is_dotted_path
-from hpgen.targets import MODES, BadTarget, Target, find_pyproject, load_targets
-from hpgen.write import EXIT_BAD_INPUT, EXIT_INTERNAL, Report, unified_diff, write_file
+from hpgen.core.errors import GeneratedCodeError, HpgenError, printable_path
+from hpgen.generator.generate import check_target, generate, read_source
+from hpgen.core.plan import is_dotted_path
+from hpgen.generator.targets import MODES, BadTarget, Target, find_pyproject, load_targets
+from hpgen.generator.write import EXIT_BAD_INPUT, EXIT_INTERNAL, Report, unified_diff, write_file
 
 
 def run_guarded(action: Callable[[], int]) -> None:
@@ -301,9 +301,9 @@ def explain_command(
     """
 
     def run() -> int:
-        from hpgen.explain import explain, explain_text
-        from hpgen.lower import analyze
-        from hpgen.plan import load_plan
+        from hpgen.generator.explain import explain, explain_text
+        from hpgen.generator.lower import analyze
+        from hpgen.core.plan import load_plan
 
         text, _ = read_source(Path(source))
         loaded = load_plan(plan)

@@ -27,7 +27,7 @@ docstring says what each of its modules does. docs/runtime.md has the same table
   ``groups``, ``hooks``, ``summed``, ``kernels``, ``replaced_stubs``, ``inputs``, ``tuners``,
   ``adapters``, ``wrapped``, ``stock_loops``, ``context_checks``;
 - ``hpgen.runtime.forward`` (what generated forwards call): ``collectives``,
-  ``traced_collectives``, ``moves``, ``shard_records``, ``handback``, ``devices``, ``boundary``,
+  ``eager_collectives``, ``traced_collectives``, ``moves``, ``shard_records``, ``handback``, ``devices``, ``boundary``,
   ``ops``, ``wrappers``, ``streams``, ``sampling``, ``context_axis``;
 - ``hpgen.runtime.context`` (context parallelism: attention by blocks and the layout handed to it,
   the key/value cache split for decoding, decode attention, the log-sum-exp merge): ``blockwise``,

@@ -2,7 +2,7 @@
 
 The new checkpoint is written into a sibling folder ``.<name>.hpgen-new-<random>``, every
 file and folder of it flushed to disk, and swapped with the target in one step
-(``renameat2(RENAME_EXCHANGE)``, :func:`hpgen.durable.exchange`); the old contents, now
+(``renameat2(RENAME_EXCHANGE)``, :func:`hpgen.core.durable.exchange`); the old contents, now
 under the temporary name, are deleted after. Where the system cannot exchange two folders
 (not Linux, some network file systems) the swap is two renames: the target to
 ``.<name>.hpgen-old-<random>``, then the new folder to the target. A crash between those
@@ -24,7 +24,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from hpgen import durable
+from hpgen.core import durable
 
 __all__ = ["clean_leftovers", "leftovers", "recover", "replacing"]
 

@@ -1,9 +1,9 @@
-"""A parameter's shard in DTensor's names: the torch side of :class:`hpgen.shards.ShardLayout`.
+"""A parameter's shard in DTensor's names: the torch side of :class:`hpgen.core.shards.ShardLayout`.
 
 hpgen's placements follow docs/plan-format.md: ``S(d)`` splits like ``torch.tensor_split`` (the first
 ``n % k`` ranks hold one more), ``SS(d,k)`` gives each rank its ``S(d)`` chunk of each
 of ``k`` packed blocks, and ``RS(d,r)`` is ``S(d)`` over ``size / r`` chunks, each held
-by ``r`` consecutive ranks. The core's :class:`~hpgen.shards.ShardLayout` computes which
+by ``r`` consecutive ranks. The core's :class:`~hpgen.core.shards.ShardLayout` computes which
 global ranges a rank holds; this module names them for DTensor.
 
 DTensor's ``Shard(d)`` follows ``torch.chunk`` instead (every rank but the last holds
@@ -33,8 +33,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement as DPlacement
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from hpgen.placement import REPLICATE, Placement
-from hpgen.shards import ShardLayout, normalize_dim
+from hpgen.core.placement import REPLICATE, Placement
+from hpgen.core.shards import ShardLayout, normalize_dim
 
 __all__ = ["DTensorForm", "PackedShard", "dtensor_form", "dtensor_placement", "hpgen_placement"]
 

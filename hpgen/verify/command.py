@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hpgen.errors import HpgenError
+from hpgen.core.errors import HpgenError
 
 __all__ = ["verify_command"]
 

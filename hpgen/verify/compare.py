@@ -108,7 +108,7 @@ def _mesh(dims: tuple[tuple[str, int], ...], made: dict) -> Any:
 
 
 def _run_case(case: Prepared, mesh: Any, outcome: Outcome) -> None:
-    from hpgen.plan import plan_from_dict
+    from hpgen.core.plan import plan_from_dict
     from hpgen.runtime import parallelize
     from hpgen.runtime.errors import ParallelizeError
 

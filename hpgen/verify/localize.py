@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hpgen.context_coverage import CONTEXT_AXIS
+from hpgen.core.context_coverage import CONTEXT_AXIS
 
 __all__ = ["Difference", "Recorder", "first_difference", "returned_as_declared", "tolerance"]
 

@@ -3,7 +3,7 @@
 :func:`prepare` reads what the user gives (a plan; a model type, config.json or checkpoint
 folder, or nothing, and then the plan's ``model_class`` with transformers' default config;
 optionally the modeling file), shrinks the config (:mod:`hpgen.verify.shrink`) and lowers the
-source into a folder. Everything wrong with the input is an :class:`~hpgen.errors.HpgenError`
+source into a folder. Everything wrong with the input is an :class:`~hpgen.core.errors.HpgenError`
 naming the file and the place, raised before any rank starts.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpgen.errors import HpgenError
+from hpgen.core.errors import HpgenError
 
 __all__ = ["ATTENTION_IMPLEMENTATIONS", "Prepared", "prepare"]
 
@@ -42,7 +42,7 @@ class Prepared:
     mesh: tuple[tuple[str, int], ...]  # (axis, size) in mesh order
     source: str  # the modeling file that was lowered
     layers: tuple[str, ...] = ()  # numbered layers folded (:func:`fewer_layers`): what each tiny one stands for
-    trust_plan_code: bool = False  # parallelize's: the plan may import any function (hpgen.plan_trust)
+    trust_plan_code: bool = False  # parallelize's: the plan may import any function (hpgen.core.plan_trust)
     trusted_modules: tuple[str, ...] = ()  # parallelize's: modules whose functions the plan may import
 
     @property
@@ -71,10 +71,10 @@ def prepare(
     ``trusted_modules``: as for ``parallelize``) is refused here, before any rank imports them.
     ``attn_implementation`` (one of :data:`ATTENTION_IMPLEMENTATIONS`) is set on the tiny config, so that both
     the unsharded and the parallelized model run that attention path (``None``: transformers' default)."""
-    from hpgen.generate import infer_package, read_source
-    from hpgen.lower import lower
-    from hpgen.plan import load_plan, plan_from_dict
-    from hpgen.plan_trust import untrusted_target
+    from hpgen.generator.generate import infer_package, read_source
+    from hpgen.generator.lower import lower
+    from hpgen.core.plan import load_plan, plan_from_dict
+    from hpgen.core.plan_trust import untrusted_target
     from hpgen.verify.shrink import (
         axis_sizes, fold_layers, kept_heads, more_layers, scaled_units, shape_for, stages_for_layers, tiny_config,
     )

@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from hpgen.context_coverage import CONTEXT_AXIS
+from hpgen.core.context_coverage import CONTEXT_AXIS
 from hpgen.verify.run import Verdict
 
 __all__ = ["Finding", "finding", "planner_plan", "report_json", "report_text"]
@@ -29,7 +29,7 @@ class Finding(dict):
 
 def finding(verdict: Verdict, planner: dict[str, Any] | None) -> Finding | None:
     """Where the plan is wrong, or None for an exact plan."""
-    from hpgen.plan import plan_from_dict
+    from hpgen.core.plan import plan_from_dict
 
     if verdict.exact:
         return None
@@ -97,7 +97,7 @@ def _entry_of(plan: Any, fqn: str) -> tuple[str | None, str]:
 
 def _with_plan(found: Finding, plan: Any, key: str | None, entry_fqn: str, fqn: str,
                planner: dict[str, Any] | None, focus: tuple[str, str] | None) -> Finding:
-    from hpgen.plan import plan_from_dict
+    from hpgen.core.plan import plan_from_dict
 
     found["entry"] = key
     declared = _declared(plan.entries[key]) if key else {}
@@ -220,7 +220,7 @@ def planner_plan(verdict: Verdict) -> dict[str, Any] | None:
     """hpgen plan's plan for the case's tiny config, with ``--sp`` where the user's plan cuts the stream
     by tokens (an input ``S(1)``), ``--ep`` on an ``ep`` axis or where it injects an experts region
     (then the nearer of the two); None where the planner cannot plan the model."""
-    from hpgen.plan import plan_from_dict
+    from hpgen.core.plan import plan_from_dict
     from hpgen.planner.model.load import meta_model
     from hpgen.planner.entry.make import plan_model
 

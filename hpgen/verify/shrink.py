@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from hpgen.model_config import config_value
+from hpgen.core.model_config import config_value
 
 __all__ = [
     "CONFIG_FIXES",
@@ -458,7 +458,7 @@ def scaled_units(document: dict[str, Any], factor: int) -> dict[str, Any]:
 
     ``ValueError`` where a size is not a multiple of ``factor`` (a unit that is not whole heads).
     """
-    from hpgen.placement import Placement
+    from hpgen.core.placement import Placement
 
     if factor == 1:
         return document
@@ -531,7 +531,7 @@ def stages_for_layers(document: dict[str, Any], layers: int) -> tuple[dict[str, 
     at least as many layers as the plan has stages (more than ``layers`` where it has more
     stages). A plan without stages is returned as it is.
     """
-    from hpgen.plan_entries import expand_stage_item
+    from hpgen.core.plan_entries import expand_stage_item
 
     pipeline = document.get("pipeline")
     if not isinstance(pipeline, dict) or not isinstance(pipeline.get("stages"), list):

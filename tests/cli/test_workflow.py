@@ -6,7 +6,7 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-import hpgen.generate
+import hpgen.generator.generate
 from hpgen.cli import cli
 
 from tests.conftest import FIXTURES, PLANS
@@ -66,7 +66,7 @@ def test_check_passes_on_fresh_targets_without_lowering_them(project, monkeypatc
     def refuse(target):
         raise AssertionError("a fresh target was lowered again")
 
-    monkeypatch.setattr(hpgen.generate, "generate", refuse)
+    monkeypatch.setattr(hpgen.generator.generate, "generate", refuse)
     result = run_hpgen("check")
     assert result.exit_code == 0, result.output
     assert result.stdout == "" and result.stderr == "2 up to date\n"
@@ -122,8 +122,8 @@ def test_check_selected_outputs_and_colour(project):
 def test_full_check_lowers_again(project, monkeypatch):
     run_hpgen("lower")
     calls = []
-    original = hpgen.generate.generate
-    monkeypatch.setattr(hpgen.generate, "generate", lambda target: calls.append(target) or original(target))
+    original = hpgen.generator.generate.generate
+    monkeypatch.setattr(hpgen.generator.generate, "generate", lambda target: calls.append(target) or original(target))
     assert run_hpgen("check", "--full").exit_code == 0
     assert len(calls) == 2
 

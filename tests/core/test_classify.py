@@ -4,10 +4,11 @@ import textwrap
 
 import pytest
 
-from hpgen.classify import classify_contract, transition, value_ops
-from hpgen.index import ChildArgument, index_module, parse_source
-from hpgen.placement import Placement
-from hpgen.plan import plan_from_dict
+from hpgen.core.classify import classify_contract, transition, value_ops
+from hpgen.generator.index import index_module, parse_source
+from hpgen.generator.index_records import ChildArgument
+from hpgen.core.placement import Placement
+from hpgen.core.plan import plan_from_dict
 
 P = Placement.parse
 
@@ -234,7 +235,7 @@ def test_undeclared_arguments_handed_to_child_boundaries_get_no_copy():
     """A sequence-sharded block's undeclared arguments: the ones its body only hands to child boundaries
     that own their gradients get no copy (a second all-reduce would double the gradient, cpmant's
     position_bias under --sp); the ones it reads itself, or hands to a module without an entry, keep it."""
-    from hpgen.lower import analyze, lower
+    from hpgen.generator.lower import analyze, lower
 
     plan = plan_from_dict(
         {

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hpgen.placement import REPLICATE, Placement
+from hpgen.core.placement import REPLICATE, Placement
 
 
 @pytest.mark.parametrize(
@@ -55,8 +55,8 @@ def test_rejects(text, message):
 
 def test_a_layout_writes_the_axes_it_names_and_replaces_one_in_place():
     """What the planner builds its entries from: a Layout written as text once, axes it omits are R."""
-    from hpgen.placement import PARTIAL_SUM, shard
-    from hpgen.plan_entries import Layout
+    from hpgen.core.placement import PARTIAL_SUM, shard
+    from hpgen.core.plan_entries import Layout
 
     layout = Layout.same(("tp",), REPLICATE).with_axis("ep", shard(0))
     assert layout.document() == {"tp": "R", "ep": "S(0)"}

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from hpgen.errors import HpgenError
-from hpgen.placement import Placement
-from hpgen.plan import contract_signature, fqn_matches, load_plan, parse_plan, patterns_overlap, plan_from_dict
+from hpgen.core.errors import HpgenError
+from hpgen.core.placement import Placement
+from hpgen.core.plan import contract_signature, fqn_matches, load_plan, parse_plan, patterns_overlap, plan_from_dict
 
 from tests.conftest import FIXTURES
 
@@ -229,8 +229,8 @@ def test_whole_units_blocks_and_local_attrs_load():
 
 def test_local_count_values_per_rank():
     """Qwen2.5-7B at tp 8: 4 or 3 query heads per rank, all of one key/value head's group."""
-    from hpgen.plan import LocalCount as LocalCountOf
-    from hpgen.shards import ShardLayout
+    from hpgen.core.plan import LocalCount as LocalCountOf
+    from hpgen.core.shards import ShardLayout
 
     plan = plan_from_dict(
         minimal(
@@ -256,7 +256,7 @@ def test_local_count_values_per_rank():
     assert fused == [48, 48, 32]
     assert groups.document() == {"of": "qkv", "dim": 0, "unit": 144, "times": 16}
     with pytest.raises(ValueError, match="not laid out in blocks"):
-        from hpgen.plan import LocalCount
+        from hpgen.core.plan import LocalCount
 
         LocalCount("q_proj.weight", 0, block=0).value(lambda name: ShardLayout(shapes[name], []))
 

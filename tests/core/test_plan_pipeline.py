@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hpgen.errors import HpgenError
-from hpgen.plan import plan_from_dict
+from hpgen.core.errors import HpgenError
+from hpgen.core.plan import plan_from_dict
 
 PLANS = Path(__file__).resolve().parents[1] / "plans"
 

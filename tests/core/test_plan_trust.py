@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hpgen.plan import plan_from_dict
-from hpgen.plan_trust import untrusted_target
+from hpgen.core.plan import plan_from_dict
+from hpgen.core.plan_trust import untrusted_target
 
 ENTRY = {"params": {"weight": {"tp": "S(0)"}}}
 

@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import pytest
 
-from hpgen.placement import REPLICATE, Placement
-from hpgen.shards import ShardLayout, blocks_problem, placement_problem
+from hpgen.core.placement import REPLICATE, Placement
+from hpgen.core.shards import ShardLayout, blocks_problem, placement_problem
 
 Split = Callable[[list[int], int], list[list[int]]]
 

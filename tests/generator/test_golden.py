@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from hpgen.lower import lower
-from hpgen.plan import load_plan
+from hpgen.generator.lower import lower
+from hpgen.core.plan import load_plan
 
 from tests.conftest import FIXTURES, GOLDEN, PLANS
 

@@ -22,10 +22,10 @@ import pytest
 from click.testing import CliRunner
 
 from hpgen.cli import cli
-from hpgen.errors import HpgenError
-from hpgen.header import HEADER_LINES, display_name, read_header
-from hpgen.lower import lower
-from hpgen.plan import plan_from_dict
+from hpgen.core.errors import HpgenError
+from hpgen.core.header import HEADER_LINES, display_name, read_header
+from hpgen.generator.lower import lower
+from hpgen.core.plan import plan_from_dict
 
 from tests.conftest import FIXTURES
 

@@ -1,7 +1,7 @@
 """Writes (issue 7): a failed or interrupted run never leaves a half-written output.
 
 The output goes through a temporary file in the target folder and a rename
-(``hpgen.write.write_file``). Failures are provoked for real where the OS allows it
+(``hpgen.generator.write.write_file``). Failures are provoked for real where the OS allows it
 (a folder that is a file, a missing folder) and by making one system call fail
 otherwise (``os.replace``, ``os.fsync``): the previous output keeps its bytes, no
 temporary file is left, and the command line exits 2 with one line. An output that is
@@ -20,9 +20,9 @@ import pytest
 from click.testing import CliRunner
 
 import hpgen.cli
-import hpgen.lower
+import hpgen.generator.lower
 from hpgen.cli import cli
-from hpgen.write import write_file
+from hpgen.generator.write import write_file
 
 from tests.conftest import FIXTURES
 
@@ -123,7 +123,7 @@ def test_a_run_that_fails_on_bad_input_keeps_the_previous_output(workspace):
 def test_an_internal_error_writes_nothing_and_keeps_the_previous_output(workspace, monkeypatch):
     """Generated code that does not compile is an hpgen bug: exit 123, nothing written.
     (The fault is injected into the emitter: a statement that cannot stand at module level.)"""
-    monkeypatch.setattr(hpgen.lower, "rewrite_class", lambda *args, **kwargs: [cst.parse_statement("return 1\n")])
+    monkeypatch.setattr(hpgen.generator.lower, "rewrite_class", lambda *args, **kwargs: [cst.parse_statement("return 1\n")])
     arguments = ["lower", str(workspace / "modeling.py"), str(workspace / "plan.json"), "-o", str(workspace / "out.py")]
     result = CliRunner().invoke(cli, arguments)
     assert result.exit_code == 123, (result.exit_code, result.stderr)

@@ -4,8 +4,8 @@ import textwrap
 
 import pytest
 
-from hpgen.errors import HpgenError
-from hpgen.index import index_module, parse_source
+from hpgen.core.errors import HpgenError
+from hpgen.generator.index import index_module, parse_source
 
 
 def index(source: str):

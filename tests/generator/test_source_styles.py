@@ -4,8 +4,8 @@ import ast
 
 import pytest
 
-from hpgen.lower import lower
-from hpgen.plan import plan_from_dict
+from hpgen.generator.lower import lower
+from hpgen.core.plan import plan_from_dict
 
 PLAN = plan_from_dict(
     {

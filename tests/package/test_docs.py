@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from hpgen.lower import lower
-from hpgen.plan import load_plan
-from hpgen.plan_reader import ENTRY_KEYS, INJECTION_KEYS, TOP_LEVEL_KEYS
+from hpgen.generator.lower import lower
+from hpgen.core.plan import load_plan
+from hpgen.core.plan_reader import ENTRY_KEYS, INJECTION_KEYS, TOP_LEVEL_KEYS
 from tests.support.doc_blocks import EXCERPT, python_blocks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -134,3 +134,34 @@ def test_the_block_check_finds_what_a_reader_would_miss() -> None:
     assert unbound_names("for layer in model.layers:\n    print([p for p in layer.parameters()])\n", {"model"}) == []
     excerpt = "<!-- excerpt: a b c D -->\n```python\nclass D(nn.Module): ...\n```\n<!-- end excerpt -->\n"
     assert python_blocks(excerpt + "```python\nx = 1\n```\n") == [(7, "x = 1\n")]
+
+
+# ``from hpgen... import ...`` and ``import hpgen...`` as the pages and examples show them
+# (one line, or a parenthesized list over several).
+HPGEN_IMPORT = re.compile(r"^[ \t>]*((?:from hpgen[\w.]* import (?:\([^)]*\)|[^\n]+))|(?:import hpgen[\w.]*[^\n]*))", re.M)
+
+
+def hpgen_imports(text: str) -> list[str]:
+    """Each hpgen import statement of ``text``, with a trailing comment cut off."""
+    return [" ".join(match.group(1).split("#")[0].split()) for match in HPGEN_IMPORT.finditer(text)]
+
+
+IMPORT_SOURCES = [REPO / "README.md", *sorted(DOCS.glob("*.md")), *sorted((REPO / "examples").glob("*.py"))]
+SHOWN_IMPORTS = sorted(
+    {(path.relative_to(REPO).as_posix(), line) for path in IMPORT_SOURCES for line in hpgen_imports(path.read_text())}
+)
+
+
+def test_the_pages_show_hpgen_imports() -> None:
+    """The check below has something to check: the pages name hpgen's user paths."""
+    assert {line for _, line in SHOWN_IMPORTS} >= {"from hpgen.runtime import parallelize", "from hpgen.runtime.trainer import Trainer"}
+    assert hpgen_imports("x\n    from hpgen.a import (\n  b,\n  c,\n)  # two\n>>> import hpgen.d  # ok\n") == [
+        "from hpgen.a import ( b, c, )",
+        "import hpgen.d",
+    ]
+
+
+@pytest.mark.parametrize(("where", "line"), SHOWN_IMPORTS, ids=[f"{where}: {line}" for where, line in SHOWN_IMPORTS])
+def test_every_hpgen_import_the_pages_show_runs(where: str, line: str) -> None:
+    """Each path a user copies from README, docs/ or examples/ imports (moved modules take their pages along)."""
+    exec(compile(line, where, "exec"), {})

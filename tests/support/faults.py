@@ -3,7 +3,7 @@
 :func:`kill_at` patches, in the calling process only, every step a save takes that
 changes what is on disk: ``os.fsync`` (the end of each file's and folder's write),
 ``os.rename``/``os.replace``/``os.link``, ``shutil.rmtree``, the two-folder exchange
-(:func:`hpgen.durable.exchange`), and, where transformers is imported, its safetensors
+(:func:`hpgen.core.durable.exchange`), and, where transformers is imported, its safetensors
 writer, which counts three steps per file: before it, half of its bytes on disk, after it. At the ``k``-th step the
 process kills itself with SIGKILL: no ``finally``, no atexit, as when a job is killed.
 
@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from hpgen import durable
+from hpgen.core import durable
 
 
 

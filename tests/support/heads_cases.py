@@ -185,9 +185,9 @@ def lowered(config: Any, plan: dict[str, Any], path: str) -> str:
     import inspect
     from pathlib import Path
 
-    from hpgen.generate import infer_package
-    from hpgen.lower import lower
-    from hpgen.plan import plan_from_dict
+    from hpgen.generator.generate import infer_package
+    from hpgen.generator.lower import lower
+    from hpgen.core.plan import plan_from_dict
     from hpgen.planner.model.load import model_class_for
 
     source = Path(inspect.getsourcefile(model_class_for(config)) or "")

@@ -157,7 +157,7 @@ def adapter_layout(base_placement: str, part: str, *, transposed: bool) -> str:
 
 def expected_layouts(reference: nn.Module, plan: dict[str, Any]) -> dict[str, str]:
     """Adapter parameter name (as peft names it) -> its placement on ``tp``, from the base weights' plan."""
-    from hpgen.plan import fqn_matches
+    from hpgen.core.plan import fqn_matches
 
     base_layouts = {}
     base = reference.get_base_model()

@@ -150,8 +150,8 @@ def lower_family(family: str, plan: str | Mapping[str, Any], directory: Path, *,
 
     Relative imports become absolute (``package``), so the file imports from anywhere.
     """
-    from hpgen.lower import lower
-    from hpgen.plan import plan_from_dict
+    from hpgen.generator.lower import lower
+    from hpgen.core.plan import plan_from_dict
 
     spec = FAMILIES[family]
     document = load_plan_dict(plan) if isinstance(plan, str) else dict(plan)
@@ -215,7 +215,7 @@ def generated_model(module: ModuleType, family: str, config: Any, reference: nn.
 
 def param_layouts(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, dict[str, str]]:
     """Parameter FQN -> {axis: placement text} for every parameter the plan names."""
-    from hpgen.plan import fqn_matches
+    from hpgen.core.plan import fqn_matches
 
     result = {}
     for fqn, _ in model.named_modules():

@@ -157,7 +157,7 @@ def test_the_command_line_runs_the_attention_implementation_asked_for(tmp_path: 
 def test_prepare_sets_the_attention_on_the_tiny_config(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from hpgen.errors import HpgenError
+    from hpgen.core.errors import HpgenError
     from hpgen.verify.prepare import prepare
 
     for attention in ("eager", "sdpa"):

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
-from hpgen.placement import REPLICATE, Placement, block_placement, replicated_shard, shard, strided_shard
+from hpgen.core.placement import REPLICATE, Placement, block_placement, replicated_shard, shard, strided_shard
 from hpgen.planner.derive.heads.counts import Heads
 from hpgen.planner.flow import ShapeUse, Val
 

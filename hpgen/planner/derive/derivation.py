@@ -66,8 +66,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hpgen.placement import REPLICATE
-from hpgen.plan_entries import LocalCount
+from hpgen.core.placement import REPLICATE
+from hpgen.core.plan_entries import LocalCount
 from hpgen.planner.derive.channels.state_space import channel_attrs, find_channel_mixer
 from hpgen.planner.derive.column_decision import decide_columns
 from hpgen.planner.derive.column_layouts import PLAIN

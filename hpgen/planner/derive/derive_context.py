@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpgen.model_config import config_value
+from hpgen.core.model_config import config_value
 from hpgen.planner.flow import Flow, run_module
 from hpgen.planner.flow.caller_nones import caller_nones
 

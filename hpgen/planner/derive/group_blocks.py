@@ -15,7 +15,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hpgen.placement import REPLICATE, Placement, shard
+from hpgen.core.placement import REPLICATE, Placement, shard
 from hpgen.planner.derive.column_layouts import PLAIN, ColumnLayout
 from hpgen.planner.derive.derive_context import DeriveContext
 from hpgen.planner.derive.heads.counts import Heads

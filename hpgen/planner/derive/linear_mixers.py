@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
-from hpgen.placement import Placement, shard, strided_shard
+from hpgen.core.placement import Placement, shard, strided_shard
 
 __all__ = ["absent", "conv_placement", "per_head_placement", "single_column_conv"]
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal, Union
 
-from hpgen.placement import PARTIAL_SUM, REPLICATE, Placement, shard
-from hpgen.plan_entries import Layout
+from hpgen.core.placement import PARTIAL_SUM, REPLICATE, Placement, shard
+from hpgen.core.plan_entries import Layout
 from hpgen.planner.model.modules import generic
 
 __all__ = ["BATCH_MAJOR", "Derivation", "HeadCut", "Kind", "NoQueryHead", "Note", "Placed", "Refused"]

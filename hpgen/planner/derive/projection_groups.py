@@ -15,7 +15,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpgen.placement import REPLICATE, Placement, shard, strided_shard
+from hpgen.core.placement import REPLICATE, Placement, shard, strided_shard
 from hpgen.planner.derive.column_layouts import ColumnLayout
 from hpgen.planner.derive.derive_context import DeriveContext
 from hpgen.planner.derive.heads.counts import Heads

@@ -25,7 +25,7 @@ import textwrap
 from collections.abc import Mapping
 from typing import Any
 
-from hpgen.placement import REPLICATE, shard
+from hpgen.core.placement import REPLICATE, shard
 from hpgen.planner.derive.placed import Derivation, Kind, Placed
 from hpgen.planner.model.modules import generic, in_features, is_nn_linear, out_features
 

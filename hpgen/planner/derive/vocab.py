@@ -15,7 +15,7 @@ import ast
 from pathlib import Path
 from typing import Any
 
-from hpgen.placement import Placement, shard
+from hpgen.core.placement import Placement, shard
 from hpgen.planner.derive.placed import Derivation, Kind, Placed
 from hpgen.planner.model.modules import is_nn_linear
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpgen.errors import HpgenError
-from hpgen.plan_names import fqn_matches
+from hpgen.core.errors import HpgenError
+from hpgen.core.plan_names import fqn_matches
 from hpgen.planner.translate.draft import DraftPlan
 
 __all__ = ["TRANSFORMERS", "DERIVED", "make_plan", "plan_model", "plan_source", "transformers_shards_layers"]
@@ -159,7 +159,7 @@ def _completed(model: Any, plan: DraftPlan, *, tp: int | None, name: str) -> Dra
     comments list what was added. First, blocks of transformers' plan that the source
     contradicts are dropped (:mod:`hpgen.planner.passes.crosscheck`).
     """
-    from hpgen.errors import HpgenError as _Error
+    from hpgen.core.errors import HpgenError as _Error
     from hpgen.planner.derive.derivation import derive
     from hpgen.planner.derive.placed import Derivation, Kind
     from hpgen.planner.passes.crosscheck import drop_contradicted, drop_feature_statistics, drop_regathered
@@ -222,7 +222,7 @@ def _regathered_sp(model: Any, plan: DraftPlan, *, tp: int | None, name: str) ->
     are swapped for the derived ones, entered from the sequence-sharded stream like the blocks around
     them; where the derived blocks do not fit, the dropped blocks stay replicated.
     """
-    from hpgen.errors import HpgenError as _Error
+    from hpgen.core.errors import HpgenError as _Error
     from hpgen.planner.derive.derivation import derive
     from hpgen.planner.derive.placed import Derivation
     from hpgen.planner.passes.crosscheck import drop_regathered

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpgen.errors import HpgenError
+from hpgen.core.errors import HpgenError
 
 __all__ = ["plan_with_report", "sizing_for"]
 

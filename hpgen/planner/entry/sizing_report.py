@@ -7,7 +7,7 @@ computed from the model built on the meta device (shapes only) and the plan:
   its placement (``S`` splits like ``torch.tensor_split``, ``SS`` per packed block),
   tied parameters counted once; split into sharded and replicated;
 - **collectives**: for every boundary the plan matches, the ops its contract lowers to
-  (:func:`hpgen.classify.value_ops`), forward and backward, each with the bytes of the
+  (:func:`hpgen.core.classify.value_ops`), forward and backward, each with the bytes of the
   tensor it moves per token (the value's feature width at that dtype) and the bytes a
   rank sends for it on a ring (all-reduce ``2 (p-1)/p``, all-gather and reduce-scatter
   ``(p-1)/p`` of the whole tensor). An all-gather that nothing tells its shard sizes
@@ -28,9 +28,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpgen.classify import COMMUNICATING, DEFAULT_BACKWARD, summed_ops, value_ops
-from hpgen.model_config import config_value
-from hpgen.plan import Plan, plan_from_dict
+from hpgen.core.classify import COMMUNICATING, DEFAULT_BACKWARD, summed_ops, value_ops
+from hpgen.core.model_config import config_value
+from hpgen.core.plan import Plan, plan_from_dict
 from hpgen.planner.model.modules import generic
 
 __all__ = ["Collective", "HeadsHeld", "SizeReport", "format_bytes", "size_report"]
@@ -216,8 +216,8 @@ def size_report(
     ``dtype_from`` says why ``dtype`` (printed beside it)."""
     import torch
 
-    from hpgen.placement import Placement
-    from hpgen.shards import ShardLayout
+    from hpgen.core.placement import Placement
+    from hpgen.core.shards import ShardLayout
 
     loaded = plan if isinstance(plan, Plan) else plan_from_dict(plan)
     dtype = _dtype(dtype, model)
@@ -321,7 +321,7 @@ def _collectives(
 
     import torch.nn as nn
 
-    from hpgen.explain import made_shards, sizes_note
+    from hpgen.generator.explain import made_shards, sizes_note
 
     made = made_shards(plan)
     wrapped = isinstance(module, (nn.Linear, nn.Embedding))
@@ -375,7 +375,7 @@ def _config_int(config: Any, name: str) -> int | None:
 def _replicated_rows(placement: Any, tp: int) -> int:
     """The rows of a ``B`` placement's blocks held by more than one rank (``R``, ``RS``) that a rank holds: their
     gradient is summed over the holders once per backward (multi-query Falcon's key and value)."""
-    from hpgen.shards import ShardLayout
+    from hpgen.core.shards import ShardLayout
 
     if placement.kind != "B":
         return 0
@@ -394,7 +394,7 @@ def _heads_held(modules: Mapping[str, Any], matched: Mapping[str, Any], config: 
     The query heads are read from the projection whose input is all of them (``o_proj``: its input features cut in
     whole heads), the key/value heads from a projection whose output is theirs alone.
     """
-    from hpgen.shards import ShardLayout
+    from hpgen.core.shards import ShardLayout
 
     heads, kv = (_config_int(config, name) for name in ("num_attention_heads", "num_key_value_heads"))
     kv = kv or heads

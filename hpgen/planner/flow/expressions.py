@@ -16,7 +16,7 @@ from typing import Any
 from hpgen.planner.flow.constants import self_path
 from hpgen.planner.flow.functions import in_place, tuple_function
 from hpgen.planner.flow.protocols import Interpreter
-from hpgen.stubs import returns_none
+from hpgen.core.stubs import returns_none
 from hpgen.planner.flow.values import (
     EMPTY,
     UNKNOWN,

@@ -16,12 +16,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpgen.errors import HpgenError, did_you_mean
+from hpgen.core.errors import HpgenError, did_you_mean
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from hpgen.index import ModuleIndex, ParsedSource
+    from hpgen.generator.index_records import ModuleIndex, ParsedSource
 
 __all__ = [
     "defined_in",
@@ -164,7 +164,7 @@ def index_source(source: Path) -> tuple[ParsedSource, ModuleIndex]:
 
 @lru_cache(maxsize=16)
 def _indexed(name: str, text: str) -> tuple[ParsedSource, ModuleIndex]:
-    from hpgen.index import index_module, parse_source
+    from hpgen.generator.index import index_module, parse_source
 
     parsed = parse_source(text, name=name)
     return parsed, index_module(parsed)

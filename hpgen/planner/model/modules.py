@@ -7,7 +7,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from hpgen.conv1d import is_conv1d
+from hpgen.core.conv1d import is_conv1d
 
 _DIGITS = re.compile(r"\.\d+(?=\.|$)")  # a list index segment
 

@@ -22,11 +22,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from hpgen.context_coverage import CONTEXT_AXIS, GATHERED_KV_ATTENTION, context_refusal
-from hpgen.errors import HpgenError
-from hpgen.placement import REPLICATE, shard
-from hpgen.plan_entries import Layout
-from hpgen.plan_names import fqn_matches
+from hpgen.core.context_coverage import CONTEXT_AXIS, GATHERED_KV_ATTENTION, context_refusal
+from hpgen.core.errors import HpgenError
+from hpgen.core.placement import REPLICATE, shard
+from hpgen.core.plan_entries import Layout
+from hpgen.core.plan_names import fqn_matches
 from hpgen.planner.translate.draft import DraftEntry, DraftPlan, injection
 
 __all__ = ["context_parallel"]

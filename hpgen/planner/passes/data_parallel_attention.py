@@ -28,7 +28,7 @@ import copy
 import inspect
 from typing import Any
 
-from hpgen.errors import HpgenError
+from hpgen.core.errors import HpgenError
 
 __all__ = ["BATCH_INPUTS", "data_parallel_attention"]
 
@@ -163,6 +163,6 @@ def _forward_params(module: Any) -> list[str]:
 
 
 def _matches(pattern: str, fqn: str) -> bool:
-    from hpgen.plan import fqn_matches
+    from hpgen.core.plan import fqn_matches
 
     return fqn_matches(pattern, fqn)

@@ -6,7 +6,7 @@ Gemma4Unified's. ``hpgen lower`` rewrites one file, so such a plan is lowered on
 When the boundaries' classes come from more than one file, every boundary key gets its
 class in ``boundary_classes`` by qualified name (``transformers.models.qwen2.modeling_qwen2.
 Qwen2Attention``), so that lowering any one of the files knows which keys are its own
-(:mod:`hpgen.resolve`), and the plan's ``comments`` list the files (``modeling_files``).
+(:mod:`hpgen.generator.resolve`), and the plan's ``comments`` list the files (``modeling_files``).
 """
 
 from __future__ import annotations

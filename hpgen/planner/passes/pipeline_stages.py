@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hpgen.errors import HpgenError
-from hpgen.plan_entries import compact_stage
+from hpgen.core.errors import HpgenError
+from hpgen.core.plan_entries import compact_stage
 
 __all__ = ["PIPELINE_AXIS", "StageCut", "add_pipeline", "stage_cut", "stage_params", "stages_text"]
 

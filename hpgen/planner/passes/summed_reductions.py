@@ -31,9 +31,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from hpgen.placement import PARTIAL_SUM, REPLICATE
-from hpgen.plan import fqn_matches
-from hpgen.plan_entries import Layout, SummedReduction
+from hpgen.core.placement import PARTIAL_SUM, REPLICATE
+from hpgen.core.plan import fqn_matches
+from hpgen.core.plan_entries import Layout, SummedReduction
 from hpgen.planner.flow.constants import Constants, self_path
 from hpgen.planner.flow.runner import function_def
 from hpgen.planner.flow.values import UNKNOWN

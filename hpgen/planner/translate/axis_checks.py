@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from hpgen.errors import HpgenError
-from hpgen.model_config import config_value
-from hpgen.placement import replicated_shard, shard
-from hpgen.plan_entries import LocalCount
+from hpgen.core.errors import HpgenError
+from hpgen.core.model_config import config_value
+from hpgen.core.placement import replicated_shard, shard
+from hpgen.core.plan_entries import LocalCount
 from hpgen.planner.derive.heads.shares import HeadShares, head_shares
 from hpgen.planner.translate.boundary_record import Boundary
 

@@ -1,8 +1,8 @@
 """The record of one boundary a plan's steps fill in, and the two questions asked of all of them.
 
 A :class:`Boundary` is a concrete module (``model.layers.3.mlp``) with the layouts of its
-inputs, outputs and parameters (:class:`~hpgen.plan_entries.Layout`, one
-:class:`~hpgen.placement.Placement` per mesh axis) as the steps fill them in;
+inputs, outputs and parameters (:class:`~hpgen.core.plan_entries.Layout`, one
+:class:`~hpgen.core.placement.Placement` per mesh axis) as the steps fill them in;
 :meth:`Boundary.entry` gives its plan entry (a :class:`~hpgen.planner.translate.draft.DraftEntry`).
 :func:`add_boundary` adds one to a plan's boundaries (or returns the one there);
 :func:`enclosing` finds the nearest at or above a module.
@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hpgen.errors import HpgenError
-from hpgen.plan_entries import Layout
+from hpgen.core.errors import HpgenError
+from hpgen.core.plan_entries import Layout
 from hpgen.planner.translate.draft import DraftEntry
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from hpgen.errors import HpgenError
+from hpgen.core.errors import HpgenError
 from hpgen.planner.derive.column_layouts import UnequalBlocks
 from hpgen.planner.derive.reshapes import PackedBlocks, packed_blocks
 from hpgen.planner.model.modules import generic, is_linear, out_features

@@ -35,9 +35,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpgen.errors import HpgenError
-from hpgen.placement import PARTIAL_SUM, REPLICATE, Placement, shard
-from hpgen.plan_entries import Injection, Layout
+from hpgen.core.errors import HpgenError
+from hpgen.core.placement import PARTIAL_SUM, REPLICATE, Placement, shard
+from hpgen.core.plan_entries import Injection, Layout
 from hpgen.planner.derive.derivation import Derivation, Placed
 from hpgen.planner.derive.placed import BATCH_MAJOR, Kind
 from hpgen.planner.model.modules import generic

@@ -2,7 +2,7 @@
 
 Concrete boundaries fold into one ``*`` key where every match of the key has the same
 class and entry, otherwise they are listed per index (one key may not overlap another).
-:mod:`hpgen.resolve` says which keys it resolves statically; the others get
+:mod:`hpgen.generator.resolve` says which keys it resolves statically; the others get
 ``boundary_classes``. :func:`grouped` folds the boundaries, :func:`plan_draft` makes the
 :class:`~hpgen.planner.translate.draft.DraftPlan` and loads it once before it is returned: what the
 planner writes must load. :func:`dumps_plan` is the text of its document.
@@ -14,8 +14,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from hpgen.errors import HpgenError
-from hpgen.plan_entries import Injection
+from hpgen.core.errors import HpgenError
+from hpgen.core.plan_entries import Injection
 from hpgen.planner.model.modules import generic
 from hpgen.planner.translate.boundary_record import Boundary
 from hpgen.planner.translate.draft import DraftEntry, DraftPlan, injection
@@ -87,7 +87,7 @@ def boundary_classes(context: PlanContext, groups: Grouped) -> dict[str, str]:
 
     An ``attrs`` entry of a derived plan (only ``tp_divide_attrs``) is no boundary: it has no class to name.
     """
-    from hpgen.resolve import resolve_boundaries
+    from hpgen.generator.resolve import resolve_boundaries
 
     index, source_name = context.forwards.index, context.forwards.source.name
     classes = {}

@@ -1,13 +1,13 @@
 """The plan while the planner writes it: typed entries, written out as a document once.
 
 The translator and the derived path build a :class:`DraftPlan` of :class:`DraftEntry`
-objects (:class:`~hpgen.plan_entries.Layout` per value, one
-:class:`~hpgen.placement.Placement` per axis); the passes after them (the cross-checks,
+objects (:class:`~hpgen.core.plan_entries.Layout` per value, one
+:class:`~hpgen.core.placement.Placement` per axis); the passes after them (the cross-checks,
 the summed reductions, naming classes by file) return new drafts, and ``hpgen plan``
 writes :meth:`DraftPlan.document` once at the end. A draft is owned by the pass holding
 it: passes build new drafts (:func:`dataclasses.replace`) and never edit one in place.
 
-Unlike :class:`~hpgen.plan_entries.Entry` (what a validated plan reads as, every axis
+Unlike :class:`~hpgen.core.plan_entries.Entry` (what a validated plan reads as, every axis
 filled in), a draft entry keeps the axes the planner named, so its document is exactly
 what the planner wrote. :meth:`DraftPlan.validated` loads it: the gate a pass falls back on.
 """
@@ -19,9 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from hpgen.plan import PLAN_FORMAT, PLAN_FORMAT_2, Plan, plan_from_dict
-from hpgen.plan_entries import LAYOUT_KEYS, FunctionRef, Injection, Layout, LocalCount, SummedReduction
-from hpgen.plan_names import fqn_matches
+from hpgen.core.plan import PLAN_FORMAT, PLAN_FORMAT_2, Plan, plan_from_dict
+from hpgen.core.plan_entries import LAYOUT_KEYS, FunctionRef, Injection, Layout, LocalCount, SummedReduction
+from hpgen.core.plan_names import fqn_matches
 
 __all__ = ["DraftEntry", "DraftPlan", "injection"]
 
@@ -169,14 +169,14 @@ class DraftPlan:
 
     def entry_for(self, fqn: str) -> tuple[str, DraftEntry] | None:
         """The key and entry whose key matches a concrete module FQN (at most one in a draft that loads), as
-        :meth:`hpgen.plan_entries.Plan.entry_for` finds it in the loaded plan: the passes ask the draft itself."""
+        :meth:`hpgen.core.plan_entries.Plan.entry_for` finds it in the loaded plan: the passes ask the draft itself."""
         for key, entry in self.entries.items():
             if fqn_matches(key, fqn):
                 return key, entry
         return None
 
     def validated(self, name: str | None = None) -> Plan:
-        """The draft loaded as a plan; raises :class:`~hpgen.errors.HpgenError` where it would not load."""
+        """The draft loaded as a plan; raises :class:`~hpgen.core.errors.HpgenError` where it would not load."""
         return plan_from_dict(self.document()) if name is None else plan_from_dict(self.document(), name=name)
 
     def with_comments(self, **comments: Any) -> DraftPlan:

@@ -1,6 +1,6 @@
 """Each module's ``forward``, read from its class's modeling file: its parameters and what it returns.
 
-:class:`Forwards` reads the modeling files (each once, with :mod:`hpgen.index`): a
+:class:`Forwards` reads the modeling files (each once, with :mod:`hpgen.generator.index`): a
 boundary's input is the first parameter of its class's ``forward`` (and the routing
 weights of an experts module), its outputs follow the ``return`` (``attn_output,
 attn_weights``). Both planners' steps ask it (:class:`~hpgen.planner.translate.plan_context.PlanContext`
@@ -14,12 +14,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpgen.errors import HpgenError
-from hpgen.index import is_record_call
+from hpgen.core.errors import HpgenError
+from hpgen.generator.body_scan import is_record_call
 from hpgen.planner.model.load import index_source, source_file
 
 if TYPE_CHECKING:
-    from hpgen.index import ClassInfo, ModuleIndex, ParsedSource
+    from hpgen.generator.index_records import ClassInfo, ModuleIndex, ParsedSource
 
 __all__ = ["Forwards", "return_names", "self_calls"]
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from hpgen.errors import HpgenError
-from hpgen.placement import REPLICATE, shard
-from hpgen.plan_entries import Layout
+from hpgen.core.errors import HpgenError
+from hpgen.core.placement import REPLICATE, shard
+from hpgen.core.plan_entries import Layout
 from hpgen.planner.model.load import defined_in
 from hpgen.planner.translate.boundary_record import Boundary, add_boundary
 from hpgen.planner.translate.forwards import self_calls

@@ -8,8 +8,8 @@ input is ``R -> R`` and its output ``P(sum) -> R`` (from the sequence shards wit
 
 from __future__ import annotations
 
-from hpgen.placement import PARTIAL_SUM, REPLICATE, shard
-from hpgen.plan_entries import Layout
+from hpgen.core.placement import PARTIAL_SUM, REPLICATE, shard
+from hpgen.core.plan_entries import Layout
 from hpgen.planner.translate.axis_checks import is_attention
 from hpgen.planner.translate.boundary_record import Boundary
 from hpgen.planner.translate.plan_context import PlanContext

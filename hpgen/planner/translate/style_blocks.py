@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from hpgen.errors import HpgenError
-from hpgen.placement import REPLICATE
-from hpgen.plan_entries import Layout
+from hpgen.core.errors import HpgenError
+from hpgen.core.placement import REPLICATE
+from hpgen.core.plan_entries import Layout
 from hpgen.planner.model.modules import relative
 from hpgen.planner.translate.boundary_record import Boundary, add_boundary, enclosing
 from hpgen.planner.translate.styles import (

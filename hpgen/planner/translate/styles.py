@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpgen.errors import HpgenError
-from hpgen.placement import REPLICATE, Placement, shard, strided_shard
+from hpgen.core.errors import HpgenError
+from hpgen.core.placement import REPLICATE, Placement, shard, strided_shard
 from hpgen.planner.model.modules import generic
 from hpgen.planner.translate.expert_tp import model_tp_plan
 
@@ -139,7 +139,7 @@ class StyleRules:
 
 def ep_axis_name(name: str, ep_axis: str | None, ep: int | None) -> str | None:
     """The experts' own axis name, checked (``tp`` means sharing it, as no name does)."""
-    from hpgen.plan import RESERVED_AXIS_NAMES, is_identifier
+    from hpgen.core.plan import RESERVED_AXIS_NAMES, is_identifier
 
     if ep_axis is None:
         return None

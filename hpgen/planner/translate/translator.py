@@ -34,9 +34,9 @@ second for one architecture:
      it is listed, not only those the plan marks ``replicated_with_grad_allreduce``;
    - a row-parallel bias stays replicated and goes to ``deferred_bias_params``.
 3. Read the modeling file the model class comes from (``inspect.getsourcefile``) with
-   :mod:`hpgen.index`: a boundary's input is the first parameter of its class's
+   :mod:`hpgen.generator.index`: a boundary's input is the first parameter of its class's
    ``forward`` (and the routing weights of an experts module), its outputs follow the
-   ``return`` (``attn_output, attn_weights``). :mod:`hpgen.resolve` says which FQNs it
+   ``return`` (``attn_output, attn_weights``). :mod:`hpgen.generator.resolve` says which FQNs it
    resolves statically; the others get ``boundary_classes``.
 4. Group the concrete FQNs back into ``*`` keys where every match of the key has the same
    class and entry; otherwise list them per index (one key may not overlap another).
@@ -82,7 +82,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from hpgen.errors import HpgenError
+from hpgen.core.errors import HpgenError
 from hpgen.planner.translate.axis_checks import check_sizes
 from hpgen.planner.translate.corrections import correct_packed_chunks
 from hpgen.planner.translate.document import expert_injections, grouped, plan_draft

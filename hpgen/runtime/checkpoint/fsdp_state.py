@@ -34,7 +34,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from hpgen.runtime.checkpoint.sharded_param import ShardedParam
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.shard_layout import PackedShard
-from hpgen.shards import chunk_bounds, split_sizes
+from hpgen.core.shards import chunk_bounds, split_sizes
 
 
 __all__ = ["composed_dtensor", "composed_form", "fsdp_shard_dim", "fsdp_value", "is_fsdp_shard"]

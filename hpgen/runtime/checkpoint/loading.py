@@ -31,7 +31,7 @@ from hpgen.runtime.checkpoint.checkpoint_files import CheckpointFiles
 from hpgen.runtime.checkpoint.conversions import Mapped, Source, checkpoint_sources, model_conversions
 from hpgen.runtime.checkpoint.registrations import registrations
 from hpgen.runtime.errors import ParallelizeError
-from hpgen.shards import ShardLayout
+from hpgen.core.shards import ShardLayout
 
 __all__ = ["initialise_buffers", "load_checkpoint"]
 

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.handback import call
 from hpgen.runtime.shard_layout import DTensorForm, PackedShard
-from hpgen.shards import ShardLayout
+from hpgen.core.shards import ShardLayout
 
 __all__ = ["ShardedParam", "gather_full", "layout_text"]
 

@@ -47,7 +47,7 @@ from hpgen.runtime.checkpoint.sharded_param import ShardedParam, gather_full, la
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.collectives import AxisCollectives
 from hpgen.runtime.shard_layout import PackedShard, dtensor_form
-from hpgen.shards import ShardLayout
+from hpgen.core.shards import ShardLayout
 
 __all__ = [
     "PackedShard",

@@ -1,6 +1,7 @@
 """What generated forwards and wrapped modules run at every call.
 
 - ``hpgen.runtime.forward.collectives``: autograd-aware collectives of one mesh axis;
+- ``hpgen.runtime.forward.eager_collectives``: the same collectives run eagerly, one function per op;
 - ``hpgen.runtime.forward.traced_collectives``: the same collectives as ``torch.compile`` traces them;
 - ``hpgen.runtime.forward.moves``: a collective as data (one layout transition on one axis), shared by both forms;
 - ``hpgen.runtime.forward.shard_records``: the shard sizes an axis's collectives saw in one forward, per tensor;

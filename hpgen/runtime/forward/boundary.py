@@ -14,7 +14,7 @@ uneven shards work) → ``redistribute`` → ``to_local``, and a local partition
 ``-> P``, which DTensor's public API refuses.
 
 DTensor cannot know what the body does with a value, so the gradient placements are
-given explicitly, with the same rule as the static ops (``hpgen.classify``): a
+given explicitly, with the same rule as the static ops (``hpgen.core.classify``): a
 replicated input of a body that is sharded on an axis gets a *partial* gradient there
 (all-reduced on the way back); every other gradient has the placement of its value,
 with partial values taking replicated gradients.
@@ -30,9 +30,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from hpgen.classify import ValueOps, value_ops
-from hpgen.placement import Placement
-from hpgen.plan import Layout, Plan, body_is_sharded
+from hpgen.core.classify import ValueOps, value_ops
+from hpgen.core.placement import Placement
+from hpgen.core.plan import Layout, Plan, body_is_sharded
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.collectives import AxisCollectives
 from hpgen.runtime.forward.handback import call
@@ -44,7 +44,7 @@ from hpgen.runtime.forward.ops import (
     run_steps,
     steps_for,
 )
-from hpgen.shards import chunk_sizes, normalize_dim, split_sizes
+from hpgen.core.shards import chunk_sizes, normalize_dim, split_sizes
 
 if TYPE_CHECKING:  # DTensor takes seconds to import: only values that need it load it
     from torch.distributed.tensor.placement_types import Placement as DPlacement
@@ -252,7 +252,7 @@ def boundary_movers(
     known_inputs: tuple[str, ...] = (),
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Movers for every declared input and output of the entry ``key`` (and ``known_inputs``,
-    see :func:`hpgen.classify.value_ops`)."""
+    see :func:`hpgen.core.classify.value_ops`)."""
     entry = plan.entries[key]
     sharded = {axis: body_is_sharded(entry, axis) for axis in plan.mesh_dim_names}
     inputs, outputs = value_ops(plan, key, known_inputs=known_inputs)

@@ -76,7 +76,6 @@ may live on any device the group's backend accepts (CPU with gloo, CUDA with NCC
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -85,13 +84,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from hpgen.shards import split_sizes
+from hpgen.core.shards import split_sizes
 
+from .eager_collectives import OPS as _OPS
 from .handback import call
 from .moves import Move as _Move
 from .moves import Sharded as _Shard
 from .moves import Size
-from .moves import received_shapes as _received_shapes
 from .shard_records import ShardRecords
 from .traced_collectives import TRACED as _TRACED
 from .traced_collectives import fc_all_gather as _fc_all_gather
@@ -156,16 +155,6 @@ def _norm_dim(dim: int, ndim: int) -> int:
     if not -ndim <= dim < ndim:
         raise IndexError(f"dim {dim} is out of range for a tensor of {ndim} dims")
     return dim % ndim
-
-
-def _pad_to(x: Tensor, dim: int, size: int) -> Tensor:
-    """``x`` grown with zeros to ``size`` along ``dim`` (zeros, not garbage: NaN checks stay quiet)."""
-    missing = size - x.size(dim)
-    if missing == 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = missing
-    return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
 def _owned(y: Tensor, x: Tensor) -> Tensor:
@@ -493,91 +482,7 @@ def scope_shard_sizes(model: nn.Module, axes: Iterable[AxisCollectives]) -> Shar
     return scope
 
 
-# ---- one function per collective: (axis, tensor, move) -> tensor, never in place -------
-# Eager: torch.distributed's in-place collectives into buffers allocated here.
-
-
-def _identity(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
-    return x
-
-
-def _all_reduce(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
-    out = x.clone(memory_format=torch.contiguous_format)
-    op = "SUM" if move.reduce == "avg" else move.reduce.upper()  # avg: sum then divide, as gloo lacks AVG
-    call(dist.all_reduce, out, op=getattr(dist.ReduceOp, op), group=ax.group)
-    if move.reduce == "avg":
-        out.div_(ax.size)
-    return out
-
-
-def _all_gather(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
-    d, sizes = move.src
-    most = max(sizes)
-    if most == 0:  # every rank holds nothing (known alike on every rank): nothing to send
-        return x.new_empty(x.shape)
-    even = min(sizes) == most
-    local = _pad_to(x, d, most).contiguous()  # uneven: every rank sends the largest shard size
-    if even and math.prod(x.shape[:d]) == 1:  # the rank blocks, in order, are the result
-        shape = list(x.shape)
-        shape[d] *= ax.size
-        out = x.new_empty(shape)
-        ax._gather_into(out, local)
-        return out
-    blocks = x.new_empty((ax.size, *local.shape))
-    ax._gather_into(blocks, local)
-    if even:  # [k, ..., m, ...] -> [..., k * m, ...]
-        return blocks.movedim(0, d).flatten(d, d + 1)
-    return torch.cat([block.narrow(d, 0, n) for block, n in zip(blocks, sizes, strict=True)], dim=d)
-
-
-def _reduce_scatter(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
-    d, sizes = move.dst
-    most = max(sizes)
-    if most == 0:  # an empty dim (known alike on every rank): nothing to reduce
-        return x.new_zeros(x.shape)
-    even = min(sizes) == most
-    if even:  # rank i's chunk is block i of [k, ..., m, ...]
-        blocks = x.unflatten(d, (ax.size, most)).movedim(d, 0).contiguous()
-    else:  # uneven: each chunk zero-padded to the largest
-        shape = list(x.shape)
-        shape[d] = most
-        blocks = x.new_zeros((ax.size, *shape))
-        for block, chunk in zip(blocks, x.split(sizes, dim=d), strict=True):
-            block.narrow(d, 0, chunk.size(d)).copy_(chunk)
-    out = blocks.new_empty(blocks.shape[1:])
-    ax._reduce_scatter_into(out, blocks)
-    return out if even else out.narrow(d, 0, sizes[ax.rank])
-
-
-def _split(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
-    d, sizes = move.dst
-    return x.narrow(d, sum(sizes[: ax.rank]), sizes[ax.rank])
-
-
-def _all_to_all(ax: AxisCollectives, x: Tensor, move: _Move) -> Tensor:
-    (src, src_sizes), (dst, dst_sizes) = move.src, move.dst
-    sends = [chunk.reshape(-1) for chunk in x.split(dst_sizes, dim=dst)]  # chunk i goes to rank i
-    shapes = _received_shapes(ax, x, move)
-    out_splits = [math.prod(shape) for shape in shapes]
-    received = x.new_empty(sum(out_splits))
-    in_splits = [t.numel() for t in sends]
-    if not ax._native(dist.all_to_all_single, received, torch.cat(sends), out_splits, in_splits):
-        # fallback: gather everything, keep our chunk
-        whole = _all_gather(ax, x, _Move("all_gather", move.src, None))
-        return _split(ax, whole, _Move("split", None, move.dst))
-    return torch.cat(
-        [flat.view(shape) for flat, shape in zip(received.split(out_splits), shapes, strict=True)], dim=src
-    )
-
-
-_OPS: dict[str, Callable[[AxisCollectives, Tensor, _Move], Tensor]] = {
-    "identity": _identity,
-    "all_reduce": _all_reduce,
-    "all_gather": _all_gather,
-    "reduce_scatter": _reduce_scatter,
-    "split": _split,
-    "all_to_all": _all_to_all,
-}
+# the eager and the traced forms run the same ops, whose kinds the conjugate table states
 assert _OPS.keys() == _KIND.keys() == _TRACED.keys()
 
 

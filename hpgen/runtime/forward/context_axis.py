@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hpgen.shards import split_sizes
+from hpgen.core.shards import split_sizes
 
 from .collectives import AxisCollectives, Size, _each_in_sequences, _norm_dim
 

@@ -363,7 +363,7 @@ def install_streams(
     )
     model.register_forward_pre_hook(streams.enter_model)
     model.register_forward_hook(streams.exit_model, always_call=True)
-    from hpgen.plan import body_is_sharded
+    from hpgen.core.plan import body_is_sharded
 
     branches = frozenset(branches)
     for item, form in bodies:

@@ -2,7 +2,7 @@
 
 Under Dynamo every op takes torch's functional collectives, which return new tensors and
 which Dynamo and Inductor understand; a module of its own because it is the second of the
-two forms (the eager form stays beside the autograd node), sharing only the moves (:mod:`hpgen.runtime.forward.moves`).
+two forms (the eager form is :mod:`hpgen.runtime.forward.eager_collectives`), sharing only the moves (:mod:`hpgen.runtime.forward.moves`).
 """
 
 from __future__ import annotations

@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hpgen.conv1d import is_conv1d
-from hpgen.placement import REPLICATE
-from hpgen.plan import Layout, body_is_sharded
+from hpgen.core.conv1d import is_conv1d
+from hpgen.core.placement import REPLICATE
+from hpgen.core.plan import Layout, body_is_sharded
 from hpgen.runtime.checkpoint.state_dict import ShardRecorder
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.collectives import AxisCollectives
@@ -50,7 +50,7 @@ from hpgen.runtime.forward.streams import LayoutChange
 from hpgen.runtime.install.hooks import FollowReducedParameters, GradAllReduce, block_regions
 from hpgen.runtime.install.params import Matched, rank_shard
 from hpgen.runtime.install.tuners import is_tuner_layer, method_problem
-from hpgen.shards import ShardLayout, normalize_dim
+from hpgen.core.shards import ShardLayout, normalize_dim
 
 __all__ = ["AdapterWatch", "adapter_layouts", "survey_adapters", "watch_adapters"]
 

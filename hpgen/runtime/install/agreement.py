@@ -26,8 +26,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hpgen import __version__
-from hpgen.header import read_header
-from hpgen.plan import Plan
+from hpgen.core.header import read_header
+from hpgen.core.plan import Plan
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.devices import collective_device
 from hpgen.runtime.forward.handback import all_gather_object, call

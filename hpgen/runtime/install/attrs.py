@@ -11,7 +11,7 @@ head_dim)``) reads them from integer attributes, which ``parallelize`` divides:
   ``H / kv / r`` and the plan says ``{"num_key_value_groups": r}`` (``hpgen plan`` writes it).
 
 - ``local_attrs`` (attribute -> a count): the value on this rank, counted from its shards
-  (:class:`hpgen.plan.LocalCount`), where ranks hold different numbers of heads
+  (:class:`hpgen.core.plan.LocalCount`), where ranks hold different numbers of heads
   (``S(d,u)``, ``B``): Falcon's ``num_heads``, ``num_key_value_groups`` as this rank's
   query rows over its key/value rows. Counted for every rank, so every rank refuses alike
   a count that does not divide or is zero (a rank with no head).
@@ -33,12 +33,12 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
-from hpgen.model_config import config_value
-from hpgen.plan import Layout, LocalCount, Plan
+from hpgen.core.model_config import config_value
+from hpgen.core.plan import Layout, LocalCount, Plan
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.collectives import AxisCollectives
 from hpgen.runtime.install.params import Matched
-from hpgen.shards import ShardLayout
+from hpgen.core.shards import ShardLayout
 
 __all__ = ["survey_attrs"]
 

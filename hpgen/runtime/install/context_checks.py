@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hpgen.context_coverage import CONTEXT_AXIS, context_refusal
+from hpgen.core.context_coverage import CONTEXT_AXIS, context_refusal
 from hpgen.runtime.context.sequence import install_sequence_keyword
 from hpgen.runtime.context_logits import install_logits
 from hpgen.runtime.errors import ParallelizeError

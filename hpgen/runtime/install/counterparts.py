@@ -26,7 +26,7 @@ from pathlib import Path
 
 from torch import nn
 
-from hpgen.header import Header, read_header
+from hpgen.core.header import Header, read_header
 from hpgen.runtime.errors import ParallelizeError
 
 __all__ = ["GeneratedModule", "counterpart", "generated_modules", "is_generated_file"]

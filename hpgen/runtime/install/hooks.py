@@ -41,9 +41,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hpgen.conv1d import is_conv1d
-from hpgen.placement import REPLICATE
-from hpgen.plan import Layout, Plan, body_is_sharded
+from hpgen.core.conv1d import is_conv1d
+from hpgen.core.placement import REPLICATE
+from hpgen.core.plan import Layout, Plan, body_is_sharded
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.collectives import AxisCollectives
 from hpgen.runtime.forward.handback import call
@@ -51,7 +51,7 @@ from hpgen.runtime.forward.ops import address_of, get_output, replace_output
 from hpgen.runtime.forward.wrappers import BiasShare, subclass_with
 from hpgen.runtime.install.groups import replica_group
 from hpgen.runtime.install.params import Matched, rank_shard
-from hpgen.shards import ShardLayout
+from hpgen.core.shards import ShardLayout
 
 __all__ = [
     "BiasAdder",
@@ -151,7 +151,7 @@ Region = tuple[int, int, int, str, int]
 
 def block_regions(shard_layout: ShardLayout, names: Sequence[str]) -> list[Region]:
     """The replicated blocks of each ``B`` placement of ``shard_layout`` (mesh axes ``names``), as
-    :meth:`~hpgen.shards.ShardLayout.replicated_blocks` finds them, with their axes named."""
+    :meth:`~hpgen.core.shards.ShardLayout.replicated_blocks` finds them, with their axes named."""
     return [(dim, start, stop, names[axis], replicas) for axis, dim, start, stop, replicas in shard_layout.replicated_blocks()]
 
 

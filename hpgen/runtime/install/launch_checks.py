@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hpgen.plan import Plan
+from hpgen.core.plan import Plan
 from hpgen.runtime.errors import ParallelizeError
 
 __all__ = ["BATCH_COMPANIONS", "BATCH_STREAMS", "refuse_lone_batch_splits", "refuse_ranks_outside", "reworded"]

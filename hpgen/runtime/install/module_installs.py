@@ -37,11 +37,11 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hpgen.classify import is_identity_contract
-from hpgen.conv1d import is_conv1d
-from hpgen.placement import REPLICATE, Placement
-from hpgen.plan import Plan, contract_signature
-from hpgen.plan import FunctionRef
+from hpgen.core.classify import is_identity_contract
+from hpgen.core.conv1d import is_conv1d
+from hpgen.core.placement import REPLICATE, Placement
+from hpgen.core.plan import Plan, contract_signature
+from hpgen.core.plan import FunctionRef
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.boundary import GenericBoundary, StaticMove, boundary_movers, generic_boundary
 from hpgen.runtime.forward.collectives import AxisCollectives
@@ -50,7 +50,7 @@ from hpgen.runtime.install.counterparts import GeneratedModule, counterpart, is_
 from hpgen.runtime.install.kernels import instance_forward_problem, route_dispatch
 from hpgen.runtime.install.params import Matched, rank_shard
 from hpgen.runtime.install.tuners import is_tuner_layer
-from hpgen.shards import normalize_dim
+from hpgen.core.shards import normalize_dim
 
 __all__ = ["ModuleInstall", "module_install"]
 

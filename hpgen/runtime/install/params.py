@@ -12,11 +12,11 @@
   (``RS(d,r)``: ``size / r`` chunks, so the axis size is a multiple of the key/value heads
   or divides them), or be cut in units of whole heads (``S(d,u)``, ``S(d,u,g)``); a
   projection held by a sub-module that declares its own ``num_heads`` holds that many
-  (:func:`hpgen.shards.row_heads`); attention code infers local heads with
+  (:func:`hpgen.core.shards.row_heads`); attention code infers local heads with
   ``view(..., -1, head_dim)`` and would crash mid-forward or, worse, mix heads. The
   refusal says what the plan must say instead;
 - a ``B`` placement sharing its dim with another axis, or a whole-unit cut that leaves a
-  rank no unit (:func:`hpgen.shards.placement_problem`);
+  rank no unit (:func:`hpgen.core.shards.placement_problem`);
 - experts that do not divide (a module's ``num_experts`` on a sharded dim);
 - an ``nn.Linear`` whose bias does not follow its weight (a column-parallel weight with
   a replicated bias, a row-parallel bias not in ``deferred_bias_params``);
@@ -38,14 +38,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hpgen.conv1d import is_conv1d
-from hpgen.errors import did_you_mean
-from hpgen.placement import REPLICATE, Placement
-from hpgen.plan import Entry, Layout, Plan
+from hpgen.core.conv1d import is_conv1d
+from hpgen.core.errors import did_you_mean
+from hpgen.core.placement import REPLICATE, Placement
+from hpgen.core.plan import Entry, Layout, Plan
 from hpgen.runtime.checkpoint.registrations import registrations
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.collectives import AxisCollectives
-from hpgen.shards import (
+from hpgen.core.shards import (
     ShardLayout,
     block_ranges,
     blocks_problem,

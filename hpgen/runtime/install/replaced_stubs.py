@@ -3,7 +3,7 @@
 transformers' Mamba files define kernel stubs (``mamba_inner_fn``,
 ``mamba2_split_conv1d_scan_combined``) whose torch fallback returns ``None``: the forward
 then runs its torch path, the one the plan shards (``hpgen plan`` derives the plan from
-that path, :mod:`hpgen.stubs`). Where a package is installed (``mamba_ssm``),
+that path, :mod:`hpgen.core.stubs`). Where a package is installed (``mamba_ssm``),
 the name is bound to its fused kernel instead, which in training computes the whole mixer
 from the raw weights, this rank's shards, without the plan's collectives: partial sums
 never reduced (Mamba's ``x_proj``), or shapes that do not fit. ``parallelize`` refuses
@@ -18,7 +18,7 @@ import sys
 from functools import lru_cache
 from typing import Any
 
-from hpgen.stubs import runs_stub, stub_lines
+from hpgen.core.stubs import runs_stub, stub_lines
 
 __all__ = ["refuse_replaced_stubs", "replaced_stub_problem"]
 

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hpgen.classify import summed_ops
-from hpgen.plan import Plan, summed_branches
+from hpgen.core.classify import summed_ops
+from hpgen.core.plan import Plan, summed_branches
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.collectives import AxisCollectives
 from hpgen.runtime.forward.ops import Step, run_steps, step_for

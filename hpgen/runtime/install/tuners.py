@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 
-from hpgen.plan import LocalCount
+from hpgen.core.plan import LocalCount
 from hpgen.runtime.forward.wrappers import MIXINS
 from hpgen.runtime.install.params import Matched
 

@@ -24,8 +24,8 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hpgen.plan_entries import PipelineStages, Plan
-from hpgen.plan_names import fqn_matches
+from hpgen.core.plan_entries import PipelineStages, Plan
+from hpgen.core.plan_names import fqn_matches
 from hpgen.runtime.errors import ParallelizeError
 
 __all__ = ["StageCut", "StageLayers", "refuse_axes", "survey_stage"]

@@ -34,10 +34,10 @@ from hypothesis import strategies as st
 from hypothesis.errors import NoSuchExample
 
 from hpgen.cli import cli
-from hpgen.errors import HpgenError
-from hpgen.lower import analyze, lower
-from hpgen.placement import Placement
-from hpgen.plan import RESERVED_AXIS_NAMES, is_identifier, plan_from_dict
+from hpgen.core.errors import HpgenError
+from hpgen.generator.lower import analyze, lower
+from hpgen.core.placement import Placement
+from hpgen.core.plan import RESERVED_AXIS_NAMES, is_identifier, plan_from_dict
 
 from tests.conftest import FIXTURES, PLANS
 from tests.support.modules import load_module

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from hpgen.lower import lower
-from hpgen.plan import plan_from_dict
+from hpgen.generator.lower import lower
+from hpgen.core.plan import plan_from_dict
 
 from tests.conftest import FIXTURES
 from tests.support.modules import load_module

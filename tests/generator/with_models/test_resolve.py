@@ -4,10 +4,10 @@ import textwrap
 
 import pytest
 
-from hpgen.errors import HpgenError
-from hpgen.index import index_module, parse_source
-from hpgen.plan import plan_from_dict
-from hpgen.resolve import resolve_boundaries
+from hpgen.core.errors import HpgenError
+from hpgen.generator.index import index_module, parse_source
+from hpgen.core.plan import plan_from_dict
+from hpgen.generator.resolve import resolve_boundaries
 
 from tests.conftest import transformers_modeling_file
 

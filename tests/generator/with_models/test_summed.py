@@ -15,9 +15,9 @@ import pytest
 from click.testing import CliRunner
 
 from hpgen.cli import cli
-from hpgen.errors import HpgenError
-from hpgen.lower import lower
-from hpgen.plan import load_plan, plan_from_dict
+from hpgen.core.errors import HpgenError
+from hpgen.generator.lower import lower
+from hpgen.core.plan import load_plan, plan_from_dict
 
 from tests.conftest import FIXTURES, transformers_modeling_file
 

@@ -13,9 +13,9 @@ import random
 import libcst as cst
 import pytest
 
-from hpgen.errors import HpgenError
-from hpgen.lower import lower
-from hpgen.plan import load_plan, plan_from_dict
+from hpgen.core.errors import HpgenError
+from hpgen.generator.lower import lower
+from hpgen.core.plan import load_plan, plan_from_dict
 
 from tests.conftest import PLANS, transformers_modeling_file
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpgen.placement import Placement
+from hpgen.core.placement import Placement
 from hpgen.planner.flow.values import ShapeUse, Val
 from hpgen.planner.derive.column_layouts import (
     PLAIN,

@@ -108,9 +108,9 @@ def test_a_norm_across_the_sharded_features_leaves_the_pair_replicated() -> None
 def test_derived_plans_load_and_lower() -> None:
     import inspect
 
-    from hpgen.generate import infer_package
-    from hpgen.lower import lower
-    from hpgen.plan import plan_from_dict
+    from hpgen.generator.generate import infer_package
+    from hpgen.generator.lower import lower
+    from hpgen.core.plan import plan_from_dict
     from hpgen.planner.model.load import model_class_for
 
     for family in ("gpt2", "opt", "bert"):

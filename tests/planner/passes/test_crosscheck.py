@@ -13,8 +13,8 @@ def test_a_block_the_source_contradicts_falls_back_to_replicated() -> None:
     from hpgen.planner.derive.placed import Derivation
     from hpgen.planner.passes.crosscheck import drop_contradicted
 
-    from hpgen.placement import Placement
-    from hpgen.plan_entries import Layout
+    from hpgen.core.placement import Placement
+    from hpgen.core.plan_entries import Layout
     from hpgen.planner.translate.draft import DraftEntry, DraftPlan
 
     def layout(text: str) -> Layout:

@@ -10,8 +10,8 @@ from tests.planner.plan_helpers import translated
 def test_a_language_model_from_another_file_names_each_class_by_file() -> None:
     # GOT-OCR2 builds Qwen2's decoder layers through AutoModel: the plan names the two files and
     # every boundary's class by qualified name, so that each file's lowering takes its own keys
-    from hpgen.lower import analyze
-    from hpgen.plan import plan_from_dict
+    from hpgen.generator.lower import analyze
+    from hpgen.core.plan import plan_from_dict
     from hpgen.planner.model.load import source_file as _source_file
 
     model, plan = translated("got_ocr2")

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from hpgen.cli import cli
-from hpgen.plan import plan_from_dict
+from hpgen.core.plan import plan_from_dict
 from hpgen.planner.passes.pipeline_stages import stage_cut
 from tests.support.models import make_config
 

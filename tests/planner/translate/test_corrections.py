@@ -57,7 +57,7 @@ def test_the_split_is_followed_through_a_variable() -> None:
 
 
 def test_a_colwise_split_into_unequal_blocks_is_refused() -> None:
-    from hpgen.errors import HpgenError
+    from hpgen.core.errors import HpgenError
 
     # multi-query GPTBigCode: c_attn's output split into [queries | key | value] of unequal sizes
     refusal = r"c_attn: transformers' plan says colwise, but .* unequal sizes \[64, 16, 16\]"
@@ -69,7 +69,7 @@ def test_a_colwise_split_into_other_than_two_blocks_is_refused(tmp_path, monkeyp
     # packed_colwise says two blocks; a colwise whose output forward cuts in three has no style to become
     import textwrap
 
-    from hpgen.errors import HpgenError
+    from hpgen.core.errors import HpgenError
     from hpgen.planner.translate.corrections import correct_packed_chunks
     from hpgen.planner.translate.forwards import Forwards
     from hpgen.planner.translate.styles import Rule, StyleRules

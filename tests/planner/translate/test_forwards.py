@@ -8,7 +8,7 @@ from __future__ import annotations
 def test_output_names_come_from_records_not_from_a_tensor_method_with_keywords() -> None:
     # Inkling2's short convolution ends ``return hidden_states.to(dtype=input_dtype)``: one tensor, named
     # ``output``; a ``dtype`` output would make the generated forward assign ``outputs.dtype``
-    from hpgen.index import parse_source
+    from hpgen.generator.index import parse_source
     from hpgen.planner.translate.forwards import return_names
 
     source = (

@@ -40,7 +40,7 @@ def test_a_stream_whose_dim_1_is_not_the_positions_is_refused() -> None:
     # Gemma 3n's decoder layers take the AltUp stack [altup, batch, sequence, hidden]: S(1) would cut the batch
     import pytest
 
-    from hpgen.errors import HpgenError
+    from hpgen.core.errors import HpgenError
 
     refusal = r"model.layers.0 receives hidden_states as \[4, 3, 7, 64\] .* dim 1 is not the positions"
     with pytest.raises(HpgenError, match=refusal):

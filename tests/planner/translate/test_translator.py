@@ -21,8 +21,8 @@ import pytest
 from click.testing import CliRunner
 
 from hpgen.cli import cli
-from hpgen.lower import analyze, lower
-from hpgen.plan import contract_signature, load_plan
+from hpgen.generator.lower import analyze, lower
+from hpgen.core.plan import contract_signature, load_plan
 from tests.conftest import PLANS, transformers_modeling_file
 
 MODELS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
@@ -317,7 +317,7 @@ def test_bad_targets_exit_2(args: list[str], expected: str) -> None:
 def test_generating_plans_keeps_torch_out_of_the_generator() -> None:
     probe = (
         "import sys, hpgen.planner.entry.make, hpgen.planner.translate.translator, hpgen.planner.derive.derivation, hpgen.planner.translate.derived_plan, "
-        "hpgen.cli, hpgen.lower; "
+        "hpgen.cli, hpgen.generator.lower; "
         "print('torch' in sys.modules, 'transformers' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)

@@ -615,8 +615,8 @@ def _strided_shard_checks(mesh: Any, rank: int, size: int) -> list[str]:
     from torch.distributed.tensor import DTensor, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from hpgen.placement import Placement
-    from hpgen.shards import ShardLayout
+    from hpgen.core.placement import Placement
+    from hpgen.core.shards import ShardLayout
 
     failures = []
     for shape, dim, k in [((12, 3), 0, 2), ((18, 2), 0, 3), ((3, 14), 1, 2), ((2, 10, 4), 1, 2)]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hpgen import durable
+from hpgen.core import durable
 from hpgen.runtime import folder_swap
 
 

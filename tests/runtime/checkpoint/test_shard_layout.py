@@ -1,4 +1,4 @@
-"""The boxes a rank's shard is made of (:class:`hpgen.shards.ShardLayout`), and when DTensor's placements
+"""The boxes a rank's shard is made of (:class:`hpgen.core.shards.ShardLayout`), and when DTensor's placements
 describe it exactly.
 
 DTensor's semantics are taken from DTensor itself (``Shard._split_tensor`` and
@@ -13,9 +13,9 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from hpgen.placement import Placement
+from hpgen.core.placement import Placement
 from hpgen.runtime.shard_layout import dtensor_form, dtensor_placement, hpgen_placement
-from hpgen.shards import ShardLayout
+from hpgen.core.shards import ShardLayout
 
 S0, SS02, SS03, R = (Placement.parse(t) for t in ("S(0)", "SS(0,2)", "SS(0,3)", "R"))
 
@@ -109,7 +109,7 @@ def test_boxes_of_a_packed_shard() -> None:
 
 def test_core_shard_arithmetic_is_torch_s_own():
     """The core's sizes and bounds are ``torch.tensor_split``'s and ``torch.chunk``'s, empty pieces included."""
-    from hpgen.shards import chunk_bounds, chunk_sizes, split_bounds, split_sizes
+    from hpgen.core.shards import chunk_bounds, chunk_sizes, split_bounds, split_sizes
 
     for n in range(0, 23):
         for k in range(1, 9):

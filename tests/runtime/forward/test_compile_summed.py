@@ -29,9 +29,9 @@ SEQ = 8  # even over 2 ranks: the sequence-parallel plan splits it
 
 
 def _lowered(case: str, directory: Path) -> tuple[dict, str]:
-    from hpgen.generate import infer_package
-    from hpgen.lower import lower
-    from hpgen.plan import plan_from_dict
+    from hpgen.generator.generate import infer_package
+    from hpgen.generator.lower import lower
+    from hpgen.core.plan import plan_from_dict
     from hpgen.planner.model.load import meta_model, model_class_for
     from hpgen.planner.entry.make import plan_model
 

@@ -164,8 +164,8 @@ def _copy_only(rank: int, size: int, mesh: Any) -> dict[str, bool]:
     whose output stays sharded) is lowered, and its backward all-reduces the input's gradient."""
     import types
 
-    from hpgen.lower import lower
-    from hpgen.plan import plan_from_dict
+    from hpgen.generator.lower import lower
+    from hpgen.core.plan import plan_from_dict
     from hpgen.runtime import parallelize
 
     plan = _plan(COPY_ONLY_PLAN)
@@ -202,7 +202,7 @@ def _movers(rank: int, size: int, mesh: Any) -> dict[str, bool]:
     """The generic boundary's movers: DTensor for R -> P and S -> P, all_reduce + split for
     P(avg|max) -> S; forward values against the logical values, gradients against autograd
     of the logical computation."""
-    from hpgen.plan import plan_from_dict
+    from hpgen.core.plan import plan_from_dict
     from hpgen.runtime.forward.boundary import DTensorMove, StaticMove, boundary_movers
     from hpgen.runtime.install.parallelize import mesh_axes
 

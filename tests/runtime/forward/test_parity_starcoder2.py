@@ -15,9 +15,9 @@ from tests.support.parity_table import starcoder2_final_norm_gathered, starcoder
 
 
 def test_the_norm_class_is_left_alone_and_explained() -> None:
-    from hpgen.explain import explain
-    from hpgen.lower import analyze
-    from hpgen.plan import plan_from_dict
+    from hpgen.generator.explain import explain
+    from hpgen.generator.lower import analyze
+    from hpgen.core.plan import plan_from_dict
 
     source = FAMILIES["starcoder2"].source()
     report = explain(analyze(source.read_text(), plan_from_dict(starcoder2_norm_entries()), source_name=source.name))
@@ -33,9 +33,9 @@ def test_the_residual_stream_is_sequence_sharded(parity: list[dict]) -> None:
 
 def test_the_final_norm_is_wrapped_to_gather_its_output() -> None:
     # a contract that moves a value on a class outside the file: lowered (not refused), run by the generic wrapper
-    from hpgen.explain import explain
-    from hpgen.lower import analyze
-    from hpgen.plan import plan_from_dict
+    from hpgen.generator.explain import explain
+    from hpgen.generator.lower import analyze
+    from hpgen.core.plan import plan_from_dict
 
     source = FAMILIES["starcoder2"].source()
     plan = plan_from_dict(starcoder2_final_norm_gathered())

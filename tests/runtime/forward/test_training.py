@@ -75,9 +75,9 @@ def _config(family: str) -> Any:
 
 def _lowered(family: str, directory: Path, *, sp: bool = False) -> tuple[dict, str]:
     """What ``hpgen plan CONFIG --tp 2 [--sp]`` writes for the family, and the file ``hpgen lower`` makes of it."""
-    from hpgen.generate import infer_package
-    from hpgen.lower import lower
-    from hpgen.plan import plan_from_dict
+    from hpgen.generator.generate import infer_package
+    from hpgen.generator.lower import lower
+    from hpgen.core.plan import plan_from_dict
     from hpgen.planner.model.load import meta_model, model_class_for
     from hpgen.planner.entry.make import plan_model
 

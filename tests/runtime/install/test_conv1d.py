@@ -1,4 +1,4 @@
-"""One test of transformers' ``Conv1D`` for the planner and the runtime (:mod:`hpgen.conv1d`)."""
+"""One test of transformers' ``Conv1D`` for the planner and the runtime (:mod:`hpgen.core.conv1d`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from transformers.pytorch_utils import Conv1D
 
 import hpgen.planner.model.modules
 import hpgen.runtime.install.params
-from hpgen.conv1d import is_conv1d
+from hpgen.core.conv1d import is_conv1d
 
 
 def _other_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:

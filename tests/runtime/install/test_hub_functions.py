@@ -20,9 +20,9 @@ pytest.importorskip("kernels")  # transformers' hub functions exist only with th
 
 
 def test_parallelize_drops_a_hub_kernel_bound_to_a_planned_layer(tmp_path: Path, mesh: object, capsys) -> None:
-    from hpgen.generate import infer_package
-    from hpgen.lower import lower
-    from hpgen.plan import plan_from_dict
+    from hpgen.generator.generate import infer_package
+    from hpgen.generator.lower import lower
+    from hpgen.core.plan import plan_from_dict
     from hpgen.planner.entry.make import plan_model
     from hpgen.planner.model.load import meta_model, model_class_for
     from hpgen.runtime import parallelize

@@ -37,9 +37,9 @@ def mesh(tmp_path: Path) -> Iterator[object]:
 
 
 def test_parallelize_refuses_a_stub_bound_to_a_fused_kernel(tmp_path: Path, mesh: object) -> None:
-    from hpgen.generate import infer_package
-    from hpgen.lower import lower
-    from hpgen.plan import plan_from_dict
+    from hpgen.generator.generate import infer_package
+    from hpgen.generator.lower import lower
+    from hpgen.core.plan import plan_from_dict
     from hpgen.planner.model.load import meta_model, model_class_for
     from hpgen.planner.entry.make import plan_model
     from hpgen.runtime import parallelize

@@ -214,7 +214,7 @@ def test_a_rank_outside_the_mesh_is_named_on_every_rank(tmp_path: Path) -> None:
 
 
 def test_the_plan_keeps_loading_without_planned_for() -> None:
-    from hpgen.plan import plan_from_dict
+    from hpgen.core.plan import plan_from_dict
 
     plan = copy.deepcopy(load_plan_dict("llama_tp"))
     assert "planned_for" not in plan and plan_from_dict(plan).planned_for == {}

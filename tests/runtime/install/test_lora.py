@@ -29,9 +29,9 @@ COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # inputs replic
 
 
 def _gpt2(directory: Path) -> tuple[dict[str, Any], str]:
-    from hpgen.generate import infer_package
-    from hpgen.lower import lower
-    from hpgen.plan import plan_from_dict
+    from hpgen.generator.generate import infer_package
+    from hpgen.generator.lower import lower
+    from hpgen.core.plan import plan_from_dict
     from hpgen.planner.model.load import meta_model, model_class_for
     from hpgen.planner.entry.make import plan_model
     from tests.support.derived_configs import tiny

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpgen.placement import Placement
+from hpgen.core.placement import Placement
 from hpgen.runtime.install.groups import replica_rank_lists
-from hpgen.shards import ShardLayout, placement_problem, split_sizes
+from hpgen.core.shards import ShardLayout, placement_problem, split_sizes
 
 S0, S1, R = Placement.parse("S(0)"), Placement.parse("S(-1)"), Placement.parse("R")
 
@@ -103,7 +103,7 @@ def test_the_heads_a_linears_rows_hold_follow_the_module_that_holds_it() -> None
     ``num_heads``."""
     from torch import nn
 
-    from hpgen.shards import row_heads
+    from hpgen.core.shards import row_heads
 
     attention = nn.Module()
     attention.num_heads, attention.head_dim = 4, 16

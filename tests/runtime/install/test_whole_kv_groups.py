@@ -66,8 +66,8 @@ def _install(rank: int, world_size: int, generated: str, plans: dict[str, dict[s
 def test_key_value_groups_follow_the_query_heads(tmp_path: Path) -> None:
     import transformers.models.falcon.modeling_falcon as falcon
 
-    from hpgen.lower import lower
-    from hpgen.plan import plan_from_dict
+    from hpgen.generator.lower import lower
+    from hpgen.core.plan import plan_from_dict
 
     written = _written_plan()
     repeats = "num_key_value_groups" in inspect.getsource(falcon.FalconAttention.__init__)

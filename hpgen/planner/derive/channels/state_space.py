@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpgen.placement import REPLICATE, Placement, shard, strided_shard
+from hpgen.core.placement import REPLICATE, Placement, shard, strided_shard
 from hpgen.planner.derive.channels.state_leaves import check_state_leaf, follows_channels, state_leaves
 from hpgen.planner.derive.column_layouts import UnequalBlocks, arg_reads, flat_dims, layout_of, packed
 from hpgen.planner.derive.derive_context import DeriveContext

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from hpgen.placement import shard
+from hpgen.core.placement import shard
 from hpgen.planner.derive.heads.rules import HeadRules, per_head_input
 from hpgen.planner.derive.placed import BATCH_MAJOR, HeadCut, Placed, Refused
 from hpgen.planner.derive.projection_groups import sources

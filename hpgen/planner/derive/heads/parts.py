@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpgen.placement import shard, strided_shard
+from hpgen.core.placement import shard, strided_shard
 from hpgen.planner.derive.column_layouts import ColumnLayout, dim_of, packed, replicated
 from hpgen.planner.derive.derive_context import DeriveContext
 from hpgen.planner.derive.heads.counts import Heads

@@ -21,7 +21,7 @@ import ast
 from collections.abc import Iterable
 from typing import Any
 
-from hpgen.placement import REPLICATE, Placement, shard
+from hpgen.core.placement import REPLICATE, Placement, shard
 from hpgen.planner.derive.column_layouts import last_dim
 from hpgen.planner.derive.heads.attr_names import HEAD_DIM_ATTRS, HEADS_ATTRS, KV_HEADS_ATTRS
 from hpgen.planner.flow import Flow

@@ -22,7 +22,7 @@ from hpgen.planner.derive.heads.shares import HeadShares, NoHeadForRank, head_sh
 from hpgen.planner.derive.placed import NoQueryHead, Refused
 from hpgen.planner.flow import Flow
 from hpgen.planner.model.modules import between, is_linear, lca, out_features, positive_int, prefixes, relative
-from hpgen.shards import row_heads
+from hpgen.core.shards import row_heads
 
 __all__ = [
     "PER_HEAD_INPUTS",

@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from hpgen.placement import Placement, replicated_shard, shard
-from hpgen.shards import split_sizes
+from hpgen.core.placement import Placement, replicated_shard, shard
+from hpgen.core.shards import split_sizes
 
 __all__ = ["HeadShares", "NoHeadForRank", "head_shares", "unit_shard"]
 

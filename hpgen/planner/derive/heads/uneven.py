@@ -16,14 +16,14 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from hpgen.conv1d import is_conv1d
-from hpgen.plan_entries import LocalCount
+from hpgen.core.conv1d import is_conv1d
+from hpgen.core.plan_entries import LocalCount
 
 from hpgen.planner.derive.column_layouts import PLAIN, ColumnLayout, Packing, query_blocks, replicated
 from hpgen.planner.derive.heads.shares import HeadShares
 from hpgen.planner.derive.placed import Refused
 from hpgen.planner.model.modules import in_features, out_features, relative
-from hpgen.shards import ShardLayout
+from hpgen.core.shards import ShardLayout
 
 __all__ = ["RankValue", "UnevenHeads", "groups_count", "rank_values", "relative_count", "uneven_layouts"]
 

@@ -174,7 +174,7 @@ def test_a_fused_projection_transformers_plan_shards_whole_is_derived_from_the_s
 def test_the_derivation_refuses_a_tp_that_leaves_a_rank_without_a_query_head():
     from transformers import FalconConfig
 
-    from hpgen.errors import HpgenError
+    from hpgen.core.errors import HpgenError
     from hpgen.planner.entry.make import plan_model
     from hpgen.planner.model.load import meta_model
 

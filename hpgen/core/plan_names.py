@@ -1,7 +1,7 @@
 """The names a plan may hold, and how its FQN patterns match (``*`` stands for one segment).
 
 Every name that can reach generated source is checked with these before any code is
-generated (:mod:`hpgen.plan_reader`); the runtime and the generator match module FQNs
+generated (:mod:`hpgen.core.plan_reader`); the runtime and the generator match module FQNs
 against the plan's keys with :func:`fqn_matches`.
 """
 

@@ -1,6 +1,6 @@
 """The plain data a validated plan becomes (:class:`Plan`, its :class:`Entry` objects), and what they answer.
 
-Built by :mod:`hpgen.plan_reader` from a plan document; read by the generator, the
+Built by :mod:`hpgen.core.plan_reader` from a plan document; read by the generator, the
 runtime and the planner. Needs nothing beyond the standard library.
 """
 
@@ -11,9 +11,9 @@ import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from hpgen.placement import REPLICATE, Placement
-from hpgen.plan_names import fqn_matches
-from hpgen.shards import ShardLayout, block_ranges
+from hpgen.core.placement import REPLICATE, Placement
+from hpgen.core.plan_names import fqn_matches
+from hpgen.core.shards import ShardLayout, block_ranges
 
 __all__ = [
     "LAYOUT_KEYS",

@@ -22,10 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import PurePath
 
-from hpgen.classify import is_identity_contract
-from hpgen.errors import HpgenError, did_you_mean
-from hpgen.index import ChildArgument, ClassInfo, ForwardInfo, ModuleIndex
-from hpgen.plan import Plan, fqn_matches
+from hpgen.core.classify import is_identity_contract
+from hpgen.core.errors import HpgenError, did_you_mean
+from hpgen.generator.index_records import ChildArgument, ClassInfo, ForwardInfo, ModuleIndex
+from hpgen.core.plan import Plan, fqn_matches
 
 # Classes not defined in the source that the runtime wraps with a wrapper of their own (others: the generic one).
 WRAPPED_EXTERNAL = ("Embedding", "Linear", "Identity")

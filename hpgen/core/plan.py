@@ -1,7 +1,7 @@
 """The frozen parallel plan (docs/plan-format.md): loading it, and the names every layer imports from here.
 
-A plan file is read and decoded here, validated by :mod:`hpgen.plan_reader` and becomes
-the plain data of :mod:`hpgen.plan_entries`; :mod:`hpgen.plan_names` holds the name checks
+A plan file is read and decoded here, validated by :mod:`hpgen.core.plan_reader` and becomes
+the plain data of :mod:`hpgen.core.plan_entries`; :mod:`hpgen.core.plan_names` holds the name checks
 and FQN pattern matching. Those modules' public names are importable from this one.
 
 These modules need nothing beyond the standard library, so the runtime can use them.
@@ -14,8 +14,8 @@ import json
 import os
 from pathlib import Path
 
-from hpgen.errors import HpgenError
-from hpgen.plan_entries import (
+from hpgen.core.errors import HpgenError
+from hpgen.core.plan_entries import (
     Entry,
     FunctionRef,
     Injection,
@@ -29,8 +29,8 @@ from hpgen.plan_entries import (
     iter_layouts,
     summed_branches,
 )
-from hpgen.plan_names import fqn_matches, is_dotted_path, is_fqn_pattern, is_identifier, is_param_path, patterns_overlap
-from hpgen.plan_reader import PLAN_FORMAT, PLAN_FORMAT_2, PLAN_FORMATS, RESERVED_AXIS_NAMES, PlanReader
+from hpgen.core.plan_names import fqn_matches, is_dotted_path, is_fqn_pattern, is_identifier, is_param_path, patterns_overlap
+from hpgen.core.plan_reader import PLAN_FORMAT, PLAN_FORMAT_2, PLAN_FORMATS, RESERVED_AXIS_NAMES, PlanReader
 
 __all__ = [
     "PLAN_FORMAT",

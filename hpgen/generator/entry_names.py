@@ -19,10 +19,10 @@ plan that runs.
 
 from __future__ import annotations
 
-from hpgen.errors import HpgenError, did_you_mean
-from hpgen.index import ClassInfo, ModuleIndex
-from hpgen.plan import Plan
-from hpgen.resolve import ResolvedClass, resolve_key, root_class
+from hpgen.core.errors import HpgenError, did_you_mean
+from hpgen.generator.index_records import ClassInfo, ModuleIndex
+from hpgen.core.plan import Plan
+from hpgen.generator.resolve import ResolvedClass, resolve_key, root_class
 
 # Bases that give a module no submodule and no parameter of their own (by their last name).
 _EMPTY_BASES = {"Module", "PreTrainedModel", "GenerationMixin", "GradientCheckpointingLayer", "object"}

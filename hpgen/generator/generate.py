@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpgen import __version__
-from hpgen.errors import HpgenError
-from hpgen.header import body_is_intact, display_name, read_header
-from hpgen.targets import Target
+from hpgen.core.errors import HpgenError
+from hpgen.core.header import body_is_intact, display_name, read_header
+from hpgen.generator.targets import Target
 
 
 def read_source(path: Path) -> tuple[str, bytes]:
@@ -62,7 +62,7 @@ def import_package(target: Target, text: str) -> str | None:
     inferred = infer_package(target.source)
     if inferred is not None:
         return inferred
-    from hpgen.index import index_module, parse_source
+    from hpgen.generator.index import index_module, parse_source
 
     stripped = text.removeprefix("\ufeff")
     relative = index_module(parse_source(stripped, name=str(target.source))).relative_imports
@@ -83,8 +83,8 @@ def import_package(target: Target, text: str) -> str | None:
 
 def generate(target: Target) -> str:
     """The generated text of ``target``."""
-    from hpgen.lower import lower
-    from hpgen.plan import parse_plan
+    from hpgen.generator.lower import lower
+    from hpgen.core.plan import parse_plan
 
     text, _ = read_source(target.source)
     plan = parse_plan(read_bytes(target.plan, "plan"), name=str(target.plan))

@@ -1,4 +1,4 @@
-"""Validation of a decoded plan document: each value checked where it stands, then built into a :class:`~hpgen.plan.Plan`.
+"""Validation of a decoded plan document: each value checked where it stands, then built into a :class:`~hpgen.core.plan.Plan`.
 
 Every name that can reach generated source is a validated identifier or dotted path,
 every placement parses, every axis is a mesh axis. Errors carry the JSON path of the
@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-from hpgen.errors import HpgenError
-from hpgen.placement import REPLICATE, Placement
-from hpgen.plan_entries import (
+from hpgen.core.errors import HpgenError
+from hpgen.core.placement import REPLICATE, Placement
+from hpgen.core.plan_entries import (
     LAYOUT_KEYS,
     PLAN_FORMAT,
     PLAN_FORMAT_2,
@@ -28,7 +28,7 @@ from hpgen.plan_entries import (
     expand_stage_item,
     summed_branches,
 )
-from hpgen.plan_names import fqn_matches, is_dotted_path, is_fqn_pattern, is_identifier, is_param_path, patterns_overlap
+from hpgen.core.plan_names import fqn_matches, is_dotted_path, is_fqn_pattern, is_identifier, is_param_path, patterns_overlap
 
 __all__ = [
     "ENTRY_KEYS",

@@ -22,8 +22,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpgen import durable
-from hpgen.errors import HpgenError
+from hpgen.core import durable
+from hpgen.core.errors import HpgenError
 
 EXIT_OK = 0
 EXIT_STALE = 1

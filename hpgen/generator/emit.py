@@ -18,9 +18,9 @@ from importlib import resources
 import jinja2
 import libcst as cst
 
-from hpgen.classify import Contract, ValueOps
-from hpgen.header import Header
-from hpgen.summed_edit import rewrite_summed
+from hpgen.core.classify import Contract, ValueOps
+from hpgen.core.header import Header
+from hpgen.generator.summed_edit import rewrite_summed
 
 
 @functools.lru_cache(maxsize=1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from hpgen.plan_entries import FunctionRef, Plan
+from hpgen.core.plan_entries import FunctionRef, Plan
 
 __all__ = ["HPGEN_COMPUTE_MODULES", "trusted_module_names", "untrusted_target"]
 

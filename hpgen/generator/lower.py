@@ -13,17 +13,18 @@ from dataclasses import dataclass, field
 import libcst as cst
 
 from hpgen import __version__
-from hpgen.classify import Contract, classify_contract, is_identity_contract
-from hpgen.emit import AbsoluteImports, Style, header_text, rewrite_class
-from hpgen.entry_names import check_entry_names
-from hpgen.errors import GeneratedCodeError, HpgenError
-from hpgen.header import Header, display_name, sha256_text
-from hpgen.index import RUNTIME_IMPORT_TEXT as RUNTIME_IMPORT
-from hpgen.index import ClassInfo, ModuleIndex, ParsedSource, index_module, parse_source
-from hpgen.param_dims import check_param_dims
-from hpgen.plan import Plan, contract_signature, is_dotted_path
-from hpgen.resolve import ResolvedClass, owned_by_children, resolve_boundaries
-from hpgen.summed_edit import SummedSiteError
+from hpgen.core.classify import Contract, classify_contract, is_identity_contract
+from hpgen.generator.emit import AbsoluteImports, Style, header_text, rewrite_class
+from hpgen.generator.entry_names import check_entry_names
+from hpgen.core.errors import GeneratedCodeError, HpgenError
+from hpgen.core.header import Header, display_name, sha256_text
+from hpgen.generator.index import RUNTIME_IMPORT_TEXT as RUNTIME_IMPORT
+from hpgen.generator.index import index_module, parse_source
+from hpgen.generator.index_records import ClassInfo, ModuleIndex, ParsedSource
+from hpgen.generator.param_dims import check_param_dims
+from hpgen.core.plan import Plan, contract_signature, is_dotted_path
+from hpgen.generator.resolve import ResolvedClass, owned_by_children, resolve_boundaries
+from hpgen.generator.summed_edit import SummedSiteError
 
 MODES = ("default", "toggle")
 BOM = "\ufeff"

@@ -17,11 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hpgen.placement import REPLICATE, Placement
-from hpgen.plan import Plan, body_is_sharded, contract_signature, summed_branches
+from hpgen.core.placement import REPLICATE, Placement
+from hpgen.core.plan import Plan, body_is_sharded, contract_signature, summed_branches
 
 if TYPE_CHECKING:
-    from hpgen.index import ForwardInfo
+    from hpgen.generator.index_records import ForwardInfo
 
 # Each collective's default backward, as the runtime's AxisCollectives defines it.
 DEFAULT_BACKWARD = {

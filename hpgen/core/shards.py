@@ -34,7 +34,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from hpgen.placement import Placement
+from hpgen.core.placement import Placement
 
 __all__ = [
     "AxisShare",

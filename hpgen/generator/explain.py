@@ -6,11 +6,11 @@ from typing import Any
 
 import libcst as cst
 
-from hpgen.classify import DEFAULT_BACKWARD, Contract, Op, is_identity_contract, value_ops
-from hpgen.context_coverage import CONTEXT_AXIS, GATHERED_KV_ATTENTION, HEAD_TAIL, gathered_kv_ops
-from hpgen.lower import Analysis
-from hpgen.plan import Plan
-from hpgen.summed_edit import SummedSiteError, rewrite_summed
+from hpgen.core.classify import DEFAULT_BACKWARD, Contract, Op, is_identity_contract, value_ops
+from hpgen.core.context_coverage import CONTEXT_AXIS, GATHERED_KV_ATTENTION, HEAD_TAIL, gathered_kv_ops
+from hpgen.generator.lower import Analysis
+from hpgen.core.plan import Plan
+from hpgen.generator.summed_edit import SummedSiteError, rewrite_summed
 
 # Inputs the runtime's wrappers know (hpgen.runtime.install.module_installs.KNOWN_INPUTS, kept apart
 # because the generator never imports the runtime).

@@ -5,17 +5,17 @@ file was generated. Where the source says how many dims a parameter has, ``hpgen
 (and ``explain``, ``check``) refuses it at once, naming the plan's JSON path and the
 source line: a child built as ``nn.Linear(...)`` (``weight`` 2-D, ``bias`` 1-D) or
 ``nn.Embedding(...)`` (``weight`` 2-D), or ``self.x = nn.Parameter(torch.empty(a, b))``
-and the like (:func:`hpgen.index._parameter_dims`). Anything else is left to the runtime.
+and the like (:func:`hpgen.generator.init_scan._parameter_dims`). Anything else is left to the runtime.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpgen.errors import HpgenError
-from hpgen.index import ClassInfo, ModuleIndex
-from hpgen.plan import Plan
-from hpgen.resolve import ResolvedClass, resolve_key
+from hpgen.core.errors import HpgenError
+from hpgen.generator.index_records import ClassInfo, ModuleIndex
+from hpgen.core.plan import Plan
+from hpgen.generator.resolve import ResolvedClass, resolve_key
 
 # Parameters of torch's modules whose dims do not depend on the arguments.
 _MODULE_PARAM_DIMS = {"Linear": {"weight": 2, "bias": 1}, "Embedding": {"weight": 2}}

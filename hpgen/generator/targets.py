@@ -21,8 +21,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpgen.errors import HpgenError
-from hpgen.plan import is_dotted_path
+from hpgen.core.errors import HpgenError
+from hpgen.core.plan import is_dotted_path
 
 if sys.version_info >= (3, 11):
     import tomllib

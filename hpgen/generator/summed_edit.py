@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from hpgen.classify import SummedOps
+from hpgen.core.classify import SummedOps
 
 
 class SummedSiteError(ValueError):
