@@ -16,9 +16,10 @@ and catch ``errors.ParallelizeError`` (which every group raises); ``torch.save``
 dict holding an ``SS`` parameter records ``shard_layout.PackedShard``; users train with
 ``trainer.Trainer`` (transformers' ``Trainer`` for parallelized models). Plans name the local
 compute functions (``forward.local``, ``forward.local_heads``, ``context.attention``) by
-their old module names, led to them by ``hpgen.core.plan_targets``. Everything else is in a subpackage by role, whose
-docstring says what each of its modules does. docs/runtime.md has the same table;
-``tests/package/test_layers.py`` checks that both name every module, each in exactly one group:
+their old module names, led to them by ``hpgen.core.plan_targets``. Everything else is in
+a subpackage by role, whose docstring says what each of its modules does. docs/runtime.md
+has the same table; ``tests/package/test_layers.py`` checks that both name every module,
+each in exactly one group:
 
 - ``hpgen.runtime`` (named from outside hpgen): ``defaults``, ``context_logits``, ``errors``,
   ``shard_layout``, ``trainer``;
