@@ -136,7 +136,7 @@ def attention_alone(model: torch.nn.Module, n: int, rank: int) -> tuple[float, f
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from hpgen.runtime.context.sequence import KEYWORD, CutSequence
-    from hpgen.runtime.context_attention import context_attention
+    from hpgen.runtime.context.attention import context_attention
 
     attention = model.model.layers[0].self_attn
     ax = attention._hp_cp

@@ -9,7 +9,8 @@ Module map:
   ``hpgen.core.plan_reader`` (validating a decoded document), ``hpgen.core.plan_entries``
   (the data a validated plan becomes and what it answers), ``hpgen.core.plan_names`` (name
   checks, FQN patterns), ``hpgen.core.plan_trust`` (which functions a plan may make hpgen
-  import);
+  import), ``hpgen.core.plan_targets`` (the module names plans give hpgen's local compute
+  functions, and where those live);
 - placements and shards: ``hpgen.core.placement`` (one tensor's layout on one mesh axis),
   ``hpgen.core.shards`` (tensor_split and chunk sizes and bounds, heads per row shard,
   ``ShardLayout``), ``hpgen.core.classify`` (transitions into operations and forms, read by

@@ -14,7 +14,8 @@ from typing import Any
 __all__ = ["CONTEXT_AXIS", "GATHERED_KV_ATTENTION", "HEAD_TAIL", "context_refusal", "gathered_kv_ops"]
 
 CONTEXT_AXIS = "cp"
-# the region function of attention on a cp axis (hpgen.runtime.context_attention), as plans name it
+# the region function of attention on a cp axis, as plans name it (in hpgen.runtime.context.attention:
+# hpgen.core.plan_targets)
 GATHERED_KV_ATTENTION = "hpgen.runtime.context_attention.gathered_kv_attention"
 HEAD_TAIL = "head-tail layout: the sequence in 2*cp chunks (tensor_split sizes), rank r holds chunks r and 2*cp-1-r"
 

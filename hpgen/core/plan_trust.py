@@ -13,13 +13,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from hpgen.core.plan_entries import FunctionRef, Plan
+from hpgen.core.plan_targets import PLAN_MODULES, import_path
 
 __all__ = ["HPGEN_COMPUTE_MODULES", "trusted_module_names", "untrusted_target"]
 
 # hpgen's modules of local compute functions and wrappers, meant to be named by plans
-HPGEN_COMPUTE_MODULES = frozenset(
-    {"hpgen.runtime.local", "hpgen.runtime.local_heads", "hpgen.runtime.context_attention"}
-)
+# (where they live; a plan may name them by the module names of PLAN_MODULES)
+HPGEN_COMPUTE_MODULES = frozenset(PLAN_MODULES.values())
 
 
 def trusted_module_names(trusted_modules: str | Iterable[str]) -> tuple[str, ...]:
@@ -32,7 +32,7 @@ def trusted_module_names(trusted_modules: str | Iterable[str]) -> tuple[str, ...
 
 
 def _trusted(target: FunctionRef, modules: tuple[str, ...]) -> bool:
-    module, _, name = target.path.rpartition(".")
+    module, _, name = import_path(target.path).rpartition(".")
     if module in HPGEN_COMPUTE_MODULES and not name.startswith("_"):
         return True
     return any(module == listed or module.startswith(listed + ".") for listed in modules)

@@ -10,6 +10,7 @@ from hpgen.core.classify import DEFAULT_BACKWARD, Contract, Op, is_identity_cont
 from hpgen.core.context_coverage import CONTEXT_AXIS, GATHERED_KV_ATTENTION, HEAD_TAIL, gathered_kv_ops
 from hpgen.generator.lower import Analysis
 from hpgen.core.plan import Plan
+from hpgen.core.plan_targets import import_path
 from hpgen.generator.summed_edit import SummedSiteError, rewrite_summed
 
 # Inputs the runtime's wrappers know (hpgen.runtime.install.module_installs.KNOWN_INPUTS, kept apart
@@ -95,7 +96,8 @@ def _contract_record(
     ops = [op for value in (*contract.inputs, *contract.outputs) for op in value.active]
     counts = contract.collectives_per_call()
     body_ops: list[dict[str, Any]] = []
-    if contract.region_target == GATHERED_KV_ATTENTION:  # the cp attention's gathers, inside the body
+    # the cp attention's gathers, inside the body (its plan name or its module's own path)
+    if contract.region_target is not None and import_path(contract.region_target) == import_path(GATHERED_KV_ATTENTION):
         injection = plan.injection_for(contract.keys[0])
         axis = injection.local_compute_fn.kwargs_dict().get("axis", "cp") if injection is not None else "cp"
         body_ops = gathered_kv_ops(str(axis))

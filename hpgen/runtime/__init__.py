@@ -11,30 +11,31 @@ model's gradient norm, and clipping by it) are loaded on first use so that gener
 ``hpgen.runtime.defaults``, do not pay for them.
 
 Module map. The top level keeps only the modules that something outside hpgen names by
-path: generated files import ``defaults``; plans name functions in ``local``,
-``local_heads`` and ``context_attention``; users call ``context_logits.shard_logits`` and
-``folder_swap.recover`` and catch ``errors.ParallelizeError`` (which every group raises); ``torch.save`` of a state dict holding an ``SS`` parameter
-records ``shard_layout.PackedShard``; users train with ``trainer.Trainer`` (transformers'
-``Trainer`` for parallelized models). Everything else is in a subpackage by role, whose
-docstring says what each of its modules does. docs/runtime.md has the same table;
-``tests/package/test_layers.py`` checks that both name every module, each in exactly one group:
+path in code: generated files import ``defaults``; users call ``context_logits.shard_logits``
+and catch ``errors.ParallelizeError`` (which every group raises); ``torch.save`` of a state
+dict holding an ``SS`` parameter records ``shard_layout.PackedShard``; users train with
+``trainer.Trainer`` (transformers' ``Trainer`` for parallelized models). Plans name the local
+compute functions (``forward.local``, ``forward.local_heads``, ``context.attention``) by
+their old module names, led to them by ``hpgen.core.plan_targets``. Everything else is in
+a subpackage by role, whose docstring says what each of its modules does. docs/runtime.md
+has the same table; ``tests/package/test_layers.py`` checks that both name every module,
+each in exactly one group:
 
-- ``hpgen.runtime`` (named from outside hpgen): ``defaults``, ``local``, ``local_heads``,
-  ``context_attention``, ``context_logits``, ``errors``, ``folder_swap``, ``shard_layout``,
-  ``trainer``;
+- ``hpgen.runtime`` (named from outside hpgen): ``defaults``, ``context_logits``, ``errors``,
+  ``shard_layout``, ``trainer``;
 - ``hpgen.runtime.install`` (survey and install: what ``parallelize`` runs): ``parallelize``,
   ``pretrained``, ``agreement``, ``launch_checks``, ``module_installs``, ``counterparts``, ``params``, ``attrs``,
   ``groups``, ``hooks``, ``summed``, ``kernels``, ``replaced_stubs``, ``inputs``, ``tuners``,
   ``adapters``, ``wrapped``, ``stock_loops``, ``context_checks``;
 - ``hpgen.runtime.forward`` (what generated forwards call): ``collectives``,
   ``eager_collectives``, ``traced_collectives``, ``moves``, ``shard_records``, ``handback``, ``devices``, ``boundary``,
-  ``ops``, ``wrappers``, ``streams``, ``sampling``, ``context_axis``;
+  ``ops``, ``wrappers``, ``streams``, ``sampling``, ``context_axis``, ``local``, ``local_heads``;
 - ``hpgen.runtime.context`` (context parallelism: attention by blocks and the layout handed to it,
-  the key/value cache split for decoding, decode attention, the log-sum-exp merge): ``blockwise``,
+  the key/value cache split for decoding, decode attention, the log-sum-exp merge): ``attention``, ``blockwise``,
   ``sequence``, ``cache``, ``decode``, ``merge``;
 - ``hpgen.runtime.checkpoint`` (checkpoints and state dicts: read, presented to DCP and
   FSDP2, written): ``loading``, ``registrations``, ``checkpoint_files``, ``file_maps``,
-  ``conversions``, ``state_dict``, ``sharded_param``, ``fsdp_state``, ``dcp_files``, ``saving``;
+  ``conversions``, ``state_dict``, ``sharded_param``, ``fsdp_state``, ``dcp_files``, ``saving``, ``folder_swap``;
 - ``hpgen.runtime.training`` (what training loops call beside the optimizer): ``clipping``, ``engines``;
 - ``hpgen.runtime.pipeline`` (pipeline stages: the stage kept, the schedule step, the inference relay):
   ``stages``, ``tied``, ``attach``, ``stage_forward``, ``schedule``, ``relay``, ``gather``.

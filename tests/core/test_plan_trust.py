@@ -27,6 +27,8 @@ def _plan(target: object, wrapper: object = None) -> object:
         {"_target_": "hpgen.runtime.local.batch_parallel", "axis": "ep"},
         "hpgen.runtime.local_heads.batch_major_heads",
         {"_target_": "hpgen.runtime.context_attention.gathered_kv_attention", "axis": "cp"},
+        "hpgen.runtime.forward.local.experts_parallel",  # where the plan names lead (hpgen.core.plan_targets)
+        {"_target_": "hpgen.runtime.context.attention.gathered_kv_attention", "axis": "cp"},
     ],
 )
 def test_hpgen_own_functions_need_no_trust(target: object) -> None:
@@ -40,6 +42,7 @@ def test_hpgen_own_functions_need_no_trust(target: object) -> None:
         ({"_target_": "os.getcwd", "x": 1}, None, "'os.getcwd'", "os"),
         ("hpgen.runtime.local.experts_parallel", {"_target_": "mypackage.tracing.record"}, "inner_wrapper 'mypackage.tracing.record'", "mypackage"),
         ("hpgen.runtime.local._private", None, "'hpgen.runtime.local._private'", "hpgen"),  # not one of its functions
+        ("hpgen.runtime.forward.collectives.all_gather", None, "'hpgen.runtime.forward.collectives.all_gather'", "hpgen"),
         ("hpgen.cli.main", None, "'hpgen.cli.main'", "hpgen"),  # hpgen, but no local compute function
     ],
 )

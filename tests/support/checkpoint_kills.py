@@ -33,7 +33,7 @@ def kill_saves(model: torch.nn.Module, cls: type, root: str, rank: int, ids: tor
     """Every rank calls it; rank 0 returns {case: {"steps", "kills", "outcomes", "leftovers", "kept"}}."""
     import torch.distributed as dist
 
-    from hpgen.runtime.folder_swap import leftovers, recover
+    from hpgen.runtime.checkpoint.folder_swap import leftovers, recover
     from hpgen.runtime.checkpoint.saving import full_state_dict, write_checkpoint
     from tests.support.faults import kill_trials
 

@@ -154,7 +154,7 @@ def _set_io(context: PlanContext, placed: Placed, boundary: Boundary) -> None:
 
 def _batch_major_injections(groups: Grouped, placed: dict[str, Placed]) -> list[Injection]:
     """The region injections of blocks whose per-head input fuses the heads into the batch dim
-    (BLOOM's ``alibi``): see :mod:`hpgen.runtime.local_heads`."""
+    (BLOOM's ``alibi``): see :mod:`hpgen.runtime.forward.local_heads`."""
     injections = []
     for key, (boundary, _) in sorted(groups.items()):
         entry = placed.get(boundary.fqn)

@@ -14,5 +14,6 @@ a pickled state dict names its ``PackedShard``. Nothing here imports
 - ``hpgen.runtime.checkpoint.sharded_param``: a sharded parameter's record (full shape, shard, DTensor form), and its gather;
 - ``hpgen.runtime.checkpoint.fsdp_state``: entries of parameters FSDP2 has sharded again over ``dp``;
 - ``hpgen.runtime.checkpoint.dcp_files``: a DCP folder's files checked before any tensor is read;
-- ``hpgen.runtime.checkpoint.saving``: ``save_pretrained``, the unsharded checkpoint, crash-safe.
+- ``hpgen.runtime.checkpoint.saving``: ``save_pretrained``, the unsharded checkpoint, crash-safe;
+- ``hpgen.runtime.checkpoint.folder_swap``: a folder replaced in one step, and ``recover`` after a crash mid-swap.
 """

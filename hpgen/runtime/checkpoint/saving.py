@@ -6,7 +6,7 @@ when ``is_main_process`` there, as transformers decides) keeps them on the CPU a
 the checkpoint with transformers' own ``save_pretrained`` (config, generation config,
 safetensors shards, tied weights dropped, conversions reverted to the checkpoint layout
 transformers uses, e.g. per-expert MoE weights) into a sibling temporary folder, which
-then replaces the target in one step (:mod:`hpgen.runtime.folder_swap`): at every
+then replaces the target in one step (:mod:`hpgen.runtime.checkpoint.folder_swap`): at every
 instant the folder holds the complete old or the complete new checkpoint. The other
 ranks wait for it and raise the writer's error if it had one, so the call ends the same
 way everywhere.
@@ -33,7 +33,7 @@ from hpgen.runtime.checkpoint.conversions import model_conversions
 from hpgen.runtime.checkpoint.sharded_param import gather_full
 from hpgen.runtime.checkpoint.state_dict import local_state_dict, sharded_params
 from hpgen.runtime.errors import ParallelizeError
-from hpgen.runtime.folder_swap import replacing
+from hpgen.runtime.checkpoint.folder_swap import replacing
 from hpgen.runtime.forward.handback import all_gather_object, broadcast_object
 
 __all__ = ["bind_save_pretrained", "full_state_dict", "save_pretrained", "write_checkpoint"]

@@ -13,5 +13,10 @@
   module outside the lowered file, as boundaries;
 - ``hpgen.runtime.forward.streams``: which random numbers each rank's random ops draw;
 - ``hpgen.runtime.forward.sampling``: ``generate`` giving the same tokens on every rank;
-- ``hpgen.runtime.forward.context_axis``: the ``cp`` axis, its head-tail sequence shards and their collectives.
+- ``hpgen.runtime.forward.context_axis``: the ``cp`` axis, its head-tail sequence shards and their collectives;
+- ``hpgen.runtime.forward.local``: local compute functions a region boundary runs (experts by expert, attention by batch);
+- ``hpgen.runtime.forward.local_heads``: the local compute of an attention whose per-head input fuses heads into the batch.
+
+Plans name ``local`` and ``local_heads`` as ``hpgen.runtime.local`` and
+``hpgen.runtime.local_heads`` (:mod:`hpgen.core.plan_targets`).
 """

@@ -1,7 +1,7 @@
 """Context parallelism at install: what a ``cp`` axis refuses, and the decode steps it replicates.
 
 The ``cp`` axis (:mod:`hpgen.runtime.forward.context_axis`) cuts the sequence and gathers keys
-and values in attention (:mod:`hpgen.runtime.context_attention`). That is exact for softmax
+and values in attention (:mod:`hpgen.runtime.context.attention`). That is exact for softmax
 attention over a mask transformers builds for the whole sequence; :func:`survey_context`
 refuses, before anything changes, the models where it would not be: attention
 implementations other than sdpa and eager (flash and flex build their masks or

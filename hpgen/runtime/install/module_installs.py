@@ -41,6 +41,7 @@ from hpgen.core.classify import is_identity_contract
 from hpgen.core.conv1d import is_conv1d
 from hpgen.core.placement import REPLICATE, Placement
 from hpgen.core.plan import Plan, contract_signature
+from hpgen.core.plan_targets import import_path
 from hpgen.core.plan import FunctionRef
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.boundary import GenericBoundary, StaticMove, boundary_movers, generic_boundary
@@ -266,7 +267,7 @@ def _generated(item: Matched, plan: Plan, mesh: DeviceMesh, axes: Mapping[str, A
 
 
 def _import(target: FunctionRef, item: Matched, what: str) -> Callable[..., Any]:
-    module_name, _, attr = target.path.rpartition(".")
+    module_name, _, attr = import_path(target.path).rpartition(".")  # a plan's name for hpgen's own, or as written
     try:
         function = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as error:

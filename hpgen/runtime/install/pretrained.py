@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from hpgen.runtime.checkpoint.checkpoint_files import CheckpointFiles
 from hpgen.runtime.checkpoint.loading import initialise_buffers, load_checkpoint
 from hpgen.runtime.errors import ParallelizeError
-from hpgen.runtime.folder_swap import recover
+from hpgen.runtime.checkpoint.folder_swap import recover
 from hpgen.runtime.forward.devices import collective_device
 from hpgen.runtime.install.parallelize import survey_model
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hpgen.core import durable
-from hpgen.runtime import folder_swap
+from hpgen.runtime.checkpoint import folder_swap
 
 
 def _folder(path: Path, **files: str) -> Path:

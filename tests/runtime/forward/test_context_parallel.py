@@ -196,14 +196,18 @@ def test_hpgen_plan_cp_refuses_what_it_does_not_cover(tmp_path: Path, why: str) 
     assert not out.exists()
 
 
-def test_hpgen_explain_shows_the_cp_collectives(tmp_path: Path) -> None:
+# the attention's function as the planner writes it, and by its module's own path (hpgen.core.plan_targets)
+@pytest.mark.parametrize("module", ["hpgen.runtime.context_attention", "hpgen.runtime.context.attention"])
+def test_hpgen_explain_shows_the_cp_collectives(tmp_path: Path, module: str) -> None:
     from click.testing import CliRunner
 
     from hpgen.cli import cli
     from tests.support.models import FAMILIES as MODELS
 
     plan = tmp_path / "plan.json"
-    plan.write_text(__import__("json").dumps(_plan("llama", cp=2)))
+    text = __import__("json").dumps(_plan("llama", cp=2))
+    assert "hpgen.runtime.context_attention.gathered_kv_attention" in text
+    plan.write_text(text.replace("hpgen.runtime.context_attention.", module + "."))
     result = CliRunner().invoke(cli, ["explain", str(MODELS["llama"].source()), str(plan)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     text = result.output

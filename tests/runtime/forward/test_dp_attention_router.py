@@ -2,7 +2,7 @@
 those of its own tokens, and a rank with no request returns none, not its placeholder sequence's.
 
 A rank whose share is empty runs a placeholder sequence so that it joins the experts' collectives
-(:func:`hpgen.runtime.local.batch_parallel`); its rows are dropped from the outputs. Left in
+(:func:`hpgen.runtime.forward.local.batch_parallel`); its rows are dropped from the outputs. Left in
 ``router_logits``, they would be counted by the auxiliary load-balancing loss as tokens that do
 not exist (and with an ``attention_mask`` of no rows, the loss would fail on their shapes).
 """

@@ -7,7 +7,7 @@ fused ``c_attn`` as three packed blocks, ``split_size`` divided), GPT-NeoX from 
 GPTBigCode with multi-query attention (the attention stays replicated, the MLP shards), and
 two ALiBi models whose per-head bias is made outside the attention: MPT's ``[heads, 1, L]``
 enters the attention block ``R -> S(0)``, BLOOM's batch-major ``[batch * heads, 1, L]`` is cut
-by the region's local compute (:mod:`hpgen.runtime.local_heads`), on a batch of 2; and xLSTM,
+by the region's local compute (:mod:`hpgen.runtime.forward.local_heads`), on a batch of 2; and xLSTM,
 whose layers are classes under a module-level ``if``, and Fuyu, whose language model comes from
 another modeling file (both read by the derivation, not rewritten: their feed-forwards shard as
 wrapped leaves); DeepSeek-V3's multi-head latent attention (the low-rank down-projections

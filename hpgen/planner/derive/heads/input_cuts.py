@@ -4,7 +4,7 @@ BLOOM passes its attention ``alibi``, MPT ``position_bias``: one slice per head 
 heads. Under head sharding each rank needs its own heads' slices. Where the head dim is a
 dim of its own the attention's block takes the input ``R -> S(d)``; where the heads are
 fused into the batch dim (``[batch * heads, ...]``) a region's local compute cuts it
-(:mod:`hpgen.runtime.local_heads`); an argument with no head dim (ProphetNet's position
+(:mod:`hpgen.runtime.forward.local_heads`); an argument with no head dim (ProphetNet's position
 buckets) is not per head and stays replicated. The head dim comes from a meta-device
 forward (:mod:`hpgen.planner.derive.heads.input_dims`).
 """

@@ -9,7 +9,7 @@ count ``H``, and reading the argument's shape as the attention receives it:
   keeping its heads' slice, no communication;
 - a dim of size ``B * H`` (BLOOM's batch-major ``[B * H, 1, L]``): not one placement (the
   rank's rows are a chunk of every batch's heads), so the block becomes a region whose
-  local compute (:func:`hpgen.runtime.local_heads.batch_major_heads`) views it as
+  local compute (:func:`hpgen.runtime.forward.local_heads.batch_major_heads`) views it as
   ``[B, H, ...]`` and keeps this rank's heads;
 - no such dim (ProphetNet's relative position buckets, ``[B, L, L]`` integers): not per head,
   it stays ``R``.

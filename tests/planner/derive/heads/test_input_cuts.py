@@ -43,7 +43,7 @@ def test_batch_major_heads_keeps_this_ranks_heads_of_every_batch() -> None:
 
     import torch
 
-    from hpgen.runtime.local_heads import batch_major_heads
+    from hpgen.runtime.forward.local_heads import batch_major_heads
 
     class Body(torch.nn.Module):
         def _forward_impl(self, hidden_states: torch.Tensor, alibi: torch.Tensor, mask: Any = None) -> torch.Tensor:

@@ -5,7 +5,7 @@ BLOOM builds its ``alibi`` once for all heads as ``[batch * heads, 1, length]``
 heads ``[rank * heads / k, (rank + 1) * heads / k)``, so its rows are a chunk of *every*
 batch's block: no ``S``/``SS`` placement says that, since the number of blocks is the
 batch size, known only at run time. This function is the region's local compute (see
-:mod:`hpgen.runtime.local`): it views each named input as ``[batch, heads, ...]``, keeps
+:mod:`hpgen.runtime.forward.local`): it views each named input as ``[batch, heads, ...]``, keeps
 this rank's heads, flattens back, and runs the module's own body on the result::
 
     {"match": "transformer.h.*.self_attention",

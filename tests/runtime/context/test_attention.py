@@ -1,4 +1,4 @@
-"""cp attention (:func:`hpgen.runtime.context_attention.context_attention`) on 2 gloo ranks against transformers' sdpa.
+"""cp attention (:func:`hpgen.runtime.context.attention.context_attention`) on 2 gloo ranks against transformers' sdpa.
 
 Each rank calls the attention function with its head-tail rows of the queries, keys and values
 and the layout as the keyword argument; its outputs and the gradients of the whole tensors
@@ -44,7 +44,7 @@ def _attention(rank: int, world_size: int) -> dict[str, tuple[float, float]]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from hpgen.runtime.context.sequence import KEYWORD, CutSequence
-    from hpgen.runtime.context_attention import context_attention
+    from hpgen.runtime.context.attention import context_attention
     from hpgen.runtime.forward.context_axis import ContextAxis
 
     ax = ContextAxis(dist.group.WORLD, "cp")
