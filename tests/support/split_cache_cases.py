@@ -5,7 +5,8 @@ weights, parallelizes the generated one on its mesh (``cp``, or ``cp x tp``) and
 with both from a 64-token batch whose second row is left-padded: the logits of a cached
 forward and of a 3-token forward continuing its cache, greedy tokens after 16 new ones
 (``generate`` and ``return_dict_in_generate``), a decode loop of one's own, beam search, a
-``StaticCache`` and ``keep_whole_cache`` (which keep every position on every rank), sampled
+``StaticCache``, ``keep_whole_cache`` and eager attention (which keep every position on every
+rank), sampled
 tokens under one seed,
 and the positions each rank's cache holds. The numbers come back to the
 parent, which asserts.
@@ -47,6 +48,7 @@ class DecodeResult:
     layer_types: list[str] = field(default_factory=list)  # the cache's layers after a prefill, and after one with grad
     cp_rank: int = 0
     whole_cache_lengths: list[int] = field(default_factory=list)  # keys held per layer under keep_whole_cache
+    eager_cache_lengths: list[int] = field(default_factory=list)  # keys held per layer after eager generation
 
 
 def _cache(output: Any) -> Any:
@@ -119,6 +121,17 @@ def run_decode_cases(rank: int, world_size: int, cases: list[DecodeCase]) -> dic
             result.reference["whole cache"] = result.reference["greedy"]
             result.whole_cache_lengths = [layer.keys.size(-2) for layer in whole.cache.layers]
             keep_whole_cache(model, False)
+
+            # eager attention: the split cache's decode attention is cp's sdpa, so under eager the cache keeps
+            # every position on every rank and decode steps run replicated
+            for either in (ref, model):
+                either.set_attn_implementation("eager")
+            eager = model.generate(ids, **greedy, return_dict_in_generate=True)
+            result.tokens["eager"] = eager.sequences[:, PROMPT:].tolist()
+            result.reference["eager"] = ref.generate(ids, **greedy)[:, PROMPT:].tolist()
+            result.eager_cache_lengths = [layer.keys.size(-2) for layer in eager.cache.layers]
+            for either in (ref, model):
+                either.set_attn_implementation("sdpa")
 
             sampled = dict(attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=0, pad_token_id=0)
             torch.manual_seed(17)

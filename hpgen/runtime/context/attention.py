@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from hpgen.runtime.context.blockwise import BlockwiseAttention
 from hpgen.runtime.context.cache import keep_prefill
-from hpgen.runtime.context.decode import decode_attention
+from hpgen.runtime.context.decode import STEP, decode_attention, split_cache_attention
 from hpgen.runtime.context.sequence import KEYWORD
 
 __all__ = ["AttentionConfig", "GatheringCache", "LocalKVCache", "context_attention", "gathered_kv_attention"]
@@ -52,9 +52,9 @@ _CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
 class GatheringCache:
-    """Stands in for the attention body's cache: ``update`` gathers the keys and values of
-    every rank along the sequence (dim 2), after putting this rank's into the caller's ``cache``
-    if there is one (:func:`~hpgen.runtime.context.cache.keep_prefill`)."""
+    """Stands in for the attention body's cache (eager attention): ``update`` gathers the keys and
+    values of every rank along the sequence (dim 2) and updates the caller's ``cache``, if any,
+    with them (a whole cache: the split one needs :func:`context_attention`'s decode step)."""
 
     def __init__(self, axis: Any, cache: Any, layout: Any) -> None:
         self.axis = axis
@@ -66,8 +66,9 @@ class GatheringCache:
         gathered = self.axis.all_gather(key_states, dim=2, total=n), self.axis.all_gather(value_states, dim=2, total=n)
         if self.cache is None:
             return gathered
-        # this rank's positions into the cache (or the whole, for caches that keep it: then what it returns)
-        return keep_prefill(self.cache, key_states, value_states, self.layout, self.axis, lambda: gathered, args, kwargs)
+        # the whole keys and values: a decode step's split-cache attention is sdpa's (context_attention), so
+        # under eager attention the cache keeps every position and decoding runs replicated
+        return self.cache.update(*gathered, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         cache = self.__dict__.get("cache")
@@ -132,18 +133,15 @@ def _query_rows(mask: Tensor | None, layout: Any, dtype: torch.dtype, eager: boo
 class AttentionConfig:
     """An attention module's ``config``: the model's own, read and written through, except that
     where it names sdpa, ``_attn_implementation`` names :func:`context_attention` (registered in
-    transformers' ``AttentionInterface`` as ``CONTEXT_ATTENTION``), which is sdpa with the layout.
-    ``_hp_route``, while set, names another function for the call (the decode step's, which
-    sets and clears it around the body); the prefill and training steps set none."""
+    transformers' ``AttentionInterface`` as ``CONTEXT_ATTENTION``), which is sdpa with the layout
+    of a cut sequence, or a decode step's attention over the split cache: what the call's keyword
+    arguments carry decides, nothing is set on the config per call."""
 
     def __init__(self, config: Any) -> None:
         object.__setattr__(self, "_hp_config", config)
-        object.__setattr__(self, "_hp_route", None)
 
     @property
     def _attn_implementation(self) -> Any:
-        if self._hp_route:
-            return self._hp_route
         implementation = self._hp_config._attn_implementation
         return CONTEXT_ATTENTION if implementation == "sdpa" else implementation
 
@@ -173,6 +171,8 @@ def context_attention(
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if STEP in kwargs:  # a decode step over the cache split across cp
+        return split_cache_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     sequence = kwargs.pop(KEYWORD, None)
     if sequence is None:
         return sdpa_attention_forward(
@@ -205,7 +205,8 @@ def gathered_kv_attention(module: nn.Module, *args: Any, axis: str = "cp", **kwa
     ax = getattr(module, f"_hp_{axis}")
     sequence = kwargs.pop(KEYWORD, None)
     if not ax.active:  # one rank, or a decode step: over the split cache if there is one
-        return decode_attention(module, ax, args, kwargs)
+        routed = getattr(getattr(module, "config", None), "_attn_implementation", None) == CONTEXT_ATTENTION
+        return decode_attention(module, ax, args, kwargs, routed=routed)
     if sequence is None:
         raise RuntimeError(
             f"{type(module).__name__}: context parallelism on {axis!r}: no sequence was cut in this forward "

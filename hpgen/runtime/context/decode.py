@@ -9,8 +9,9 @@ Only attention differs from one process's, where the cache is split
 
 - the body's cache is :class:`DecodeCache`: its ``update`` keeps the new tokens placed on
   this rank and returns the keys and values this rank holds;
-- the body's attention call goes to :func:`split_cache_attention` (named through the
-  module's ``AttentionConfig``): the queries over the held keys, with the columns of the
+- the body's attention call goes to :func:`split_cache_attention` (cp's ``context_attention``,
+  the function the module's config names under sdpa, hands it a call carrying the step as a
+  keyword argument): the queries over the held keys, with the columns of the
   mask transformers built for the whole sequence taken at the held positions (the causal
   mask of those positions where it built none), giving an output and its log-sum-exp;
   one all-gather of both over ``cp`` and :func:`~hpgen.runtime.context.merge.merge_partials`
@@ -34,7 +35,6 @@ from hpgen.runtime.context.merge import merge_partials
 
 __all__ = ["DecodeCache", "DecodeStep", "decode_attention", "split_cache_attention"]
 
-SPLIT_CACHE = "hpgen_cp_split_cache_attention"  # its name in transformers' AttentionInterface
 STEP = "hp_cp_decode_step"  # the keyword the body passes on to the attention call
 
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")
@@ -77,9 +77,12 @@ def _signature(cls: type) -> tuple[inspect.Signature, str | None, str | None]:
     return signature.replace(parameters=params), cache, var_kw
 
 
-def decode_attention(module: nn.Module, axis: Any, args: tuple, kwargs: dict) -> Any:
+def decode_attention(module: nn.Module, axis: Any, args: tuple, kwargs: dict, *, routed: bool) -> Any:
     """The attention module's body in a forward the ``cp`` axis runs whole: over the split cache
-    with the ranks' partial results merged, or the body as it is (no split cache)."""
+    with the ranks' partial results merged, or the body as it is (no split cache).
+
+    ``routed``: the body's attention call goes to cp's ``context_attention`` (sdpa), which hands
+    a call carrying the :class:`DecodeStep` keyword to :func:`split_cache_attention`."""
     signature, cache_name, var_kw = _signature(type(module))
     layer_idx = getattr(module, "layer_idx", None)
     if axis.size == 1 or cache_name is None or var_kw is None or layer_idx is None:
@@ -91,9 +94,11 @@ def decode_attention(module: nn.Module, axis: Any, args: tuple, kwargs: dict) ->
     layer = None if cache is None else split_layer(cache, layer_idx, axis)
     if layer is None or not layer.get_seq_length():
         return module._forward_impl(*args, **kwargs)
-    config = module.config
-    if not hasattr(config, "_hp_route"):
-        raise RuntimeError(f"{type(module).__name__}: a split cache needs the cp attention's config (parallelize the model)")
+    if not routed:
+        raise RuntimeError(
+            f"{type(module).__name__}: a cache split over cp is decoded by cp's sdpa attention; this module's attention "
+            "implementation is not it (split caches are made under sdpa, transformers' default)"
+        )
     step = DecodeStep(axis, layer)
     if cache_name in extra:
         extra[cache_name] = DecodeCache(cache, step)
@@ -101,21 +106,14 @@ def decode_attention(module: nn.Module, axis: Any, args: tuple, kwargs: dict) ->
         arguments[cache_name] = DecodeCache(cache, step)
     extra[STEP] = step
     arguments[var_kw] = extra
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(SPLIT_CACHE, split_cache_attention)
-    config._hp_route = SPLIT_CACHE
-    try:
-        return module._forward_impl(*bound.args, **bound.kwargs)
-    finally:
-        config._hp_route = None
+    return module._forward_impl(*bound.args, **bound.kwargs)
 
 
 def split_cache_attention(
     module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, *,
     scaling: float | None = None, dropout: float = 0.0, **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    """The attention call of a decode step (an ``AttentionInterface`` function): this rank's
+    """The attention call of a decode step (from cp's ``context_attention``): this rank's
     partial attention over the keys it holds, merged with the other ranks' by log-sum-exp."""
     step: DecodeStep = kwargs.pop(STEP)
     if dropout:

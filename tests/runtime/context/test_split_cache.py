@@ -57,6 +57,7 @@ def _check(results: list[dict[str, DecodeResult]], name: str, cp: int) -> None:
         assert result.tokens["return_dict_in_generate"] == result.reference["greedy"]
         assert set(result.layer_types) == {"SplitLayer"}, result.layer_types
         assert set(result.whole_cache_lengths) == {PROMPT + NEW - 1}, result.whole_cache_lengths
+        assert set(result.eager_cache_lengths) == {PROMPT + NEW - 1}, result.eager_cache_lengths
         assert result.tokens == results[0][name].tokens, f"{name}: rank {rank}'s tokens differ from rank 0's"
     _check_positions(results, name, cp)
 
