@@ -26,6 +26,7 @@ from hpgen.generator.generate import check_target, generate, read_source
 from hpgen.core.plan import is_dotted_path
 from hpgen.generator.targets import MODES, BadTarget, Target, find_pyproject, load_targets
 from hpgen.generator.write import EXIT_BAD_INPUT, EXIT_INTERNAL, Report, unified_diff, write_file
+from hpgen.verify.prepare import ATTENTION_IMPLEMENTATIONS
 
 
 def run_guarded(action: Callable[[], int]) -> None:
@@ -478,7 +479,7 @@ def plan_command(
 )
 @click.option(
     "--attn-implementation",
-    type=click.Choice(["eager", "sdpa"]),
+    type=click.Choice(ATTENTION_IMPLEMENTATIONS),
     help="transformers' attention path both models run (default: transformers' default, sdpa).",
 )
 def verify_command(
