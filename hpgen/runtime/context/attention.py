@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from hpgen.runtime.context.blockwise import BlockwiseAttention
-from hpgen.runtime.context.cache import keep_prefill
+from hpgen.runtime.context.cache import CacheStandIn, body_cache, hand_cache, keep_prefill
 from hpgen.runtime.context.decode import STEP, decode_attention, split_cache_attention
 from hpgen.runtime.context.sequence import KEYWORD
 
@@ -51,14 +51,14 @@ CONTEXT_ATTENTION = "hpgen_cp_attention"  # context_attention's name in transfor
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
-class GatheringCache:
+class GatheringCache(CacheStandIn):
     """Stands in for the attention body's cache (eager attention): ``update`` gathers the keys and
     values of every rank along the sequence (dim 2) and updates the caller's ``cache``, if any,
     with them (a whole cache: the split one needs :func:`context_attention`'s decode step)."""
 
     def __init__(self, axis: Any, cache: Any, layout: Any) -> None:
+        super().__init__(cache)
         self.axis = axis
-        self.cache = cache
         self.layout = layout  # the sequence this forward cut (its keys and values are this rank's share)
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
@@ -70,22 +70,16 @@ class GatheringCache:
         # under eager attention the cache keeps every position and decoding runs replicated
         return self.cache.update(*gathered, *args, **kwargs)
 
-    def __getattr__(self, name: str) -> Any:
-        cache = self.__dict__.get("cache")
-        if cache is None:
-            raise AttributeError(name)
-        return getattr(cache, name)
 
-
-class LocalKVCache:
+class LocalKVCache(CacheStandIn):
     """Stands in for the attention body's cache under sdpa: ``update`` returns this rank's keys
     and values as they are (:func:`context_attention` gathers them), after putting them into the
     caller's cache (:func:`~hpgen.runtime.context.cache.keep_prefill`; a cache that keeps every
     position gets every rank's, gathered outside autograd)."""
 
     def __init__(self, axis: Any, cache: Any, n: int) -> None:
+        super().__init__(cache)
         self.axis = axis
-        self.cache = cache
         self.n = n
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
@@ -99,12 +93,6 @@ class LocalKVCache:
         layout = self.axis.layout(self.n, key_states.device)
         keep_prefill(self.cache, key_states, value_states, layout, self.axis, gathered, args, kwargs)
         return key_states, value_states
-
-    def __getattr__(self, name: str) -> Any:
-        cache = self.__dict__.get("cache")
-        if cache is None:
-            raise AttributeError(name)
-        return getattr(cache, name)
 
 
 def _check_mask(mask: Tensor, layout: Any) -> None:
@@ -216,26 +204,19 @@ def gathered_kv_attention(module: nn.Module, *args: Any, axis: str = "cp", **kwa
     bound = module._hp_cp_signature.bind(*args, **kwargs)
     arguments = bound.arguments
     cache_name, var_kw = module._hp_cp_cache, module._hp_cp_kwargs
-    extra = (arguments.get(var_kw) or {}) if var_kw else {}
-    cache = arguments.get(cache_name)
-    if cache is None and cache_name in extra:
-        cache = extra[cache_name]
+    extra, cache = body_cache(arguments, cache_name, var_kw)
     config = getattr(module, "config", None)
     blockwise = var_kw is not None and isinstance(config, AttentionConfig)
     blockwise = blockwise and config._attn_implementation == CONTEXT_ATTENTION
     if blockwise:  # the attention call gathers, by blocks; the layout travels with the body's keywords
         stand_in = None if cache is None else LocalKVCache(ax, cache, layout.n)
-        arguments[var_kw] = {**extra, KEYWORD: sequence}
-        extra = arguments[var_kw]
+        extra[KEYWORD] = sequence
     else:
         stand_in = GatheringCache(ax, cache, layout)
         dtype = _first_tensor(args, kwargs).dtype
         eager = getattr(config, "_attn_implementation", "eager") == "eager"
         arguments["attention_mask"] = _query_rows(arguments.get("attention_mask"), layout, dtype, eager)
-    if cache_name in extra:
-        extra[cache_name] = stand_in
-    else:
-        arguments[cache_name] = stand_in
+    hand_cache(arguments, extra, cache_name, var_kw, stand_in)
     return module._forward_impl(*bound.args, **bound.kwargs)
 
 

@@ -28,7 +28,40 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import DynamicLayer
 
-__all__ = ["SplitLayer", "keep_prefill", "keep_whole_cache", "split_layer"]
+__all__ = ["CacheStandIn", "SplitLayer", "body_cache", "hand_cache", "keep_prefill", "keep_whole_cache", "split_layer"]
+
+
+class CacheStandIn:
+    """What a cp attention body is handed as its cache: the stand-in's own ``update``, and every other
+    attribute read from the caller's ``cache`` (``AttributeError`` where the caller gave none)."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+
+    def __getattr__(self, name: str) -> Any:
+        cache = self.__dict__.get("cache")
+        if cache is None:
+            raise AttributeError(name)
+        return getattr(cache, name)
+
+
+def body_cache(arguments: dict[str, Any], cache_name: str, var_kw: str | None) -> tuple[dict[str, Any], Any]:
+    """An attention body's bound ``arguments``: a copy of its ``**kwargs`` (``var_kw``), and the cache
+    it was given, as its own parameter ``cache_name`` or among those keywords."""
+    extra = dict(arguments.get(var_kw) or {}) if var_kw else {}
+    cache = arguments.get(cache_name)
+    return extra, extra.get(cache_name) if cache is None else cache
+
+
+def hand_cache(arguments: dict[str, Any], extra: dict[str, Any], cache_name: str, var_kw: str | None, stand_in: Any) -> None:
+    """Give the body ``stand_in`` where its cache came (its own parameter or its keywords), and the
+    keywords ``extra`` (with what was added to them) as its ``**kwargs``."""
+    if cache_name in extra:
+        extra[cache_name] = stand_in
+    else:
+        arguments[cache_name] = stand_in
+    if var_kw:
+        arguments[var_kw] = extra
 
 
 class SplitLayer(DynamicLayer):

@@ -23,21 +23,17 @@ a decode step has few queries, so nothing quadratic is large).
 
 from __future__ import annotations
 
-import functools
-import inspect
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from hpgen.runtime.context.cache import SplitLayer, split_layer
+from hpgen.runtime.context.cache import CacheStandIn, SplitLayer, body_cache, hand_cache, split_layer
 from hpgen.runtime.context.merge import merge_partials
 
 __all__ = ["DecodeCache", "DecodeStep", "decode_attention", "split_cache_attention"]
 
 STEP = "hp_cp_decode_step"  # the keyword the body passes on to the attention call
-
-_CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
 class DecodeStep:
@@ -49,32 +45,16 @@ class DecodeStep:
         self.start = layer.get_seq_length()  # the first new token's position
 
 
-class DecodeCache:
+class DecodeCache(CacheStandIn):
     """Stands in for the attention body's cache in a decode step: ``update`` keeps this rank's new
     tokens in the split layer and returns every key and value this rank holds."""
 
     def __init__(self, cache: Any, step: DecodeStep) -> None:
-        self.cache = cache
+        super().__init__(cache)
         self.step = step
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
         return self.step.layer.add(key_states, value_states)
-
-    def __getattr__(self, name: str) -> Any:
-        cache = self.__dict__.get("cache")
-        if cache is None:
-            raise AttributeError(name)
-        return getattr(cache, name)
-
-
-@functools.lru_cache(maxsize=None)
-def _signature(cls: type) -> tuple[inspect.Signature, str | None, str | None]:
-    """The attention body's signature, its cache argument and its ``**kwargs`` name."""
-    signature = inspect.signature(cls._forward_impl)
-    params = list(signature.parameters.values())[1:]  # without self
-    cache = next((p.name for p in params if p.name in _CACHE_NAMES), None)
-    var_kw = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
-    return signature.replace(parameters=params), cache, var_kw
 
 
 def decode_attention(module: nn.Module, axis: Any, args: tuple, kwargs: dict, *, routed: bool) -> Any:
@@ -82,15 +62,16 @@ def decode_attention(module: nn.Module, axis: Any, args: tuple, kwargs: dict, *,
     with the ranks' partial results merged, or the body as it is (no split cache).
 
     ``routed``: the body's attention call goes to cp's ``context_attention`` (sdpa), which hands
-    a call carrying the :class:`DecodeStep` keyword to :func:`split_cache_attention`."""
-    signature, cache_name, var_kw = _signature(type(module))
+    a call carrying the :class:`DecodeStep` keyword to :func:`split_cache_attention`. The body's
+    signature, cache parameter and ``**kwargs`` are those cp's attention recorded when it was
+    installed (``_hp_cp_signature``, ``_hp_cp_cache``, ``_hp_cp_kwargs``)."""
+    cache_name, var_kw = module._hp_cp_cache, module._hp_cp_kwargs
     layer_idx = getattr(module, "layer_idx", None)
-    if axis.size == 1 or cache_name is None or var_kw is None or layer_idx is None:
+    if axis.size == 1 or var_kw is None or layer_idx is None:
         return module._forward_impl(*args, **kwargs)
-    bound = signature.bind(*args, **kwargs)
+    bound = module._hp_cp_signature.bind(*args, **kwargs)
     arguments = bound.arguments
-    extra = dict(arguments.get(var_kw) or {})
-    cache = arguments.get(cache_name, extra.get(cache_name))
+    extra, cache = body_cache(arguments, cache_name, var_kw)
     layer = None if cache is None else split_layer(cache, layer_idx, axis)
     if layer is None or not layer.get_seq_length():
         return module._forward_impl(*args, **kwargs)
@@ -100,12 +81,8 @@ def decode_attention(module: nn.Module, axis: Any, args: tuple, kwargs: dict, *,
             "implementation is not it (split caches are made under sdpa, transformers' default)"
         )
     step = DecodeStep(axis, layer)
-    if cache_name in extra:
-        extra[cache_name] = DecodeCache(cache, step)
-    else:
-        arguments[cache_name] = DecodeCache(cache, step)
     extra[STEP] = step
-    arguments[var_kw] = extra
+    hand_cache(arguments, extra, cache_name, var_kw, DecodeCache(cache, step))
     return module._forward_impl(*bound.args, **bound.kwargs)
 
 
