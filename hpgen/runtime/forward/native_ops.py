@@ -12,8 +12,8 @@ has no exception type of its own. c10d's ``Backend`` base class raises a plain `
 device type cpu", torch 2.13): an error's text is no contract, so none is read.
 
 Instead each axis runs an op once on tiny tensors (:class:`NativeOps`), the first time it needs
-that op on a device type, with the real call's device and dtype and shapes right by
-construction. If the probe raises, whatever the error, the backend lacks the op for that axis
+that op on a device type: one element from each rank, with the real call's device, dtype and
+number of dims, shapes right by construction. If the probe raises, whatever the error, the backend lacks the op for that axis
 and device: nothing was sent, and the fallback runs from then on. Every rank of the group
 decides alike and none waits for another: a refusal is raised before any communication, by code
 that knows nothing of the rank, and a probe that runs is a collective that every rank of the
@@ -38,10 +38,12 @@ __all__ = ["NativeOps"]
 
 
 def _probe_arguments(name: str, like: Tensor, size: int) -> tuple[object, ...]:
-    """Tiny, well-formed arguments of the single-tensor collective ``name`` over ``size`` ranks (one element each)."""
-    one, every = like.new_zeros(1), like.new_zeros(size)
+    """Tiny, well-formed arguments of the single-tensor collective ``name`` over ``size`` ranks: one element from
+    each rank, in tensors of ``like``'s device, dtype and number of dims (blocks stacked on the first)."""
+    ones = (1,) * (like.dim() - 1)
+    one, every = like.new_zeros((1, *ones)), like.new_zeros((size, *ones))
     if "all_to_all" in name:
-        return every, like.new_zeros(size), [1] * size, [1] * size
+        return every, like.new_zeros((size, *ones)), [1] * size, [1] * size
     if "gather" in name:  # all_gather_single (all_gather_into_tensor on older torch): out, in
         return every, one
     if "scatter" in name:  # reduce_scatter_single (reduce_scatter_tensor): out, in
