@@ -181,7 +181,6 @@ class AxisCollectives:
         self.rank = 0 if group is None else dist.get_rank(group)
         if self.size < 1 or self.rank < 0:
             raise ValueError(f"axis {name!r}: this process is not a member of the group given for it")
-        self.backend = "" if group is None else str(dist.get_backend(group))
         self._natives = NativeOps(group, self.size)  # which single-tensor collectives its backend has
         # the shard sizes this axis's ops saw in the current model forward, per tensor shape;
         # None outside a model forward (see ShardScope), where nothing is recorded or used

@@ -159,8 +159,8 @@ class KeptFromDDP:
     def __iter__(self) -> Any:
         # DistributedDataParallel.__init__, reading the list (`set(module._ddp_params_and_buffers_to_ignore)`).
         # Which DDP (which process group) reads it is found in the caller's frame, because torch (2.13) documents
-        # no other place: the list is a plain attribute, its one setter (DDP._set_params_and_buffers_to_ignore_for_model)
-        # is private and takes no group; DDP's documented hooks come too late or belong to the user
+        # no other place: the list is a plain attribute, its one setter
+        # (DDP._set_params_and_buffers_to_ignore_for_model) is private and takes no group; DDP's documented hooks come too late or belong to the user
         # (register_comm_hook runs in backward, after the constructor's broadcast, and a DDP takes one; the Join
         # hooks run at the end of an uneven input); the constructor has no pre-hook. The answer differs per DDP,
         # so it cannot be set ahead either. Where the frame does not hold the DDP, only the user's list is named
