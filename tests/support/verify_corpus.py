@@ -217,6 +217,7 @@ def in_this_release(model_type: str) -> bool:
 
     return model_type in CONFIG_MAPPING_NAMES
 
+
 # Falcon's attention in each of its forms (transformers 5.25 moved it to the attention interface, whose eager
 # path repeats key/value heads by num_key_value_groups and whose sdpa path may not: eager and sdpa both run), as
 # `hpgen plan CONFIG --tp 2` writes it for a small config.json: name -> (FalconConfig arguments, attention)
