@@ -28,8 +28,9 @@ each in exactly one group:
   ``groups``, ``hooks``, ``summed``, ``kernels``, ``replaced_stubs``, ``inputs``, ``tuners``,
   ``adapters``, ``wrapped``, ``stock_loops``, ``context_checks``;
 - ``hpgen.runtime.forward`` (what generated forwards call): ``collectives``,
-  ``eager_collectives``, ``traced_collectives``, ``moves``, ``shard_records``, ``handback``, ``devices``, ``boundary``,
-  ``ops``, ``wrappers``, ``streams``, ``sampling``, ``context_axis``, ``local``, ``local_heads``;
+  ``eager_collectives``, ``traced_collectives``, ``moves``, ``shard_records``, ``native_ops``, ``handback``,
+  ``devices``, ``boundary``, ``ops``, ``wrappers``, ``streams``, ``sampling``, ``context_axis``, ``local``,
+  ``local_heads``;
 - ``hpgen.runtime.context`` (context parallelism: attention by blocks and the layout handed to it,
   the key/value cache split for decoding, decode attention, the log-sum-exp merge): ``attention``, ``blockwise``,
   ``sequence``, ``cache``, ``decode``, ``merge``;

@@ -201,7 +201,22 @@ CORRECT_TINY: dict[str, tuple[str, tuple[tuple[str, Any], ...]]] = {
     # every decoder layer multiplies its sequence shard by per_layer_input (requiring grad), which the model
     # computes for the whole sequence: split R -> S(1) at each layer, its gradient gathered back
     "gemma4_text_sp": ("gemma4_text", SP),
+    # Inkling's shared experts, stacked weights of their own beside the routed experts: transformers 5.25's plan
+    # leaves them out and hpgen reads their rules from the weights' shapes (planner/translate/expert_tp.py);
+    # 5.24's plan shards them itself. Both attentions run (EAGER_TINY)
+    "inkling_text": ("inkling_text", ()),
 }
+
+# the same again with eager attention
+EAGER_TINY = ("inkling_text",)
+
+
+def in_this_release(model_type: str) -> bool:
+    """Whether the installed transformers has ``model_type`` (a corpus case of a type it lacks is skipped)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return model_type in CONFIG_MAPPING_NAMES
+
 
 # Falcon's attention in each of its forms (transformers 5.25 moved it to the attention interface, whose eager
 # path repeats key/value heads by num_key_value_groups and whose sdpa path may not: eager and sdpa both run), as

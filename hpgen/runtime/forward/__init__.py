@@ -5,6 +5,7 @@
 - ``hpgen.runtime.forward.traced_collectives``: the same collectives as ``torch.compile`` traces them;
 - ``hpgen.runtime.forward.moves``: a collective as data (one layout transition on one axis), shared by both forms;
 - ``hpgen.runtime.forward.shard_records``: the shard sizes an axis's collectives saw in one forward, per tensor;
+- ``hpgen.runtime.forward.native_ops``: which single-tensor collectives a group's backend has, found by a probe;
 - ``hpgen.runtime.forward.handback``: CPU collectives that return once the backend lets go of their tensors;
 - ``hpgen.runtime.forward.devices``: the device a mesh's or a group's collectives take tensors on;
 - ``hpgen.runtime.forward.boundary``: the generic form's ``_hp_boundary``, each value moved to its layout;

@@ -91,6 +91,7 @@ from .handback import call
 from .moves import Move as _Move
 from .moves import Sharded as _Shard
 from .moves import Size
+from .native_ops import NativeOps
 from .shard_records import ShardRecords
 from .traced_collectives import TRACED as _TRACED
 from .traced_collectives import fc_all_gather as _fc_all_gather
@@ -165,12 +166,6 @@ def _owned(y: Tensor, x: Tensor) -> Tensor:
     return y
 
 
-# Native single-tensor collectives a backend rejected, keyed (backend, device type, name).
-# The first call probes (a rejection is raised before any communication, on every rank
-# alike); later calls go straight to the fallback.
-_UNSUPPORTED: set[tuple[str, str, str]] = set()
-
-
 class AxisCollectives:
     """The collectives of one mesh axis, as generated forwards call them (``self._hp_<axis>``).
 
@@ -186,7 +181,7 @@ class AxisCollectives:
         self.rank = 0 if group is None else dist.get_rank(group)
         if self.size < 1 or self.rank < 0:
             raise ValueError(f"axis {name!r}: this process is not a member of the group given for it")
-        self.backend = "" if group is None else str(dist.get_backend(group))
+        self._natives = NativeOps(group, self.size)  # which single-tensor collectives its backend has
         # the shard sizes this axis's ops saw in the current model forward, per tensor shape;
         # None outside a model forward (see ShardScope), where nothing is recorded or used
         self._known: ShardRecords | None = None
@@ -420,17 +415,11 @@ class AxisCollectives:
         return _owned(_OPS[move.op](self, x, move), x)  # no gradient: skip the autograd node
 
     def _native(self, collective: Callable[..., object], out: Tensor, *args: object) -> bool:
-        """Run ``collective(out, *args)`` on this group; False if the backend does not support it."""
-        key = (self.backend, out.device.type, collective.__name__)
-        if key in _UNSUPPORTED:
+        """Run ``collective(out, *args)`` on this group; False (nothing run) where its backend lacks it (a probe
+        finds out, once per device type: :mod:`~hpgen.runtime.forward.native_ops`)."""
+        if not self._natives.runs(collective, out):
             return False
-        try:
-            call(collective, out, *args, group=self.group)
-        except RuntimeError as error:  # c10d says "Backend <name> does not support <op>"
-            if "does not support" not in str(error):
-                raise
-            _UNSUPPORTED.add(key)
-            return False
+        call(collective, out, *args, group=self.group)
         return True
 
     def _gather_into(self, out: Tensor, inp: Tensor) -> None:

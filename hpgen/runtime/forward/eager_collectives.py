@@ -4,8 +4,8 @@ Each is ``(axis, tensor, move) -> tensor`` and never works in place: torch.distr
 in-place collectives run into buffers allocated here, uneven shards padded to the largest.
 The form ``torch.compile`` traces is :mod:`hpgen.runtime.forward.traced_collectives`; the
 axis object, which picks one form or the other and adds the autograd node, stays in
-``collectives``, and so do the native single-tensor collectives and the backends found to
-lack them (what ``_gather_into``, ``_reduce_scatter_into`` and ``_native`` use).
+``collectives``, and so do the native single-tensor collectives (``_gather_into``,
+``_reduce_scatter_into`` and ``_native``, which asks ``native_ops`` whether the backend has them).
 """
 
 from __future__ import annotations

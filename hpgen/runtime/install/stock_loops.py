@@ -21,6 +21,17 @@ Both attributes become :class:`StockLoopCheck` data descriptors on the paralleli
 parallelized instance read from inside a stock Trainer's or accelerator's own method (found in
 the calling frames, as ``KeptFromDDP`` finds its DDP); every other read, and every instance that
 is not parallelized, sees exactly what the class gave before.
+
+The calling frames are read because neither library documents a place reached earlier (looked
+for in transformers 5.24/5.25 and accelerate, as installed): ``TrainerCallback``'s first event,
+``on_init_end``, comes at the end of ``Trainer.__init__``, after the accelerator is built and
+the model moved, and only for callbacks the user passed (``DEFAULT_CALLBACKS`` is a module
+list, not an API); accelerate's ``register_*_pre_hook`` are per accelerator and about saving
+and loading state; neither offers entry points for plugins, nor a hook ahead of ``prepare``.
+What a stock loop reads first is the one thing hpgen's model is asked before anything happens,
+and only the frames say who asks. ``tests/runtime/training/test_stock_loops.py`` runs every
+configuration of both against the installed transformers and accelerate, so a release that
+reads something else first fails there.
 """
 
 from __future__ import annotations
@@ -95,7 +106,7 @@ _READERS = {
 
 def _read_by_stock_loop(name: str) -> bool:
     """Whether the nearest calling frame (above the descriptor's) that is a method of the loop reading ``name`` is a
-    stock one's."""
+    stock one's (the frames: see the module docstring for why nothing documented answers who reads)."""
     stock, _ = _READERS[name]
     frame = sys._getframe(2)
     for _ in range(_FRAMES):

@@ -158,11 +158,14 @@ class KeptFromDDP:
 
     def __iter__(self) -> Any:
         # DistributedDataParallel.__init__, reading the list (`set(module._ddp_params_and_buffers_to_ignore)`).
-        # torch 2.13 documents no way to learn which DDP (which process group) is reading a module's ignore list:
-        # the list is a plain attribute, and the one setter (DDP._set_params_and_buffers_to_ignore_for_model) is
-        # private and takes no group either. The answer differs per DDP, so the caller's frame is the only place it
-        # is found (where it is not, the user's own list is all that is named). tests/runtime/training/
-        # test_data_parallel.py checks against the installed torch that a DDP over tp still finds it here.
+        # Which DDP (which process group) reads it is found in the caller's frame, because torch (2.13) documents
+        # no other place: the list is a plain attribute, its one setter
+        # (DDP._set_params_and_buffers_to_ignore_for_model) is private and takes no group; DDP's documented hooks come too late or belong to the user
+        # (register_comm_hook runs in backward, after the constructor's broadcast, and a DDP takes one; the Join
+        # hooks run at the end of an uneven input); the constructor has no pre-hook. The answer differs per DDP,
+        # so it cannot be set ahead either. Where the frame does not hold the DDP, only the user's list is named
+        # and DataParallelCheck still refuses the forward, saying the shards were overwritten.
+        # tests/runtime/install/test_wrapped.py checks against the installed torch that the frame holds it.
         caller = sys._getframe(1).f_locals
         ddp, module = caller.get("self"), caller.get("module")
         names = list(self.listed)
@@ -187,7 +190,13 @@ class DataParallelCheck:
         self.handed: EngineGroups | None = None  # set by hpgen.runtime.training.data_parallel
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        ddp = DistributedDataParallel._active_ddp_module
+        # Which DDP, if any, runs this forward: torch (2.13) documents no way to ask; DDP marks itself active around
+        # its module's forward for torch.compile (`_get_active_ddp_module`, private, the accessor torch._dynamo
+        # calls). A forward pre-hook on the DDP itself would need the DDP, which only KeptFromDDP's frame read finds:
+        # the two guards would then fail together, where now each stands in for the other. (Under
+        # torch._dynamo's optimize_ddp="python_reducer" DDP does not mark itself, and this check does not fire.)
+        # tests/runtime/install/test_wrapped.py checks against the installed torch that a DDP's forward is seen.
+        ddp = DistributedDataParallel._get_active_ddp_module()
         if ddp is None or id(ddp) in self.allowed:
             return None
         ranks = tuple(dist.get_process_group_ranks(ddp.process_group))

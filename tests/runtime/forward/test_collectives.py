@@ -21,6 +21,7 @@ import torch.distributed as dist
 from hpgen.runtime.forward import collectives
 from hpgen.runtime.forward.collectives import IDENTITY_AXIS, AxisCollectives, ShardScope
 from tests.support.dist import RankFailed, run_distributed
+from tests.support.refusing_backend import refusing_group
 
 REDUCE = {
     "sum": lambda t: t.sum(0),
@@ -126,15 +127,14 @@ def _battery(
 ) -> int:
     """Every case on each of the shapes, for each (group ranks, shapes) this rank is in.
 
-    ``fallbacks``: act as if gloo lacked its single-tensor collectives, as some backends do.
+    ``fallbacks``: the groups on a backend that lacks the single-tensor collectives, as some do
+    (``tests/support/refusing_backend.py``): each axis finds that out by a probe and falls back.
     ``traced``: run the form the ops take under torch.compile (functional collectives), eagerly.
     """
     if traced:
         collectives._tracing = lambda: True  # this spawned process only
-    if fallbacks:
-        for name in ("all_gather_single", "reduce_scatter_single", "all_to_all_single"):
-            collectives._UNSUPPORTED.add(("gloo", "cpu", name))
-    handles = [dist.new_group(ranks) for ranks, _ in groups]  # every rank creates every group
+    new_group = refusing_group if fallbacks else dist.new_group
+    handles = [new_group(ranks) for ranks, _ in groups]  # every rank creates every group
     checks = 0
     for (ranks, shapes), group in zip(groups, handles, strict=True):
         if rank not in ranks:
@@ -158,6 +158,9 @@ def _battery(
         checks += 1
         _check_copy_if_grad(ax)
         checks += 1
+        if not traced:
+            _check_native_ops(ax, lacking=fallbacks)
+            checks += 1
     # a group of one rank: every op hands back its input, with no autograd node
     for ranks in [[r] for r in range(world_size)]:
         group = dist.new_group(ranks)
@@ -165,6 +168,20 @@ def _battery(
             _check_no_ops(AxisCollectives(group, "solo"))
             checks += 1
     return checks
+
+
+NATIVE = {("cpu", "all_gather_single"), ("cpu", "reduce_scatter_single"), ("cpu", "all_to_all_single")}
+
+
+def _check_native_ops(ax: AxisCollectives, lacking: bool) -> None:
+    """The axis probed each single-tensor collective once and found what its backend has (gloo: all three; the
+    refusing backend: none, whatever torch's refusal says); a real call's own error is never taken for a refusal."""
+    assert set(ax._natives.found) == NATIVE
+    assert ax._natives.lacking() == (NATIVE if lacking else set())
+    if not lacking:
+        with pytest.raises(RuntimeError):  # an output of the wrong size, on every rank: raised, not a fallback
+            ax._native(collectives._all_gather_single, torch.zeros(ax.size + 1), torch.ones(1))
+        assert ax._natives.lacking() == set()
 
 
 def _check_copy_if_grad(ax: AxisCollectives) -> None:
@@ -318,26 +335,6 @@ def test_identity_axis_needs_no_process_group():
 def test_invalid_ops_are_rejected_even_on_one_rank(call, message):
     with pytest.raises(ValueError, match=message):
         call(IDENTITY_AXIS, torch.ones(2, 2))
-
-
-def test_an_unsupported_native_collective_is_probed_once():
-    calls = []
-
-    def fake_collective(out, *args, group):
-        calls.append(out)
-        raise RuntimeError("Backend fake does not support fake_collective")
-
-    def broken(out, *args, group):
-        raise RuntimeError("Connection reset by peer")
-
-    ax, t = AxisCollectives(None, "tp"), torch.zeros(1)
-    try:
-        assert not ax._native(fake_collective, t) and not ax._native(fake_collective, t)
-        assert len(calls) == 1  # the rejection is remembered
-        with pytest.raises(RuntimeError, match="Connection reset"):  # other errors propagate
-            ax._native(broken, t)
-    finally:
-        collectives._UNSUPPORTED.discard(("", "cpu", "fake_collective"))
 
 
 # ---- the harness itself ----------------------------------------------------------------
