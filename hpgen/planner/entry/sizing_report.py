@@ -7,7 +7,7 @@ computed from the model built on the meta device (shapes only) and the plan:
   its placement (``S`` splits like ``torch.tensor_split``, ``SS`` per packed block),
   tied parameters counted once; split into sharded and replicated;
 - **collectives**: for every boundary the plan matches, the ops its contract lowers to
-  (:func:`hpgen.core.classify.value_ops`), forward and backward, each with the bytes of the
+  (:func:`hpgen.core.transitions.value_ops`), forward and backward, each with the bytes of the
   tensor it moves per token (the value's feature width at that dtype) and the bytes a
   rank sends for it on a ring (all-reduce ``2 (p-1)/p``, all-gather and reduce-scatter
   ``(p-1)/p`` of the whole tensor). An all-gather that nothing tells its shard sizes
@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpgen.core.classify import COMMUNICATING, DEFAULT_BACKWARD, summed_ops, value_ops
+from hpgen.core.transitions import COMMUNICATING, DEFAULT_BACKWARD, summed_ops, value_ops
 from hpgen.core.model_config import config_value
 from hpgen.core.plan import Plan, plan_from_dict
 from hpgen.planner.model.modules import generic
