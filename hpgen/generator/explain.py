@@ -101,7 +101,7 @@ def _contract_record(
     body_ops: list[dict[str, Any]] = []
     # the cp attention's gathers, inside the body (its plan name or its module's own path)
     if contract.region_target is not None and import_path(contract.region_target) == import_path(GATHERED_KV_ATTENTION):
-        injection = plan.injection_for(contract.keys[0])
+        injection = entry_decision(plan, contract.keys[0]).injection
         axis = injection.local_compute_fn.kwargs_dict().get("axis", "cp") if injection is not None else "cp"
         body_ops = gathered_kv_ops(str(axis))
         counts = {**counts, "all_gather": counts.get("all_gather", 0) + 2}

@@ -61,7 +61,7 @@ def owned_by_children(
     whole gradient) or when hpgen rewrites the child (its own ``forward`` copies what it leaves undeclared,
     by this same rule). Where the body is replaced (an injection), nothing is owned.
     """
-    if forward is None or plan.injection_for(key) is not None:
+    if forward is None or entry_decision(plan, key).injection is not None:
         return frozenset()
     return frozenset(
         name

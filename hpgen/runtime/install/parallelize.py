@@ -414,7 +414,7 @@ def _survey(
     summed = survey_summed(records, axes)
     grad_reduces = survey_grad_reduce(records, axes)
     divides = survey_attrs(records, axes)
-    slots = survey_adapters(model, matched, plan.mesh_dim_names)
+    slots = survey_adapters(model, records)
     return Survey(model, plan, mesh, axes, records, shards, biases, grad_reduces, divides, summed, slots, stage=stage)
 
 
