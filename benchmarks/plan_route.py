@@ -91,11 +91,11 @@ def route(plan_doc: dict[str, Any], run: Any) -> tuple[list[tuple[str, str]], li
     return stops, handed
 
 
-def _table(calls: list[tuple[str, str]]) -> dict[str, collections.Counter[str]]:
+def _table(calls: list[tuple[str, str]], counted: str = "stops") -> dict[str, collections.Counter[str]]:
     by_module: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for module, function in calls:
         by_module[module][function] += 1
-    print("| module | stops | functions (times) |\n|---|---|---|")
+    print(f"| module | {counted} | functions (times) |\n|---|---|---|")
     for module, functions in sorted(by_module.items(), key=lambda item: (-sum(item[1].values()), item[0])):
         listed = ", ".join(f"{name} ({times})" if times > 1 else name for name, times in sorted(functions.items()))
         print(f"| {module} | {sum(functions.values())} | {listed} |")
@@ -141,7 +141,7 @@ def main() -> None:
     handed = [(module, function) for module, function in stops if not function.startswith("Plan.")]
     print(f"the plan's own methods apart: {len(handed)} stops in {len({module for module, _ in handed})} modules")
     print("\ncalls handed a decision record (EntryDecision, ModuleDecision) instead:")
-    by_module = _table(records)
+    by_module = _table(records, "calls")
     print(f"total: {len(records)} calls in {len(by_module)} modules")
 
 

@@ -15,7 +15,7 @@ from hpgen.core.plan import Plan
 from hpgen.core.plan_targets import import_path
 from hpgen.generator.summed_edit import SummedSiteError, rewrite_summed
 
-# Inputs the runtime's wrappers know (hpgen.runtime.install.module_installs.KNOWN_INPUTS, kept apart
+# Inputs the runtime's wrappers know (hpgen.runtime.install.module_decisions.KNOWN_INPUTS, kept apart
 # because the generator never imports the runtime).
 _KNOWN_INPUTS = {"Linear": ("input",), "Embedding": (), "Identity": ()}
 

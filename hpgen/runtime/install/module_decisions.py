@@ -126,7 +126,7 @@ def survey_modules(
     layout_of = {name: shard.shard_layout for shard in shards for name in shard.names}
     found = []
     for item in matched:
-        layouts = {name: layout_of[_join(item.fqn, name)] for name in item.entry.params}
+        layouts = {name: layout_of[f"{item.fqn}.{name}" if item.fqn else name] for name in item.entry.params}
         decide = functools.partial(entry_decision, plan, item.key)
         record = _resolve(item, decide, layouts, mesh, axes, generated)
         problem = instance_forward_problem(item.module) if record.form != "identity" else None
@@ -134,10 +134,6 @@ def survey_modules(
             raise ParallelizeError(f"{item.fqn} ({type(item.module).__name__}), a boundary of param_plan[{item.key!r}]: {problem}")
         found.append(record)
     return found
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def _resolve(
