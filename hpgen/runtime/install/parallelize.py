@@ -382,7 +382,8 @@ class Survey:
         model._hp_adapters = watch_adapters(model, self.adapter_slots, axes, recorder)
         bind_save_pretrained(model)
         scope_shard_sizes(model, axes.values())  # gathers reuse the sizes of shards made in the same forward
-        install_context(model, axes, {record.fqn for record in self.records})  # cp: decode steps after a cp prefill run replicated; the loss on each rank's tokens
+        planned = {record.fqn for record in self.records}
+        install_context(model, axes, planned)  # cp: decode steps after a cp prefill run replicated; the loss on each rank's tokens
         model._hp_parallelized = True
         model._hp_mesh = mesh  # the ranks holding the model: clip_grad_norm_ sums its norm over them
         if self.stage is not None:
