@@ -10,6 +10,12 @@ in hpgen that receives the plan as an argument: the dict passed to ``parallelize
 out). The report lists, per module, the stops and the functions stopped
 at, and the totals (stops, modules entered). Run it before and after a refactor of the
 runtime's install path to see whether the plan is asked fewer questions from fewer places.
+
+A second table follows where the answers go instead: the calls that receive one of the
+decision records the survey makes once (``hpgen.core.decision.EntryDecision``,
+``hpgen.runtime.install.module_decisions.ModuleDecision``, alone or in a list), the
+records' own properties left out. A plan that stops reaching an installer shows up there,
+so a record cannot hide a stop.
 """
 
 from __future__ import annotations
@@ -27,9 +33,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.support, run as a script from anywhere
 
 
+RECORDS = ("EntryDecision", "ModuleDecision")
+
+
 def _is_plan(value: Any, given: dict[str, Any]) -> bool:
     kind = type(value)
     return value is given or (kind.__name__ == "Plan" and kind.__module__.startswith("hpgen."))
+
+
+def _is_record(value: Any) -> bool:
+    """A decision record, or a list or tuple whose first item is one."""
+    if isinstance(value, (list, tuple)) and value:
+        value = value[0]
+    kind = type(value)
+    return kind.__name__ in RECORDS and kind.__module__.startswith("hpgen.")
 
 
 def _arguments(frame: FrameType) -> list[Any]:
@@ -50,16 +67,20 @@ def _arguments(frame: FrameType) -> list[Any]:
     return found
 
 
-def route(plan_doc: dict[str, Any], run: Any) -> list[tuple[str, str]]:
-    """(module, function) of every stop of ``plan_doc`` while ``run()`` runs."""
+def route(plan_doc: dict[str, Any], run: Any) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(module, function) of every stop of ``plan_doc``, and of every call handed a decision record, while ``run()`` runs."""
     package = str(ROOT / "hpgen")
     stops: list[tuple[str, str]] = []
+    handed: list[tuple[str, str]] = []
 
     def tracer(frame: FrameType, event: str, arg: Any) -> None:
         if event == "call" and frame.f_code.co_filename.startswith(package):
-            if any(_is_plan(value, plan_doc) for value in _arguments(frame)):
-                module = frame.f_globals.get("__name__", "?")
-                stops.append((module, frame.f_code.co_qualname))
+            values = _arguments(frame)
+            where = (frame.f_globals.get("__name__", "?"), frame.f_code.co_qualname)
+            if any(_is_plan(value, plan_doc) for value in values):
+                stops.append(where)
+            if not where[1].startswith(tuple(f"{name}." for name in RECORDS)) and any(map(_is_record, values)):
+                handed.append(where)
         return None  # no line events: only calls are counted
 
     sys.settrace(tracer)
@@ -67,7 +88,18 @@ def route(plan_doc: dict[str, Any], run: Any) -> list[tuple[str, str]]:
         run()
     finally:
         sys.settrace(None)
-    return stops
+    return stops, handed
+
+
+def _table(calls: list[tuple[str, str]], counted: str = "stops") -> dict[str, collections.Counter[str]]:
+    by_module: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for module, function in calls:
+        by_module[module][function] += 1
+    print(f"| module | {counted} | functions (times) |\n|---|---|---|")
+    for module, functions in sorted(by_module.items(), key=lambda item: (-sum(item[1].values()), item[0])):
+        listed = ", ".join(f"{name} ({times})" if times > 1 else name for name, times in sorted(functions.items()))
+        print(f"| {module} | {sum(functions.values())} | {listed} |")
+    return by_module
 
 
 def main() -> None:
@@ -99,21 +131,18 @@ def main() -> None:
             config = make_config(args.family)
             model = generated_model(import_file(path), args.family, config, reference_model(args.family, config, 0))
             mesh = init_device_mesh("cpu", (1,), mesh_dim_names=(plan_doc["mesh_dim_names"][0],))
-            stops = route(plan_doc, lambda: parallelize(model, plan_doc, mesh))
+            stops, records = route(plan_doc, lambda: parallelize(model, plan_doc, mesh))
     finally:
         dist.destroy_process_group()
 
-    by_module: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-    for module, function in stops:
-        by_module[module][function] += 1
     print(f"plan route through parallelize ({args.family}, tests/plans/{args.plan}.json, 1 rank):")
-    print(f"| module | stops | functions (times) |\n|---|---|---|")
-    for module, functions in sorted(by_module.items(), key=lambda item: (-sum(item[1].values()), item[0])):
-        listed = ", ".join(f"{name} ({times})" if times > 1 else name for name, times in sorted(functions.items()))
-        print(f"| {module} | {sum(functions.values())} | {listed} |")
+    by_module = _table(stops)
     print(f"total: {len(stops)} stops in {len(by_module)} modules")
     handed = [(module, function) for module, function in stops if not function.startswith("Plan.")]
     print(f"the plan's own methods apart: {len(handed)} stops in {len({module for module, _ in handed})} modules")
+    print("\ncalls handed a decision record (EntryDecision, ModuleDecision) instead:")
+    by_module = _table(records, "calls")
+    print(f"total: {len(records)} calls in {len(by_module)} modules")
 
 
 if __name__ == "__main__":

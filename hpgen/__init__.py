@@ -1,7 +1,7 @@
 """hpgen: lower Hugging Face modeling files and a frozen parallel plan into parallel code.
 
 The generator pipeline reads as the package: ``hpgen.core.plan`` (load, validate) →
-``hpgen.generator.index`` (libcst) → ``hpgen.core.classify`` (transitions, forms) →
+``hpgen.generator.index`` (libcst) → ``hpgen.core.classify`` (each entry's decision, forms) →
 ``hpgen.generator.emit`` (templates) → ``hpgen.generator.write`` (report, atomic files).
 
 Layers, each a package importing only those below it (``tests/package/test_layers.py``
@@ -9,7 +9,7 @@ holds the rule and keeps this top level to a few modules; docs/architecture.md d
 each package's docstring maps its modules:
 
 - core: ``hpgen.core``, the plan format (``plan``, ``plan_reader``, ``plan_entries``,
-  ``plan_names``, ``plan_trust``), ``placement``, ``shards``, ``classify``, ``header``,
+  ``plan_names``, ``plan_trust``), ``placement``, ``shards``, ``transitions``, ``decision``, ``classify``, ``header``,
   ``stubs``, ``conv1d``, ``errors``, ``durable``, ``model_config``, ``context_coverage``:
   plain data every layer shares; no torch at import time, no libcst;
 - generator (core): ``hpgen.generator``, ``index``, ``resolve``, ``entry_names``,

@@ -13,8 +13,12 @@ Module map:
   functions, and where those live);
 - placements and shards: ``hpgen.core.placement`` (one tensor's layout on one mesh axis),
   ``hpgen.core.shards`` (tensor_split and chunk sizes and bounds, heads per row shard,
-  ``ShardLayout``), ``hpgen.core.classify`` (transitions into operations and forms, read by
-  the generator and the runtime alike);
+  ``ShardLayout``);
+- from entries to operations and forms, read by the generator and the runtime alike:
+  ``hpgen.core.transitions`` (one placement change into one op, an entry's values into
+  their ops), ``hpgen.core.decision`` (one answer per plan entry -- ops, identity, contract
+  signature, injection, sharded axes -- made once and kept with the plan),
+  ``hpgen.core.classify`` (a contract's form against the indexed ``forward``);
 - what generated files and modeling files carry: ``hpgen.core.header`` (the generated
   file's header and hash), ``hpgen.core.stubs`` (kernel-stub detection),
   ``hpgen.core.conv1d`` (transformers' ``Conv1D`` by duck typing);

@@ -18,7 +18,8 @@ from importlib import resources
 import jinja2
 import libcst as cst
 
-from hpgen.core.classify import Contract, ValueOps
+from hpgen.core.classify import Contract
+from hpgen.core.transitions import ValueOps
 from hpgen.core.header import Header
 from hpgen.generator.summed_edit import rewrite_summed
 

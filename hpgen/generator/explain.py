@@ -6,14 +6,16 @@ from typing import Any
 
 import libcst as cst
 
-from hpgen.core.classify import DEFAULT_BACKWARD, Contract, Op, is_identity_contract, value_ops
+from hpgen.core.classify import Contract
+from hpgen.core.decision import entry_decision
+from hpgen.core.transitions import DEFAULT_BACKWARD, Op
 from hpgen.core.context_coverage import CONTEXT_AXIS, GATHERED_KV_ATTENTION, HEAD_TAIL, gathered_kv_ops
 from hpgen.generator.lower import Analysis
 from hpgen.core.plan import Plan
 from hpgen.core.plan_targets import import_path
 from hpgen.generator.summed_edit import SummedSiteError, rewrite_summed
 
-# Inputs the runtime's wrappers know (hpgen.runtime.install.module_installs.KNOWN_INPUTS, kept apart
+# Inputs the runtime's wrappers know (hpgen.runtime.install.module_decisions.KNOWN_INPUTS, kept apart
 # because the generator never imports the runtime).
 _KNOWN_INPUTS = {"Linear": ("input",), "Embedding": (), "Identity": ()}
 
@@ -47,7 +49,8 @@ def made_shards(plan: Plan) -> dict[tuple[str, object], set[str]]:
     """(axis, dim) -> the ops that make a shard of it somewhere in the plan."""
     made: dict[tuple[str, object], set[str]] = {}
     for key in plan.entries:
-        for op in (op for values in value_ops(plan, key) for value in values for op in value.active):
+        decision = entry_decision(plan, key)
+        for op in (op for value in (*decision.inputs, *decision.outputs) for op in value.active):
             if op.kind in _MAKES_SHARD:
                 made.setdefault((op.axis, dict(op.args).get(_MAKES_SHARD[op.kind])), set()).add(op.kind)
     return made
@@ -98,7 +101,7 @@ def _contract_record(
     body_ops: list[dict[str, Any]] = []
     # the cp attention's gathers, inside the body (its plan name or its module's own path)
     if contract.region_target is not None and import_path(contract.region_target) == import_path(GATHERED_KV_ATTENTION):
-        injection = plan.injection_for(contract.keys[0])
+        injection = entry_decision(plan, contract.keys[0]).injection
         axis = injection.local_compute_fn.kwargs_dict().get("axis", "cp") if injection is not None else "cp"
         body_ops = gathered_kv_ops(str(axis))
         counts = {**counts, "all_gather": counts.get("all_gather", 0) + 2}
@@ -184,15 +187,15 @@ def _external_record(plan: Plan, key: str, class_name: str, made: dict[tuple[str
     """An outside class: wrapped by the runtime (its own wrapper for nn.Linear, nn.Embedding; the generic one
     around any other class's forward) or left as it is (identity)."""
     known = _KNOWN_INPUTS.get(class_name.rsplit(".", 1)[-1], ())
-    if is_identity_contract(plan, key, known_inputs=known):
-        entry = plan.entries[key]
+    decision = entry_decision(plan, key, known_inputs=known)
+    if decision.is_identity:
+        entry = decision.entry
         reductions = ", ".join(entry.grad_reduce_params)
         runs = "nothing moves: the class is used as it is" + (
             f"; parallelize all-reduces the gradients of {reductions}" if reductions else ""
         )
         return {"fqn": key, "class": class_name, "handled_by": "identity", "runs": runs, "ops": []}
-    inputs, outputs = value_ops(plan, key, known_inputs=known)
-    ops = [op for value in (*inputs, *outputs) for op in value.active]
+    ops = [op for value in (*decision.inputs, *decision.outputs) for op in value.active]
     if class_name.rsplit(".", 1)[-1] == "Identity":
         ops = []  # the wrapper divides by the axis size itself; no collective, no DTensor
     return {

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import libcst as cst
 
 from hpgen import __version__
-from hpgen.core.classify import Contract, classify_contract, is_identity_contract
+from hpgen.core.classify import Contract, classify_contract
+from hpgen.core.decision import entry_decision
 from hpgen.generator.emit import AbsoluteImports, Style, header_text, rewrite_class
 from hpgen.generator.entry_names import check_entry_names
 from hpgen.core.errors import GeneratedCodeError, HpgenError
@@ -22,7 +23,7 @@ from hpgen.generator.index import RUNTIME_IMPORT_TEXT as RUNTIME_IMPORT
 from hpgen.generator.index import index_module, parse_source
 from hpgen.generator.index_records import ClassInfo, ModuleIndex, ParsedSource
 from hpgen.generator.param_dims import check_param_dims
-from hpgen.core.plan import Plan, contract_signature, is_dotted_path
+from hpgen.core.plan import Plan, is_dotted_path
 from hpgen.generator.resolve import ResolvedClass, owned_by_children, resolve_boundaries
 from hpgen.generator.summed_edit import SummedSiteError
 
@@ -95,7 +96,7 @@ def analyze(source_text: str, plan: Plan, *, source_name: str = "<source>") -> A
 def _lower_class(
     plan: Plan, index: ModuleIndex, resolved: dict[str, ResolvedClass], info: ClassInfo, keys: list[str], source_name: str
 ) -> ClassLowering:
-    identity = tuple(key for key in keys if is_identity_contract(plan, key))
+    identity = tuple(key for key in keys if entry_decision(plan, key).is_identity)
     moving = [key for key in keys if key not in identity]
     if not moving:
         return ClassLowering(info, [], [], identity)
@@ -103,7 +104,7 @@ def _lower_class(
     _check_generated_names(index, info, source_name)
     groups: dict[str, list[str]] = defaultdict(list)
     for key in moving:
-        groups[contract_signature(plan, key)].append(key)
+        groups[entry_decision(plan, key).signature].append(key)
     # The most common contract lives in the class; ties go to the first signature.
     ordered = sorted(groups.items(), key=lambda item: (-len(item[1]), item[0]))
     # The arguments child boundaries own, for every key of a contract (its forward is one for all of them).

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import PurePath
 
-from hpgen.core.classify import is_identity_contract
+from hpgen.core.decision import entry_decision
 from hpgen.core.errors import HpgenError, did_you_mean
 from hpgen.generator.index_records import ChildArgument, ClassInfo, ForwardInfo, ModuleIndex
 from hpgen.core.plan import Plan, fqn_matches
@@ -61,7 +61,7 @@ def owned_by_children(
     whole gradient) or when hpgen rewrites the child (its own ``forward`` copies what it leaves undeclared,
     by this same rule). Where the body is replaced (an injection), nothing is owned.
     """
-    if forward is None or plan.injection_for(key) is not None:
+    if forward is None or entry_decision(plan, key).injection is not None:
         return frozenset()
     return frozenset(
         name
@@ -85,7 +85,7 @@ def _child_owns(
         if read.position >= len(positional):
             return False
         parameter = positional[read.position].name
-    if not is_identity_contract(plan, child_key):
+    if not entry_decision(plan, child_key).is_identity:
         return True  # rewritten: its forward moves its declared inputs and copies its undeclared ones
     # An identity contract keeps the class as it is: it owns only the inputs its entry declares.
     return parameter is not None and parameter in plan.entries[child_key].input_names
@@ -172,7 +172,7 @@ class _Resolver:
         # not define may be a class of this file hpgen cannot see (nested in another class): a
         # contract that moves values on it is refused rather than silently left unlowered.
         short = name.rsplit(".", 1)[-1]
-        if "." not in name and short not in WRAPPED_EXTERNAL and not is_identity_contract(self.plan, key):
+        if "." not in name and short not in WRAPPED_EXTERNAL and not entry_decision(self.plan, key).is_identity:
             raise self.fail(
                 key,
                 f"its class {name} is not defined in {self.source_name} (at module level); if it is a class from "

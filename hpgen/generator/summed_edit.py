@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from hpgen.core.classify import SummedOps
+from hpgen.core.transitions import SummedOps
 
 
 class SummedSiteError(ValueError):

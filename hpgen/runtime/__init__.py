@@ -24,7 +24,7 @@ each in exactly one group:
 - ``hpgen.runtime`` (named from outside hpgen): ``defaults``, ``context_logits``, ``errors``,
   ``shard_layout``, ``trainer``;
 - ``hpgen.runtime.install`` (survey and install: what ``parallelize`` runs): ``parallelize``,
-  ``pretrained``, ``agreement``, ``launch_checks``, ``module_installs``, ``counterparts``, ``params``, ``attrs``,
+  ``pretrained``, ``agreement``, ``launch_checks``, ``module_decisions``, ``module_installs``, ``counterparts``, ``params``, ``attrs``,
   ``groups``, ``hooks``, ``summed``, ``kernels``, ``replaced_stubs``, ``inputs``, ``tuners``,
   ``adapters``, ``wrapped``, ``stock_loops``, ``context_checks``;
 - ``hpgen.runtime.forward`` (what generated forwards call): ``collectives``,

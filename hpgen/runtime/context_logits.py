@@ -20,6 +20,7 @@ every rank is then skipped too.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -83,13 +84,13 @@ class _LocalLoss:
         return getattr(self.__dict__["loss"], name)
 
 
-def install_logits(model: nn.Module, axis: Any, plan: Any) -> None:
+def install_logits(model: nn.Module, axis: Any, planned: Collection[str]) -> None:
     """The head on this rank's tokens and the loss on them, for ``model`` on the ``cp`` ``axis``.
 
     Only a plain ``nn.Linear`` head the plan leaves alone takes this rank's tokens (its
     weight's gradient, from a share of the tokens, summed over cp in backward); a model
     whose head the plan shards (``cp x tp``), or without a ``loss_function``, keeps the
-    gathered sequence for its head and loss.
+    gathered sequence for its head and loss. ``planned``: the FQNs of the modules the plan matches.
 
     The head's forward and the model's hooks are objects holding the head and the state
     (not closures), so ``copy.deepcopy(model)`` (a reference or EMA model) gets its own,
@@ -100,7 +101,7 @@ def install_logits(model: nn.Module, axis: Any, plan: Any) -> None:
     if type(head) is not nn.Linear or not hasattr(model, "loss_function"):
         return
     fqn = next(name for name, module in model.named_modules() if module is head)
-    if plan.entry_for(fqn) is not None:
+    if fqn in planned:
         return
     state = _LogitsState(axis)
     model._hp_cp_logits = state

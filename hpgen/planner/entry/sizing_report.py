@@ -7,7 +7,7 @@ computed from the model built on the meta device (shapes only) and the plan:
   its placement (``S`` splits like ``torch.tensor_split``, ``SS`` per packed block),
   tied parameters counted once; split into sharded and replicated;
 - **collectives**: for every boundary the plan matches, the ops its contract lowers to
-  (:func:`hpgen.core.classify.value_ops`), forward and backward, each with the bytes of the
+  (:func:`hpgen.core.decision.entry_decision`), forward and backward, each with the bytes of the
   tensor it moves per token (the value's feature width at that dtype) and the bytes a
   rank sends for it on a ring (all-reduce ``2 (p-1)/p``, all-gather and reduce-scatter
   ``(p-1)/p`` of the whole tensor). An all-gather that nothing tells its shard sizes
@@ -28,7 +28,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpgen.core.classify import COMMUNICATING, DEFAULT_BACKWARD, summed_ops, value_ops
+from hpgen.core.decision import entry_decision
+from hpgen.core.transitions import COMMUNICATING, DEFAULT_BACKWARD
 from hpgen.core.model_config import config_value
 from hpgen.core.plan import Plan, plan_from_dict
 from hpgen.planner.model.modules import generic
@@ -325,7 +326,8 @@ def _collectives(
 
     made = made_shards(plan)
     wrapped = isinstance(module, (nn.Linear, nn.Embedding))
-    inputs, outputs = value_ops(plan, entry.key, known_inputs=("input",) if isinstance(module, nn.Linear) else ())
+    decision = entry_decision(plan, entry.key, known_inputs=("input",) if isinstance(module, nn.Linear) else ())
+    inputs, outputs = decision.inputs, decision.outputs
     try:
         signature = inspect.signature(type(module).forward).parameters
     except (TypeError, ValueError):
@@ -352,7 +354,7 @@ def _collectives(
                         continue
                     calls = 2 if phase == "forward" and exchanges else 1
                     found.append(Collective(generic(fqn), value.name, kind, phase, width * element, 0.0, calls))
-    summed = summed_ops(plan, entry.key)
+    summed = decision.summed
     if summed is not None and summed.axis == "tp" and isinstance(hidden, int):
         # the block's one reduction of both branches, and its shared input's transition (on the stream's width)
         # (a paired second norm's output travels with the shared input's, concatenated: twice the width)

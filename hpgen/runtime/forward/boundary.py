@@ -14,7 +14,7 @@ uneven shards work) → ``redistribute`` → ``to_local``, and a local partition
 ``-> P``, which DTensor's public API refuses.
 
 DTensor cannot know what the body does with a value, so the gradient placements are
-given explicitly, with the same rule as the static ops (``hpgen.core.classify``): a
+given explicitly, with the same rule as the static ops (``hpgen.core.transitions``): a
 replicated input of a body that is sharded on an axis gets a *partial* gradient there
 (all-reduced on the way back); every other gradient has the placement of its value,
 with partial values taking replicated gradients.
@@ -30,9 +30,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from hpgen.core.classify import ValueOps, value_ops
+from hpgen.core.decision import EntryDecision, entry_decision
+from hpgen.core.transitions import ValueOps
 from hpgen.core.placement import Placement
-from hpgen.core.plan import Layout, Plan, body_is_sharded
+from hpgen.core.plan import Layout, Plan
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.collectives import AxisCollectives
 from hpgen.runtime.forward.handback import call
@@ -49,7 +50,7 @@ from hpgen.core.shards import chunk_sizes, normalize_dim, split_sizes
 if TYPE_CHECKING:  # DTensor takes seconds to import: only values that need it load it
     from torch.distributed.tensor.placement_types import Placement as DPlacement
 
-__all__ = ["DTensorMove", "GenericBoundary", "StaticMove", "boundary_movers", "generic_boundary", "mover_for"]
+__all__ = ["DTensorMove", "GenericBoundary", "StaticMove", "boundary_movers", "decision_movers", "mover_for"]
 
 
 class StaticMove:
@@ -242,6 +243,24 @@ class GenericBoundary:
         return self  # holds process-group handles, shared by copies of a model
 
 
+def decision_movers(
+    decision: EntryDecision, mesh: DeviceMesh, axes: Mapping[str, AxisCollectives], where: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Movers for every input and output of an entry's decision (its declared values and known inputs)."""
+    entry, mesh_names = decision.entry, decision.mesh
+    sharded = {axis: axis in decision.sharded_axes for axis in mesh_names}
+
+    def movers(values: Any, layouts: Any, side: str) -> dict[str, Any]:
+        return {
+            value.name: mover_for(
+                value, layouts(value.name, mesh_names), side=side, sharded=sharded, mesh=mesh, axes=axes, where=where
+            )
+            for value in values
+        }
+
+    return movers(decision.inputs, entry.input_layouts, "in"), movers(decision.outputs, entry.output_layouts, "out")
+
+
 def boundary_movers(
     plan: Plan,
     key: str,
@@ -252,25 +271,5 @@ def boundary_movers(
     known_inputs: tuple[str, ...] = (),
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Movers for every declared input and output of the entry ``key`` (and ``known_inputs``,
-    see :func:`hpgen.core.classify.value_ops`)."""
-    entry = plan.entries[key]
-    sharded = {axis: body_is_sharded(entry, axis) for axis in plan.mesh_dim_names}
-    inputs, outputs = value_ops(plan, key, known_inputs=known_inputs)
-    mesh_names = plan.mesh_dim_names
-
-    def movers(values: Any, layouts: Any, side: str) -> dict[str, Any]:
-        return {
-            value.name: mover_for(
-                value, layouts(value.name, mesh_names), side=side, sharded=sharded, mesh=mesh, axes=axes, where=where
-            )
-            for value in values
-        }
-
-    return movers(inputs, entry.input_layouts, "in"), movers(outputs, entry.output_layouts, "out")
-
-
-def generic_boundary(
-    plan: Plan, key: str, mesh: DeviceMesh, axes: Mapping[str, AxisCollectives], where: str
-) -> GenericBoundary:
-    """The ``_hp_boundary`` object for the boundary instance at ``where`` (its FQN)."""
-    return GenericBoundary(*boundary_movers(plan, key, mesh, axes, where))
+    see :func:`hpgen.core.transitions.value_ops`)."""
+    return decision_movers(entry_decision(plan, key, known_inputs=known_inputs), mesh, axes, where)

@@ -1,6 +1,6 @@
 """Running the classifier's ops at run time, and finding an output in a return value.
 
-``hpgen.core.classify.value_ops`` decides, for each declared input and output of a boundary,
+``hpgen.core.transitions.value_ops`` decides, for each declared input and output of a boundary,
 which collective runs on which axis (with which backward); generated files spell those
 calls out in source. Boundaries that are not generated (the wrapped ``nn.Embedding`` and
 ``nn.Linear``, the generic form's static values) run the very same ops through
@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import Tensor
 
-from hpgen.core.classify import Op, ValueOps
+from hpgen.core.transitions import Op, ValueOps
 from hpgen.runtime.forward.collectives import AxisCollectives
 
 __all__ = ["Address", "Step", "address_of", "get_output", "replace_output", "run_steps", "steps_for"]

@@ -344,16 +344,17 @@ def projection_layout(module: nn.Module, placements: Iterable[Any]) -> str | Non
 
 def install_streams(
     model: nn.Module,
-    bodies: Sequence[tuple[Any, str]],
-    plan: Any,
+    records: Sequence[Any],
+    mesh_names: Sequence[str],
     axes: Mapping[str, Any],
     device: torch.device,
     branches: Iterable[str] = (),
 ) -> ModelStreams:
     """Seed the model's streams from the first rank and hook the model, its sharded bodies and
-    their projections. ``bodies``: (``Matched``, form) of each planned module; ``branches``: the FQNs
+    their projections. ``records``: the survey's decision of each planned module (its item, form, entry and
+    sharded axes), ``mesh_names``: the plan's axes in mesh order; ``branches``: the FQNs
     of the summed blocks' branches (modules with no body of their own, run inside their block's)."""
-    groups = [axes[axis].group for axis in plan.mesh_dim_names if axes[axis].size > 1]
+    groups = [axes[axis].group for axis in mesh_names if axes[axis].size > 1]
     config = getattr(model, "config", None)
     streams = ModelStreams(
         first_rank_seed(groups, device),
@@ -363,21 +364,19 @@ def install_streams(
     )
     model.register_forward_pre_hook(streams.enter_model)
     model.register_forward_hook(streams.exit_model, always_call=True)
-    from hpgen.core.plan import body_is_sharded
-
     branches = frozenset(branches)
-    for item, form in bodies:
-        entry = item.entry
+    for record in records:
+        item, form, entry, body_axes = record.item, record.form, record.entry, record.decision.sharded_axes
         # a summed block computes on its branches' shards even where its own inputs and outputs are whole
         sharded = [
-            a for a in plan.mesh_dim_names
-            if axes[a].size > 1 and (body_is_sharded(entry, a) or (a == "tp" and entry.summed_reduction is not None))
+            a for a in mesh_names
+            if axes[a].size > 1 and (a in body_axes or (a == "tp" and entry.summed_reduction is not None))
         ]
         if not sharded:
             continue
         if form == "linear":  # a wrapped nn.Linear: its output sharded (column) or its sharded input reduced (row)
-            outputs = [entry.output_layouts(name, plan.mesh_dim_names)[1] for name in entry.output_names]
-            inputs = [entry.input_layouts(name, plan.mesh_dim_names)[0] for name in entry.input_names]
+            outputs = [entry.output_layouts(name, mesh_names)[1] for name in entry.output_names]
+            inputs = [entry.input_layouts(name, mesh_names)[0] for name in entry.input_names]
             opens = any(layout.on(a).kind in ("S", "SS") for layout in outputs for a in sharded)
             closes = any(layout.on(a).kind in ("S", "SS") for layout in inputs for a in sharded) and not opens
             if opens or closes:

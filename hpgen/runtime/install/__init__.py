@@ -6,7 +6,9 @@
 - ``hpgen.runtime.install.agreement``: every rank runs the same plan, generated file and hpgen;
 - ``hpgen.runtime.install.launch_checks``: launch mistakes named as such (a rank outside the mesh, a plan for
   another size or model class, a batch split beside whole companion inputs);
-- ``hpgen.runtime.install.module_installs``: what each planned module becomes (its class, form, bindings);
+- ``hpgen.runtime.install.module_decisions``: what each planned module is, decided once by the survey (its form,
+  class, movers, shard layouts, vocab rows): the record the install, hooks, streams and checks read;
+- ``hpgen.runtime.install.module_installs``: doing what a module's record says (class swap, bindings);
 - ``hpgen.runtime.install.counterparts``: the generated class of a module built from the original file;
 - ``hpgen.runtime.install.params``: planned parameters found, checked, then cut to this rank's chunk;
 - ``hpgen.runtime.install.attrs``: module attributes that must follow the local shards;

@@ -41,14 +41,15 @@ from torch import Tensor, nn
 
 from hpgen.core.conv1d import is_conv1d
 from hpgen.core.placement import REPLICATE
-from hpgen.core.plan import Layout, body_is_sharded
+from hpgen.core.plan import Layout
 from hpgen.runtime.checkpoint.state_dict import ShardRecorder
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.collectives import AxisCollectives
 from hpgen.runtime.forward.handback import call
 from hpgen.runtime.forward.streams import LayoutChange
 from hpgen.runtime.install.hooks import FollowReducedParameters, GradAllReduce, block_regions
-from hpgen.runtime.install.params import Matched, rank_shard
+from hpgen.runtime.install.module_decisions import ModuleDecision
+from hpgen.runtime.install.params import rank_shard
 from hpgen.runtime.install.tuners import is_tuner_layer, method_problem
 from hpgen.core.shards import ShardLayout, normalize_dim
 
@@ -290,14 +291,15 @@ class AdapterWatch:
                     call(dist.broadcast, param.data, group=ax.group, group_src=0)
 
 
-def survey_adapters(model: nn.Module, matched: Iterable[Matched], mesh_names: Sequence[str]) -> list[_Slot]:
+def survey_adapters(model: nn.Module, records: Iterable[ModuleDecision]) -> list[_Slot]:
     """The planned linears of ``model`` that peft may wrap (or has wrapped), read before any shard is cut.
 
     Refuses, before ``parallelize`` touches anything, adapters present now that cannot be sharded.
     """
     slots: list[_Slot] = []
     modules = dict(model.named_modules())
-    for item in matched:
+    for record in records:
+        item, mesh_names = record.item, record.mesh
         for name, layout in item.entry.params.items():
             path, _, leaf = name.rpartition(".")
             base = item.module.get_submodule(path) if path else item.module
@@ -311,7 +313,7 @@ def survey_adapters(model: nn.Module, matched: Iterable[Matched], mesh_names: Se
             if parent_fqn not in modules:
                 continue
             grad_reduced = name in item.entry.grad_reduce_params
-            reduced = [axis for axis in mesh_names if grad_reduced and body_is_sharded(item.entry, axis)]
+            reduced = [axis for axis in mesh_names if grad_reduced and axis in record.decision.sharded_axes]
             transposed = is_conv1d(base)
             layouts = adapter_layouts(layout, mesh_names, transposed=transposed, reduced=reduced)
             slots.append(

@@ -34,21 +34,21 @@ from collections.abc import Mapping, Sequence
 from torch import nn
 
 from hpgen.core.model_config import config_value
-from hpgen.core.plan import Layout, LocalCount, Plan
+from hpgen.core.plan import Layout, LocalCount
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.collectives import AxisCollectives
+from hpgen.runtime.install.module_decisions import ModuleDecision
 from hpgen.runtime.install.params import Matched
 from hpgen.core.shards import ShardLayout
 
 __all__ = ["survey_attrs"]
 
 
-def survey_attrs(
-    matched: list[Matched], plan: Plan, axes: Mapping[str, AxisCollectives]
-) -> list[tuple[nn.Module, str, int]]:
+def survey_attrs(records: Sequence[ModuleDecision], axes: Mapping[str, AxisCollectives]) -> list[tuple[nn.Module, str, int]]:
     """``(module, attribute, new value)`` for every divided attribute, all checked."""
     found = []
-    for item in matched:
+    for record in records:
+        item, mesh = record.item, record.mesh
         where = f"{item.fqn} ({type(item.module).__name__})"
         divisors = [(attr, axes["tp"].size, "axis 'tp' of size") for attr in item.entry.tp_divide_attrs]
         divisors += [(attr, divisor, "divide_attrs divisor") for attr, divisor in item.entry.divide_attrs]
@@ -71,18 +71,17 @@ def survey_attrs(
             value = getattr(item.module, attr, None)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ParallelizeError(f"{where}: local_attrs names {attr!r}, which is not an int attribute")
-            local[attr] = _local_values(item, plan, axes, attr, count, where)
-            found.append((item.module, attr, local[attr][tuple(axes[a].rank for a in plan.mesh_dim_names)]))
-        _check_head_groups(item, plan, axes, values, local, where)
-        _check_whole_kv_groups(item, plan, axes, values, local, where)
+            local[attr] = _local_values(item, mesh, axes, attr, count, where)
+            found.append((item.module, attr, local[attr][tuple(axes[a].rank for a in mesh)]))
+        _check_head_groups(item, mesh, axes, values, local, where)
+        _check_whole_kv_groups(item, mesh, axes, values, local, where)
     return found
 
 
 def _local_values(
-    item: Matched, plan: Plan, axes: Mapping[str, AxisCollectives], attr: str, count: LocalCount, where: str
+    item: Matched, mesh: tuple[str, ...], axes: Mapping[str, AxisCollectives], attr: str, count: LocalCount, where: str
 ) -> dict[tuple[int, ...], int]:
     """``count`` at every mesh coordinate, each checked (a rank refusing alone would hang the others)."""
-    mesh = plan.mesh_dim_names
     shapes = {}
     for name in count.params():
         try:
@@ -115,14 +114,13 @@ def _local_values(
 
 def _check_head_groups(
     item: Matched,
-    plan: Plan,
+    mesh: tuple[str, ...],
     axes: Mapping[str, AxisCollectives],
     values: Mapping[str, int],
     local: Mapping[str, Mapping[tuple[int, ...], int]],
     where: str,
 ) -> None:
     """Every rank's query heads use exactly its key/value heads, grouped as ``repeat_kv`` does."""
-    mesh = plan.mesh_dim_names
     module = item.module
     replicating = [a for a in mesh for layout in item.entry.params.values() if layout.on(a).kind == "RS"]
     if not replicating or not hasattr(module, "num_key_value_groups"):
@@ -160,7 +158,7 @@ def _check_head_groups(
 
 def _check_whole_kv_groups(
     item: Matched,
-    plan: Plan,
+    mesh: tuple[str, ...],
     axes: Mapping[str, AxisCollectives],
     values: Mapping[str, int],
     local: Mapping[str, Mapping[tuple[int, ...], int]],
@@ -182,7 +180,6 @@ def _check_whole_kv_groups(
         return  # the key/value heads are cut too: the grouped layouts (and _check_head_groups) hold them
     if not any(p.kind == "B" for layout in item.entry.params.values() for _, p in layout.placements):
         return
-    mesh = plan.mesh_dim_names
     for ranks in itertools.product(*(range(axes[a].size) for a in mesh)):
         held = _count_at("num_heads", ranks, values, local)
         repeat = _count_at("num_key_value_groups", ranks, {"num_key_value_groups": groups, **values}, local)

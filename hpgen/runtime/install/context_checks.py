@@ -16,6 +16,7 @@ merges their partial results (:mod:`hpgen.runtime.context.decode`).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -104,10 +105,10 @@ def _filled(cache: Any) -> bool:
     return bool(seen.item() if isinstance(seen, torch.Tensor) else seen)
 
 
-def install_context(model: nn.Module, axes: dict[str, Any], plan: Any) -> None:
+def install_context(model: nn.Module, axes: dict[str, Any], planned: Collection[str]) -> None:
     """The decode-step hook, the layout handed to attention (:mod:`hpgen.runtime.context.sequence`)
     and the head and loss on each rank's tokens (:mod:`hpgen.runtime.context_logits`), on a model
-    with a ``cp`` axis of more than one rank."""
+    with a ``cp`` axis of more than one rank. ``planned``: the FQNs of the modules the plan matches."""
     ax = axes.get(CONTEXT_AXIS)
     if not isinstance(ax, ContextAxis) or ax.size == 1:
         return
@@ -117,4 +118,4 @@ def install_context(model: nn.Module, axes: dict[str, Any], plan: Any) -> None:
     attention = [name for name, module in model.named_modules() if hasattr(module, "_hp_cp_signature")]
     if attention:  # after the decode hook, so that a replicated forward passes no layout
         install_sequence_keyword(model, ax, attention)
-    install_logits(model, ax, plan)
+    install_logits(model, ax, planned)

@@ -43,14 +43,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hpgen.core.conv1d import is_conv1d
 from hpgen.core.placement import REPLICATE
-from hpgen.core.plan import Layout, Plan, body_is_sharded
+from hpgen.core.plan import Layout
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.collectives import AxisCollectives
 from hpgen.runtime.forward.handback import call
 from hpgen.runtime.forward.ops import address_of, get_output, replace_output
 from hpgen.runtime.forward.wrappers import BiasShare, subclass_with
 from hpgen.runtime.install.groups import replica_group
-from hpgen.runtime.install.params import Matched, rank_shard
+from hpgen.runtime.install.module_decisions import ModuleDecision
+from hpgen.runtime.install.params import Matched
 from hpgen.core.shards import ShardLayout
 
 __all__ = [
@@ -184,16 +185,15 @@ class DeferredBias:
         self.boundary.register_forward_hook(BiasAdder(self.owner, self.output_names, self.output))
 
 
-def survey_deferred_biases(matched: Iterable[Matched], plan: Plan, branches: frozenset[str] = frozenset()) -> list[DeferredBias]:
+def survey_deferred_biases(records: Iterable[ModuleDecision], branches: frozenset[str] = frozenset()) -> list[DeferredBias]:
     """Check each ``deferred_bias_params`` entry and say where its bias goes.
 
     ``branches``: FQNs of summed reductions' branches, whose biases their block places
     (:mod:`hpgen.runtime.install.summed`).
     """
-    mesh = plan.mesh_dim_names
     found = []
-    for item in matched:
-        entry = item.entry
+    for record in records:
+        item, entry, mesh = record.item, record.entry, record.mesh
         if not entry.deferred_bias_params or item.fqn in branches:
             continue
         where = f"{item.fqn} ({type(item.module).__name__})"
@@ -236,7 +236,7 @@ def survey_deferred_biases(matched: Iterable[Matched], plan: Plan, branches: fro
                 )
             partial_axes = tuple(axis for axis in mesh if entry.output_layouts(output, mesh)[0].on(axis).is_partial)
             summed = name in entry.grad_reduce_params  # its gradient is summed over the sharded body's axes
-            reduced = tuple(axis for axis in mesh if body_is_sharded(entry, axis)) if summed else ()
+            reduced = record.decision.sharded_axes if summed else ()
             found.append(DeferredBias(item.module, owner, entry.output_names, output, partial_axes, reduced))
     return found
 
@@ -274,9 +274,7 @@ class GradReduce:
         ]
 
 
-def survey_grad_reduce(
-    matched: Iterable[Matched], plan: Plan, axes: Mapping[str, AxisCollectives]
-) -> list[GradReduce]:
+def survey_grad_reduce(records: Iterable[ModuleDecision], axes: Mapping[str, AxisCollectives]) -> list[GradReduce]:
     """Each Parameter whose gradient a rank holds only part of, with what to sum it over.
 
     ``grad_reduce_params`` sum over the axes the plan names for them, or else over every
@@ -286,11 +284,11 @@ def survey_grad_reduce(
     :mod:`hpgen.runtime.install.groups`); the replicated blocks of a ``B`` parameter over
     their holders, those rows only.
     """
-    matched = list(matched)
+    records = list(records)
     found: dict[int, GradReduce] = {}
-    layouts = _param_layouts(matched)
+    layouts = _param_layouts(record.item for record in records)
 
-    def record(item: Matched, name: str) -> GradReduce:
+    def reduced(item: Matched, name: str) -> GradReduce:
         param = item.module.get_parameter(name)
         reduce = found.setdefault(id(param), GradReduce(param, f"{item.fqn}.{name}", [], {}, []))
         owner_path, _, attr = name.rpartition(".")
@@ -299,12 +297,12 @@ def survey_grad_reduce(
             reduce.uses.append((item, owner, attr))
         return reduce
 
-    for item in matched:
-        entry = item.entry
+    for record in records:
+        item, entry, mesh = record.item, record.entry, record.mesh
         named = dict(entry.grad_reduce_axes)
         sharded: list[str] = []
         if any(name not in named for name in entry.grad_reduce_params):
-            sharded = [axis for axis in plan.mesh_dim_names if body_is_sharded(entry, axis)]
+            sharded = list(record.decision.sharded_axes)
             if not sharded:
                 raise ParallelizeError(
                     f"{item.fqn} ({type(item.module).__name__}): grad_reduce_params, but param_plan[{item.key!r}] "
@@ -314,19 +312,18 @@ def survey_grad_reduce(
                     "(<input> is its forward's parameter: 'input' for nn.LayerNorm)"
                 )
         for name in entry.grad_reduce_params:
-            reduce = record(item, name)
+            reduce = reduced(item, name)
             over = named.get(name) or sharded
             _refuse_sum_over_shards(item, name, over, layouts.get(id(reduce.param)), bool(named.get(name)))
             reduce.axes += [axis for axis in over if axis not in reduce.axes]
         for name, layout in entry.params.items():
-            replicated = {a: layout.on(a).replicas for a in plan.mesh_dim_names if layout.on(a).kind == "RS"}
+            replicated = {a: layout.on(a).replicas for a in mesh if layout.on(a).kind == "RS"}
             if replicated:
-                record(item, name).replicas.update(replicated)
-            if any(layout.on(a).kind == "B" for a in plan.mesh_dim_names):
-                shape = item.module.get_parameter(name).shape
-                regions = block_regions(rank_shard(shape, layout, axes, plan.mesh_dim_names), plan.mesh_dim_names)
+                reduced(item, name).replicas.update(replicated)
+            if any(layout.on(a).kind == "B" for a in mesh):
+                regions = block_regions(record.layouts[name], mesh)
                 if regions:
-                    reduce = record(item, name)
+                    reduce = reduced(item, name)
                     reduce.regions += [region for region in regions if region not in reduce.regions]
     return list(found.values())
 

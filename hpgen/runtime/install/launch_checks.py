@@ -104,10 +104,9 @@ def _forward_inputs(module: nn.Module) -> list[str]:
         return []
 
 
-def refuse_lone_batch_splits(matched: Iterable, plan: Plan) -> None:
+def refuse_lone_batch_splits(matched: Iterable, axes: tuple[str, ...]) -> None:
     """Raise when a boundary splits the batch (an input of :data:`BATCH_STREAMS` ``R -> S(0)`` on an axis) and
-    leaves inputs of :data:`BATCH_COMPANIONS` that its forward takes whole on that axis."""
-    axes = plan.mesh_dim_names
+    leaves inputs of :data:`BATCH_COMPANIONS` that its forward takes whole on that axis (``axes``: the plan's)."""
     for item in matched:
         entry = item.entry
         declared = entry.input_names

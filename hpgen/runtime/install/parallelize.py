@@ -11,7 +11,7 @@ untouched:
   different layouts (:mod:`hpgen.runtime.install.params`);
 - a boundary whose class has no generated ``forward`` for the plan's contract (the
   generated file is stale), or a wrapped ``nn.Embedding``/``nn.Linear`` whose layout is
-  not vocab-, column- or row-parallel (:mod:`hpgen.runtime.install.module_installs`);
+  not vocab-, column- or row-parallel (:mod:`hpgen.runtime.install.module_decisions`);
 - deferred biases without a single reduced output, grad-reduced parameters of a body
   that is not sharded (:mod:`hpgen.runtime.install.hooks`); ``tp_divide_attrs`` and
   ``divide_attrs`` that do not divide, attention whose local query and key/value heads
@@ -90,7 +90,8 @@ from hpgen.runtime.install.hooks import (
 from hpgen.runtime.install.inputs import InputCheck
 from hpgen.runtime.install.kernels import fit_experts_kernel, fit_hub_functions
 from hpgen.runtime.install.launch_checks import refuse_lone_batch_splits, refuse_ranks_outside, reworded
-from hpgen.runtime.install.module_installs import ModuleInstall, module_install
+from hpgen.runtime.install.module_decisions import ModuleDecision, survey_modules
+from hpgen.runtime.install.module_installs import install_module
 from hpgen.runtime.install.params import Matched, ParamShard, shard_params, survey_params
 from hpgen.runtime.install.replaced_stubs import refuse_replaced_stubs
 from hpgen.runtime.install.summed import SummedBlock, branch_fqns, survey_summed
@@ -289,7 +290,7 @@ class Survey:
     plan: Plan
     mesh: DeviceMesh
     axes: dict[str, AxisCollectives]
-    targets: list[ModuleInstall]
+    records: list[ModuleDecision]  # what each planned module is, decided once; the installers read these
     shards: list[ParamShard]
     biases: list[DeferredBias]
     grad_reduces: list[GradReduce]
@@ -328,14 +329,14 @@ class Survey:
         checkpoint read into the shards) comes before."""
         model, plan, mesh, axes = self.model, self.plan, self.mesh, self.axes
         switched, hub = [], []
-        for target in self.targets:
-            target.install(axes, plan.mesh_dim_names)
-            why = fit_experts_kernel(target.item.module) if target.form != "identity" else None
+        for record in self.records:
+            install_module(record, axes)
+            why = fit_experts_kernel(record.module) if record.form != "identity" else None
             if why is not None:
-                switched.append((target.item.fqn, why))
-            dropped = fit_hub_functions(target.item.module) if target.form != "identity" else None
+                switched.append((record.fqn, why))
+            dropped = fit_hub_functions(record.module) if record.form != "identity" else None
             if dropped is not None:
-                hub.append((target.item.fqn, dropped))
+                hub.append((record.fqn, dropped))
         if hub and (not dist.is_initialized() or dist.get_rank() == 0):
             first, names = hub[0]
             more = f" and {len(hub) - 1} more like it" if len(hub) > 1 else ""
@@ -357,8 +358,8 @@ class Survey:
             setattr(module, attr, value)
         device = collective_device(mesh)
         # random ops: one stream for replicated and partial values, one per rank for sharded ones
-        branches = branch_fqns((t.item for t in self.targets), plan)
-        install_streams(model, [(t.item, t.form) for t in self.targets], plan, axes, device, branches)
+        branches = branch_fqns(record.item for record in self.records)
+        install_streams(model, self.records, plan.mesh_dim_names, axes, device, branches)
         groups = [(axis, axes[axis].group) for axis in plan.mesh_dim_names if axes[axis].size > 1]
         staged = [self.stage.mesh.get_group(self.stage.axis)] if self.stage is not None else []  # sampling agrees on pp too
         bind_generate(model, [group for _, group in groups] + staged, device)
@@ -381,7 +382,8 @@ class Survey:
         model._hp_adapters = watch_adapters(model, self.adapter_slots, axes, recorder)
         bind_save_pretrained(model)
         scope_shard_sizes(model, axes.values())  # gathers reuse the sizes of shards made in the same forward
-        install_context(model, axes, plan)  # cp: decode steps after a cp prefill run replicated; the loss on each rank's tokens
+        planned = {record.fqn for record in self.records}
+        install_context(model, axes, planned)  # cp: decode steps after a cp prefill run replicated; the loss on each rank's tokens
         model._hp_parallelized = True
         model._hp_mesh = mesh  # the ranks holding the model: clip_grad_norm_ sums its norm over them
         if self.stage is not None:
@@ -406,15 +408,15 @@ def _survey(
     if stage is not None:  # every key was matched against the whole model; the stage's modules are installed
         matched = [item for item in matched if stage.holds(item.fqn)]
     refuse_replaced_stubs(model, matched)  # a fused kernel bound in place of the torch path the plan shards
-    refuse_lone_batch_splits(matched, plan)  # the rotary output or the mask left whole beside a split batch
-    shards = survey_params(model, plan, matched, axes)
-    targets = [module_install(item, plan, mesh, axes, generated) for item in matched]
-    biases = survey_deferred_biases(matched, plan, frozenset(branch_fqns(matched, plan)))
-    summed = survey_summed(matched, plan, axes)
-    grad_reduces = survey_grad_reduce(matched, plan, axes)
-    divides = survey_attrs(matched, plan, axes)
-    slots = survey_adapters(model, matched, plan.mesh_dim_names)
-    return Survey(model, plan, mesh, axes, targets, shards, biases, grad_reduces, divides, summed, slots, stage=stage)
+    refuse_lone_batch_splits(matched, plan.mesh_dim_names)  # the rotary output or the mask left whole beside a split batch
+    shards = survey_params(model, matched, axes, plan.mesh_dim_names)
+    records = survey_modules(matched, plan, mesh, axes, shards, generated)  # the one place the entries are decided
+    biases = survey_deferred_biases(records, frozenset(branch_fqns(matched)))
+    summed = survey_summed(records, axes)
+    grad_reduces = survey_grad_reduce(records, axes)
+    divides = survey_attrs(records, axes)
+    slots = survey_adapters(model, records)
+    return Survey(model, plan, mesh, axes, records, shards, biases, grad_reduces, divides, summed, slots, stage=stage)
 
 
 def match_modules(model: nn.Module, plan: Plan) -> list[Matched]:

@@ -41,7 +41,7 @@ from torch import nn
 from hpgen.core.conv1d import is_conv1d
 from hpgen.core.errors import did_you_mean
 from hpgen.core.placement import REPLICATE, Placement
-from hpgen.core.plan import Entry, Layout, Plan
+from hpgen.core.plan import Entry, Layout
 from hpgen.runtime.checkpoint.registrations import registrations
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.collectives import AxisCollectives
@@ -116,15 +116,14 @@ def check_param_names(matched: Iterable[Matched]) -> None:
 
 
 def survey_params(
-    model: nn.Module, plan: Plan, matched: Iterable[Matched], axes: Mapping[str, AxisCollectives]
+    model: nn.Module, matched: Iterable[Matched], axes: Mapping[str, AxisCollectives], mesh: tuple[str, ...]
 ) -> list[ParamShard]:
-    """Check every planned parameter and return what :func:`shard_params` will do."""
+    """Check every planned parameter and return what :func:`shard_params` will do (``mesh``: the plan's axes)."""
     matched = list(matched)
     check_param_names(matched)
     _check_not_dtensors(model)
     registered = {id(found.tensor): found for found in registrations(model, buffers=False)}
     by_name = {name: key for key, found in registered.items() for name in found.names}
-    mesh = plan.mesh_dim_names
 
     planned: dict[str, tuple[Layout, Matched]] = {}
     for item in matched:

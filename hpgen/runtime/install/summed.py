@@ -30,19 +30,18 @@ call path, on every decode step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from hpgen.core.classify import summed_ops
-from hpgen.core.plan import Plan, summed_branches
 from hpgen.runtime.errors import ParallelizeError
 from hpgen.runtime.forward.collectives import AxisCollectives
 from hpgen.runtime.forward.ops import Step, run_steps, step_for
 from hpgen.runtime.forward.wrappers import BiasShare, subclass_with, with_mixin
+from hpgen.runtime.install.module_decisions import ModuleDecision
 from hpgen.runtime.install.params import Matched
 
 __all__ = ["SummedBlock", "branch_fqns", "survey_summed"]
@@ -178,7 +177,7 @@ def _mix_in(module: nn.Module, mixin: type, prefix: str, **attrs: Any) -> None:
         object.__setattr__(module, f"_hp_{name}", value)
 
 
-def branch_fqns(matched: Iterable[Matched], plan: Plan) -> set[str]:
+def branch_fqns(matched: Iterable[Matched]) -> set[str]:
     """The FQNs of every summed block's branches: their outputs stay partial on purpose."""
     found = set()
     for item in matched:
@@ -188,16 +187,15 @@ def branch_fqns(matched: Iterable[Matched], plan: Plan) -> set[str]:
     return found
 
 
-def survey_summed(matched: list[Matched], plan: Plan, axes: Mapping[str, AxisCollectives]) -> list[SummedBlock]:
+def survey_summed(records: Sequence[ModuleDecision], axes: Mapping[str, AxisCollectives]) -> list[SummedBlock]:
     """Check each summed block's children and say what to install."""
-    by_fqn = {item.fqn: item for item in matched}
+    by_fqn = {record.fqn: record.item for record in records}
     found = []
-    for item in matched:
-        if item.entry.summed_reduction is None:
+    for record in records:
+        item, ops = record.item, record.decision.summed
+        if ops is None:
             continue
         where = f"{item.fqn} ({type(item.module).__name__})"
-        ops = summed_ops(plan, item.key)
-        assert ops is not None
         shared = paired = step = None
         if ops.shared_input is not None and not ops.shared.is_identity:
             shared = _child(item, ops.shared_input, where)
@@ -205,10 +203,10 @@ def survey_summed(matched: list[Matched], plan: Plan, axes: Mapping[str, AxisCol
             if ops.paired_input is not None:
                 paired = _child(item, ops.paired_input, where)
         biases = []
-        for branch in summed_branches(plan.entries, plan.mesh_dim_names, item.key)[1]:
-            child = by_fqn.get(f"{item.fqn}.{branch.path}")
+        for path in ops.branches:
+            child = by_fqn.get(f"{item.fqn}.{path}")
             if child is None:
-                raise ParallelizeError(f"{where}: summed_reduction branch {branch.path!r} is not a module of it")
+                raise ParallelizeError(f"{where}: summed_reduction branch {path!r} is not a module of it")
             for name in child.entry.deferred_bias_params:
                 owner_path, _, leaf = name.rpartition(".")
                 owner = child.module.get_submodule(owner_path) if owner_path else child.module
