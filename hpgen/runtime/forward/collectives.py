@@ -329,6 +329,32 @@ class AxisCollectives:
 
     # ---- shard sizes ------------------------------------------------------------------
 
+    def shard_sizes(self, *shards: Tensor | None, dim: int) -> tuple[Size, ...] | None:
+        """Every rank's size of ``dim`` of the first of ``shards`` that is not ``None`` (this
+        rank's shard), found as a gather finds it: a record of this forward, else one exchange.
+        ``None`` where every one is ``None``, or on an axis of one rank.
+
+        A generated ``forward`` whose inputs are cut alike (the experts' tokens, routing ids
+        and weights) asks once and hands the answer to each of their gathers (``sizes=``).
+        """
+        x = next((shard for shard in shards if shard is not None), None)
+        if x is None or self.size == 1:
+            return None
+        return self._shard_sizes(x, _norm_dim(dim, x.dim()), None, "all_gather")
+
+    def split_sizes(self, *wholes: Tensor | None, dim: int) -> tuple[Size, ...] | None:
+        """What :meth:`split` gives each rank of ``dim`` of the first of ``wholes`` that is not
+        ``None``, recorded for this forward like a split's; ``None`` as for :meth:`shard_sizes`.
+
+        A generated ``forward`` that splits several inputs alike (a batch at a data-parallel
+        model's entry) asks once, splits each with these sizes, and gathers the body's
+        outputs with them (``sizes=``): no gather of that boundary exchanges.
+        """
+        x = next((whole for whole in wholes if whole is not None), None)
+        if x is None or self.size == 1:
+            return None
+        return self._made(x, _norm_dim(dim, x.dim())).sizes
+
     def shard_like(self, x: Tensor, like: Tensor, dim: int) -> None:
         """Let a gather of ``x`` on ``dim`` take the sizes recorded for ``like``, a tensor
         sharded on ``dim`` alike whose other dims differ (two norms' outputs concatenated on

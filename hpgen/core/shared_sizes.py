@@ -1,0 +1,90 @@
+"""Which values of one boundary are cut alike, so that one size lookup serves them all.
+
+A gather of shards (``S(d) -> R``) must know every rank's size on ``d``; in general only
+the senders know it, and finding it out is a host synchronisation. Within one boundary,
+the generator knows which values are shards of one dim cut one way:
+
+- inputs that take the very same transitions, in the same order, on every axis, and
+  gather or split on ``(axis, d)``: the experts' ``hidden_states``, ``top_k_index`` and
+  ``top_k_weights`` (all ``S(0) -> R`` on ``ep``, the router's tokens), or a batch split
+  at a data-parallel model's entry (``input_ids``, ``attention_mask``, ...: ``R -> S(0)``);
+- an output gathered ``S(d) -> R`` on an axis and dim that the boundary's inputs were
+  split on: the body's per-sequence outputs of the batch it was given
+  (``last_hidden_state``).
+
+The generated ``forward`` finds the sizes once (``shard_sizes`` before gathers,
+``split_sizes`` before splits) and hands them to every op of the group (``sizes=``)
+instead of each gather finding them on its own (docs/generated-code.md). Inputs that
+arrive in ``**kwargs`` are left out (they may be absent), as are gathers whose full size
+the plan already gives (``total``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from hpgen.core.classify import Op, ValueOps
+
+__all__ = ["SharedSizes", "shared_sizes"]
+
+_CUTS = ("all_gather", "split")  # ops whose sizes a group shares
+
+
+@dataclass(frozen=True)
+class SharedSizes:
+    """One op per member, on ``axis`` and ``dim``: the sizes are found from the inputs
+    ``members`` (the first that is not ``None`` at run time) before their ``kind`` op, and
+    every member's op, and each of ``outputs``' gathers, takes them."""
+
+    axis: str
+    dim: object
+    kind: str  # all_gather (the members are shards) or split (they are whole)
+    position: int  # index of the op into each member's ``ValueOps.ops``
+    members: tuple[str, ...]
+    outputs: tuple[tuple[str, int], ...] = ()  # (output, index of its gather into its ops)
+
+
+def shared_sizes(
+    inputs: Iterable[ValueOps], outputs: Iterable[ValueOps] = (), *, skip: Iterable[str] = ()
+) -> tuple[SharedSizes, ...]:
+    """The groups whose ops share one size lookup: two or more ``inputs`` (but ``skip``) cut
+    alike, or inputs split on a dim that an output is gathered from."""
+    skipped = set(skip)
+    by_ops: dict[tuple[object, ...], list[ValueOps]] = {}
+    for value in inputs:
+        if value.name in skipped or not any(_cut(op) for op in value.ops):
+            continue
+        key = tuple((op.axis, op.kind, str(op.src), str(op.dst), op.args, op.backward) for op in value.ops)
+        by_ops.setdefault(key, []).append(value)
+    gathered_outputs = [
+        (value.name, position, op) for value in outputs for position, op in enumerate(value.ops) if _cut(op, "all_gather")
+    ]
+    groups = []
+    for values in by_ops.values():
+        members = tuple(value.name for value in values)
+        for position, op in enumerate(values[0].ops):
+            if not _cut(op):
+                continue
+            if any(not earlier.is_identity for earlier in values[0].ops[:position]):
+                break  # the sizes are found before the first member's op, when no member has moved yet
+            dim = dict(op.args)["dim"]
+            followers: tuple[tuple[str, int], ...] = ()
+            if op.kind == "split":
+                followers = tuple(
+                    (name, at) for name, at, out in gathered_outputs if out.axis == op.axis and dict(out.args)["dim"] == dim
+                )
+            if len(members) > 1 or followers:
+                groups.append(SharedSizes(op.axis, dim, op.kind, position, members, followers))
+    # an output gathered after splits of two different groups on its dim follows none of them
+    taken = [out for group in groups for out in group.outputs]
+    return tuple(
+        SharedSizes(g.axis, g.dim, g.kind, g.position, g.members, tuple(o for o in g.outputs if taken.count(o) == 1))
+        for g in groups
+        if len(g.members) > 1 or any(taken.count(o) == 1 for o in g.outputs)
+    )
+
+
+def _cut(op: Op, kind: str | None = None) -> bool:
+    """A gather of shards whose sizes the plan does not give, or a split of a whole value."""
+    return op.kind in ((kind,) if kind else _CUTS) and "total" not in dict(op.args) and "dim" in dict(op.args)
