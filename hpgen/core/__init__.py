@@ -14,7 +14,8 @@ Module map:
 - placements and shards: ``hpgen.core.placement`` (one tensor's layout on one mesh axis),
   ``hpgen.core.shards`` (tensor_split and chunk sizes and bounds, heads per row shard,
   ``ShardLayout``), ``hpgen.core.classify`` (transitions into operations and forms, read by
-  the generator and the runtime alike);
+  the generator and the runtime alike), ``hpgen.core.shared_sizes`` (the values of one
+  boundary cut alike, whose ops share one size lookup);
 - what generated files and modeling files carry: ``hpgen.core.header`` (the generated
   file's header and hash), ``hpgen.core.stubs`` (kernel-stub detection),
   ``hpgen.core.conv1d`` (transformers' ``Conv1D`` by duck typing);

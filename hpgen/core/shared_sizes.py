@@ -14,9 +14,9 @@ the generator knows which values are shards of one dim cut one way:
 
 The generated ``forward`` finds the sizes once (``shard_sizes`` before gathers,
 ``split_sizes`` before splits) and hands them to every op of the group (``sizes=``)
-instead of each gather finding them on its own (docs/generated-code.md). Inputs that
-arrive in ``**kwargs`` are left out (they may be absent), as are gathers whose full size
-the plan already gives (``total``).
+instead of each gather finding them on its own (docs/generated-code.md). Only the static
+forms do (an active input that arrives in ``**kwargs``, which may be absent, makes a
+boundary generic); a gather whose full size the plan gives (``total``) needs no sizes.
 """
 
 from __future__ import annotations
@@ -44,16 +44,18 @@ class SharedSizes:
     members: tuple[str, ...]
     outputs: tuple[tuple[str, int], ...] = ()  # (output, index of its gather into its ops)
 
+    @property
+    def leader(self) -> str:
+        """The member whose lookup comes first (the first member that is not ``None`` answers)."""
+        return self.members[0]
 
-def shared_sizes(
-    inputs: Iterable[ValueOps], outputs: Iterable[ValueOps] = (), *, skip: Iterable[str] = ()
-) -> tuple[SharedSizes, ...]:
-    """The groups whose ops share one size lookup: two or more ``inputs`` (but ``skip``) cut
-    alike, or inputs split on a dim that an output is gathered from."""
-    skipped = set(skip)
+
+def shared_sizes(inputs: Iterable[ValueOps], outputs: Iterable[ValueOps] = ()) -> tuple[SharedSizes, ...]:
+    """The groups whose ops share one size lookup: two or more ``inputs`` cut alike, or
+    inputs split on a dim that an output is gathered from."""
     by_ops: dict[tuple[object, ...], list[ValueOps]] = {}
     for value in inputs:
-        if value.name in skipped or not any(_cut(op) for op in value.ops):
+        if not any(_cut(op) for op in value.ops):
             continue
         key = tuple((op.axis, op.kind, str(op.src), str(op.dst), op.args, op.backward) for op in value.ops)
         by_ops.setdefault(key, []).append(value)

@@ -167,7 +167,7 @@ def _template_value(
         if shared is not None:
             group, name = shared
             arguments += f", sizes={name}"
-            if side == "in" and value.name == group.members[0]:
+            if side == "in" and value.name == group.leader:
                 found = f"{self_name}._hp_{op.axis}.{_LOOKUP[group.kind]}({', '.join(group.members)}, dim={group.dim!r})"
                 lookup = f"{name} = {found}"
                 followers = "".join(f", then {output}'s gather" for output, _ in group.outputs)
@@ -194,7 +194,7 @@ def render_forward(
     }
     generic = contract.form == "generic"
     taken = parameters | {p.name.value for p in (original.params.star_arg, original.params.star_kwarg) if isinstance(p, cst.Param)}
-    sizes, output_sizes = _size_names(contract, parameters, taken) if not generic else ({}, {})
+    sizes, output_sizes = _size_names(contract, taken) if not generic else ({}, {})
     inputs = [
         _template_value(value, parameters, generic=generic, sizes=sizes, self_name=self_name, side="in")
         for value in contract.inputs
@@ -253,15 +253,12 @@ def render_forward(
     )
 
 
-def _size_names(contract: Contract, parameters: set[str], taken: set[str]) -> tuple[_Sizes, _Sizes]:
+def _size_names(contract: Contract, taken: set[str]) -> tuple[_Sizes, _Sizes]:
     """For the inputs, then the outputs: (value, op position) -> the group of values cut alike
-    it belongs to and the local that holds their sizes (:mod:`hpgen.core.shared_sizes`).
-
-    Inputs that arrive in ``**kwargs`` may be absent, so they never join a group."""
+    it belongs to and the local that holds their sizes (:mod:`hpgen.core.shared_sizes`)."""
     inputs: _Sizes = {}
     outputs: _Sizes = {}
-    in_kwargs = [value.name for value in contract.inputs if value.name not in parameters]
-    for group in shared_sizes(contract.inputs, contract.outputs, skip=in_kwargs):
+    for group in shared_sizes(contract.inputs, contract.outputs):
         name = _fresh_name(f"_hp_{group.axis}_sizes", taken)
         taken.add(name)
         for member in group.members:

@@ -10,7 +10,8 @@ ranks in one spawn per world size:
   placeholder); logits, every gradient, greedy generation with one and two prompts;
 - *serving*: each rank its own requests, of its own batch and length; each rank's logits
   and greedy tokens equal the unsharded model's on its own requests, and a step where one
-  rank has none;
+  rank has none; and a step whose token counts the serving code gives
+  (``give_shard_sizes``), which exchanges nothing;
 - on 4 ranks also a 2 x 2 mesh: attention tensor-parallel over ``tp`` inside each
   data-parallel group of ``ep`` (gradient sums named per axis), global batch.
 
@@ -176,6 +177,13 @@ def _serving(rank: int, world_size: int, path: str, plan: dict) -> dict[str, Any
         else:
             found["empty step"] = (logits - ref_logits).abs().max().item() <= tolerance(ref_logits)
     found["exchanges"] = exchanges
+    # serving code that knows every rank's token count gives it: that forward exchanges nothing
+    from hpgen.runtime import give_shard_sizes
+
+    give_shard_sizes(model, "ep", [batch * length for batch, length in SERVING[:world_size]])
+    with torch.no_grad(), counted_exchanges(model) as given:
+        logits = model(ids).logits
+    found["given counts"] = ((logits - ref_logits).abs().max().item() <= tolerance(ref_logits), given)
     return found
 
 
@@ -241,4 +249,5 @@ def test_serving_each_rank_its_own_requests(runs):
         for rank, found in enumerate(results):
             serving = dict(found["serving"])
             _check_exchanges(serving.pop("exchanges"), f"{world_size} ranks, rank {rank}, serving")
+            assert serving.pop("given counts") == (True, [0]), f"{world_size} ranks, rank {rank}: counts given"
             assert serving == {"logits": True, "generate": True, "empty step": True}, f"{world_size} ranks, rank {rank}"
