@@ -5,12 +5,15 @@ the senders know it, and finding it out is a host synchronisation. Within one bo
 the generator knows which values are shards of one dim cut one way:
 
 - inputs that take the very same transitions, in the same order, on every axis, and
-  gather or split on ``(axis, d)``: the experts' ``hidden_states``, ``top_k_index`` and
-  ``top_k_weights`` (all ``S(0) -> R`` on ``ep``, the router's tokens), or a batch split
-  at a data-parallel model's entry (``input_ids``, ``attention_mask``, ...: ``R -> S(0)``);
+  gather on ``(axis, d)``: the experts' ``hidden_states``, ``top_k_index`` and
+  ``top_k_weights`` (all ``S(0) -> R`` on ``ep``, the router's tokens);
 - an output gathered ``S(d) -> R`` on an axis and dim that the boundary's inputs were
   split on: the body's per-sequence outputs of the batch it was given
-  (``last_hidden_state``).
+  (``last_hidden_state``). Such a boundary closes over its cut, and its body may cut the
+  same dim another way (the batch's tokens, gathered into the experts on dim 0), so its
+  split leaves no record for the gathers inside (hpgen.runtime.forward.shard_records);
+  splits that no output of their boundary gathers back join no group and record as usual
+  (the sequence split at a first decoder layer, which the attentions after it gather).
 
 The generated ``forward`` finds the sizes once (``shard_sizes`` before gathers,
 ``split_sizes`` before splits) and hands them to every op of the group (``sizes=``)
@@ -51,8 +54,8 @@ class SharedSizes:
 
 
 def shared_sizes(inputs: Iterable[ValueOps], outputs: Iterable[ValueOps] = ()) -> tuple[SharedSizes, ...]:
-    """The groups whose ops share one size lookup: two or more ``inputs`` cut alike, or
-    inputs split on a dim that an output is gathered from."""
+    """The groups whose ops share one size lookup: two or more ``inputs`` gathered alike, or
+    the inputs split alike on a dim that an output is gathered from."""
     by_ops: dict[tuple[object, ...], list[ValueOps]] = {}
     for value in inputs:
         if not any(_cut(op) for op in value.ops):
@@ -76,15 +79,16 @@ def shared_sizes(inputs: Iterable[ValueOps], outputs: Iterable[ValueOps] = ()) -
                 followers = tuple(
                     (name, at) for name, at, out in gathered_outputs if out.axis == op.axis and dict(out.args)["dim"] == dim
                 )
-            if len(members) > 1 or followers:
+            if followers or (op.kind == "all_gather" and len(members) > 1):
                 groups.append(SharedSizes(op.axis, dim, op.kind, position, members, followers))
     # an output gathered after splits of two different groups on its dim follows none of them
     taken = [out for group in groups for out in group.outputs]
-    return tuple(
-        SharedSizes(g.axis, g.dim, g.kind, g.position, g.members, tuple(o for o in g.outputs if taken.count(o) == 1))
-        for g in groups
-        if len(g.members) > 1 or any(taken.count(o) == 1 for o in g.outputs)
-    )
+    found = []
+    for g in groups:
+        outputs = tuple(o for o in g.outputs if taken.count(o) == 1)
+        if outputs or g.kind == "all_gather":
+            found.append(SharedSizes(g.axis, g.dim, g.kind, g.position, g.members, outputs))
+    return tuple(found)
 
 
 def _cut(op: Op, kind: str | None = None) -> bool:

@@ -49,6 +49,8 @@ def test_an_output_gathered_from_the_dim_its_inputs_were_split_on_takes_the_spli
     # one split input is a group too when an output follows it
     (alone,) = shared_sizes(inputs[:1], outputs)
     assert alone.members == ("input_ids",) and alone.outputs == (("last_hidden_state", 0),)
+    # splits that no output gathers back share nothing: each records its cut for the boundaries after it
+    assert shared_sizes(inputs, outputs[1:]) == ()
 
 
 def test_an_output_after_two_different_splits_of_its_dim_follows_neither() -> None:
