@@ -22,8 +22,9 @@ rank's piece); an all-gather of one element is the size exchange before a gather
 only their senders know. Parameter bytes: what each rank holds after ``parallelize``.
 
 ``--baseline REV`` also runs the same benchmark on hpgen as of git revision ``REV`` (its
-``hpgen`` and ``templates``, exported to a temporary folder and put first on the path of
-a child run of this script) and prints the size exchanges per step side by side.
+``hpgen`` and ``templates``, exported to a temporary folder put first on the path of a
+child run of this script, before this run) and prints the size exchanges per step side by
+side.
 """
 
 from __future__ import annotations
@@ -166,6 +167,8 @@ def baseline(rev: str, ranks: list[int], rounds: int) -> dict[str, Any]:
         archive = subprocess.run(["git", "-C", str(root), "archive", rev, "hpgen", "templates"], check=True,
                                  capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        # the installed package finds its templates as hpgen.templates: put that revision's there
+        (Path(tmp) / "templates").rename(Path(tmp) / "hpgen" / "templates")
         out = Path(tmp) / "baseline.json"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([tmp, os.environ.get("PYTHONPATH", "")])}
         subprocess.run([sys.executable, __file__, "--ranks", *map(str, ranks), "--rounds", str(rounds),
