@@ -518,8 +518,8 @@ def give_shard_sizes(model: nn.Module, axis: str, sizes: Sequence[int], *, dim: 
     """
     if dim < 0:
         raise ValueError(f"give_shard_sizes: dim must be a dim of the sharded tensors counted from 0, got {dim}")
-    found = {id(ax): ax for module in model.modules() if isinstance(ax := getattr(module, f"_hp_{axis}", None), AxisCollectives)}
-    axes = [ax for ax in found.values() if ax.size > 1]
+    found = {id(ax): ax for ax in (getattr(module, f"_hp_{axis}", None) for module in model.modules())}
+    axes = [ax for ax in found.values() if isinstance(ax, AxisCollectives) and ax.size > 1]
     if not axes:
         raise ValueError(f"give_shard_sizes: the model has no axis {axis!r} of more than one rank")
     given = tuple(int(n) for n in sizes)

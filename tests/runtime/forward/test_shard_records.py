@@ -103,3 +103,16 @@ def records() -> list[list[str]]:
 
 def test_scatter_returns_what_each_rank_gave_the_gather(records):
     assert records == [[], []]
+
+
+def test_given_sizes_are_refused_where_they_cannot_apply() -> None:
+    from torch import nn
+
+    from hpgen.runtime import give_shard_sizes
+
+    model = nn.Linear(2, 2)
+    model._hp_ep = AxisCollectives(None, "ep")  # an axis of one rank: nothing is ever gathered
+    with pytest.raises(ValueError, match="no axis 'ep' of more than one rank"):
+        give_shard_sizes(model, "ep", [3, 4])
+    with pytest.raises(ValueError, match="dim must be"):
+        give_shard_sizes(model, "ep", [3, 4], dim=-1)
