@@ -1,6 +1,6 @@
 """Decode and prefill of a 4-layer Qwen3-MoE under data-parallel attention + EP, ``--ep`` alone and TP + EP.
 
-    python benchmarks/dp_attention.py [--ranks 2 4] [--rounds 5] [--json out.json]
+    python benchmarks/dp_attention.py [--ranks 2 4] [--rounds 5] [--json out.json] [--baseline main]
 
 One run; for each rank count, gloo ranks forked on the CPU, one thread a rank. The model:
 hidden 256, 4 layers, 8 heads (4 key/value), 8 experts (top 2, intermediate 128), vocab
@@ -20,6 +20,11 @@ rounds of the slower rank's mean. Collectives per step: torch.profiler's backend
 (``gloo:*``), with the elements they carried (their input shapes: a gather's input is one
 rank's piece); an all-gather of one element is the size exchange before a gather of shards
 only their senders know. Parameter bytes: what each rank holds after ``parallelize``.
+
+``--baseline REV`` also runs the same benchmark on hpgen as of git revision ``REV`` (its
+``hpgen`` and ``templates``, exported to a temporary folder put first on the path of a
+child run of this script, before this run) and prints the size exchanges per step side by
+side.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -154,12 +160,33 @@ def _rank(rank: int, ranks: int, store_dir: str, files: dict[str, str], plans: d
     dist.destroy_process_group()
 
 
+def baseline(rev: str, ranks: list[int], rounds: int) -> dict[str, Any]:
+    """This benchmark's results on hpgen as of ``rev`` (a child run with that tree first on its path)."""
+    root = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(["git", "-C", str(root), "archive", rev, "hpgen", "templates"], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        # the installed package finds its templates as hpgen.templates: put that revision's there
+        (Path(tmp) / "templates").rename(Path(tmp) / "hpgen" / "templates")
+        out = Path(tmp) / "baseline.json"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([tmp, os.environ.get("PYTHONPATH", "")])}
+        subprocess.run([sys.executable, __file__, "--ranks", *map(str, ranks), "--rounds", str(rounds),
+                        "--json", str(out)], check=True, env=env, cwd=tmp, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json")
+    parser.add_argument("--baseline", metavar="REV", help="also run hpgen as of this git revision")
     args = parser.parse_args()
+    import hpgen
+
+    before = baseline(args.baseline, args.ranks, args.rounds) if args.baseline else None
+    print(f"hpgen from {Path(hpgen.__file__).parent}")
     results: dict[int, dict] = {}
     for ranks in args.ranks:
         with tempfile.TemporaryDirectory() as tmp:
@@ -191,6 +218,18 @@ def main() -> None:
             print(f"| {ranks} | {layout} | {ratio('decode_ms')} | {ratio('prefill_ms')} | {cells[0]} | {cells[1]} | "
                   f"{row['param_bytes']:,} ({row['param_bytes'] / base['param_bytes']:.2f}x) |")
     print("\n(x): against --ep alone on the same ranks.")
+    if before is not None:
+        print(f"\nSize exchanges per step (one all-gather of an int64 per rank, a host sync on GPUs): "
+              f"hpgen {args.baseline} -> this tree, same run")
+        print()
+        print("| ranks | layout | decode exchanges | prefill exchanges | decode ms | prefill ms |")
+        print("|---|---|---|---|---|---|")
+        for ranks, found in results.items():
+            for layout in LAYOUTS:
+                row, old = found[layout], before[str(ranks)][layout]
+                cells = [f"{old[f'{name}_collectives'][1]} -> {row[f'{name}_collectives'][1]}" for name in ("decode", "prefill")]
+                times = [f"{old[f'{name}_ms']:.2f} -> {row[f'{name}_ms']:.2f}" for name in ("decode", "prefill")]
+                print(f"| {ranks} | {layout} | {cells[0]} | {cells[1]} | {times[0]} | {times[1]} |")
     if args.json:
         Path(args.json).write_text(json.dumps({str(k): v for k, v in results.items()}, indent=2))
 

@@ -18,7 +18,9 @@ Module map:
   ``hpgen.core.transitions`` (one placement change into one op, an entry's values into
   their ops), ``hpgen.core.decision`` (one answer per plan entry -- ops, identity, contract
   signature, injection, sharded axes -- made once and kept with the plan),
-  ``hpgen.core.classify`` (a contract's form against the indexed ``forward``);
+  ``hpgen.core.classify`` (a contract's form against the indexed ``forward``),
+  ``hpgen.core.shared_sizes`` (the values of one boundary cut alike, whose ops share one
+  size lookup);
 - what generated files and modeling files carry: ``hpgen.core.header`` (the generated
   file's header and hash), ``hpgen.core.stubs`` (kernel-stub detection),
   ``hpgen.core.conv1d`` (transformers' ``Conv1D`` by duck typing);

@@ -21,6 +21,7 @@ import libcst as cst
 from hpgen.core.classify import Contract
 from hpgen.core.transitions import ValueOps
 from hpgen.core.header import Header
+from hpgen.core.shared_sizes import SharedSizes, shared_sizes
 from hpgen.generator.summed_edit import rewrite_summed
 
 
@@ -139,13 +140,45 @@ class _TemplateOp:
     kind: str
     arguments: str
     comment: str
+    # a group's leader: the statement that looks up the sizes every member's gather takes, and its comment
+    lookup: str = ""
+    lookup_comment: str = ""
 
 
-def _template_value(value: ValueOps, parameters: set[str], *, generic: bool) -> _Value:
-    ops = value.ops if generic else value.active
-    shown = tuple(_TemplateOp(op.axis, op.kind, op.call_arguments(), op.comment()) for op in ops)
+_Sizes = dict[tuple[str, int], tuple[SharedSizes, str]]
+# what finds a group's sizes: every rank's shard sizes before gathers, the split's sizes before splits
+_LOOKUP = {"all_gather": "shard_sizes", "split": "split_sizes"}
+
+
+def _template_value(
+    value: ValueOps,
+    parameters: set[str],
+    *,
+    generic: bool,
+    sizes: _Sizes,
+    self_name: str,
+    side: str,
+) -> _Value:
+    shown = []
+    for position, op in enumerate(value.ops):
+        if op.is_identity and not generic:
+            continue
+        arguments, lookup, lookup_comment = op.call_arguments(), "", ""
+        shared = sizes.get((value.name, position))
+        if shared is not None:
+            group, name = shared
+            arguments += f", sizes={name}"
+            if side == "in" and value.name == group.leader:
+                found = f"{self_name}._hp_{op.axis}.{_LOOKUP[group.kind]}({', '.join(group.members)}, dim={group.dim!r})"
+                lookup = f"{name} = {found}"
+                followers = "".join(f", then {output}'s gather" for output, _ in group.outputs)
+                lookup_comment = (
+                    f"{', '.join(group.members)}: {op.axis} {op.src} -> {op.dst} alike{followers} ==> "
+                    "their sizes found once"
+                )
+        shown.append(_TemplateOp(op.axis, op.kind, arguments, op.comment(), lookup, lookup_comment))
     transition = "; ".join(op.comment().split(": ", 1)[1] for op in value.ops if not op.is_identity)
-    return _Value(value.name, shown, value.address, value.name not in parameters, transition or "identity")
+    return _Value(value.name, tuple(shown), value.address, value.name not in parameters, transition or "identity")
 
 
 def render_forward(
@@ -161,15 +194,22 @@ def render_forward(
         for param in (*original.params.posonly_params, *original.params.params, *original.params.kwonly_params)
     }
     generic = contract.form == "generic"
-    inputs = [_template_value(value, parameters, generic=generic) for value in contract.inputs]
-    outputs = [_template_value(value, parameters, generic=generic) for value in contract.outputs]
+    taken = parameters | {p.name.value for p in (original.params.star_arg, original.params.star_kwarg) if isinstance(p, cst.Param)}
+    sizes, output_sizes = _size_names(contract, taken) if not generic else ({}, {})
+    inputs = [
+        _template_value(value, parameters, generic=generic, sizes=sizes, self_name=self_name, side="in")
+        for value in contract.inputs
+    ]
+    outputs = [
+        _template_value(value, parameters, generic=generic, sizes=output_sizes, self_name=self_name, side="out")
+        for value in contract.outputs
+    ]
     inputs = [value for value in inputs if value.ops]
     outputs = [value for value in outputs if value.ops]
     body_block = original.body
     indent = class_indent or style.indent
     if isinstance(body_block, cst.IndentedBlock):
         indent = body_block.indent or style.indent
-    taken = parameters | {p.name.value for p in (original.params.star_arg, original.params.star_kwarg) if isinstance(p, cst.Param)}
     values = dict(
         i=indent,
         self_name=self_name,
@@ -212,6 +252,21 @@ def render_forward(
         lines_after_decorators=original.lines_after_decorators,
         leading_lines=[cst.EmptyLine(indent=False)],
     )
+
+
+def _size_names(contract: Contract, taken: set[str]) -> tuple[_Sizes, _Sizes]:
+    """For the inputs, then the outputs: (value, op position) -> the group of values cut alike
+    it belongs to and the local that holds their sizes (:mod:`hpgen.core.shared_sizes`)."""
+    inputs: _Sizes = {}
+    outputs: _Sizes = {}
+    for group in shared_sizes(contract.inputs, contract.outputs):
+        name = _fresh_name(f"_hp_{group.axis}_sizes", taken)
+        taken.add(name)
+        for member in group.members:
+            inputs[(member, group.position)] = (group, name)
+        for output, position in group.outputs:
+            outputs[(output, position)] = (group, name)
+    return inputs, outputs
 
 
 def _summed_notes(contract: Contract) -> list[str]:

@@ -13,6 +13,7 @@ from hpgen.core.context_coverage import CONTEXT_AXIS, GATHERED_KV_ATTENTION, HEA
 from hpgen.generator.lower import Analysis
 from hpgen.core.plan import Plan
 from hpgen.core.plan_targets import import_path
+from hpgen.core.shared_sizes import shared_sizes
 from hpgen.generator.summed_edit import SummedSiteError, rewrite_summed
 
 # Inputs the runtime's wrappers know (hpgen.runtime.install.module_decisions.KNOWN_INPUTS, kept apart
@@ -46,13 +47,17 @@ _RECEIVES_SHARD = {"all_gather": "dim", "all_to_all": "src_dim"}
 
 
 def made_shards(plan: Plan) -> dict[tuple[str, object], set[str]]:
-    """(axis, dim) -> the ops that make a shard of it somewhere in the plan."""
+    """(axis, dim) -> the ops that make a shard of it somewhere in the plan and leave its sizes
+    to the later gathers (a group's split hands its sizes on instead: hpgen.core.shared_sizes)."""
     made: dict[tuple[str, object], set[str]] = {}
     for key in plan.entries:
         decision = entry_decision(plan, key)
-        for op in (op for value in (*decision.inputs, *decision.outputs) for op in value.active):
-            if op.kind in _MAKES_SHARD:
-                made.setdefault((op.axis, dict(op.args).get(_MAKES_SHARD[op.kind])), set()).add(op.kind)
+        inputs, outputs = decision.inputs, decision.outputs
+        handed = {(name, g.position) for g in shared_sizes(inputs, outputs) if g.kind == "split" for name in g.members}
+        for value in (*inputs, *outputs):
+            for position, op in enumerate(value.ops):
+                if op.kind in _MAKES_SHARD and not op.is_identity and (value.name, position) not in handed:
+                    made.setdefault((op.axis, dict(op.args).get(_MAKES_SHARD[op.kind])), set()).add(op.kind)
     return made
 
 
@@ -66,13 +71,35 @@ def sizes_note(op: Op, made: dict[tuple[str, object], set[str]], *, features: bo
     makers = made.get((op.axis, dim))
     if makers:
         return (
-            f"recorded by the {' or '.join(sorted(makers))} of {op.axis} dim {dim} of a tensor of the same other "
-            "dims earlier in the same model forward, no exchange (exchanged when none did)"
+            f"recorded by the {' or '.join(sorted(makers))} of {op.axis} dim {dim} earlier in the same model "
+            "forward, no exchange (exchanged when none did)"
         )
     return (
         "exchanged: one all-gather of an int64 per rank before each call (a host synchronisation on CUDA; "
         "torch.compile needs capture_scalar_outputs)"
     )
+
+
+def shared_notes(contract: Contract, made: dict[tuple[str, object], set[str]]) -> dict[tuple[str, str, int], str]:
+    """(side, value, op position) -> how an op of a group cut alike gets its sizes (the leader's
+    gather says where it finds them; the others take those, or the entry split's)."""
+    notes: dict[tuple[str, str, int], str] = {}
+    if contract.form == "generic":
+        return notes
+    by_name = {value.name: value for value in contract.inputs}
+    for group in shared_sizes(contract.inputs, contract.outputs):
+        members = ", ".join(group.members)
+        if group.kind == "split":
+            for output, position in group.outputs:
+                notes[("out", output, position)] = (
+                    f"those of the split of {members} at this boundary's entry (split_sizes), no exchange"
+                )
+            continue
+        leader = by_name[group.leader].ops[group.position]
+        notes[("in", group.leader, group.position)] = f"found once for {members} (shard_sizes): {sizes_note(leader, made)}"
+        for member in group.members[1:]:
+            notes[("in", member, group.position)] = f"those found for {group.leader}'s gather, no exchange of its own"
+    return notes
 
 
 def _why(op: Op) -> str:
@@ -96,7 +123,14 @@ def _undeclared(contract: Contract) -> list[dict[str, Any]]:
 def _contract_record(
     contract: Contract, class_name: str, made: dict[tuple[str, object], set[str]], plan: Plan
 ) -> dict[str, Any]:
-    ops = [op for value in (*contract.inputs, *contract.outputs) for op in value.active]
+    shared = shared_notes(contract, made)
+    ops = [
+        (op, shared.get((side, value.name, position)) or sizes_note(op, made))
+        for side, values in (("in", contract.inputs), ("out", contract.outputs))
+        for value in values
+        for position, op in enumerate(value.ops)
+        if not op.is_identity
+    ]
     counts = contract.collectives_per_call()
     body_ops: list[dict[str, Any]] = []
     # the cp attention's gathers, inside the body (its plan name or its module's own path)
@@ -112,7 +146,7 @@ def _contract_record(
         "contract": contract.signature,
         "reasons": list(contract.reasons),
         "region": contract.region_target,
-        "ops": [_op_record(op, sizes_note(op, made)) for op in ops],
+        "ops": [_op_record(op, note) for op, note in ops],
         "body_ops": body_ops,
         "collectives_per_call": counts,
         "undeclared_inputs": _undeclared(contract),

@@ -6,8 +6,9 @@ checkpoint, each rank reading its slices), ``save_pretrained`` / ``full_state_di
 shards), ``optimizer_state_dict`` / ``load_optimizer_state_dict`` (optimizer state for
 DCP, sharded like the parameters), ``checked_reader`` (a DCP reader that checks the
 checkpoint's files before reading any), ``reseed_random_streams`` (the streams
-train-mode random ops draw from) and ``grad_norm`` / ``clip_grad_norm_`` (the unsharded
-model's gradient norm, and clipping by it) are loaded on first use so that generated files, which import
+train-mode random ops draw from), ``grad_norm`` / ``clip_grad_norm_`` (the unsharded
+model's gradient norm, and clipping by it) and ``give_shard_sizes`` (serving code's
+per-rank token counts for the next forward) are loaded on first use so that generated files, which import
 ``hpgen.runtime.defaults``, do not pay for them.
 
 Module map. The top level keeps only the modules that something outside hpgen names by
@@ -56,6 +57,7 @@ __all__ = [
     "clip_grad_norm_",
     "from_pretrained",
     "full_state_dict",
+    "give_shard_sizes",
     "grad_norm",
     "load_optimizer_state_dict",
     "local_state_dict",
@@ -69,6 +71,7 @@ _LAZY = {
     "checked_reader": "hpgen.runtime.checkpoint.dcp_files",
     "clip_grad_norm_": "hpgen.runtime.training.clipping",
     "grad_norm": "hpgen.runtime.training.clipping",
+    "give_shard_sizes": "hpgen.runtime.forward.collectives",
     "parallelize": "hpgen.runtime.install.parallelize",
     "from_pretrained": "hpgen.runtime.install.pretrained",
     "reseed_random_streams": "hpgen.runtime.forward.streams",

@@ -39,13 +39,15 @@ them from the first of these that applies, the same on every rank (a rank that u
 shortcut its peers did not would wait in a collective they never run):
 
 1. ``total=``: the caller knows the gathered dim's full size (a column-parallel
-   ``lm_head`` knows its ``out_features``);
+   ``lm_head`` knows its ``out_features``); or ``sizes=``: the generated ``forward``
+   found them once for several values cut alike (:meth:`AxisCollectives.shard_sizes`,
+   :meth:`AxisCollectives.split_sizes`: the experts' tokens, routing ids and weights; a
+   batch split at a model's entry and gathered at its exit);
 2. inside a forward of a parallelized model (:func:`scope_shard_sizes`), the op of this
-   axis that last made a shard on the same dim of a tensor of the same other dims (and kind
-   of values: floating point or not) in that forward (the ``split`` of the sequence at the
-   first decoder layer, a ``reduce_scatter``)
-   left its sizes behind, and the gathers after it use them. Every rank runs the same ops
-   in the same order, so every rank finds the same record; a shard whose size is not the
+   axis that last made a shard of the same dim in that forward (the ``split`` of the
+   sequence at the first decoder layer, the ``reduce_scatter`` of the layer before) left
+   its sizes behind, and the gathers after it use them. Every rank runs the same ops in
+   the same order, so every rank finds the same record; a shard whose size is not the
    recorded one is an error, never a silent misread;
 3. otherwise one small all-gather exchanges the sizes (a host synchronisation on CUDA;
    under ``torch.compile`` it needs ``torch._dynamo.config.capture_scalar_outputs``).
@@ -53,10 +55,10 @@ shortcut its peers did not would wait in a collective they never run):
 A scatter (``reduce_scatter``, ``split``, an ``all_to_all``'s new shard) of a dim that a
 gather of the same forward made whole returns what each rank gave that gather (12 and 6
 tokens gathered into the experts come back 12 and 6, not 9 and 9); otherwise it cuts like
-``torch.tensor_split``. The records are kept per tensor shape, not per dim
-(:mod:`~hpgen.runtime.forward.shard_records`), and a rank may hold nothing (zero tokens)
-and still joins every collective. The backward reuses the forward's sizes and exchanges
-nothing.
+``torch.tensor_split``. The records are kept per dim, and look at nothing else of a
+tensor's shape (:mod:`~hpgen.runtime.forward.shard_records`); a rank may hold nothing
+(zero tokens) and still joins every collective. The backward reuses the forward's sizes
+and exchanges nothing.
 
 Under ``torch.compile`` (``torch.compiler.is_compiling()``) every op is written with
 torch's functional collectives (``torch.ops._c10d_functional``), which Dynamo traces and
@@ -76,7 +78,7 @@ may live on any device the group's backend accepts (CPU with gloo, CUDA with NCC
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -96,7 +98,7 @@ from .shard_records import ShardRecords
 from .traced_collectives import TRACED as _TRACED
 from .traced_collectives import fc_all_gather as _fc_all_gather
 
-__all__ = ["IDENTITY_AXIS", "REDUCE_OPS", "AxisCollectives", "ShardScope", "scope_shard_sizes"]
+__all__ = ["IDENTITY_AXIS", "REDUCE_OPS", "AxisCollectives", "ShardScope", "give_shard_sizes", "scope_shard_sizes"]
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
@@ -182,9 +184,11 @@ class AxisCollectives:
         if self.size < 1 or self.rank < 0:
             raise ValueError(f"axis {name!r}: this process is not a member of the group given for it")
         self._natives = NativeOps(group, self.size)  # which single-tensor collectives its backend has
-        # the shard sizes this axis's ops saw in the current model forward, per tensor shape;
+        # the shard sizes this axis's ops saw in the current model forward, per dim;
         # None outside a model forward (see ShardScope), where nothing is recorded or used
         self._known: ShardRecords | None = None
+        # (dim, every rank's size) given by serving code for the next model forward (give_shard_sizes)
+        self._given: list[tuple[int, tuple[int, ...]]] = []
 
     def __repr__(self) -> str:
         return f"AxisCollectives({self.name!r}, rank={self.rank}, size={self.size})"
@@ -324,21 +328,37 @@ class AxisCollectives:
 
     # ---- shard sizes ------------------------------------------------------------------
 
-    def shard_like(self, x: Tensor, like: Tensor, dim: int) -> None:
-        """Let a gather of ``x`` on ``dim`` take the sizes recorded for ``like``, a tensor
-        sharded on ``dim`` alike whose other dims differ (two norms' outputs concatenated on
-        their features: ``[b, s_i, 2h]`` from ``[b, s_i, h]``).
+    def shard_sizes(self, *shards: Tensor | None, dim: int) -> tuple[Size, ...] | None:
+        """Every rank's size of ``dim`` of the first of ``shards`` that is not ``None`` (this
+        rank's shard), found as a gather finds it: a record of this forward, else one exchange.
+        ``None`` where every one is ``None``, or on an axis of one rank.
 
-        Records are kept per tensor shape, so without this the gather of ``x`` finds none and
-        exchanges sizes (a graph break under ``torch.compile``). Every rank calls it alike:
-        the lookup depends on ``like``'s other dims and ``x``'s shape, the same on every rank.
+        A generated ``forward`` whose inputs are cut alike (the experts' tokens, routing ids
+        and weights) asks once and hands the answer to each of their gathers (``sizes=``).
         """
-        if self._known is None or self.size == 1:
-            return
-        d = _norm_dim(dim, like.dim())
-        sizes = self._known.for_gather(like, d)
-        if sizes is not None:
-            self._known.add(x, _norm_dim(dim, x.dim()), sizes, gathered=False)
+        x = next((shard for shard in shards if shard is not None), None)
+        if x is None or self.size == 1:
+            return None
+        return self._shard_sizes(x, _norm_dim(dim, x.dim()), None, "all_gather")
+
+    def split_sizes(self, *wholes: Tensor | None, dim: int) -> tuple[Size, ...] | None:
+        """What :meth:`split` gives each rank of ``dim`` of the first of ``wholes`` that is not
+        ``None``; ``None`` as for :meth:`shard_sizes`.
+
+        A generated ``forward`` that splits several inputs alike (a batch at a data-parallel
+        model's entry) asks once, splits each with these sizes, and gathers the body's
+        outputs with them (``sizes=``): no gather of that boundary exchanges.
+        """
+        x = next((whole for whole in wholes if whole is not None), None)
+        if x is None or self.size == 1:
+            return None
+        d = _norm_dim(dim, x.dim())
+        n = x.size(d)
+        # what a gather of this forward took of that total, else tensor_split's; not recorded:
+        # every op that needs these sizes is handed them, and a batch split at a model's entry
+        # is no answer for the token gathers inside its body, which cut another dim 0
+        sizes = self._known.for_scatter(d, n) if self._known is not None else None
+        return split_sizes(n, self.size) if sizes is None else sizes
 
     def _made(self, x: Tensor, dim: int) -> _Shard:
         """The shard a scatter makes of ``x``'s whole ``dim``, recorded for the gathers after it:
@@ -348,12 +368,12 @@ class AxisCollectives:
         sizes = self._known.for_scatter(dim, n) if self._known is not None else None
         shard = _Shard(dim, split_sizes(n, self.size) if sizes is None else sizes)
         if self._known is not None:
-            self._known.add(x, dim, shard.sizes, gathered=False)
+            self._known.add(dim, shard.sizes, gathered=False)
         return shard
 
     def _shard_sizes(self, x: Tensor, dim: int, total: Size | None, what: str) -> tuple[Size, ...]:
         """Every rank's size of ``x`` along ``dim``: from ``total``, a record, or an exchange."""
-        known = self._known.for_gather(x, dim) if self._known is not None and total is None else None
+        known = self._known.for_gather(dim) if self._known is not None and total is None else None
         if total is not None:
             sizes, origin = split_sizes(total, self.size), f"total={total}"
         elif known is not None:
@@ -361,7 +381,7 @@ class AxisCollectives:
         else:
             sizes = self._exchange_sizes(x.size(dim), x.device)
             if self._known is not None:  # what each rank gave: the conjugate scatter returns it
-                self._known.add(x, dim, sizes, gathered=True)
+                self._known.add(dim, sizes, gathered=True)
             return sizes
         mine = x.size(dim)
         if _tracing():
@@ -370,7 +390,8 @@ class AxisCollectives:
             raise RuntimeError(
                 f"axis {self.name!r}: {what} on dim {dim}: rank {self.rank} holds {mine}, but {origin} gives "
                 f"it {sizes[self.rank]} (sizes {sizes}); pass the right total, or shard the tensor on this dim "
-                "with this axis's split or reduce_scatter first"
+                "with this axis's split or reduce_scatter first (a second cut of one dim in a forward needs its "
+                "sizes handed to it: sizes=)"
             )
         return sizes
 
@@ -452,6 +473,9 @@ class ShardScope:
     def enter(self, module: nn.Module, args: Any) -> None:
         for ax in self.axes:
             ax._known = ShardRecords()
+            for dim, sizes in ax._given:  # what serving code said this forward's shards are
+                ax._known.add(dim, sizes, gathered=False)
+            ax._given.clear()
 
     def exit(self, module: nn.Module, args: Any, output: Any) -> None:
         for ax in self.axes:
@@ -469,6 +493,29 @@ def scope_shard_sizes(model: nn.Module, axes: Iterable[AxisCollectives]) -> Shar
         model.register_forward_pre_hook(scope.enter)
         model.register_forward_hook(scope.exit, always_call=True)
     return scope
+
+
+def give_shard_sizes(model: nn.Module, axis: str, sizes: Sequence[int], *, dim: int = 0) -> None:
+    """Every rank's size of ``dim`` on mesh ``axis`` in the next forward of parallelized ``model``.
+
+    Serving code that already knows each rank's token count (a data-parallel attention
+    scheduler does: it batched the requests) gives it here, before the forward; that
+    forward's gathers of that dim then take these sizes as if a split had made them, and
+    nothing exchanges them (docs/runtime.md, data-parallel attention). Every rank calls it
+    alike, with the same ``sizes``; a rank whose shard is not ``sizes[rank]`` raises in the
+    first gather of the dim. Given sizes last one forward.
+    """
+    if dim < 0:
+        raise ValueError(f"give_shard_sizes: dim must be a dim of the sharded tensors counted from 0, got {dim}")
+    found = {id(ax): ax for ax in (getattr(module, f"_hp_{axis}", None) for module in model.modules())}
+    axes = [ax for ax in found.values() if isinstance(ax, AxisCollectives) and ax.size > 1]
+    if not axes:
+        raise ValueError(f"give_shard_sizes: the model has no axis {axis!r} of more than one rank")
+    given = tuple(int(n) for n in sizes)
+    for ax in axes:
+        if len(given) != ax.size or min(given) < 0:
+            raise ValueError(f"give_shard_sizes: axis {axis!r} has {ax.size} ranks; got sizes {given}")
+        ax._given.append((dim, given))
 
 
 # the eager and the traced forms run the same ops, whose kinds the conjugate table states

@@ -167,6 +167,15 @@ class ContextAxis(AxisCollectives):
         gathered = self.gather_ranks(x, d, backward=backward, total=total)
         return gathered.index_select(d, self.layout(gathered.size(d), x.device).restore)
 
+    def shard_sizes(self, *shards: Tensor | None, dim: int) -> None:
+        """Nothing to hand on: every gather of this axis takes the head-tail layout of the
+        sequence this forward cut (or its ``total``), which costs no exchange."""
+        return None
+
+    def split_sizes(self, *wholes: Tensor | None, dim: int) -> None:
+        """Nothing to hand on: the head-tail layout fixes every split's sizes."""
+        return None
+
     def gather_ranks(self, x: Tensor, dim: int, *, backward: str = "reduce_scatter", total: Size | None = None) -> Tensor:
         """The ranks' shards of ``dim`` concatenated in rank order (the order of ``layout.gathered``).
 

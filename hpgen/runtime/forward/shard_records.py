@@ -1,39 +1,35 @@
-"""The shard sizes one mesh axis's collectives saw in one model forward, per tensor shape.
+"""The shard sizes one mesh axis's collectives saw in one model forward, per sharded dim.
 
 A gather must know what every rank holds; a scatter (``reduce_scatter``, ``split``) must
 give back exactly what a gather took, or a token count that differed per rank comes back
-evenly split. Both are answered from records, kept per tensor rather than per dim: a
-record is the dim, the shape of the tensor's other dims (its *rest*) and every rank's
-size on the dim, and whether the tensor holds floating-point values. Two tensors sharded
-on the same dim (a batch split at the first layer, then the flattened tokens gathered into
-the experts) then keep records of their own; the kind of values tells apart the integer
-inputs (``input_ids [b, s]`` split by batch) from the hidden states (``[tokens, hidden]``)
-even where the sequence length happens to equal the hidden size.
+evenly split. Within one boundary the generated ``forward`` hands the sizes from op to op
+(``sizes=``: the experts' tokens, routing ids and weights; a batch split at a model's
+entry and the gather at its exit). Between boundaries (a sequence split at the first
+decoder layer and the gathers in every attention after it; one layer's experts scattering
+their tokens back and the next layer's gathering them) the sizes travel in these records:
+a record is the dim and every rank's size on it. Nothing of a tensor's shape but the
+sharded dim is looked at: on one axis, in one forward, the shards of one dim are cuts of
+one thing (the sequence, the tokens), whatever the tensors around it hold.
 
 Every lookup depends only on what is the same on every rank, so every rank takes the
 same branch (one that took a shortcut its peers did not would wait in a collective they
 never run):
 
-- a gather looks for the last *made* shard (by ``split``, ``reduce_scatter`` or
-  ``all_to_all``, whose sizes follow from a shape every rank shares) on its dim with its
-  rest and kind of values; a gather's other dims are equal on every rank, or it could not
-  run. A tensor made from a shard without changing the sharded dim (two norms' outputs
-  concatenated on their features) is recorded like it by whoever makes it
-  (:meth:`~hpgen.runtime.forward.collectives.AxisCollectives.shard_like`);
+- a gather looks for the last *made* shard of its dim (by ``split``, ``reduce_scatter``
+  or ``all_to_all``, whose sizes follow from a shape every rank shares);
 - a scatter of a dim of full size ``n`` looks for the last record, made or *gathered*, on
   its dim whose sizes add up to ``n``, and returns those sizes (a scatter's input is whole,
   so ``n`` is the same on every rank); with none, ``torch.tensor_split``'s sizes.
 
 A gather that finds nothing exchanges the sizes (one small all-gather) and records what
-it got, so the conjugate scatter of the same forward returns it.
+it got, so the conjugate scatter of the same forward returns it. A gather whose shard is
+not the recorded size raises, naming both: a second, different cut of the same dim in one
+forward must be handed its sizes (``sizes=``, ``total=``) rather than left to the records.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
-
-if TYPE_CHECKING:
-    from torch import Tensor
+from typing import Any, NamedTuple
 
 __all__ = ["ShardRecord", "ShardRecords"]
 
@@ -41,18 +37,11 @@ Size = Any  # an int, or a torch.SymInt while torch.compile traces
 
 
 class ShardRecord(NamedTuple):
-    """Every rank's ``sizes`` on ``dim`` of a tensor whose other dims are ``rest``."""
+    """Every rank's ``sizes`` on ``dim``."""
 
     dim: int
-    rest: tuple[Size, ...]
-    floating: bool  # the tensor holds floating-point values (hidden states), not ids or masks
     sizes: tuple[Size, ...]
     gathered: bool  # made by a gather (sizes its ranks gave), not by a scatter
-
-
-def rest_of(shape: Any, dim: int) -> tuple[Size, ...]:
-    """The shape without ``dim``."""
-    return (*shape[:dim], *shape[dim + 1 :])
 
 
 class ShardRecords:
@@ -61,20 +50,14 @@ class ShardRecords:
     def __init__(self) -> None:
         self._records: list[ShardRecord] = []
 
-    def add(self, x: Tensor, dim: int, sizes: tuple[Size, ...], *, gathered: bool) -> None:
-        """Record every rank's ``sizes`` on ``dim`` of ``x`` (whole or sharded: only its other dims count)."""
-        self._records.append(ShardRecord(dim, rest_of(x.shape, dim), x.is_floating_point(), tuple(sizes), gathered))
+    def add(self, dim: int, sizes: tuple[Size, ...], *, gathered: bool) -> None:
+        """Record every rank's ``sizes`` on ``dim``."""
+        self._records.append(ShardRecord(dim, tuple(sizes), gathered))
 
-    def for_gather(self, x: Tensor, dim: int) -> tuple[Size, ...] | None:
-        """The sizes of the last shard made on ``dim`` of a tensor of ``x``'s other dims and kind of values."""
-        rest, floating = rest_of(x.shape, dim), x.is_floating_point()
+    def for_gather(self, dim: int) -> tuple[Size, ...] | None:
+        """The sizes of the last shard made on ``dim``."""
         for record in reversed(self._records):
-            if (
-                not record.gathered
-                and record.dim == dim
-                and record.floating == floating
-                and _same_shape(record.rest, rest)
-            ):
+            if not record.gathered and record.dim == dim:
                 return record.sizes
         return None
 
@@ -94,10 +77,6 @@ def _same(a: Size, b: Size) -> bool:
     from torch.fx.experimental.symbolic_shapes import guard_or_false
 
     return bool(guard_or_false(a == b))
-
-
-def _same_shape(a: tuple[Size, ...], b: tuple[Size, ...]) -> bool:
-    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
 
 
 def _total(sizes: tuple[Size, ...]) -> Size:

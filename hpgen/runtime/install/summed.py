@@ -85,7 +85,6 @@ class _PairedFirstMixin:
             return run_steps(output, (self._hp_step,))  # not the two-norm shape: each norm moves its own
         width = output.shape[-1]
         both = torch.cat([output, other], dim=-1)
-        _shard_like(self._hp_step, both, output)
         moved = run_steps(both, (self._hp_step,))
         first, second = moved.split([width, other.shape[-1]], dim=-1)
         paired.__dict__[_PREPARED] = (x, _version(x), second)
@@ -111,15 +110,6 @@ class _PairedSecondMixin:
             if _version(args[0]) == prepared[1]:
                 return prepared[2]
         return _moved(self, super().forward(*args, **kwargs))  # type: ignore[misc]
-
-
-def _shard_like(step: Step, both: Tensor, output: Tensor) -> None:
-    """Where the transition gathers (a sequence-sharded stream), let it take the sizes of the
-    norm's output for the pair: the concatenation widens the features, not the gathered dim."""
-    method, kwargs = step
-    axis = getattr(method, "__self__", None)
-    if isinstance(axis, AxisCollectives) and getattr(method, "__name__", "") == "all_gather" and "dim" in kwargs:
-        axis.shard_like(both, output, kwargs["dim"])
 
 
 def _to_move(module: nn.Module, output: Any) -> bool:

@@ -10,13 +10,21 @@ ranks in one spawn per world size:
   placeholder); logits, every gradient, greedy generation with one and two prompts;
 - *serving*: each rank its own requests, of its own batch and length; each rank's logits
   and greedy tokens equal the unsharded model's on its own requests, and a step where one
-  rank has none;
+  rank has none; and a step whose token counts the serving code gives
+  (``give_shard_sizes``), which exchanges nothing;
 - on 4 ranks also a 2 x 2 mesh: attention tensor-parallel over ``tp`` inside each
   data-parallel group of ``ep`` (gradient sums named per axis), global batch.
+
+In every way, each model forward exchanges shard sizes (one all-gather of an int64 per
+rank, a host synchronisation on GPUs) at most once: the experts' routing ids and weights
+take the sizes their tokens' gather found, and each later layer's tokens take those the
+layer before scattered back.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +96,28 @@ def _build(path: str, plan: dict, world_size: int, check_inputs: Any) -> tuple[A
 GREEDY = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
 
 
+@contextlib.contextmanager
+def counted_exchanges(model: Any) -> Iterator[list[int]]:
+    """Inside: the size exchanges each forward of ``model`` makes, one count a forward, counted on
+    the axes' own exchange (every gather that finds no sizes makes one there)."""
+    from hpgen.runtime.forward.collectives import AxisCollectives
+
+    counts: list[int] = []
+    exchange = AxisCollectives._exchange_sizes
+
+    def counting(self: AxisCollectives, n: Any, device: Any) -> Any:
+        counts[-1] += 1
+        return exchange(self, n, device)
+
+    hook = model.register_forward_pre_hook(lambda module, args: counts.append(0))
+    AxisCollectives._exchange_sizes = counting  # this spawned process only
+    try:
+        yield counts
+    finally:
+        AxisCollectives._exchange_sizes = exchange
+        hook.remove()
+
+
 def _global(rank: int, world_size: int, path: str, plan: dict) -> dict[str, Any]:
     """Logits and every gradient for each batch size; greedy tokens for one and two prompts."""
     model, reference, mesh = _build(path, plan, world_size, True)
@@ -98,10 +128,12 @@ def _global(rank: int, world_size: int, path: str, plan: dict) -> dict[str, Any]
         ids = torch.randint(0, 127, (batch, 5), generator=generator)
         model.zero_grad()
         reference.zero_grad()
-        ref_logits, logits = reference(ids).logits, model(ids).logits
-        projection = torch.randn(ref_logits.shape, generator=generator)
-        (ref_logits * projection).sum().backward()
-        (logits * projection).sum().backward()
+        with counted_exchanges(model) as exchanges:
+            ref_logits, logits = reference(ids).logits, model(ids).logits
+            projection = torch.randn(ref_logits.shape, generator=generator)
+            (ref_logits * projection).sum().backward()
+            (logits * projection).sum().backward()
+        found[f"exchanges, batch {batch}"] = exchanges
         mine = dict(model.named_parameters())
         bad, checked = [], 0
         for name, ref_param in reference.named_parameters():
@@ -118,7 +150,10 @@ def _global(rank: int, world_size: int, path: str, plan: dict) -> dict[str, Any]
     with torch.no_grad():
         for prompts in (1, 2):
             ids = torch.randint(0, 127, (prompts, 4), generator=torch.Generator().manual_seed(prompts))
-            found[f"generate {prompts}"] = torch.equal(model.generate(ids, **GREEDY), reference.generate(ids, **GREEDY))
+            with counted_exchanges(model) as exchanges:
+                tokens = model.generate(ids, **GREEDY)
+            found[f"generate {prompts}"] = torch.equal(tokens, reference.generate(ids, **GREEDY))
+            found[f"exchanges, generate {prompts}"] = exchanges
     return found
 
 
@@ -130,7 +165,7 @@ def _serving(rank: int, world_size: int, path: str, plan: dict) -> dict[str, Any
     model, reference, _ = _build(path, plan, world_size, False)
     ids = torch.randint(0, 127, SERVING[rank], generator=torch.Generator().manual_seed(rank))
     found: dict[str, Any] = {}
-    with torch.no_grad():
+    with torch.no_grad(), counted_exchanges(model) as exchanges:
         ref_logits = reference(ids).logits
         found["logits"] = (model(ids).logits - ref_logits).abs().max().item() <= tolerance(ref_logits)
         found["generate"] = torch.equal(model.generate(ids, **GREEDY), reference.generate(ids, **GREEDY))
@@ -141,6 +176,14 @@ def _serving(rank: int, world_size: int, path: str, plan: dict) -> dict[str, Any
             found["empty step"] = tuple(logits.shape) == (0, ids.shape[1], 127)
         else:
             found["empty step"] = (logits - ref_logits).abs().max().item() <= tolerance(ref_logits)
+    found["exchanges"] = exchanges
+    # serving code that knows every rank's token count gives it: that forward exchanges nothing
+    from hpgen.runtime import give_shard_sizes
+
+    give_shard_sizes(model, "ep", [batch * length for batch, length in SERVING[:world_size]])
+    with torch.no_grad(), counted_exchanges(model) as given:
+        logits = model(ids).logits
+    found["given counts"] = ((logits - ref_logits).abs().max().item() <= tolerance(ref_logits), given)
     return found
 
 
@@ -175,11 +218,19 @@ def runs(lowered) -> dict[int, list[dict[str, Any]]]:
 
 def _check_global(found: dict[str, Any], where: str) -> None:
     for case, value in found.items():
-        if case.startswith("batch"):
+        if case.startswith("exchanges"):
+            _check_exchanges(value, f"{where} {case}")
+        elif case.startswith("batch"):
             exact, checked, bad = value
             assert exact and checked == 25 and not bad, f"{where} {case}: logits exact {exact}, wrong {bad}"
         else:
             assert value, f"{where}: {case} tokens differ"
+
+
+def _check_exchanges(per_forward: list[int], where: str) -> None:
+    """No forward exchanged its shard sizes more than once (the first layer's tokens; the tiny
+    model has two MoE layers, whose three gathers each exchanged before the sizes were shared)."""
+    assert per_forward and max(per_forward) <= 1, f"{where}: size exchanges per forward {per_forward}"
 
 
 def test_global_batch_logits_gradients_and_generation(runs):
@@ -196,6 +247,7 @@ def test_attention_tensor_parallel_inside_each_data_parallel_group(runs):
 def test_serving_each_rank_its_own_requests(runs):
     for world_size, results in runs.items():
         for rank, found in enumerate(results):
-            assert found["serving"] == {"logits": True, "generate": True, "empty step": True}, (
-                f"{world_size} ranks, rank {rank}"
-            )
+            serving = dict(found["serving"])
+            _check_exchanges(serving.pop("exchanges"), f"{world_size} ranks, rank {rank}, serving")
+            assert serving.pop("given counts") == (True, [0]), f"{world_size} ranks, rank {rank}: counts given"
+            assert serving == {"logits": True, "generate": True, "empty step": True}, f"{world_size} ranks, rank {rank}"

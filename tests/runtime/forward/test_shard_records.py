@@ -4,9 +4,10 @@ One spawn of 2 gloo ranks runs every case, inside a model forward's scope
 (:class:`ShardScope`), eagerly and in the form the ops take under ``torch.compile``:
 a gather of a different token count on each rank (12 and 6, a rank with none, none at
 all), the sum over ranks scattered back (the experts of a data-parallel attention),
-after a batch split on the same dim of a tensor of another shape (and of ids of the tokens'
-other dims); values and gradients
-checked exactly; and tuples (the rotary ``(cos, sin)``) moved like tensors.
+after a batch split of the same dim as a generated model entry writes it (its sizes
+found once and handed to each split, leaving no record that the tokens' gather could
+take for its own); values and gradients checked exactly; and tuples (the rotary
+``(cos, sin)``) moved like tensors.
 """
 
 from __future__ import annotations
@@ -35,10 +36,13 @@ def _round_trip(ax: AxisCollectives, counts: list[int], *, batch_split: bool) ->
     scope = ShardScope([ax])
     scope.enter(None, ())
     try:
-        if batch_split:  # a split at the first layer leaves records on dim 0: hidden states of
-            # another shape, and ids whose length equals the hidden size (the tokens' other dims)
-            ax.split(torch.zeros(3, 4, HIDDEN), 0)
-            ax.split(torch.zeros(3, HIDDEN, dtype=torch.long), 0)
+        if batch_split:  # a batch split at the model's entry, as generated: sizes found once, handed on
+            batch = (torch.zeros(3, HIDDEN, dtype=torch.long), torch.zeros(3, 4, HIDDEN))
+            sizes = ax.split_sizes(*batch, dim=0)
+            rows = (2, 1)[ax.rank]
+            shapes = [tuple(ax.split(t, 0, sizes=sizes).shape) for t in batch]
+            if sizes != (2, 1) or shapes != [(rows, HIDDEN), (rows, 4, HIDDEN)]:
+                failures.append(f"{counts}: batch split {sizes}")
         x = pieces[ax.rank].clone().requires_grad_()
         whole = ax.all_gather(x, 0)
         if not torch.equal(whole.detach(), torch.cat(pieces)):
@@ -99,3 +103,16 @@ def records() -> list[list[str]]:
 
 def test_scatter_returns_what_each_rank_gave_the_gather(records):
     assert records == [[], []]
+
+
+def test_given_sizes_are_refused_where_they_cannot_apply() -> None:
+    from torch import nn
+
+    from hpgen.runtime import give_shard_sizes
+
+    model = nn.Linear(2, 2)
+    model._hp_ep = AxisCollectives(None, "ep")  # an axis of one rank: nothing is ever gathered
+    with pytest.raises(ValueError, match="no axis 'ep' of more than one rank"):
+        give_shard_sizes(model, "ep", [3, 4])
+    with pytest.raises(ValueError, match="dim must be"):
+        give_shard_sizes(model, "ep", [3, 4], dim=-1)
