@@ -435,6 +435,18 @@ class AxisCollectives:
             return _TRACED[move.op](self, x, move)
         return _owned(_OPS[move.op](self, x, move), x)  # no gradient: skip the autograd node
 
+    def find_native_ops(self, device: torch.device) -> None:
+        """Probe now which native single-tensor collectives this group runs on ``device``.
+
+        ``parallelize`` calls it at install, where every rank of the group is present, so that
+        no probe runs inside a model forward, where collectives are counted, timed or captured;
+        another device type is still probed at its first use.
+        """
+        if self.size > 1:
+            like = torch.empty(0, 0, device=device)  # hidden states' float32 and two dims
+            for collective in (_all_gather_single, _reduce_scatter_single, dist.all_to_all_single):
+                self._natives.runs(collective, like)
+
     def _native(self, collective: Callable[..., object], out: Tensor, *args: object) -> bool:
         """Run ``collective(out, *args)`` on this group; False (nothing run) where its backend lacks it (a probe
         finds out, once per device type: :mod:`~hpgen.runtime.forward.native_ops`)."""

@@ -357,6 +357,8 @@ class Survey:
         for module, attr, value in self.divides:
             setattr(module, attr, value)
         device = collective_device(mesh)
+        for axis in self.on_mesh:
+            axes[axis].find_native_ops(device)
         # random ops: one stream for replicated and partial values, one per rank for sharded ones
         branches = branch_fqns(record.item for record in self.records)
         install_streams(model, self.records, plan.mesh_dim_names, axes, device, branches)
