@@ -144,14 +144,21 @@ def test_the_command_line(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_the_command_line_runs_the_attention_implementation_asked_for(tmp_path: Path, attention: str) -> None:
+    # the command in this process (click's runner): its ranks still spawn and verify, but this process's
+    # torch, transformers and forkserver serve them (the subprocess's own start-up: test_the_command_line)
+    from click.testing import CliRunner
+
+    from hpgen.cli import cli
+
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps(written_plan("llama")))
-    done = _hpgen("verify", str(plan), "llama", "--attn-implementation", attention, "--json", cwd=tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = CliRunner().invoke(cli, ["verify", str(plan), "llama", "--attn-implementation", attention, "--json"])
+    assert done.exit_code == 0, done.output
     report = json.loads(done.stdout)
     assert report["exact"] is True and report["attn_implementation"] == attention
-    text = _hpgen("verify", str(plan), "llama", "--attn-implementation", "flash", cwd=tmp_path)
-    assert text.returncode == 2 and "Traceback" not in text.stderr and "--attn-implementation" in text.stderr
+    text = CliRunner().invoke(cli, ["verify", str(plan), "llama", "--attn-implementation", "flash"])
+    assert text.exit_code == 2 and (text.exception is None or isinstance(text.exception, SystemExit)), text.exception
+    assert "Traceback" not in text.output and "--attn-implementation" in text.stderr, text.output
 
 
 def test_prepare_sets_the_attention_on_the_tiny_config(tmp_path: Path) -> None:
