@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.spread import spread
 from tests.support.verify_corpus import (
     CORRECT,
     CORRECT_TINY,
@@ -32,36 +33,58 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from hpgen.verify.prepare import prepare
     from hpgen.verify.report import finding, planner_plan
     from hpgen.verify.run import verify_many
 
-    folder = tmp_path_factory.mktemp("verify")
-    cases = [prepare(wrong.plan(), folder / name, model=wrong.model_type, name=name) for name, wrong in WRONG.items()]
-    cases += [
-        prepare(written_plan(model_type, **dict(flags)), folder / name, model=model_type, name=name)
-        for name, (model_type, flags) in CORRECT.items()
-    ]
-    cases += [
-        prepare(tiny_written_plan(model_type, **dict(flags)), folder / name, model=model_type, name=name)
-        for name, (model_type, flags) in CORRECT_TINY.items()
-    ]
-    for name in EAGER:
-        model_type, flags = CORRECT[name]
-        case = prepare(written_plan(model_type, **dict(flags)), folder / f"{name}_eager", model=model_type, name=f"{name}_eager")
-        case.config._attn_implementation = "eager"  # (the config object travels with the case)
-        cases.append(case)
-    for name, (arguments, attention) in FALCON.items():
-        config = falcon_config(arguments)
-        config.save_pretrained(folder / name / "config")
-        case = prepare(config_plan(config), folder / name, model=str(folder / name / "config"), name=name)
-        case.config._attn_implementation = attention  # the shrunk config keeps transformers' default (sdpa)
-        cases.append(case)
+    folder = str(tmp_path_factory.mktemp("verify"))
+    specs = [("wrong", name, folder) for name in WRONG]
+    specs += [("correct", name, folder) for name in CORRECT]
+    specs += [("tiny", name, folder) for name in CORRECT_TINY]
+    specs += [("eager", name, folder) for name in EAGER]
+    specs += [("falcon", name, folder) for name in FALCON]
+    cases = spread(_prepared_case, specs, key=_model_type)  # planned and lowered on both cores
     found = {}
     for verdict in verify_many(cases, progress=False):
         located = None if verdict.exact else finding(verdict, planner_plan(verdict))
         found[verdict.case.name] = (verdict, located)
     return found
+
+
+def _model_type(spec: tuple[str, str, str]) -> str:
+    """The model type a spec of ``verdicts`` plans (the specs of one type share its process and its plans)."""
+    kind, name, _ = spec
+    if kind == "wrong":
+        return WRONG[name].model_type
+    if kind == "tiny":
+        return CORRECT_TINY[name][0]
+    return "falcon" if kind == "falcon" else CORRECT[name][0]
+
+
+def _prepared_case(spec: tuple[str, str, str]) -> Any:
+    """One case of the corpus (kind, name, folder) as ``hpgen verify`` prepares it: the plan made (with its mistake),
+    the config shrunk, the modeling file lowered (on a process of :func:`tests.support.spread.spread`)."""
+    from hpgen.verify.prepare import prepare
+
+    kind, name, folder = spec
+    if kind == "wrong":
+        wrong = WRONG[name]
+        return prepare(wrong.plan(), Path(folder) / name, model=wrong.model_type, name=name)
+    if kind == "tiny":
+        model_type, flags = CORRECT_TINY[name]
+        return prepare(tiny_written_plan(model_type, **dict(flags)), Path(folder) / name, model=model_type, name=name)
+    if kind == "falcon":
+        arguments, attention = FALCON[name]
+        config = falcon_config(arguments)
+        config.save_pretrained(Path(folder) / name / "config")
+        case = prepare(config_plan(config), Path(folder) / name, model=str(Path(folder) / name / "config"), name=name)
+        case.config._attn_implementation = attention  # the shrunk config keeps transformers' default (sdpa)
+        return case
+    model_type, flags = CORRECT[name]
+    if kind == "correct":
+        return prepare(written_plan(model_type, **dict(flags)), Path(folder) / name, model=model_type, name=name)
+    case = prepare(written_plan(model_type, **dict(flags)), Path(folder) / f"{name}_eager", model=model_type, name=f"{name}_eager")
+    case.config._attn_implementation = "eager"  # (the config object travels with the case)
+    return case
 
 
 @pytest.mark.parametrize("name", sorted([*CORRECT, *CORRECT_TINY, *(f"{name}_eager" for name in EAGER), *FALCON]))
