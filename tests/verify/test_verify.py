@@ -1,8 +1,9 @@
 """``hpgen verify``: wrong plans caught and located, the plans ``hpgen plan`` writes proven exact.
 
-Every case of ``tests/support/verify_corpus.py`` runs in ONE spawn of 2 gloo ranks
-(:func:`hpgen.verify.run.verify_many`): the corpus costs one process start-up. One test
-drives the real command line in a subprocess for the exit codes and ``--json``.
+Every case of ``tests/support/verify_corpus.py`` is prepared as ``hpgen verify`` prepares it (planned,
+shrunk, lowered) on two processes, a core each (:func:`tests.support.spread.spread`), then runs in ONE
+spawn of 2 gloo ranks (:func:`hpgen.verify.run.verify_many`). One test drives the real command line in a
+subprocess for the exit codes and ``--json``; the others invoke it in this process (click's runner).
 """
 
 from __future__ import annotations
