@@ -22,7 +22,8 @@ import pytest
 
 from tests.support.dist import run_distributed
 from tests.support.doc_blocks import Program, not_run, page_blocks, programs, setup_commands
-from tests.support.torchrun import as_under_torchrun, shims
+from tests.support.torchrun import as_under_torchrun
+from tests.support.walk_through import WalkThrough
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -60,31 +61,35 @@ def _run_program(rank: int, world_size: int, folder: str, program: Program) -> d
     return {"ran": ran, "error": None, "printed": printed.getvalue()[-2000:]}
 
 
-def _sh(commands: str, folder: Path, bin_folder: Path) -> None:
+def _bash(commands: str, folder: Path, bin_folder: Path) -> subprocess.Popen:
+    """``commands`` started in ``folder`` by bash, with the shims first on PATH (:func:`_waited` reads the result)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{bin_folder}{os.pathsep}{os.environ['PATH']}"}
-    done = subprocess.run(["bash", "-euo", "pipefail", "-c", commands], cwd=folder, env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, f"{commands}\n{done.stderr[-3000:]}"
+    return subprocess.Popen(["bash", "-euo", "pipefail", "-c", commands], cwd=folder, env=env, text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+
+
+def _waited(process: subprocess.Popen, commands: str) -> None:
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, f"{commands}\n{stderr[-3000:]}"
 
 
 @pytest.fixture(scope="module")
-def walk_through(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
-    """README's walk-through up to its run: ``make_ckpt.py`` run, ``plan.json`` planned, ``modeling_llama_tp.py`` lowered."""
-    folder = tmp_path_factory.mktemp("readme")
-    bin_folder = shims(tmp_path_factory.mktemp("bin") / "bin")
-    readme = REPO / "README.md"
-    (make_ckpt,) = [block for block in page_blocks(readme) if block.file == "make_ckpt.py"]
-    (folder / "make_ckpt.py").write_text(make_ckpt.code)
-    (modeling,) = re.findall(r"^MODELING=.*$", readme.read_text(), re.M)
-    _sh("\n".join(["python make_ckpt.py", modeling, *setup_commands(readme)]), folder, bin_folder)
-    return folder, bin_folder, modeling
+def walk_through(readme_walk_through: WalkThrough) -> tuple[Path, Path, str]:
+    """README's walk-through, run as written (the session's ``readme_walk_through``): ``make_ckpt.py`` run,
+    ``plan.json`` planned, ``modeling_llama_tp.py`` lowered; and its ``MODELING=`` line."""
+    done = readme_walk_through.done
+    assert done.returncode == 0, f"README's walk-through failed:\n{done.stderr[-3000:]}"
+    (modeling,) = re.findall(r"^MODELING=.*$", (REPO / "README.md").read_text(), re.M)
+    return readme_walk_through.folder, readme_walk_through.bin_folder, modeling
 
 
 @pytest.fixture(scope="module")
 def page_folders(walk_through, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Page -> its folder: README's files, then the page's own commands, then its file blocks written out."""
+    """Page -> its folder: README's files, then the page's own commands, then its file blocks written out. The
+    pages' commands run side by side (each page's in order, in its own folder): each is a fresh interpreter
+    importing torch and transformers on one core."""
     base, bin_folder, modeling = walk_through
-    folders = {}
+    folders, started = {}, []
     for page in PAGES:
         page_programs = [program for program in PROGRAMS.values() if program.page == page.name]
         if not page_programs:
@@ -92,12 +97,21 @@ def page_folders(walk_through, tmp_path_factory: pytest.TempPathFactory) -> dict
         folder = tmp_path_factory.mktemp(page.stem)
         shutil.copytree(base, folder, dirs_exist_ok=True)
         if setup_commands(page):
-            _sh("\n".join([modeling, *setup_commands(page)]), folder, bin_folder)
+            commands = "\n".join([modeling, *setup_commands(page)])
+            started.append((_bash(commands, folder, bin_folder), commands))
         for program in page_programs:
             for block in program.blocks:
                 if block.file is not None:
                     (folder / block.file).write_text(block.runnable())
         folders[page.name] = folder
+    try:
+        for process, commands in started:
+            _waited(process, commands)
+    finally:
+        for process, _ in started:  # after a failure: the other pages' commands
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     return folders
 
 

@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 from tests.support.dist import run_distributed
-from tests.support.torchrun import as_under_torchrun, shims
+from tests.support.walk_through import WalkThrough
+from tests.support.torchrun import as_under_torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -97,18 +98,10 @@ def test_trainer_finetuning_tracks_the_unsharded_model() -> None:
     assert float(logits) < 1e-4 and float(weights) < 1e-3, out
 
 
-def test_the_readme_walk_through_runs_as_written(tmp_path: Path) -> None:
-    """README's example: its files (the blocks headed ``# NAME.py``) and its commands, verbatim."""
-    readme = (REPO / "README.md").read_text()
-    files = dict(re.findall(r"^```python\n(?=# (\w+\.py)\b)(.*?)^```", readme, re.S | re.M))
-    assert set(files) == {"make_ckpt.py", "run.py"}, sorted(files)
-    for name, code in files.items():
-        (tmp_path / name).write_text(code)
-    (commands,) = [block for block in re.findall(r"^```bash\n(.*?)^```", readme, re.S | re.M) if "run.py" in block]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{shims(tmp_path / 'bin')}{os.pathsep}{os.environ['PATH']}"}
-    done = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", commands], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-    )
+def test_the_readme_walk_through_runs_as_written(readme_walk_through: WalkThrough) -> None:
+    """README's example: its files (the blocks headed ``# NAME.py``) and its commands, verbatim (run once a
+    session by the ``readme_walk_through`` fixture, whose folder the docs' pages start from)."""
+    done, commands = readme_walk_through.done, readme_walk_through.commands
     assert done.returncode == 0, done.stderr[-3000:]
     assert "hpgen plan ckpt/ --tp 2" in commands and "wrote plan.json" in done.stderr
     found = re.findall(r"rank (\d): largest difference to the unsharded logits ([\d.e+-]+), ([\d.e+-]+)", done.stdout)

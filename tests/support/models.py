@@ -145,10 +145,16 @@ def load_plan_dict(name: str) -> dict[str, Any]:
     return json.loads((PLANS / f"{name}.json").read_text())
 
 
+# lowered texts by (modeling file, plan, plan name, mode): the same lowering is asked for by many test files of
+# a session, and it is a pure function of these (the generator's own tests lower afresh)
+_LOWERED: dict[tuple[str, str, str, str], str] = {}
+
+
 def lower_family(family: str, plan: str | Mapping[str, Any], directory: Path, *, mode: str = "default") -> Path:
     """Lower the family's installed modeling file under ``plan``; return the written file.
 
-    Relative imports become absolute (``package``), so the file imports from anywhere.
+    Relative imports become absolute (``package``), so the file imports from anywhere. A lowering
+    this session already did is written again from its text, not redone.
     """
     from hpgen.generator.lower import lower
     from hpgen.core.plan import plan_from_dict
@@ -156,16 +162,19 @@ def lower_family(family: str, plan: str | Mapping[str, Any], directory: Path, *,
     spec = FAMILIES[family]
     document = load_plan_dict(plan) if isinstance(plan, str) else dict(plan)
     source = spec.source()
-    text = lower(
-        source.read_text(),
-        plan_from_dict(document, name=f"{plan if isinstance(plan, str) else 'plan'}.json"),
-        mode=mode,
-        source_name=source.name,
-        package=spec.package,
-    )
+    name = f"{plan if isinstance(plan, str) else 'plan'}.json"
+    key = (str(source), json.dumps(document, sort_keys=True), name, mode)
+    if key not in _LOWERED:
+        _LOWERED[key] = lower(
+            source.read_text(),
+            plan_from_dict(document, name=name),
+            mode=mode,
+            source_name=source.name,
+            package=spec.package,
+        )
     tag = plan if isinstance(plan, str) else "custom"
     path = directory / f"{family}_{tag}_{mode}.py"
-    path.write_text(text)
+    path.write_text(_LOWERED[key])
     return path
 
 

@@ -1,8 +1,9 @@
 """``hpgen verify``: wrong plans caught and located, the plans ``hpgen plan`` writes proven exact.
 
-Every case of ``tests/support/verify_corpus.py`` runs in ONE spawn of 2 gloo ranks
-(:func:`hpgen.verify.run.verify_many`): the corpus costs one process start-up. One test
-drives the real command line in a subprocess for the exit codes and ``--json``.
+Every case of ``tests/support/verify_corpus.py`` is prepared as ``hpgen verify`` prepares it (planned,
+shrunk, lowered) on two processes, a core each (:func:`tests.support.spread.spread`), then runs in ONE
+spawn of 2 gloo ranks (:func:`hpgen.verify.run.verify_many`). One test drives the real command line in a
+subprocess for the exit codes and ``--json``; the others invoke it in this process (click's runner).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.spread import spread
 from tests.support.verify_corpus import (
     CORRECT,
     CORRECT_TINY,
@@ -34,40 +36,66 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from hpgen.verify.prepare import prepare
     from hpgen.verify.report import finding, planner_plan
     from hpgen.verify.run import verify_many
 
-    folder = tmp_path_factory.mktemp("verify")
-    cases = [prepare(wrong.plan(), folder / name, model=wrong.model_type, name=name) for name, wrong in WRONG.items()]
-    cases += [
-        prepare(written_plan(model_type, **dict(flags)), folder / name, model=model_type, name=name)
-        for name, (model_type, flags) in CORRECT.items()
-    ]
-    cases += [
-        prepare(tiny_written_plan(model_type, **dict(flags)), folder / name, model=model_type, name=name)
-        for name, (model_type, flags) in CORRECT_TINY.items()
-        if in_this_release(model_type)
-    ]
-    eager = [(name, written_plan, *CORRECT[name]) for name in EAGER]
-    eager += [(name, tiny_written_plan, *CORRECT_TINY[name]) for name in EAGER_TINY]
-    for name, planned, model_type, flags in eager:
-        if not in_this_release(model_type):
-            continue
-        case = prepare(planned(model_type, **dict(flags)), folder / f"{name}_eager", model=model_type, name=f"{name}_eager")
-        case.config._attn_implementation = "eager"  # (the config object travels with the case)
-        cases.append(case)
-    for name, (arguments, attention) in FALCON.items():
-        config = falcon_config(arguments)
-        config.save_pretrained(folder / name / "config")
-        case = prepare(config_plan(config), folder / name, model=str(folder / name / "config"), name=name)
-        case.config._attn_implementation = attention  # the shrunk config keeps transformers' default (sdpa)
-        cases.append(case)
+    folder = str(tmp_path_factory.mktemp("verify"))
+    specs = [("wrong", name, folder) for name in WRONG]
+    specs += [("correct", name, folder) for name in CORRECT]
+    specs += [("tiny", name, folder) for name in CORRECT_TINY]
+    specs += [("eager", name, folder) for name in EAGER]
+    specs += [("eager_tiny", name, folder) for name in EAGER_TINY]
+    specs += [("falcon", name, folder) for name in FALCON]
+    specs = [spec for spec in specs if in_this_release(_model_type(spec))]  # the others are skipped, with why
+    cases = spread(_prepared_case, specs, key=_model_type)  # planned and lowered on both cores
     found = {}
     for verdict in verify_many(cases, progress=False):
         located = None if verdict.exact else finding(verdict, planner_plan(verdict))
         found[verdict.case.name] = (verdict, located)
     return found
+
+
+def _model_type(spec: tuple[str, str, str]) -> str:
+    """The model type a spec of ``verdicts`` plans (the specs of one type share its process and its plans)."""
+    kind, name, _ = spec
+    if kind == "wrong":
+        return WRONG[name].model_type
+    if kind in ("tiny", "eager_tiny"):
+        return CORRECT_TINY[name][0]
+    return "falcon" if kind == "falcon" else CORRECT[name][0]
+
+
+def _prepared_case(spec: tuple[str, str, str]) -> Any:
+    """One case of the corpus (kind, name, folder) as ``hpgen verify`` prepares it: the plan made (with its mistake),
+    the config shrunk, the modeling file lowered (on a process of :func:`tests.support.spread.spread`)."""
+    from hpgen.verify.prepare import prepare
+
+    kind, name, folder = spec
+    if kind == "wrong":
+        wrong = WRONG[name]
+        return prepare(wrong.plan(), Path(folder) / name, model=wrong.model_type, name=name)
+    if kind == "tiny":
+        model_type, flags = CORRECT_TINY[name]
+        return prepare(tiny_written_plan(model_type, **dict(flags)), Path(folder) / name, model=model_type, name=name)
+    if kind == "eager_tiny":
+        model_type, flags = CORRECT_TINY[name]
+        planned = tiny_written_plan(model_type, **dict(flags))
+        case = prepare(planned, Path(folder) / f"{name}_eager", model=model_type, name=f"{name}_eager")
+        case.config._attn_implementation = "eager"  # (the config object travels with the case)
+        return case
+    if kind == "falcon":
+        arguments, attention = FALCON[name]
+        config = falcon_config(arguments)
+        config.save_pretrained(Path(folder) / name / "config")
+        case = prepare(config_plan(config), Path(folder) / name, model=str(Path(folder) / name / "config"), name=name)
+        case.config._attn_implementation = attention  # the shrunk config keeps transformers' default (sdpa)
+        return case
+    model_type, flags = CORRECT[name]
+    if kind == "correct":
+        return prepare(written_plan(model_type, **dict(flags)), Path(folder) / name, model=model_type, name=name)
+    case = prepare(written_plan(model_type, **dict(flags)), Path(folder) / f"{name}_eager", model=model_type, name=f"{name}_eager")
+    case.config._attn_implementation = "eager"  # (the config object travels with the case)
+    return case
 
 
 def _needs(model_type: str) -> None:
@@ -170,14 +198,21 @@ def test_the_command_line(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_the_command_line_runs_the_attention_implementation_asked_for(tmp_path: Path, attention: str) -> None:
+    # the command in this process (click's runner): its ranks still spawn and verify, but this process's
+    # torch, transformers and forkserver serve them (the subprocess's own start-up: test_the_command_line)
+    from click.testing import CliRunner
+
+    from hpgen.cli import cli
+
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps(written_plan("llama")))
-    done = _hpgen("verify", str(plan), "llama", "--attn-implementation", attention, "--json", cwd=tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = CliRunner().invoke(cli, ["verify", str(plan), "llama", "--attn-implementation", attention, "--json"])
+    assert done.exit_code == 0, done.output
     report = json.loads(done.stdout)
     assert report["exact"] is True and report["attn_implementation"] == attention
-    text = _hpgen("verify", str(plan), "llama", "--attn-implementation", "flash", cwd=tmp_path)
-    assert text.returncode == 2 and "Traceback" not in text.stderr and "--attn-implementation" in text.stderr
+    text = CliRunner().invoke(cli, ["verify", str(plan), "llama", "--attn-implementation", "flash"])
+    assert text.exit_code == 2 and (text.exception is None or isinstance(text.exception, SystemExit)), text.exception
+    assert "Traceback" not in text.output and "--attn-implementation" in text.stderr, text.output
 
 
 def test_prepare_sets_the_attention_on_the_tiny_config(tmp_path: Path) -> None:

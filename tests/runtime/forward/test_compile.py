@@ -67,15 +67,16 @@ TRAIN = {"train": True}
 
 # name: (family, plan, lowering mode, config overrides, case options)
 FORMS: dict[str, tuple[str, str, str, dict[str, Any], dict[str, Any]]] = {
-    # attention heads and MLP columns/rows sharded: 2 all-reduces per layer
-    "llama_tp": ("llama", "llama_tp", "default", {}, {}),
+    # attention heads and MLP columns/rows sharded: 2 all-reduces per layer (of one: the 2-layer stream is
+    # llama_sp_uneven's)
+    "llama_tp": ("llama", "llama_tp", "default", ONE_LAYER, {}),
     # a plan like docs/plan-format.md's example: + vocab-parallel embedding (all-reduce) and column-parallel
     # lm_head (a gather whose sizes follow from out_features)
     "llama_spec": ("llama", "llama_spec", "default", ONE_LAYER, TRAIN),
     # the vocab plan lowered in toggle mode (``if self.tp_enable:`` blocks around the same ops)
     "llama_vocab_toggle": ("llama", "llama_tp_vocab", "toggle", ONE_LAYER, {}),
-    # + sequence parallel: 7 tokens split 4 + 3 (a decode step's 1 token: 1 + 0; training
-    # through AOTAutograd), and 8 split 4 + 4
+    # + sequence parallel over 2 layers: 7 tokens split 4 + 3 (a decode step's 1 token: 1 + 0; training
+    # through AOTAutograd), and, in one layer, 8 split 4 + 4
     "llama_sp_uneven": (
         "llama",
         "llama_tp_sp",
@@ -83,7 +84,7 @@ FORMS: dict[str, tuple[str, str, str, dict[str, Any], dict[str, Any]]] = {
         {},
         {**TRAIN, "train_backend": "aot_eager", "decode_steps": 3},
     ),
-    "llama_sp_even": ("llama", "llama_tp_sp", "default", {}, {**TRAIN, "seq_len": 8}),
+    "llama_sp_even": ("llama", "llama_tp_sp_one_layer", "default", ONE_LAYER, {**TRAIN, "seq_len": 8}),
     # sharded biases; o_proj and down_proj biases deferred, added by a hook after the reduction
     "llama_bias": ("llama", "llama_bias", "default", {**ONE_LAYER, "attention_bias": True, "mlp_bias": True}, {}),
     # attention in the generic form, lm_head R -> P through DTensor
@@ -305,9 +306,10 @@ def test_compiled_static_cache_decode(results: list[dict[str, CompileResult]], n
 
 
 def test_graphs_hold_the_plans_collectives_and_no_size_exchange(results: list[dict[str, CompileResult]]) -> None:
-    sp = {"all_reduce": 1, "all_gather": 2 * 2 + 2, "reduce_scatter": 2 * 2}
+    sp = {"all_reduce": 1, "all_gather": 2 * 2 + 2, "reduce_scatter": 2 * 2}  # 2 layers
+    sp_one_layer = {"all_reduce": 1, "all_gather": 2 + 2, "reduce_scatter": 2}
     expected = {
-        "llama_tp": {"all_reduce": 2 * 2},  # 2 layers
+        "llama_tp": {"all_reduce": 2},  # 1 layer
         # + the embedding's all-reduce and lm_head's gather (1 layer)
         "llama_spec": {"all_reduce": 2 + 1, "all_gather": 1},
         "llama_vocab_toggle": {"all_reduce": 2 + 1, "all_gather": 1},
@@ -315,8 +317,8 @@ def test_graphs_hold_the_plans_collectives_and_no_size_exchange(results: list[di
         # the norm's and lm_head's gathers: each gather's sizes come from the split, the
         # reduce-scatters or out_features
         "llama_sp_uneven": sp,
-        "llama_sp_even": sp,
-        "llama_sp_inductor": {"all_reduce": 1, "all_gather": 2 + 2, "reduce_scatter": 2},
+        "llama_sp_even": sp_one_layer,
+        "llama_sp_inductor": sp_one_layer,
         "qwen3_moe_ep": {"all_reduce": 2},  # attention and experts
     }
     for by_case in results:

@@ -45,6 +45,7 @@ import pytest
 
 from tests.support.derived_configs import tiny
 from tests.support.dist import run_distributed
+from tests.support.spread import spread
 
 FAMILIES = (
     "gpt2", "gpt_neox", "opt", "gpt_bigcode", "bloom", "mpt", "xlstm", "fuyu", "mamba", "zamba", "mamba2",
@@ -119,8 +120,15 @@ def _plan_and_generated(case: str, directory: Path) -> tuple[dict, str]:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[dict]]:
     directory = tmp_path_factory.mktemp("derived")
-    cases = {case: _plan_and_generated(case, directory) for case in CASES}
+    prepared = spread(_prepared, [(case, str(directory)) for case in CASES], key=lambda item: _family(item[0]))
+    cases = dict(zip(CASES, prepared, strict=True))
     return cases, run_distributed(_rank, cases, timeout=420)
+
+
+def _prepared(item: tuple[str, str]) -> tuple[dict, str]:
+    """:func:`_plan_and_generated` of (case, folder), on a process of :func:`tests.support.spread.spread`."""
+    case, directory = item
+    return _plan_and_generated(case, Path(directory))
 
 
 def _rank(rank: int, world_size: int, cases: dict[str, tuple[dict, str]]) -> dict[str, dict]:
