@@ -32,7 +32,9 @@ def test_two_torchrun_nodes_run_a_stage_each():
     nodes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     outputs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
-    lines = [line for output in outputs for line in output.splitlines() if line.startswith("rank ")]
+    # found anywhere in a line: the ranks share their node's pipe with torchrun's and the other ranks' unbuffered
+    # stderr (warnings written piecewise), so a report line may follow another process's unfinished line
+    lines = [line for output in outputs for line in re.findall(r"rank \d+ \(node \d, stage \d\): [^\n]*", output)]
     assert len(lines) == 4, outputs
     stages_by_node: dict[str, set[str]] = {}
     for line in lines:
