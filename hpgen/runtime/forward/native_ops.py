@@ -13,17 +13,17 @@ device type cpu", torch 2.13): an error's text is no contract, so none is read.
 
 Instead each axis runs an op once on tiny tensors (:class:`NativeOps`): ``parallelize`` has it
 try all three on the model's collective device at install
-(:meth:`~hpgen.runtime.forward.collectives.AxisCollectives.find_native_ops`), so that no try runs
-inside a forward, and another device type is tried the first time it needs that op. A try
-sends one element from each rank, with the real call's device, dtype and number of dims,
-shapes right by construction. If the probe raises, whatever the error, the backend
-lacks the op for that axis and device: nothing was sent, and the fallback runs from then on. Every
-rank of the group decides alike and none waits for another: a refusal is raised before any
-communication, by code that knows nothing of the rank, and a probe that runs is a collective that
-every rank of the group reaches at the same point (the install, or its first call of that op on that device; every
-rank calls an axis's ops in the same order). The answer is kept per axis, so each group's ranks
-probe together. Nothing is hidden: a probe's inputs cannot be wrong, a group that fails for
-another reason fails again in the fallback, and the real calls run unguarded, their errors
+(:meth:`~hpgen.runtime.forward.collectives.AxisCollectives.find_native_ops`), so that no try
+runs inside a forward, and another device type is tried the first time it needs that op. A try
+sends one element from each rank, with the real call's device, dtype and number of dims, shapes
+right by construction. If the probe raises, whatever the error, the backend lacks the op for
+that axis and device: nothing was sent, and the fallback runs from then on. Every rank of the
+group decides alike and none waits for another: a refusal is raised before any communication, by
+code that knows nothing of the rank, and a probe that runs is a collective that every rank of
+the group reaches at the same point (the install, or its first call of that op on that device;
+every rank calls an axis's ops in the same order). The answer is kept per axis, so each group's
+ranks probe together. Nothing is hidden: a probe's inputs cannot be wrong, a group that fails
+for another reason fails again in the fallback, and the real calls run unguarded, their errors
 reaching the caller. ``tests/runtime/forward/test_collectives.py`` runs every op on a backend
 registered with the installed torch that lacks all three, and on gloo, which has them.
 """
