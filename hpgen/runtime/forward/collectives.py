@@ -353,61 +353,63 @@ class AxisCollectives:
         if x is None or self.size == 1:
             return None
         d = _norm_dim(dim, x.dim())
-        n = x.size(d)
-        # what a gather of this forward took of that total, else tensor_split's; not recorded:
-        # every op that needs these sizes is handed them, and a batch split at a model's entry
-        # is no answer for the token gathers inside its body, which cut another dim 0
-        sizes = self._known.for_scatter(d, n) if self._known is not None else None
-        return split_sizes(n, self.size) if sizes is None else sizes
+        # not recorded: every op that needs these sizes is handed them, and a batch split at a
+        # model's entry is no answer for the token gathers inside its body, which cut another dim 0
+        return self._scatter_sizes(d, x.size(d))
 
     def _made(self, x: Tensor, dim: int) -> _Shard:
         """The shard a scatter makes of ``x``'s whole ``dim``, recorded for the gathers after it:
         what a gather of the same forward took on that dim, if one took that total, else
         ``torch.tensor_split``'s sizes."""
-        n = x.size(dim)
-        sizes = self._known.for_scatter(dim, n) if self._known is not None else None
-        shard = _Shard(dim, split_sizes(n, self.size) if sizes is None else sizes)
+        shard = _Shard(dim, self._scatter_sizes(dim, x.size(dim)))
         if self._known is not None:
             self._known.add(dim, shard.sizes, gathered=False)
         return shard
+
+    def _scatter_sizes(self, dim: int, n: Size) -> tuple[Size, ...]:
+        """Every rank's piece of a whole ``dim`` of ``n``: what a gather of this forward took of
+        that total, if one did, else ``torch.tensor_split``'s sizes."""
+        sizes = self._known.for_scatter(dim, n) if self._known is not None else None
+        return split_sizes(n, self.size) if sizes is None else sizes
 
     def _shard_sizes(self, x: Tensor, dim: int, total: Size | None, what: str) -> tuple[Size, ...]:
         """Every rank's size of ``x`` along ``dim``: from ``total``, a record, or an exchange."""
         known = self._known.for_gather(dim) if self._known is not None and total is None else None
         if total is not None:
-            sizes, origin = split_sizes(total, self.size), f"total={total}"
+            sizes, origin = split_sizes(total, self.size), f"total={total} gives"
         elif known is not None:
-            sizes, origin = known, "the shard last made on that dim in this forward"
+            sizes, origin = known, "the shard last made on that dim in this forward gives"
         else:
             sizes = self._exchange_sizes(x.size(dim), x.device)
             if self._known is not None:  # what each rank gave: the conjugate scatter returns it
                 self._known.add(dim, sizes, gathered=True)
             return sizes
-        mine = x.size(dim)
-        if _tracing():
-            torch._check(mine == sizes[self.rank])  # (Dynamo takes no message built from locals)
-        elif mine != sizes[self.rank]:
-            raise RuntimeError(
-                f"axis {self.name!r}: {what} on dim {dim}: rank {self.rank} holds {mine}, but {origin} gives "
-                f"it {sizes[self.rank]} (sizes {sizes}); pass the right total, or shard the tensor on this dim "
-                "with this axis's split or reduce_scatter first (a second cut of one dim in a forward needs its "
-                "sizes handed to it: sizes=)"
-            )
-        return sizes
+        return self._checked(
+            x, dim, sizes, what, origin,
+            "; pass the right total, or shard the tensor on this dim with this axis's split or reduce_scatter first "
+            "(a second cut of one dim in a forward needs its sizes handed to it: sizes=)",
+        )
 
     def _given_sizes(self, x: Tensor, dim: int, sizes: tuple[Size, ...], what: str) -> tuple[Size, ...]:
         """``sizes`` (every rank's size of ``dim``), checked against this rank's shard."""
         if len(sizes) != self.size:
             raise ValueError(f"axis {self.name!r}: {what}: {len(sizes)} sizes for {self.size} ranks")
+        return self._checked(x, dim, tuple(sizes), what, "the sizes given give")
+
+    def _checked(
+        self, x: Tensor, dim: int, sizes: tuple[Size, ...], what: str, origin: str, advice: str = ""
+    ) -> tuple[Size, ...]:
+        """``sizes``, once this rank's shard of ``x`` is found to hold ``sizes[rank]`` on ``dim``
+        (``origin``: where they came from, with its verb, for the error)."""
         mine = x.size(dim)
         if _tracing():
-            torch._check(mine == sizes[self.rank])
+            torch._check(mine == sizes[self.rank])  # (Dynamo takes no message built from locals)
         elif mine != sizes[self.rank]:
             raise RuntimeError(
-                f"axis {self.name!r}: {what} on dim {dim}: rank {self.rank} holds {mine}, but the sizes given "
-                f"give it {sizes[self.rank]} (sizes {tuple(sizes)})"
+                f"axis {self.name!r}: {what} on dim {dim}: rank {self.rank} holds {mine}, but {origin} it "
+                f"{sizes[self.rank]} (sizes {sizes}){advice}"
             )
-        return tuple(sizes)
+        return sizes
 
     def _exchange_sizes(self, n: Size, device: torch.device) -> tuple[Size, ...]:
         """Every rank's ``n``, by one all-gather of one int64 per rank (a host sync on CUDA).
